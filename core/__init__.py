@@ -1,0 +1,1 @@
+"""The pure core: events, the fold and the command side. No I/O, no torch."""

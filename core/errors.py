@@ -1,0 +1,204 @@
+"""The library's exceptions: one base, specific subclasses that name the ids.
+
+Every command is validated before any event is written, so an error raised by a
+command leaves state, log and effects exactly as they were.
+
+    KVLedgerError
+     ├── InvalidArgumentError      an argument of the wrong type or range
+     ├── ConfigurationError        bad geometry, policy or plane layout
+     ├── UnknownRequestError       request id not known to the ledger
+     ├── UnknownSnapshotError      snapshot id not live
+     ├── DuplicateIdError          request / snapshot id already in use
+     ├── TenantMismatchError       a request's tenant cannot change
+     ├── PageError                 (a page-level precondition failed)
+     │    ├── PageOutOfRangeError  id >= num_pages or negative
+     │    ├── DuplicatePageError   one id twice in one command
+     │    ├── PageNotHeldError     page not held as the command requires
+     │    └── RestoringPageError   an inbound restore is writing the page
+     ├── OutOfPagesError           not enough reservable pages (KV pressure)
+     ├── StepOrderError            step older than the open step, or not open
+     ├── LogError                  (the durable log)
+     │    ├── CorruptLogError      a bad record that is not a torn tail
+     │    └── TornLogError         a partial last record
+     ├── ReplayMismatchError       replay re-derived different effects/digest
+     ├── InvariantViolation        check mode found a broken invariant (a bug)
+     └── WireProtocolError         a bad or unexpected frame, with a code
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "KVLedgerError",
+    "InvalidArgumentError",
+    "ConfigurationError",
+    "UnknownRequestError",
+    "UnknownSnapshotError",
+    "DuplicateIdError",
+    "TenantMismatchError",
+    "PageError",
+    "PageOutOfRangeError",
+    "DuplicatePageError",
+    "PageNotHeldError",
+    "RestoringPageError",
+    "OutOfPagesError",
+    "StepOrderError",
+    "LogError",
+    "CorruptLogError",
+    "TornLogError",
+    "ReplayMismatchError",
+    "InvariantViolation",
+    "WireProtocolError",
+]
+
+
+def _ids(ids, limit: int = 16) -> str:
+    ids = list(ids)
+    head = ", ".join(str(i) for i in ids[:limit])
+    return "[" + head + (", ..." if len(ids) > limit else "") + "]"
+
+
+class KVLedgerError(Exception):
+    """Base of every error kvledger raises on purpose."""
+
+
+class InvalidArgumentError(KVLedgerError, ValueError):
+    """An argument has the wrong type or is out of its allowed range."""
+
+
+class ConfigurationError(KVLedgerError, ValueError):
+    """Geometry, clear policy or plane layout is invalid."""
+
+
+class UnknownRequestError(KVLedgerError, LookupError):
+    def __init__(self, request: int, detail: str = "") -> None:
+        self.request = request
+        super().__init__(f"unknown request {request}" + (f": {detail}" if detail else ""))
+
+
+class UnknownSnapshotError(KVLedgerError, LookupError):
+    def __init__(self, snapshot: int, detail: str = "") -> None:
+        self.snapshot = snapshot
+        super().__init__(f"snapshot {snapshot} is not live" + (f": {detail}" if detail else ""))
+
+
+class DuplicateIdError(KVLedgerError):
+    def __init__(self, what: str, ident: int) -> None:
+        self.what = what
+        self.ident = ident
+        super().__init__(f"{what} {ident} already exists")
+
+
+class TenantMismatchError(KVLedgerError):
+    def __init__(self, request: int, tenant, given) -> None:
+        self.request = request
+        super().__init__(f"request {request} belongs to tenant {tenant!r}, not {given!r}")
+
+
+class PageError(KVLedgerError):
+    """A page-level precondition failed; ``page_ids`` lists the offending pages."""
+
+    page_ids: tuple[int, ...] = ()
+
+
+class PageOutOfRangeError(PageError, IndexError):
+    def __init__(self, page_ids, num_pages: int) -> None:
+        self.page_ids = tuple(page_ids)
+        self.num_pages = num_pages
+        super().__init__(f"page ids {_ids(self.page_ids)} out of range [0, {num_pages})")
+
+
+class DuplicatePageError(PageError):
+    def __init__(self, page_ids) -> None:
+        self.page_ids = tuple(page_ids)
+        super().__init__(f"page ids {_ids(self.page_ids)} appear more than once")
+
+
+class PageNotHeldError(PageError):
+    """A page is not held the way the command requires (e.g. not reserved by r)."""
+
+    def __init__(self, page_id: int, expected: str, actual: str) -> None:
+        self.page_id = page_id
+        self.page_ids = (page_id,)
+        self.expected = expected
+        self.actual = actual
+        super().__init__(f"page {page_id} is {actual}, expected {expected}")
+
+
+class RestoringPageError(PageError):
+    def __init__(self, page_ids, detail: str = "") -> None:
+        self.page_ids = tuple(page_ids)
+        super().__init__(
+            f"pages {_ids(self.page_ids)} have an inbound restore in flight"
+            + (f": {detail}" if detail else "")
+        )
+
+
+class OutOfPagesError(KVLedgerError):
+    """Not enough reservable pages. A normal outcome under KV pressure; nothing changed."""
+
+    def __init__(self, requested: int, available: int, who: str = "") -> None:
+        self.requested = requested
+        self.available = available
+        super().__init__(
+            f"out of pages{(' for ' + who) if who else ''}: "
+            f"requested {requested}, {available} reservable"
+        )
+
+
+class StepOrderError(KVLedgerError):
+    def __init__(self, step: int, open_step: int, detail: str = "") -> None:
+        self.step = step
+        self.open_step = open_step
+        super().__init__(
+            f"step {step} is not allowed while step {open_step} is open"
+            + (f": {detail}" if detail else "")
+        )
+
+
+class LogError(KVLedgerError):
+    """A problem with the durable event log."""
+
+
+class CorruptLogError(LogError):
+    """A record that fails its checks and is not a torn tail. Never skipped."""
+
+    def __init__(self, path, offset: int, seq: int | None, detail: str) -> None:
+        self.path = str(path)
+        self.offset = offset
+        self.seq = seq
+        where = f"offset {offset}" + (f", seq {seq}" if seq is not None else "")
+        super().__init__(f"corrupt log {self.path} at {where}: {detail}")
+
+
+class TornLogError(LogError):
+    """A partial last record (a crash mid-append)."""
+
+    def __init__(self, path, offset: int, nbytes: int) -> None:
+        self.path = str(path)
+        self.offset = offset
+        self.nbytes = nbytes
+        super().__init__(f"torn tail in {self.path}: {nbytes} bytes from offset {offset}")
+
+
+class ReplayMismatchError(KVLedgerError):
+    def __init__(self, seq: int, detail: str) -> None:
+        self.seq = seq
+        super().__init__(f"replay mismatch at seq {seq}: {detail}")
+
+
+class InvariantViolation(KVLedgerError, AssertionError):
+    """Check mode found a broken SPEC invariant. Always a bug in kvledger or its caller's log."""
+
+    def __init__(self, invariant: int, detail: str) -> None:
+        self.invariant = invariant
+        super().__init__(f"invariant {invariant} violated: {detail}")
+
+
+class WireProtocolError(KVLedgerError):
+    """A frame broke the wire protocol. ``code`` is the REJECT code it maps to."""
+
+    def __init__(self, code: int, detail: str, *, remote: bool = False) -> None:
+        self.code = code
+        self.detail = detail
+        self.remote = remote
+        super().__init__(f"wire protocol error {code}: {detail}")

@@ -1,0 +1,177 @@
+"""Page events: immutable, tagged values. Folding them is the only way state changes.
+
+Every event is a ``msgspec.Struct(frozen=True, tag=...)``. The tag is the event's
+snake_case name and is what the log stores; schemas evolve only by appending
+fields with defaults (a golden-bytes test pins the encoding).
+
+Page lifecycle (holders), with the mark (``*``) and where it is set and cleared:
+
+               reserve                commit (clears *, lists it)
+      free ───────────────► reserved(r) ───────────────────────► kv(r)
+       ▲  ◄─────────────── │ return / cancel          cancel/finish │
+       │                   └──────────────────────────────────────┘ ─► free
+       │ alias                        release of the last alias
+       └──────────► alias(S) ───────────────────────────────────────► free*
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+import msgspec
+
+__all__ = [
+    "Geometry",
+    "ClearPolicy",
+    "CLEAR_POLICIES",
+    "CacheConfigured",
+    "PagesReserved",
+    "ReservationReturned",
+    "PagesCommitted",
+    "RequestCancelled",
+    "RequestFinished",
+    "SnapshotAliased",
+    "SnapshotReleased",
+    "RestoreStarted",
+    "RestoreCompleted",
+    "StepSealed",
+    "StepCompleted",
+    "StepAborted",
+    "Event",
+    "EVENT_TYPES",
+    "StepPlan",
+    "ClearPages",
+]
+
+ClearPolicy = Literal["released_aliases", "cross_tenant", "all_reused"]
+CLEAR_POLICIES: tuple[str, ...] = ("released_aliases", "cross_tenant", "all_reused")
+
+PageIds = tuple[int, ...]
+
+
+class Geometry(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """The page space shared by every rank: ``num_pages`` pages of ``page_tokens`` tokens."""
+
+    num_pages: int
+    page_tokens: int
+
+
+class _Event(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag_field="type"):
+    pass
+
+
+class CacheConfigured(_Event, tag="cache_configured"):
+    """First event of every log: the geometry and the clear policy the fold uses."""
+
+    geometry: Geometry
+    policy: str = "released_aliases"
+
+
+class PagesReserved(_Event, tag="pages_reserved"):
+    """Pages (chosen by the ledger's allocator) become ``reserved(request)``."""
+
+    request: int
+    page_ids: PageIds
+    tenant: Optional[str] = None
+
+
+class ReservationReturned(_Event, tag="reservation_returned"):
+    request: int
+    page_ids: PageIds
+
+
+class PagesCommitted(_Event, tag="pages_committed"):
+    """Reserved pages join ``request``'s KV pages in order; marked ones form a clear list."""
+
+    request: int
+    step: int
+    page_ids: PageIds
+
+
+class RequestCancelled(_Event, tag="request_cancelled"):
+    request: int
+
+
+class RequestFinished(_Event, tag="request_finished"):
+    request: int
+
+
+class SnapshotAliased(_Event, tag="snapshot_aliased"):
+    snapshot: int
+    page_ids: PageIds
+
+
+class SnapshotReleased(_Event, tag="snapshot_released"):
+    snapshot: int
+
+
+class RestoreStarted(_Event, tag="restore_started"):
+    """An inbound host restore starts writing ``page_ids`` of a request or a snapshot."""
+
+    into: Literal["request", "snapshot"]
+    target: int
+    page_ids: PageIds
+
+
+class RestoreCompleted(_Event, tag="restore_completed"):
+    into: Literal["request", "snapshot"]
+    target: int
+    page_ids: PageIds
+
+
+class StepSealed(_Event, tag="step_sealed"):
+    """Closes ``step``. The fold derives its plan; ``clear_list`` records what the live run derived."""
+
+    step: int
+    clear_list: PageIds = ()
+
+
+class StepCompleted(_Event, tag="step_completed"):
+    """Rank ``rank`` ran the step's input copies, clears and graph."""
+
+    step: int
+    rank: int
+
+
+class StepAborted(_Event, tag="step_aborted"):
+    """The step did not complete on every rank (a rank failed, rejected or timed out)."""
+
+    step: int
+    reason: str = ""
+
+
+Event = Union[
+    CacheConfigured,
+    PagesReserved,
+    ReservationReturned,
+    PagesCommitted,
+    RequestCancelled,
+    RequestFinished,
+    SnapshotAliased,
+    SnapshotReleased,
+    RestoreStarted,
+    RestoreCompleted,
+    StepSealed,
+    StepCompleted,
+    StepAborted,
+]
+
+EVENT_TYPES: tuple[type, ...] = Event.__args__  # type: ignore[attr-defined]
+
+
+class StepPlan(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """What every rank runs for one step: zero ``clear_list`` in every local plane.
+
+    ``clear_list`` holds distinct page ids in the order their marks were taken
+    (commit order), each once.
+    """
+
+    step: int
+    clear_list: PageIds = ()
+
+
+class ClearPages(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """Effect of a commit: these pages must be zeroed before ``step``'s graph reads them."""
+
+    step: int
+    page_ids: PageIds

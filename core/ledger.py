@@ -1,0 +1,315 @@
+"""The command side: decide a command against state into one event, or reject it.
+
+    command ─► check arguments ─► build event ─► state.validate ─► sink(seq, event)
+            ─► state.apply ─► effects (ClearPages / StepPlan) ─► [check mode: invariants]
+
+Every command is all-or-nothing: argument errors, precondition failures and a
+failing sink (the durable log, when one is attached) all raise before the fold,
+so state and effects are exactly as before. Running out of pages is an ordinary
+``OutOfPagesError``: cheap, nothing changed. Synchronous and I/O-free by itself.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional
+
+from .errors import ConfigurationError, InvalidArgumentError, OutOfPagesError, UnknownRequestError
+from .events.events import (
+    CacheConfigured,
+    Geometry,
+    PagesCommitted,
+    PagesReserved,
+    RequestCancelled,
+    RequestFinished,
+    ReservationReturned,
+    RestoreCompleted,
+    RestoreStarted,
+    SnapshotAliased,
+    SnapshotReleased,
+    StepAborted,
+    StepCompleted,
+    StepPlan,
+    StepSealed,
+)
+from .state.invariants import check_invariants
+from .state.state import LedgerState, validate_geometry
+
+__all__ = ["Ledger", "EventSink", "replay"]
+
+MAX_ID = (1 << 63) - 1
+
+# A sink receives every accepted event with its sequence number before it is folded.
+# Raising refuses the event (the command fails, nothing changes).
+EventSink = Callable[[int, object], None]
+
+
+def _check_id(value, what: str) -> int:
+    if type(value) is not int or not 0 <= value <= MAX_ID:
+        raise InvalidArgumentError(f"{what} id must be an int in [0, 2**63), got {value!r}")
+    return value
+
+
+def _check_count(value, what: str) -> int:
+    if type(value) is not int or value < 1:
+        raise InvalidArgumentError(f"{what} must be a positive int, got {value!r}")
+    return value
+
+
+def _check_pages(pages) -> tuple[int, ...]:
+    try:
+        out = tuple(pages)
+    except TypeError:
+        raise InvalidArgumentError(f"page ids must be an iterable of ints, got {pages!r}") from None
+    for p in out:
+        if type(p) is not int:
+            raise InvalidArgumentError(f"page ids must be ints, got {p!r}")
+    if not out:
+        raise InvalidArgumentError("at least one page id is needed")
+    return out
+
+
+def _check_tenant(tenant) -> Optional[str]:
+    if tenant is not None and type(tenant) is not str:
+        raise InvalidArgumentError(f"tenant must be a str or None, got {tenant!r}")
+    return tenant
+
+
+def _one_of(n, pages, what: str):
+    if (n is None) == (pages is None):
+        raise InvalidArgumentError(f"{what}: give exactly one of n= or pages=")
+
+
+class Ledger:
+    """The KV-page ledger of one cache. Commands mirror SPEC's event table.
+
+    ``sink`` (optional) sees each accepted event with its sequence number before
+    the fold; the durable log plugs in here. ``record=True`` keeps the events in
+    ``self.events`` (tests, small tools). ``check=True`` runs every invariant after
+    every fold (O(num_pages) each: for tests and debugging).
+    """
+
+    def __init__(
+        self,
+        geometry: Geometry,
+        *,
+        policy: str = "released_aliases",
+        check: bool = False,
+        sink: EventSink | None = None,
+        record: bool = False,
+        state: LedgerState | None = None,
+    ) -> None:
+        self.check = check
+        self.events: list | None = [] if record else None
+        self._sink = sink
+        if state is not None:
+            if state.geometry != geometry:
+                raise ConfigurationError(f"state geometry {state.geometry} != {geometry}")
+            self.state = state
+            return
+        if not isinstance(geometry, Geometry):
+            raise InvalidArgumentError(f"geometry must be a Geometry, got {geometry!r}")
+        validate_geometry(geometry)
+        self.state = LedgerState()
+        self._submit(CacheConfigured(geometry=geometry, policy=policy))
+
+    # ------------------------------------------------------------------ plumbing
+
+    @property
+    def geometry(self) -> Geometry:
+        return self.state.geometry  # type: ignore[return-value]
+
+    @property
+    def seq(self) -> int:
+        """Sequence number the next event will get (= events folded so far)."""
+        return self.state.seq
+
+    def digest(self) -> str:
+        return self.state.digest()
+
+    def _submit(self, event) -> tuple:
+        st = self.state
+        st.validate(event)
+        if self._sink is not None:
+            self._sink(st.seq, event)
+        if self.events is not None:
+            self.events.append(event)
+        effects = st.apply(event)
+        if self.check:
+            check_invariants(st)
+        return effects
+
+    def submit(self, event) -> tuple:
+        """Validate and fold an event built elsewhere (replay, tools). Returns its effects."""
+        return self._submit(event)
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def free_count(self) -> int:
+        return self.state.free_count
+
+    @property
+    def reservable_count(self) -> int:
+        return self.state.reservable_count
+
+    @property
+    def open_step(self) -> int:
+        return self.state.open_step
+
+    def reserved_pages(self, request: int) -> tuple[int, ...]:
+        rec = self.state.requests.get(request)
+        return () if rec is None else tuple(rec.reserved)
+
+    def kv_pages(self, request: int) -> tuple[int, ...]:
+        """The request's block table (committed pages, in order)."""
+        rec = self.state.requests.get(request)
+        return () if rec is None else tuple(rec.kv)
+
+    def snapshot_pages(self, snapshot: int) -> tuple[int, ...]:
+        return tuple(self.state.snapshots.get(snapshot, ()))
+
+    def holder_of(self, page_id: int) -> str:
+        return self.state.holder_of(page_id)
+
+    def is_marked(self, page_id: int) -> bool:
+        return bool(self.state.stale[page_id])
+
+    def is_restoring(self, page_id: int) -> bool:
+        return bool(self.state.restoring[page_id])
+
+    # ------------------------------------------------------------------ commands
+
+    def reserve(self, request: int, n: int, *, tenant: str | None = None) -> tuple[int, ...]:
+        """Reserve ``n`` free pages for ``request`` (known or new). Returns the page ids.
+
+        Raises ``OutOfPagesError`` (nothing changed) when fewer than ``n`` are reservable.
+        """
+        _check_id(request, "request")
+        _check_count(n, "n")
+        _check_tenant(tenant)
+        rec = self.state.requests.get(request)
+        if rec is not None and tenant is None:
+            tenant = rec.tenant
+        pages = self.state.pick_free(n)
+        if pages is None:
+            raise OutOfPagesError(n, self.state.reservable_count, f"request {request}")
+        pages = tuple(pages)
+        self._submit(PagesReserved(request=request, page_ids=pages, tenant=tenant))
+        return pages
+
+    def return_reservation(self, request: int, pages: Iterable[int] | None = None) -> tuple[int, ...]:
+        """Give reserved pages back unused (all of the request's reservation by default)."""
+        _check_id(request, "request")
+        if pages is None:
+            pages = self.reserved_pages(request)
+            if not pages and request not in self.state.requests:
+                raise UnknownRequestError(request)
+            if not pages:
+                return ()
+        pages = _check_pages(pages)
+        self._submit(ReservationReturned(request=request, page_ids=pages))
+        return pages
+
+    def commit(
+        self, request: int, step: int, n: int | None = None, *, pages: Iterable[int] | None = None
+    ) -> tuple[int, ...]:
+        """Move reserved pages into the request's KV pages for ``step``.
+
+        ``n`` takes the first ``n`` reserved pages; ``pages`` names them. Returns the
+        page ids that entered ``step``'s clear list (usually empty).
+        """
+        _check_id(request, "request")
+        _check_id(step, "step")
+        _one_of(n, pages, "commit")
+        if n is not None:
+            _check_count(n, "n")
+            rec = self.state.requests.get(request)
+            if rec is None:
+                raise UnknownRequestError(request)
+            if len(rec.reserved) < n:
+                raise InvalidArgumentError(
+                    f"request {request} has {len(rec.reserved)} reserved pages, cannot commit {n}"
+                )
+            ids = tuple(rec.reserved[:n])
+        else:
+            ids = _check_pages(pages)
+        effects = self._submit(PagesCommitted(request=request, step=step, page_ids=ids))
+        return effects[0].page_ids if effects else ()
+
+    def cancel(self, request: int) -> None:
+        """The request is aborted: its reserved and KV pages go back to the free list."""
+        self._submit(RequestCancelled(request=_check_id(request, "request")))
+
+    def finish(self, request: int) -> None:
+        """The request completed: its reserved and KV pages go back to the free list."""
+        self._submit(RequestFinished(request=_check_id(request, "request")))
+
+    def alias_snapshot(
+        self, snapshot: int, n: int | None = None, *, pages: Iterable[int] | None = None
+    ) -> tuple[int, ...]:
+        """Back snapshot rows with pages: ``n`` free pages from the allocator, or named
+        free/aliased pages (snapshot reuse). Returns the page ids."""
+        _check_id(snapshot, "snapshot")
+        _one_of(n, pages, "alias_snapshot")
+        if n is not None:
+            _check_count(n, "n")
+            got = self.state.pick_free(n)
+            if got is None:
+                raise OutOfPagesError(n, self.state.reservable_count, f"snapshot {snapshot}")
+            ids = tuple(got)
+        else:
+            ids = _check_pages(pages)
+        self._submit(SnapshotAliased(snapshot=snapshot, page_ids=ids))
+        return ids
+
+    def release_snapshot(self, snapshot: int) -> None:
+        """The snapshot is gone; pages it was the last alias of become free and marked."""
+        self._submit(SnapshotReleased(snapshot=_check_id(snapshot, "snapshot")))
+
+    def _restore_target(self, request, snapshot) -> tuple[str, int]:
+        if (request is None) == (snapshot is None):
+            raise InvalidArgumentError("restore: give exactly one of request= or snapshot=")
+        if request is not None:
+            return "request", _check_id(request, "request")
+        return "snapshot", _check_id(snapshot, "snapshot")
+
+    def restore_started(
+        self, pages: Iterable[int], *, request: int | None = None, snapshot: int | None = None
+    ) -> None:
+        """An inbound host restore starts writing ``pages`` of a request or a snapshot."""
+        into, target = self._restore_target(request, snapshot)
+        self._submit(RestoreStarted(into=into, target=target, page_ids=_check_pages(pages)))
+
+    def restore_completed(
+        self, pages: Iterable[int], *, request: int | None = None, snapshot: int | None = None
+    ) -> None:
+        into, target = self._restore_target(request, snapshot)
+        self._submit(RestoreCompleted(into=into, target=target, page_ids=_check_pages(pages)))
+
+    def seal_step(self, step: int) -> StepPlan:
+        """Close the open step and return its plan (the pages every rank must zero)."""
+        _check_id(step, "step")
+        clear_list = self.state.derive_clear_list(step)
+        (plan,) = self._submit(StepSealed(step=step, clear_list=clear_list))
+        return plan
+
+    def step_completed(self, step: int, rank: int) -> None:
+        self._submit(StepCompleted(step=_check_id(step, "step"), rank=_check_id(rank, "rank")))
+
+    def step_aborted(self, step: int, reason: str = "") -> None:
+        """The last sealed step did not run everywhere: its clear list is carried into the next."""
+        if type(reason) is not str:
+            raise InvalidArgumentError(f"reason must be a str, got {reason!r}")
+        self._submit(StepAborted(step=_check_id(step, "step"), reason=reason))
+
+
+def replay(events: Iterable, *, check: bool = False) -> LedgerState:
+    """Fold a sequence of events (first one ``CacheConfigured``) into a fresh state."""
+    st = LedgerState()
+    for ev in events:
+        st.fold(ev)
+        if check:
+            check_invariants(st)
+    return st
+
+

@@ -1,0 +1,29 @@
+"""Scheduler state, the fold and the invariant checker (``kvledger.core.state``)."""
+
+from .invariants import check_invariants
+from .state import (
+    ALIAS,
+    FREE,
+    HOLDER_NAMES,
+    KV,
+    MARK_ALL,
+    MARK_TENANT,
+    RESERVED,
+    LedgerState,
+    RequestRecord,
+    validate_geometry,
+)
+
+__all__ = [
+    "ALIAS",
+    "FREE",
+    "HOLDER_NAMES",
+    "KV",
+    "MARK_ALL",
+    "MARK_TENANT",
+    "RESERVED",
+    "LedgerState",
+    "RequestRecord",
+    "check_invariants",
+    "validate_geometry",
+]
