@@ -13,7 +13,13 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Optional
 
-from .errors import ConfigurationError, InvalidArgumentError, OutOfPagesError, UnknownRequestError
+from .errors import (
+    ConfigurationError,
+    InvalidArgumentError,
+    OutOfPagesError,
+    TenantMismatchError,
+    UnknownRequestError,
+)
 from .events.events import (
     CacheConfigured,
     Geometry,
@@ -98,9 +104,9 @@ class Ledger:
         record: bool = False,
         state: LedgerState | None = None,
     ) -> None:
-        self.check = check
         self.events: list | None = [] if record else None
         self._sink = sink
+        self.check = check  # also sets _plain
         if state is not None:
             if state.geometry != geometry:
                 raise ConfigurationError(f"state geometry {state.geometry} != {geometry}")
@@ -115,6 +121,18 @@ class Ledger:
     # ------------------------------------------------------------------ plumbing
 
     @property
+    def check(self) -> bool:
+        """Check mode: validate every event, even those built from state, and run
+        every invariant after every fold."""
+        return self._check
+
+    @check.setter
+    def check(self, value: bool) -> None:
+        self._check = bool(value)
+        # Nothing to do around a fold but the fold itself: the hot commands skip a layer.
+        self._plain = not self._check and self.events is None and self._sink is None
+
+    @property
     def geometry(self) -> Geometry:
         return self.state.geometry  # type: ignore[return-value]
 
@@ -127,6 +145,7 @@ class Ledger:
         return self.state.digest()
 
     def _submit(self, event) -> tuple:
+        """Validate, hand to the sink, fold, and in check mode verify every invariant."""
         st = self.state
         st.validate(event)
         if self._sink is not None:
@@ -134,6 +153,21 @@ class Ledger:
         if self.events is not None:
             self.events.append(event)
         effects = st.apply(event)
+        if self.check:
+            check_invariants(st)
+        return effects
+
+    def _submit_built(self, event, fold) -> tuple:
+        """``_submit`` for an event the command built from state itself (valid by
+        construction; check mode still validates), folded by ``fold`` directly."""
+        st = self.state
+        if self.check:
+            st.validate(event)
+        if self._sink is not None:
+            self._sink(st.seq, event)
+        if self.events is not None:
+            self.events.append(event)
+        effects = fold(event)
         if self.check:
             check_invariants(st)
         return effects
@@ -172,30 +206,46 @@ class Ledger:
         return self.state.holder_of(page_id)
 
     def is_marked(self, page_id: int) -> bool:
-        return bool(self.state.stale[page_id])
+        return page_id in self.state.marks
 
     def is_restoring(self, page_id: int) -> bool:
-        return bool(self.state.restoring[page_id])
+        return page_id in self.state.restore_targets
 
     # ------------------------------------------------------------------ commands
 
     def reserve(self, request: int, n: int, *, tenant: str | None = None) -> tuple[int, ...]:
         """Reserve ``n`` free pages for ``request`` (known or new). Returns the page ids.
 
-        Raises ``OutOfPagesError`` (nothing changed) when fewer than ``n`` are reservable.
+        Raises ``OutOfPagesError`` (nothing changed) when fewer than ``n`` are reservable,
+        ``TenantMismatchError`` when a known request names another tenant.
         """
-        _check_id(request, "request")
-        _check_count(n, "n")
-        _check_tenant(tenant)
-        rec = self.state.requests.get(request)
-        if rec is not None and tenant is None:
-            tenant = rec.tenant
-        pages = self.state.pick_free(n)
-        if pages is None:
-            raise OutOfPagesError(n, self.state.reservable_count, f"request {request}")
-        pages = tuple(pages)
-        self._submit(PagesReserved(request=request, page_ids=pages, tenant=tenant))
-        return pages
+        if type(request) is not int or not 0 <= request <= MAX_ID:
+            _check_id(request, "request")
+        if type(n) is not int or n < 1:
+            _check_count(n, "n")
+        st = self.state
+        rec = st.requests.get(request)
+        if rec is not None:
+            if tenant is None:
+                tenant = rec.tenant
+            elif tenant != rec.tenant:
+                raise TenantMismatchError(request, rec.tenant, tenant)
+        elif tenant is not None:
+            _check_tenant(tenant)
+        stack = st.free_stack
+        if n > len(stack):
+            raise OutOfPagesError(n, st.reservable_count, f"request {request}")
+        top = stack[: -n - 1 : -1]  # the allocator: LIFO, top of the free stack first
+        if st.restore_targets and not st.restore_targets.keys().isdisjoint(top):
+            top = st.pick_free(n)  # skip pages a restore is still writing
+            if top is None:
+                raise OutOfPagesError(n, st.reservable_count, f"request {request}")
+        ev = PagesReserved(request=request, page_ids=tuple(top), tenant=tenant)
+        if self._plain:  # hot path: no check mode, no sink, no recording
+            st.apply_reserved(ev)
+        else:
+            self._submit_built(ev, st.apply_reserved)
+        return ev.page_ids
 
     def return_reservation(self, request: int, pages: Iterable[int] | None = None) -> tuple[int, ...]:
         """Give reserved pages back unused (all of the request's reservation by default)."""
@@ -218,12 +268,29 @@ class Ledger:
         ``n`` takes the first ``n`` reserved pages; ``pages`` names them. Returns the
         page ids that entered ``step``'s clear list (usually empty).
         """
+        st = self.state
+        if pages is None and type(n) is int and type(request) is int and type(step) is int:
+            # Hot path: the first n reserved pages are reserved(request) by construction;
+            # only the count, the step and in-flight restores remain to check.
+            rec = st.requests.get(request)
+            if (
+                rec is not None
+                and 0 < n <= len(rec.reserved)
+                and st.open_step <= step <= MAX_ID
+                and (not st.restore_targets or st.restore_targets.keys().isdisjoint(rec.reserved[:n]))
+            ):
+                ev = PagesCommitted(request=request, step=step, page_ids=tuple(rec.reserved[:n]))
+                if self._plain:
+                    effects = st.apply_committed(ev)
+                else:
+                    effects = self._submit_built(ev, st.apply_committed)
+                return effects[0].page_ids if effects else ()
         _check_id(request, "request")
         _check_id(step, "step")
         _one_of(n, pages, "commit")
         if n is not None:
             _check_count(n, "n")
-            rec = self.state.requests.get(request)
+            rec = st.requests.get(request)
             if rec is None:
                 raise UnknownRequestError(request)
             if len(rec.reserved) < n:
@@ -238,11 +305,21 @@ class Ledger:
 
     def cancel(self, request: int) -> None:
         """The request is aborted: its reserved and KV pages go back to the free list."""
-        self._submit(RequestCancelled(request=_check_id(request, "request")))
+        self._request_gone(RequestCancelled, request)
 
     def finish(self, request: int) -> None:
         """The request completed: its reserved and KV pages go back to the free list."""
-        self._submit(RequestFinished(request=_check_id(request, "request")))
+        self._request_gone(RequestFinished, request)
+
+    def _request_gone(self, event_type, request: int) -> None:
+        st = self.state
+        if request not in st.requests:
+            _check_id(request, "request")
+            raise UnknownRequestError(request)
+        if self._plain:
+            st.apply_request_gone(event_type(request=request))
+        else:
+            self._submit_built(event_type(request=request), st.apply_request_gone)
 
     def alias_snapshot(
         self, snapshot: int, n: int | None = None, *, pages: Iterable[int] | None = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ..errors import InvariantViolation
-from .state import ALIAS, FREE, KV, RESERVED, LedgerState
+from .state import ALIAS, FREE, KV, MARK_ALL, MARK_TENANT, OWNER_ALIAS, OWNER_FREE, RESERVED, LedgerState
 
 __all__ = ["check_invariants"]
 
@@ -19,8 +19,7 @@ def check_invariants(st: LedgerState) -> None:
     if st.geometry is None:
         return
     n = st.num_pages
-    h, o, an = st.holder, st.owner, st.alias_n
-    stale, rs, pend = st.stale, st.restoring, st.pending
+    h, o, an = st.holder, st.owner, st.alias_n  # holder: derived from owner + request lists
 
     # 1. holders partition the pages, and every index agrees with the arrays.
     where: dict[int, tuple[int, int]] = {}
@@ -41,7 +40,7 @@ def check_invariants(st: LedgerState) -> None:
         kind = h[p]
         if kind == FREE:
             free += 1
-            if o[p] != -1 or an[p] or p in where:
+            if o[p] != OWNER_FREE or an[p] or p in where:
                 raise InvariantViolation(1, f"free page {p} still has an owner or alias")
         elif kind == RESERVED or kind == KV:
             if where.get(p) != (kind, o[p]):
@@ -49,38 +48,43 @@ def check_invariants(st: LedgerState) -> None:
             if an[p]:
                 raise InvariantViolation(1, f"page {p} is both {st.holder_of(p)} and aliased")
         elif kind == ALIAS:
-            if an[p] < 1 or an[p] != alias_counts.get(p, 0) or p in where:
+            if o[p] != OWNER_ALIAS or an[p] < 1 or an[p] != alias_counts.get(p, 0) or p in where:
                 raise InvariantViolation(1, f"alias page {p} count {an[p]} != snapshots {alias_counts.get(p, 0)}")
         else:
             raise InvariantViolation(1, f"page {p} has unknown holder code {kind}")
         if kind != ALIAS and alias_counts.get(p):
             raise InvariantViolation(1, f"page {p} is in a snapshot but held as {st.holder_of(p)}")
-    if free != st.free_count:
-        raise InvariantViolation(1, f"free_count {st.free_count} != {free} free pages")
+    if free != len(st.free_stack):
+        raise InvariantViolation(1, f"free stack holds {len(st.free_stack)} pages, {free} are free")
     stack_counts = Counter(st.free_stack)
     for p in range(n):
         c = stack_counts.get(p, 0)
-        if c > 1 or c != st.in_stack[p]:
-            raise InvariantViolation(1, f"free stack holds page {p} {c} times (in_stack={st.in_stack[p]})")
-        if h[p] == FREE and c != 1:
-            raise InvariantViolation(1, f"free page {p} is missing from the free stack")
+        if c != (h[p] == FREE):
+            raise InvariantViolation(1, f"free stack holds page {p} {c} times, holder {st.holder_of(p)}")
 
     # 2. no KV page carries a mark. 3. a mark is either set or pending, never both.
+    marks, pend, targets = st.marks, st.pending, st.restore_targets
     listed = set()
     for step, pages in st.clear_lists.items():
         if step < st.open_step:
             raise InvariantViolation(3, f"clear list of sealed step {step} was never planned")
         listed.update(pages)
-    for p in range(n):
-        if stale[p] and h[p] == KV:
+    for p, m in marks.items():
+        if not 0 <= p < n or m not in (MARK_ALL, MARK_TENANT):
+            raise InvariantViolation(3, f"bad mark {m!r} on page {p}")
+        if h[p] == KV:
             raise InvariantViolation(2, f"page {p} is in kv({o[p]}) and still marked")
-        if pend[p]:
-            if h[p] != KV:
-                raise InvariantViolation(3, f"page {p} pending a clear but held as {st.holder_of(p)}")
-            if p not in listed:
-                raise InvariantViolation(3, f"page {p} pending a clear but in no step's clear list")
-            if stale[p]:
-                raise InvariantViolation(3, f"page {p} is both marked and pending a clear")
+        if p in pend:
+            raise InvariantViolation(3, f"page {p} is both marked and pending a clear")
+        if (m == MARK_TENANT) != (p in st.residue):
+            raise InvariantViolation(3, f"page {p} mark {m} disagrees with its residue tenant")
+    if len(st.residue) != sum(1 for m in marks.values() if m == MARK_TENANT):
+        raise InvariantViolation(3, "residue tenants recorded for unmarked pages")
+    for p in pend:
+        if h[p] != KV:
+            raise InvariantViolation(3, f"page {p} pending a clear but held as {st.holder_of(p)}")
+        if p not in listed:
+            raise InvariantViolation(3, f"page {p} pending a clear but in no step's clear list")
 
     # 4. clear lists hold valid ids; the last plan's ids are distinct and none restoring.
     for pages in st.clear_lists.values():
@@ -91,12 +95,8 @@ def check_invariants(st: LedgerState) -> None:
         cl = st.last_plan.clear_list
         if len(set(cl)) != len(cl):
             raise InvariantViolation(4, f"plan of step {st.last_plan.step} lists a page twice")
-    for p in range(n):
-        if rs[p]:
-            t = st.restore_targets.get(p)
-            if t is None:
-                raise InvariantViolation(4, f"page {p} restoring with no recorded target")
-            if h[p] == KV or pend[p]:
-                raise InvariantViolation(4, f"restoring page {p} is {st.holder_of(p)} / pending a clear")
-    if len(st.restore_targets) != sum(1 for p in range(n) if rs[p]):
-        raise InvariantViolation(4, "restore targets disagree with restoring flags")
+    for p, t in targets.items():
+        if not 0 <= p < n:
+            raise InvariantViolation(4, f"restoring page {p} out of range")
+        if h[p] == KV or p in pend:
+            raise InvariantViolation(4, f"restoring page {p} is {st.holder_of(p)} / pending a clear")

@@ -1,24 +1,30 @@
 """Scheduler state and the fold: ``validate(event)`` then ``apply(event) -> effects``.
 
-The page table is a handful of flat arrays indexed by page id plus an intrusive
-free stack, never an object per page. ``validate`` raises a specific
+The page table is one flat list indexed by page id plus a free stack and a few
+sparse maps, never an object per page. ``validate`` raises a specific
 ``KVLedgerError`` and changes nothing; ``apply`` assumes a validated event and
 never raises for one. Both are pure (no I/O, no logging, no clock).
 
 Per page:
-    holder[p]     FREE | RESERVED | KV | ALIAS
-    owner[p]      request id for RESERVED / KV, -1 otherwise
-    alias_n[p]    number of live snapshots aliasing p (ALIAS iff > 0)
-    stale[p]      the mark: 0 clean, MARK_ALL (zero before any request reads it),
-                  MARK_TENANT (cross_tenant policy: zero unless the reader is
-                  residue[p]'s tenant)
-    restoring[p]  an inbound restore is writing p
-    pending[p]    p sits in an unsealed step's clear list
+    owner[p]          the holder in one int: a request id r >= 0 (reserved(r) or
+                      kv(r): which one is told by r's ``reserved`` / ``kv`` lists),
+                      OWNER_FREE (-1) or OWNER_ALIAS (-2). One store per page per
+                      transition; a commit moves pages between r's lists and
+                      stores nothing per page.
+    alias_n[p]        number of live snapshots aliasing p (alias iff > 0)
+Sparse (a page is in the map only while the flag is set):
+    marks[p]          the mark: MARK_ALL (zero before any request reads it) or
+                      MARK_TENANT (cross_tenant policy: zero unless the reader is
+                      the tenant in residue[p])
+    restore_targets   p -> (into, target) while an inbound restore writes p
+                      (the ``restoring`` flag)
+    pending           pages sitting in an unsealed step's clear list
 
-The free stack is lazy: a page taken out of the middle of the stack (by an
-alias or an explicit reservation) leaves its entry behind; ``in_stack[p]`` keeps
-each page in the stack at most once, and the fold pops dead entries off the top.
-All of it is derived from the event sequence alone, so replay reproduces the
+The free stack holds exactly the free pages; the allocator takes from its top
+(LIFO), freed pages are pushed in event order. Taking pages anywhere but the top
+(a snapshot aliasing named free pages, the allocator skipping a page a restore
+is still writing) removes them from the middle: rare, and still C-speed. The
+stack is derived from the event sequence alone, so replay reproduces the
 allocator's future choices exactly.
 
 Marks and clear lists (the seed's rule, policy ``released_aliases``):
@@ -29,18 +35,19 @@ Marks and clear lists (the seed's rule, policy ``released_aliases``):
     StepSealed         the plan: the step's listed pages still held as KV, once each
     a listed page that leaves KV before its step is sealed gets its mark back:
     nothing has zeroed it yet.
+The other policies also mark pages when a request lets go of bytes it wrote
+(``cross_tenant``: marked for other tenants only; ``all_reused``: for everyone).
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import msgspec
 
 from ..errors import (
     ConfigurationError,
-    DuplicateIdError,
     DuplicatePageError,
     InvalidArgumentError,
     PageNotHeldError,
@@ -77,6 +84,8 @@ __all__ = [
     "RESERVED",
     "KV",
     "ALIAS",
+    "OWNER_FREE",
+    "OWNER_ALIAS",
     "HOLDER_NAMES",
     "MARK_ALL",
     "MARK_TENANT",
@@ -86,8 +95,9 @@ __all__ = [
     "validate_geometry",
 ]
 
-FREE, RESERVED, KV, ALIAS = 0, 1, 2, 3
+FREE, RESERVED, KV, ALIAS = 0, 1, 2, 3  # holder codes (``LedgerState.holder``)
 HOLDER_NAMES = ("free", "reserved", "kv", "alias")
+OWNER_FREE, OWNER_ALIAS = -1, -2
 MARK_ALL, MARK_TENANT = 1, 2
 MAX_PAGES = 1 << 32  # page ids travel as unsigned 32-bit integers on the wire
 DIGEST_VERSION = 1
@@ -102,17 +112,18 @@ def validate_geometry(geometry: Geometry) -> None:
         raise ConfigurationError(f"page_tokens must be a positive int, got {t!r}")
 
 
-class RequestRecord:
-    """One request: its tenant, its reserved pages and its KV pages (block table) in order."""
+class RequestRecord(msgspec.Struct, gc=False):
+    """One request: its tenant, its reserved pages and its KV pages (block table) in order.
 
-    __slots__ = ("request", "tenant", "reserved", "kv", "restored")
+    ``restored``: reserved pages an inbound restore wrote (tracked for the non-default
+    policies only). Built in C (a msgspec Struct): one is made per request.
+    """
 
-    def __init__(self, request: int, tenant: str | None) -> None:
-        self.request = request
-        self.tenant = tenant
-        self.reserved: list[int] = []
-        self.kv: list[int] = []
-        self.restored: set[int] = set()  # reserved pages a restore wrote (non-default policies)
+    request: int
+    tenant: Optional[str]
+    reserved: list
+    kv: list
+    restored: Optional[set] = None
 
 
 class LedgerState:
@@ -123,19 +134,15 @@ class LedgerState:
         self.policy = "released_aliases"
         self.seq = 0
         self.num_pages = 0
-        self.holder: bytearray = bytearray()
         self.owner: list[int] = []
         self.alias_n: list[int] = []
-        self.stale: bytearray = bytearray()
-        self.residue: list[str | None] = []
-        self.restoring: bytearray = bytearray()
-        self.pending: bytearray = bytearray()
-        self.in_stack: bytearray = bytearray()
+        self.marks: dict[int, int] = {}
+        self.residue: dict[int, Optional[str]] = {}
+        self.restore_targets: dict[int, tuple[str, int]] = {}
+        self.pending: set[int] = set()
         self.free_stack: list[int] = []
-        self.free_count = 0
         self.requests: dict[int, RequestRecord] = {}
         self.snapshots: dict[int, list[int]] = {}
-        self.restore_targets: dict[int, tuple[str, int]] = {}
         self.open_step = 0
         self.clear_lists: dict[int, list[int]] = {}
         self.last_plan: StepPlan | None = None
@@ -157,11 +164,11 @@ class LedgerState:
         }
         self._appliers: dict[type, Callable[[Any], tuple]] = {
             CacheConfigured: self._a_configured,
-            PagesReserved: self._a_reserved,
+            PagesReserved: self.apply_reserved,
             ReservationReturned: self._a_returned,
-            PagesCommitted: self._a_committed,
-            RequestCancelled: self._a_request_gone,
-            RequestFinished: self._a_request_gone,
+            PagesCommitted: self.apply_committed,
+            RequestCancelled: self.apply_request_gone,
+            RequestFinished: self.apply_request_gone,
             SnapshotAliased: self._a_aliased,
             SnapshotReleased: self._a_released,
             RestoreStarted: self._a_restore_started,
@@ -186,57 +193,93 @@ class LedgerState:
         check(event)
 
     def apply(self, event) -> tuple:
-        """Fold a validated event; return its effects (``ClearPages``, ``StepPlan``) or ``()``."""
-        effects = self._appliers[type(event)](event)
-        self.seq += 1
-        return effects
+        """Fold a validated event; return its effects (``ClearPages``, ``StepPlan``) or ``()``.
+
+        Each applier advances ``seq`` itself, so the command side may call the hot
+        ones (``apply_reserved``, ``apply_committed``, ``apply_request_gone``) directly.
+        """
+        return self._appliers[type(event)](event)
 
     def fold(self, event) -> tuple:
         """``validate`` then ``apply``: the replay path for events from outside."""
         self.validate(event)
-        return self.apply(event)
+        return self._appliers[type(event)](event)
 
     # ------------------------------------------------------------------ queries
+
+    @property
+    def free_count(self) -> int:
+        return len(self.free_stack)
 
     @property
     def reservable_count(self) -> int:
         """Free pages an allocation may take now (free and not restoring)."""
         if not self.restore_targets:
-            return self.free_count
-        h = self.holder
-        return self.free_count - sum(1 for p in self.restore_targets if h[p] == FREE)
+            return len(self.free_stack)
+        o = self.owner
+        return len(self.free_stack) - sum(1 for p in self.restore_targets if o[p] == OWNER_FREE)
 
     def pick_free(self, n: int) -> list[int] | None:
         """The ``n`` pages the allocator takes next (top of the free stack), or None. Pure."""
-        if n > self.free_count:
+        stack, targets = self.free_stack, self.restore_targets
+        if n > len(stack):
             return None
-        stack, h, rs = self.free_stack, self.holder, self.restoring
-        top = stack[-n:]
-        top.reverse()  # pop order: the top of the stack first
-        ok = True
-        for p in top:
-            if h[p] or rs[p]:
-                ok = False
-                break
-        if ok:
+        top = stack[: -n - 1 : -1]  # pop order: the top of the stack first
+        if not targets or targets.keys().isdisjoint(top):
             return top
         picked: list[int] = []
         for i in range(len(stack) - 1, -1, -1):
             p = stack[i]
-            if h[p] == FREE and not rs[p]:
+            if p not in targets:
                 picked.append(p)
                 if len(picked) == n:
                     return picked
         return None
 
+    def holder_code(self, page_id: int) -> int:
+        """FREE, RESERVED, KV or ALIAS for one page (O(pages of its request))."""
+        x = self.owner[page_id]
+        if x >= 0:
+            return KV if page_id in self.requests[x].kv else RESERVED
+        return FREE if x == OWNER_FREE else ALIAS
+
+    @property
+    def holder(self) -> bytearray:
+        """Holder codes of every page, derived (O(num_pages)): for checks, digests, tools."""
+        h = bytearray(self.num_pages)
+        for p, x in enumerate(self.owner):
+            if x == OWNER_ALIAS:
+                h[p] = ALIAS
+        for rec in self.requests.values():
+            for p in rec.reserved:
+                h[p] = RESERVED
+            for p in rec.kv:
+                h[p] = KV
+        return h
+
+    @property
+    def stale(self) -> bytearray:
+        """Mark codes of every page (0, MARK_ALL, MARK_TENANT), derived: for tools."""
+        out = bytearray(self.num_pages)
+        for p, m in self.marks.items():
+            out[p] = m
+        return out
+
+    @property
+    def restoring(self) -> bytearray:
+        """1 for every page an inbound restore is writing, derived: for tools."""
+        out = bytearray(self.num_pages)
+        for p in self.restore_targets:
+            out[p] = 1
+        return out
+
     def holder_of(self, page_id: int) -> str:
         """Human-readable holder of a page: ``free``, ``reserved(r)``, ``kv(r)``, ``alias({s,...})``."""
-        kind = self.holder[page_id]
+        kind = self.holder_code(page_id)
         if kind == RESERVED or kind == KV:
             return f"{HOLDER_NAMES[kind]}({self.owner[page_id]})"
         if kind == ALIAS:
-            ss = sorted(s for s, pages in self.snapshots.items() if page_id in pages)
-            return "alias({" + ",".join(map(str, ss)) + "})"
+            return "alias({" + ",".join(map(str, self.snapshot_ids_of(page_id))) + "})"
         return "free"
 
     def snapshot_ids_of(self, page_id: int) -> list[int]:
@@ -255,16 +298,25 @@ class LedgerState:
             raise DuplicatePageError(sorted({p for p in page_ids if p in seen or seen.add(p)}))
 
     def _not_restoring(self, page_ids, what: str) -> None:
-        rs = self.restoring
-        for p in page_ids:
-            if rs[p]:
-                raise RestoringPageError([q for q in page_ids if rs[q]], what)
+        targets = self.restore_targets
+        if targets and not targets.keys().isdisjoint(page_ids):
+            raise RestoringPageError([p for p in page_ids if p in targets], what)
 
     def _request(self, request: int) -> RequestRecord:
         rec = self.requests.get(request)
         if rec is None:
             raise UnknownRequestError(request)
         return rec
+
+    def _owned(self, request: int, pages, kind: int) -> None:
+        rec = self._request(request)
+        mine = rec.reserved if kind == RESERVED else rec.kv
+        if len(mine) >= len(pages) and tuple(mine[: len(pages)]) == tuple(pages):
+            return  # the usual case: the first pages of the list, in order
+        mine = set(mine)
+        for p in pages:
+            if p not in mine:
+                raise PageNotHeldError(p, f"{HOLDER_NAMES[kind]}({request})", self.holder_of(p))
 
     # ------------------------------------------------------------------ validators
 
@@ -281,9 +333,9 @@ class LedgerState:
         rec = self.requests.get(e.request)
         if rec is not None and rec.tenant != e.tenant:
             raise TenantMismatchError(e.request, rec.tenant, e.tenant)
-        h = self.holder
+        o = self.owner
         for p in pages:
-            if h[p] != FREE:
+            if o[p] != OWNER_FREE:
                 raise PageNotHeldError(p, "free", self.holder_of(p))
         self._not_restoring(pages, "cannot reserve")
 
@@ -291,13 +343,6 @@ class LedgerState:
         pages = e.page_ids
         self._check_pages(pages)
         self._owned(e.request, pages, RESERVED)
-
-    def _owned(self, request: int, pages, kind: int) -> None:
-        self._request(request)
-        h, o = self.holder, self.owner
-        for p in pages:
-            if h[p] != kind or o[p] != request:
-                raise PageNotHeldError(p, f"{HOLDER_NAMES[kind]}({request})", self.holder_of(p))
 
     def _v_committed(self, e: PagesCommitted) -> None:
         pages = e.page_ids
@@ -313,9 +358,9 @@ class LedgerState:
     def _v_aliased(self, e: SnapshotAliased) -> None:
         pages = e.page_ids
         self._check_pages(pages)
-        h = self.holder
+        o = self.owner
         for p in pages:
-            if h[p] != FREE and h[p] != ALIAS:
+            if o[p] >= 0:
                 raise PageNotHeldError(p, "free or alias", self.holder_of(p))
         self._not_restoring(pages, "cannot alias")
         mine = self.snapshots.get(e.snapshot)
@@ -385,77 +430,73 @@ class LedgerState:
         self.geometry = e.geometry
         self.policy = e.policy
         self.num_pages = n
-        self.holder = bytearray(n)
-        self.owner = [-1] * n
+        self.owner = [OWNER_FREE] * n
         self.alias_n = [0] * n
-        self.stale = bytearray(n)
-        self.residue = [None] * n
-        self.restoring = bytearray(n)
-        self.pending = bytearray(n)
-        self.in_stack = bytearray(b"\x01") * n
         # Lowest ids on top: the first reservation of a fresh cache takes pages 0, 1, ...
         self.free_stack = list(range(n - 1, -1, -1))
-        self.free_count = n
+        self.seq += 1
         return _NO_EFFECTS
 
-    def _take_from_stack(self) -> None:
-        stack, h, ins = self.free_stack, self.holder, self.in_stack
-        while stack and h[stack[-1]]:
-            ins[stack.pop()] = 0
+    def _take_from_stack(self, pages) -> None:
+        """Remove ``pages`` (all free until now) from the free stack."""
+        stack = self.free_stack
+        k = len(pages)
+        if stack[: -k - 1 : -1] == list(pages):  # the allocator's choice: the top
+            del stack[-k:]
+        else:
+            for p in pages:
+                stack.remove(p)
 
-    def _a_reserved(self, e: PagesReserved) -> tuple:
+    def apply_reserved(self, e: PagesReserved) -> tuple:
         pages = e.page_ids
         r = e.request
         rec = self.requests.get(r)
         if rec is None:
-            rec = self.requests[r] = RequestRecord(r, e.tenant)
-        h, o = self.holder, self.owner
+            rec = self.requests[r] = RequestRecord(r, e.tenant, [], [])
+        o = self.owner
+        for p in pages:
+            o[p] = r
         stack = self.free_stack
         k = len(pages)
-        top = list(pages)
-        top.reverse()
-        if stack[-k:] == top:
-            # The allocator's choice: the top of the stack. Pop it in one go.
+        if tuple(stack[: -k - 1 : -1]) == pages:  # the allocator's choice: the top
             del stack[-k:]
-            ins = self.in_stack
-            for p in pages:
-                h[p] = RESERVED
-                o[p] = r
-                ins[p] = 0
         else:
             for p in pages:
-                h[p] = RESERVED
-                o[p] = r
-            self._take_from_stack()
+                stack.remove(p)
         rec.reserved.extend(pages)
-        self.free_count -= k
+        self.seq += 1
         return _NO_EFFECTS
 
-    def _release_to_free(self, pages, tenant: str | None, dirty) -> None:
-        """Pages leave a request for the free stack; marks follow the policy."""
-        h, o, ins, stack = self.holder, self.owner, self.in_stack, self.free_stack
-        pend, stale = self.pending, self.stale
+    def _free_pages(self, pages, tenant: Optional[str], dirty) -> None:
+        """Pages leave a request for the free stack; marks follow the policy.
+
+        ``dirty``: the pages among them that hold bytes the request wrote (its KV
+        pages, reserved pages a restore wrote); only the non-default policies mark them.
+        """
+        o = self.owner
         for p in pages:
-            h[p] = FREE
-            o[p] = -1
-            if pend[p]:
-                # Listed for a step that has not been sealed: nothing zeroed it yet.
-                pend[p] = 0
-                stale[p] = MARK_ALL
-            if not ins[p]:
-                ins[p] = 1
-                stack.append(p)
-        self.free_count += len(pages)
-        if self.policy != "released_aliases" and dirty:
+            o[p] = OWNER_FREE
+        pend = self.pending
+        if pend and not pend.isdisjoint(pages):
+            marks, residue = self.marks, self.residue
+            for p in pages:
+                if p in pend:
+                    # Listed for a step that has not been sealed: nothing zeroed it yet.
+                    pend.discard(p)
+                    marks[p] = MARK_ALL
+                    residue.pop(p, None)
+        self.free_stack.extend(pages)
+        if dirty and self.policy != "released_aliases":
+            marks = self.marks
             if self.policy == "all_reused":
                 for p in dirty:
-                    stale[p] = MARK_ALL
+                    marks[p] = MARK_ALL
             else:
-                res = self.residue
+                residue = self.residue
                 for p in dirty:
-                    if stale[p] != MARK_ALL:
-                        stale[p] = MARK_TENANT
-                        res[p] = tenant
+                    if marks.get(p) != MARK_ALL:
+                        marks[p] = MARK_TENANT
+                        residue[p] = tenant
 
     def _a_returned(self, e: ReservationReturned) -> tuple:
         rec = self.requests[e.request]
@@ -465,32 +506,37 @@ class LedgerState:
         if rec.restored:
             dirty = [p for p in pages if p in rec.restored]
             rec.restored.difference_update(pages)
-        self._release_to_free(pages, rec.tenant, dirty)
+        self._free_pages(pages, rec.tenant, dirty)
+        self.seq += 1
         return _NO_EFFECTS
 
-    def _a_committed(self, e: PagesCommitted) -> tuple:
+    def apply_committed(self, e: PagesCommitted) -> tuple:
         rec = self.requests[e.request]
         pages = e.page_ids
-        h, stale, pend = self.holder, self.stale, self.pending
+        marks = self.marks
         listed = None
-        for p in pages:
-            h[p] = KV
-            if stale[p]:
-                if stale[p] == MARK_TENANT and self.residue[p] == rec.tenant:
-                    stale[p] = 0  # the committing tenant's own bytes
-                    continue
-                stale[p] = 0
-                if not pend[p]:
-                    pend[p] = 1
-                    if listed is None:
-                        listed = [p]
-                    else:
+        if marks and not marks.keys().isdisjoint(pages):
+            residue, pend = self.residue, self.pending
+            listed = []
+            for p in pages:
+                m = marks.pop(p, 0)
+                if m:
+                    if m == MARK_TENANT and residue.pop(p) == rec.tenant:
+                        continue  # the committing tenant's own bytes
+                    if p not in pend:
+                        pend.add(p)
                         listed.append(p)
-        _remove(rec.reserved, pages)
+        reserved = rec.reserved
+        k = len(pages)
+        if tuple(reserved[:k]) == pages:  # commits take the reservation in order
+            del reserved[:k]
+        else:
+            _remove(reserved, pages)
         if rec.restored:
             rec.restored.difference_update(pages)
         rec.kv.extend(pages)
-        if listed is None:
+        self.seq += 1
+        if not listed:
             return _NO_EFFECTS
         cl = self.clear_lists.get(e.step)
         if cl is None:
@@ -499,73 +545,75 @@ class LedgerState:
             cl.extend(listed)
         return (ClearPages(step=e.step, page_ids=tuple(listed)),)
 
-    def _a_request_gone(self, e) -> tuple:
+    def apply_request_gone(self, e) -> tuple:
         rec = self.requests.pop(e.request)
-        pages = rec.reserved + rec.kv
         dirty = ()
         if self.policy != "released_aliases":
-            dirty = rec.kv + [p for p in rec.reserved if p in rec.restored]
-        self._release_to_free(pages, rec.tenant, dirty)
+            dirty = rec.kv + [p for p in rec.reserved if rec.restored and p in rec.restored]
+        self._free_pages(rec.reserved + rec.kv, rec.tenant, dirty)
+        self.seq += 1
         return _NO_EFFECTS
 
     def _a_aliased(self, e: SnapshotAliased) -> tuple:
         pages = e.page_ids
-        h, an = self.holder, self.alias_n
-        newly = 0
+        o, an = self.owner, self.alias_n
+        newly = []
         for p in pages:
-            if h[p] == FREE:
-                h[p] = ALIAS
+            if o[p] == OWNER_FREE:
+                o[p] = OWNER_ALIAS
                 an[p] = 1
-                newly += 1
+                newly.append(p)
             else:
                 an[p] += 1
         if newly:
-            self.free_count -= newly
-            self._take_from_stack()
+            self._take_from_stack(newly)
         mine = self.snapshots.get(e.snapshot)
         if mine is None:
             self.snapshots[e.snapshot] = list(pages)
         else:
             mine.extend(pages)
+        self.seq += 1
         return _NO_EFFECTS
 
     def _a_released(self, e: SnapshotReleased) -> tuple:
         pages = self.snapshots.pop(e.snapshot)
-        h, an, stale, ins, stack = self.holder, self.alias_n, self.stale, self.in_stack, self.free_stack
-        freed = 0
+        o, an, marks, residue = self.owner, self.alias_n, self.marks, self.residue
+        stack = self.free_stack
         for p in pages:
             c = an[p] - 1
             an[p] = c
             if c == 0:
-                h[p] = FREE
-                stale[p] = MARK_ALL
-                freed += 1
-                if not ins[p]:
-                    ins[p] = 1
-                    stack.append(p)
-        self.free_count += freed
+                o[p] = OWNER_FREE
+                marks[p] = MARK_ALL
+                residue.pop(p, None)
+                stack.append(p)
+        self.seq += 1
         return _NO_EFFECTS
 
     def _a_restore_started(self, e: RestoreStarted) -> tuple:
         pages = e.page_ids
-        rs, targets = self.restoring, self.restore_targets
+        targets = self.restore_targets
         t = (e.into, e.target)
         for p in pages:
-            rs[p] = 1
             targets[p] = t
         if e.into == "request":
-            stale = self.stale
+            marks, residue = self.marks, self.residue
             for p in pages:
-                stale[p] = 0  # overwritten whole: the restore removes the mark
+                marks.pop(p, None)  # overwritten whole: the restore removes the mark
+                residue.pop(p, None)
             if self.policy != "released_aliases":
-                self.requests[e.target].restored.update(pages)
+                rec = self.requests[e.target]
+                if rec.restored is None:
+                    rec.restored = set()
+                rec.restored.update(pages)
+        self.seq += 1
         return _NO_EFFECTS
 
     def _a_restore_completed(self, e: RestoreCompleted) -> tuple:
-        rs, targets = self.restoring, self.restore_targets
+        targets = self.restore_targets
         for p in e.page_ids:
-            rs[p] = 0
             del targets[p]
+        self.seq += 1
         return _NO_EFFECTS
 
     def derive_clear_list(self, step: int) -> tuple[int, ...]:
@@ -574,46 +622,42 @@ class LedgerState:
         if not listed:
             return ()
         pend = self.pending
-        out = []
-        seen = set()
-        for p in listed:
-            if pend[p] and p not in seen:
-                seen.add(p)
-                out.append(p)
-        return tuple(out)
+        return tuple(p for p in dict.fromkeys(listed) if p in pend)
 
     def _a_sealed(self, e: StepSealed) -> tuple:
         clear_list = self.derive_clear_list(e.step)
         self.clear_lists.pop(e.step, None)
-        pend = self.pending
-        for p in clear_list:
-            pend[p] = 0
+        self.pending.difference_update(clear_list)
         self.open_step = e.step + 1
         plan = StepPlan(step=e.step, clear_list=clear_list)
         self.last_plan = plan
+        self.seq += 1
         return (plan,)
 
     def _a_step_completed(self, e: StepCompleted) -> tuple:
         if e.step > self.completed.get(e.rank, -1):
             self.completed[e.rank] = e.step
+        self.seq += 1
         return _NO_EFFECTS
 
     def _a_step_aborted(self, e: StepAborted) -> tuple:
         """Nothing of the aborted step can be assumed zeroed: its pages go back to pending."""
         plan = self.last_plan
         self.last_plan = None
-        h, stale, pend, rs = self.holder, self.stale, self.pending, self.restoring
+        marks, residue, pend, targets = self.marks, self.residue, self.pending, self.restore_targets
         carry: list[int] = []
         for p in plan.clear_list:
-            if h[p] == KV:
-                if not pend[p]:
-                    pend[p] = 1
+            if self.holder_code(p) == KV:
+                if p not in pend:
+                    pend.add(p)
                     carry.append(p)
-            elif not (rs[p] and self.restore_targets[p][0] == "request"):
-                stale[p] = MARK_ALL
+            elif not (p in targets and targets[p][0] == "request"):
+                marks[p] = MARK_ALL
+                residue.pop(p, None)
         if carry:
             step = self.open_step
             self.clear_lists[step] = carry + self.clear_lists.get(step, [])
+        self.seq += 1
         return _NO_EFFECTS
 
     # ------------------------------------------------------------------ canonical form
@@ -630,22 +674,18 @@ class LedgerState:
             "policy": self.policy,
             "seq": self.seq,
             "open_step": self.open_step,
-            "holder": bytes(self.holder),
             "owner": self.owner,
             "alias_n": self.alias_n,
-            "stale": bytes(self.stale),
-            "residue": self.residue if self.policy == "cross_tenant" else [],
-            "restoring": bytes(self.restoring),
-            "pending": bytes(self.pending),
-            "in_stack": bytes(self.in_stack),
+            "marks": sorted(self.marks.items()),
+            "residue": sorted(self.residue.items()),
+            "restore_targets": [[p, t[0], t[1]] for p, t in sorted(self.restore_targets.items())],
+            "pending": sorted(self.pending),
             "free_stack": self.free_stack,
-            "free_count": self.free_count,
             "requests": [
-                [r, rec.tenant, rec.reserved, rec.kv, sorted(rec.restored)]
+                [r, rec.tenant, rec.reserved, rec.kv, sorted(rec.restored or ())]
                 for r, rec in sorted(self.requests.items())
             ],
             "snapshots": [[s, pages] for s, pages in sorted(self.snapshots.items())],
-            "restore_targets": [[p, t[0], t[1]] for p, t in sorted(self.restore_targets.items())],
             "clear_lists": [[s, pages] for s, pages in sorted(self.clear_lists.items())],
             "last_plan": None
             if self.last_plan is None
@@ -671,25 +711,16 @@ class LedgerState:
             st._a_configured(CacheConfigured(geometry=Geometry(num_pages=n, page_tokens=t), policy=data["policy"]))
         st.seq = data["seq"]
         st.open_step = data["open_step"]
-        st.holder = bytearray(data["holder"])
         st.owner = list(data["owner"])
         st.alias_n = list(data["alias_n"])
-        st.stale = bytearray(data["stale"])
-        if data["residue"]:
-            st.residue = list(data["residue"])
-        st.restoring = bytearray(data["restoring"])
-        st.pending = bytearray(data["pending"])
-        st.in_stack = bytearray(data["in_stack"])
-        st.free_stack = list(data["free_stack"])
-        st.free_count = data["free_count"]
-        for r, tenant, reserved, kv, restored in data["requests"]:
-            rec = RequestRecord(r, tenant)
-            rec.reserved = list(reserved)
-            rec.kv = list(kv)
-            rec.restored = set(restored)
-            st.requests[r] = rec
-        st.snapshots = {s: list(pages) for s, pages in data["snapshots"]}
+        st.marks = {p: m for p, m in data["marks"]}
+        st.residue = {p: t for p, t in data["residue"]}
         st.restore_targets = {p: (into, t) for p, into, t in data["restore_targets"]}
+        st.pending = set(data["pending"])
+        st.free_stack = list(data["free_stack"])
+        for r, tenant, reserved, kv, restored in data["requests"]:
+            st.requests[r] = RequestRecord(r, tenant, list(reserved), list(kv), set(restored) or None)
+        st.snapshots = {s: list(pages) for s, pages in data["snapshots"]}
         st.clear_lists = {s: list(pages) for s, pages in data["clear_lists"]}
         lp = data["last_plan"]
         st.last_plan = None if lp is None else StepPlan(step=lp[0], clear_list=tuple(lp[1]))
