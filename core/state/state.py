@@ -245,10 +245,10 @@ class LedgerState:
 
     @property
     def holder(self) -> bytearray:
-        """Holder codes of every page, derived (O(num_pages)): for checks, digests, tools."""
+        """Holder codes of every page, derived (O(held pages)): for checks and tools, not loops."""
         h = bytearray(self.num_pages)
-        for p, x in enumerate(self.owner):
-            if x == OWNER_ALIAS:
+        for pages in self.snapshots.values():
+            for p in pages:
                 h[p] = ALIAS
         for rec in self.requests.values():
             for p in rec.reserved:
