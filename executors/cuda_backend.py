@@ -1,0 +1,187 @@
+"""The ``cuda`` clear backend: ``cuMemsetD8Async`` on the model stream, one call per run.
+
+A clear list is sorted once and cut into runs of adjacent page ids; each run
+is one ``cuMemsetD8Async`` per plane over ``run_length * plane_page_bytes``
+bytes, enqueued on the rank's model stream (so it lands after the step's input
+copies and before its graph, in stream order)::
+
+    clear([7, 3, 4, 5, 9])  ->  runs (3, 3) (7, 1) (9, 1)
+    plane k:  memset(base_k + 3 * pb_k, 0, 3 * pb_k)
+              memset(base_k + 7 * pb_k, 0, 1 * pb_k)
+              memset(base_k + 9 * pb_k, 0, 1 * pb_k)
+
+``mode="per_page"`` reproduces the seed's mechanism (helios PR #181): one
+``cuMemsetD8Async`` per listed page per plane, in list order. It is the
+baseline the benchmarks compare against.
+
+All driver calls go through :mod:`kvledger.executors.cuda_driver`. This module
+imports torch at import time; ``import kvledger`` never imports it (the backend
+registry loads it by name).
+
+:func:`describe_planes` is shared with the Triton backend; page ids are checked
+by :func:`kvledger.executors.backend.check_page_ids` before anything is enqueued.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+from kvledger.core.errors import ConfigurationError
+
+from . import cuda_driver
+from .backend import check_page_ids, coalesce_runs
+
+__all__ = ["CudaClearBackend", "PlaneLayout", "describe_planes", "stream_handle"]
+
+
+class PlaneLayout(NamedTuple):
+    """Where the cache planes of one rank live: one device, one page count, per-plane bytes."""
+
+    device: int  # CUDA device ordinal
+    num_pages: int
+    ptrs: tuple[int, ...]  # base address of each plane
+    page_bytes: tuple[int, ...]  # bytes of one page in each plane (= the page stride)
+
+
+def describe_planes(planes: Sequence[torch.Tensor]) -> PlaneLayout:
+    """Check that ``planes`` are usable cache planes and describe them.
+
+    Each plane must be a contiguous CUDA tensor of shape ``[num_pages, ...]``
+    (any dtype, at least one byte per page); all planes must share one device
+    and ``num_pages``. Raises ConfigurationError naming the first bad plane;
+    nothing is allocated or enqueued.
+    """
+    try:
+        planes = tuple(planes)
+    except TypeError:
+        raise ConfigurationError("planes must be a sequence of CUDA tensors, got %r" % (planes,)) from None
+    if not planes:
+        raise ConfigurationError("at least one cache plane is needed")
+    device = None
+    num_pages = None
+    ptrs = []
+    page_bytes = []
+    for i, t in enumerate(planes):
+        if not isinstance(t, torch.Tensor):
+            raise ConfigurationError("plane %d is a %s, not a torch.Tensor" % (i, type(t).__name__))
+        if t.device.type != "cuda":
+            raise ConfigurationError("plane %d is on %s; the cuda and triton backends need CUDA planes"
+                                     % (i, t.device))
+        if t.dim() < 1 or t.shape[0] < 1:
+            raise ConfigurationError("plane %d has shape %s; expected [num_pages, ...] with num_pages >= 1"
+                                     % (i, tuple(t.shape)))
+        if not t.is_contiguous():
+            raise ConfigurationError("plane %d is not contiguous (strides %s)" % (i, t.stride()))
+        if device is None:
+            device, num_pages = t.device.index, int(t.shape[0])
+        elif t.device.index != device:
+            raise ConfigurationError("plane %d is on cuda:%s, plane 0 on cuda:%s" % (i, t.device.index, device))
+        elif int(t.shape[0]) != num_pages:
+            raise ConfigurationError("plane %d has %d pages, plane 0 has %d" % (i, t.shape[0], num_pages))
+        pb = t[0].numel() * t.element_size()
+        if pb < 1:
+            raise ConfigurationError("plane %d has zero bytes per page (shape %s)" % (i, tuple(t.shape)))
+        ptrs.append(int(t.data_ptr()))
+        page_bytes.append(int(pb))
+    if num_pages >= 1 << 31:
+        raise ConfigurationError("num_pages %d does not fit a 32-bit page id" % num_pages)
+    return PlaneLayout(device, num_pages, tuple(ptrs), tuple(page_bytes))
+
+
+def stream_handle(stream) -> int:
+    """The raw CUstream handle (int) of a torch stream, a ``__cuda_stream__`` object, a CUstream or an int."""
+    if isinstance(stream, torch.cuda.Stream):
+        return int(stream.cuda_stream)
+    proto = getattr(stream, "__cuda_stream__", None)
+    if proto is not None:
+        return int(proto()[1])
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return stream
+    try:
+        return int(stream)  # cuda.bindings CUstream
+    except (TypeError, ValueError):
+        raise ConfigurationError("stream must be a torch.cuda.Stream, a CUstream or a raw handle, got %r"
+                                 % (stream,)) from None
+
+
+class CudaClearBackend:
+    """Zero listed pages of every plane with ``cuMemsetD8Async`` on the model stream.
+
+    ``planes``: contiguous CUDA tensors ``[num_pages, ...]`` of one device (any
+    dtype; bytes per page may differ per plane). ``stream``: the rank's model
+    stream (``torch.cuda.Stream``, ``CUstream`` or raw handle); ``None`` means
+    torch's current stream of the planes' device *at each clear* (the backend
+    follows ``with torch.cuda.stream(s):``). ``mode``: ``"coalesced"`` (one call per run of adjacent
+    ids per plane) or ``"per_page"`` (the seed's loop: one call per page per
+    plane).
+
+    Raises ConfigurationError for bad planes, CudaUnavailableError without
+    cuda-python, CudaDriverError if the driver cannot be initialised.
+    """
+
+    MODES = ("coalesced", "per_page")
+
+    def __init__(self, planes: Sequence[torch.Tensor], stream=None, *, mode: str = "coalesced") -> None:
+        if mode not in self.MODES:
+            raise ConfigurationError("mode must be one of %s, got %r" % (self.MODES, mode))
+        self.layout = describe_planes(planes)
+        self.planes = tuple(planes)  # keep the tensors (and their memory) alive
+        self.mode = mode
+        self.name = "cuda" if mode == "coalesced" else "cuda-per-page"
+        self.num_pages = self.layout.num_pages
+        cuda_driver.driver()
+        self._device = self.layout.device
+        self._pairs = tuple(zip(self.layout.ptrs, self.layout.page_bytes))
+        self._stream = None if stream is None else cuda_driver.as_custream(stream_handle(stream))
+        self._clears = 0
+        self._pages = 0
+        self._calls = 0
+
+    def _current_stream(self):
+        return cuda_driver.as_custream(torch.cuda.current_stream(self._device).cuda_stream)
+
+    def clear(self, page_ids: Sequence[int]) -> None:
+        """Enqueue zeroing of every listed page in every plane on the model stream.
+
+        Raises InvalidArgumentError / PageOutOfRangeError / DuplicatePageError
+        before anything is enqueued. A CudaDriverError from a later call leaves
+        the earlier memsets of this clear enqueued (the list must then be
+        cleared again; zeroing twice is harmless).
+        """
+        ids = check_page_ids(page_ids, self.num_pages)
+        if not ids:
+            return
+        stream = self._stream if self._stream is not None else self._current_stream()
+        pushed = cuda_driver.device_of_current_context() != self._device
+        if pushed:
+            cuda_driver.push_primary_context(self._device)
+        try:
+            memset = cuda_driver.memset_d8_async
+            calls = 0
+            if self.mode == "per_page":
+                for ptr, pb in self._pairs:
+                    for p in ids:
+                        memset(ptr + p * pb, 0, pb, stream)
+                    calls += len(ids)
+            else:
+                runs = coalesce_runs(sorted(ids))
+                for ptr, pb in self._pairs:
+                    for start, stop in runs:
+                        memset(ptr + start * pb, 0, (stop - start) * pb, stream)
+                    calls += len(runs)
+        finally:
+            if pushed:
+                cuda_driver.pop_context()
+        self._clears += 1
+        self._pages += len(ids)
+        self._calls += calls
+
+    def statistics(self) -> dict:
+        """Counters since construction: clears, pages listed, driver memset calls."""
+        return {"clears": self._clears, "pages": self._pages, "driver_calls": self._calls}
+
+    def __repr__(self) -> str:
+        return "CudaClearBackend(planes=%d, num_pages=%d, mode=%r)" % (
+            len(self._pairs), self.num_pages, self.mode)

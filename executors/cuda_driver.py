@@ -1,0 +1,277 @@
+"""The one adapter between kvledger and the CUDA driver API.
+
+Every driver call kvledger makes (``cuda.bindings.driver`` from cuda-python)
+goes through a function of this module, and nowhere else. Each function checks
+the ``CUresult`` the binding hands back and turns anything but ``CUDA_SUCCESS``
+into a :class:`CudaDriverError` that names the call, the result code and the
+arguments that matter; a binding that cannot reach the driver at all (no
+``libcuda``) is reported the same way, with ``code=None``.
+
+    backend / allocator ──► cuda_driver.<function> ──► cuda.bindings.driver.cuXxx
+                                   │
+                          CUresult != SUCCESS ──► CudaDriverError(call, code, name)
+
+The binding is imported on first use, never at import time, so this module can
+be imported (and its errors caught) on a machine without CUDA. Missing
+cuda-python raises :class:`CudaUnavailableError`.
+
+What a failure leaves behind: a failed call changed nothing the driver reports
+as changed, except where the CUDA documentation says an error is sticky (an
+illegal address inside a kernel poisons the context); such errors surface at the
+next checked call with their own code.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from kvledger.core.errors import KVLedgerError
+
+__all__ = [
+    "CudaDriverError",
+    "CudaUnavailableError",
+    "address_free",
+    "address_reserve",
+    "allocation_granularity",
+    "as_custream",
+    "device_of_current_context",
+    "driver",
+    "mem_create",
+    "mem_map",
+    "mem_release",
+    "mem_unmap",
+    "memcpy_htod_async",
+    "memset_d8_async",
+    "pop_context",
+    "push_primary_context",
+    "set_access",
+    "stream_synchronize",
+]
+
+
+class CudaDriverError(KVLedgerError):
+    """A CUDA driver call failed.
+
+    ``call`` is the driver function (``"cuMemCreate"``), ``code`` the integer
+    ``CUresult`` (None when the driver could not be reached at all), ``name`` the
+    result's symbolic name (``"CUDA_ERROR_INVALID_VALUE"``) and ``detail`` the
+    arguments that matter.
+    """
+
+    def __init__(self, call: str, code: int | None, name: str, detail: str = "") -> None:
+        self.call = call
+        self.code = code
+        self.name = name
+        self.detail = detail
+        what = name if code is None else "%s (%d)" % (name, code)
+        super().__init__("%s failed: %s%s" % (call, what, (": " + detail) if detail else ""))
+
+
+class CudaUnavailableError(CudaDriverError):
+    """cuda-python (``cuda.bindings``) is not installed, or is too old to use."""
+
+
+_D = None  # the cuda.bindings.driver module, once loaded
+_INIT_LOCK = threading.Lock()
+_initialised = False
+
+
+def driver():
+    """The ``cuda.bindings.driver`` module, loaded (and ``cuInit`` called) once.
+
+    Raises CudaUnavailableError without cuda-python, CudaDriverError when
+    ``cuInit`` fails (no driver, no device). Nothing is left half-initialised.
+    """
+    global _D, _initialised
+    if _initialised:
+        return _D
+    with _INIT_LOCK:
+        if _initialised:
+            return _D
+        try:
+            from cuda.bindings import driver as mod  # cuda-python >= 12.6
+        except ImportError:
+            try:
+                from cuda import cuda as mod  # older cuda-python layout
+            except ImportError as exc:
+                raise CudaUnavailableError(
+                    "import cuda.bindings.driver", None, "ImportError",
+                    "install cuda-python (pip install 'kvledger[cuda]'): %s" % exc,
+                ) from None
+        _call_checked(mod, "cuInit", mod.cuInit, 0)
+        _D = mod
+        _initialised = True
+        return _D
+
+
+def _fail(call: str, err, detail: str):
+    try:
+        name = err.name
+    except AttributeError:
+        name = "CUresult"
+    return CudaDriverError(call, int(err), name, detail)
+
+
+def _call_checked(mod, call: str, fn, *args, detail: str = ""):
+    """Call ``fn(*args)``; check its CUresult; return the remaining outputs.
+
+    One output -> that value; none -> None; several -> a tuple.
+    """
+    try:
+        res = fn(*args)
+    except RuntimeError as exc:  # the binding could not load libcuda / the symbol
+        raise CudaDriverError(call, None, "RuntimeError", str(exc)) from None
+    err = res[0]
+    if err:
+        raise _fail(call, err, detail)
+    n = len(res)
+    if n == 1:
+        return None
+    if n == 2:
+        return res[1]
+    return res[1:]
+
+
+def _checked(call: str, *args, detail: str = ""):
+    d = _D if _initialised else driver()
+    return _call_checked(d, call, getattr(d, call), *args, detail=detail)
+
+
+# --------------------------------------------------------------------------- streams, contexts
+
+def as_custream(handle: int):
+    """A ``CUstream`` for a raw stream handle (an int such as ``torch.cuda.Stream.cuda_stream``)."""
+    d = _D if _initialised else driver()
+    return d.CUstream(int(handle))
+
+
+def device_of_current_context() -> int | None:
+    """The device ordinal of this thread's current context, or None when it has none."""
+    d = _D if _initialised else driver()
+    try:
+        err, dev = d.cuCtxGetDevice()
+    except RuntimeError as exc:
+        raise CudaDriverError("cuCtxGetDevice", None, "RuntimeError", str(exc)) from None
+    if err:
+        if err == d.CUresult.CUDA_ERROR_INVALID_CONTEXT:
+            return None
+        raise _fail("cuCtxGetDevice", err, "")
+    return int(dev)
+
+
+def push_primary_context(device: int) -> None:
+    """Make ``device``'s primary context current on this thread (pop it with :func:`pop_context`).
+
+    The primary context is the one PyTorch and the runtime API use; retaining it
+    here keeps it alive for the process (it is never released by kvledger).
+    """
+    dev = _checked("cuDeviceGet", int(device), detail="ordinal=%d" % device)
+    ctx = _checked("cuDevicePrimaryCtxRetain", dev, detail="device=%d" % device)
+    _checked("cuCtxPushCurrent", ctx, detail="device=%d" % device)
+
+
+def pop_context() -> None:
+    """Pop the context :func:`push_primary_context` pushed."""
+    _checked("cuCtxPopCurrent")
+
+
+def stream_synchronize(stream) -> None:
+    """Block until every operation enqueued on ``stream`` (a CUstream) has finished."""
+    _checked("cuStreamSynchronize", stream)
+
+
+# --------------------------------------------------------------------------- memory operations
+
+def memset_d8_async(dptr: int, value: int, nbytes: int, stream) -> None:
+    """Enqueue ``cuMemsetD8Async(dptr, value, nbytes, stream)``; raise CudaDriverError on failure.
+
+    Hot path: no argument checks beyond the driver's own. ``stream`` should be a
+    ``CUstream`` (see :func:`as_custream`) so the binding does not convert it per call.
+    """
+    d = _D if _initialised else driver()
+    try:
+        (err,) = d.cuMemsetD8Async(dptr, value, nbytes, stream)
+    except RuntimeError as exc:
+        raise CudaDriverError("cuMemsetD8Async", None, "RuntimeError", str(exc)) from None
+    if err:
+        raise _fail("cuMemsetD8Async", err, "dptr=0x%x nbytes=%d" % (dptr, nbytes))
+
+
+def memcpy_htod_async(dptr: int, host_ptr: int, nbytes: int, stream) -> None:
+    """Enqueue a host-to-device copy of ``nbytes`` from ``host_ptr`` (pinned for true asynchrony)."""
+    d = _D if _initialised else driver()
+    try:
+        (err,) = d.cuMemcpyHtoDAsync(dptr, host_ptr, nbytes, stream)
+    except RuntimeError as exc:
+        raise CudaDriverError("cuMemcpyHtoDAsync", None, "RuntimeError", str(exc)) from None
+    if err:
+        raise _fail("cuMemcpyHtoDAsync", err, "dptr=0x%x nbytes=%d" % (dptr, nbytes))
+
+
+# --------------------------------------------------------------------------- virtual memory management
+
+def _device_prop(device: int):
+    d = _D if _initialised else driver()
+    prop = d.CUmemAllocationProp()
+    prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = int(device)
+    prop.requestedHandleTypes = d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+    return prop
+
+
+def allocation_granularity(device: int) -> int:
+    """The minimum physical-allocation granularity of ``device`` in bytes (2 MiB on an H200)."""
+    d = _D if _initialised else driver()
+    flag = d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+    return int(_checked("cuMemGetAllocationGranularity", _device_prop(device), flag,
+                        detail="device=%d" % device))
+
+
+def mem_create(size: int, device: int):
+    """Create ``size`` bytes of physical memory on ``device``; returns the allocation handle.
+
+    ``size`` must be a multiple of :func:`allocation_granularity` (the driver says
+    CUDA_ERROR_INVALID_VALUE otherwise). Release it with :func:`mem_release`.
+    """
+    return _checked("cuMemCreate", int(size), _device_prop(device), 0,
+                    detail="size=%d device=%d" % (size, device))
+
+
+def mem_release(handle) -> None:
+    """Release a handle from :func:`mem_create` (memory is freed once its last mapping goes)."""
+    _checked("cuMemRelease", handle)
+
+
+def address_reserve(size: int, alignment: int = 0) -> int:
+    """Reserve ``size`` bytes of device virtual address space; returns the base address."""
+    ptr = _checked("cuMemAddressReserve", int(size), int(alignment), 0, 0,
+                   detail="size=%d alignment=%d" % (size, alignment))
+    return int(ptr)
+
+
+def address_free(ptr: int, size: int) -> None:
+    """Give back a reservation made by :func:`address_reserve` (it must be unmapped)."""
+    _checked("cuMemAddressFree", int(ptr), int(size), detail="ptr=0x%x size=%d" % (ptr, size))
+
+
+def mem_map(ptr: int, size: int, offset: int, handle) -> None:
+    """Map ``size`` bytes of ``handle`` starting at ``offset`` at virtual address ``ptr``."""
+    _checked("cuMemMap", int(ptr), int(size), int(offset), handle, 0,
+             detail="ptr=0x%x size=%d offset=%d" % (ptr, size, offset))
+
+
+def mem_unmap(ptr: int, size: int) -> None:
+    """Unmap ``size`` bytes at ``ptr`` (a whole range mapped by :func:`mem_map` calls)."""
+    _checked("cuMemUnmap", int(ptr), int(size), detail="ptr=0x%x size=%d" % (ptr, size))
+
+
+def set_access(ptr: int, size: int, device: int) -> None:
+    """Grant ``device`` read-write access to the mapped range ``[ptr, ptr + size)``."""
+    d = _D if _initialised else driver()
+    desc = d.CUmemAccessDesc()
+    desc.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    desc.location.id = int(device)
+    desc.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    _checked("cuMemSetAccess", int(ptr), int(size), [desc], 1,
+             detail="ptr=0x%x size=%d device=%d" % (ptr, size, device))
