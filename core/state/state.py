@@ -665,7 +665,8 @@ class LedgerState:
     def canonical(self) -> dict:
         """Every field of the state, in a form independent of hash seed and insertion order.
 
-        Used for the digest and for log checkpoints (``from_canonical`` restores it).
+        A snapshot (copies, not views): later folds do not change it. Used for the
+        digest and for log checkpoints (``from_canonical`` restores it).
         """
         g = self.geometry
         return {
@@ -674,19 +675,19 @@ class LedgerState:
             "policy": self.policy,
             "seq": self.seq,
             "open_step": self.open_step,
-            "owner": self.owner,
-            "alias_n": self.alias_n,
+            "owner": list(self.owner),
+            "alias_n": list(self.alias_n),
             "marks": sorted(self.marks.items()),
             "residue": sorted(self.residue.items()),
             "restore_targets": [[p, t[0], t[1]] for p, t in sorted(self.restore_targets.items())],
             "pending": sorted(self.pending),
-            "free_stack": self.free_stack,
+            "free_stack": list(self.free_stack),
             "requests": [
-                [r, rec.tenant, rec.reserved, rec.kv, sorted(rec.restored or ())]
+                [r, rec.tenant, list(rec.reserved), list(rec.kv), sorted(rec.restored or ())]
                 for r, rec in sorted(self.requests.items())
             ],
-            "snapshots": [[s, pages] for s, pages in sorted(self.snapshots.items())],
-            "clear_lists": [[s, pages] for s, pages in sorted(self.clear_lists.items())],
+            "snapshots": [[s, list(pages)] for s, pages in sorted(self.snapshots.items())],
+            "clear_lists": [[s, list(pages)] for s, pages in sorted(self.clear_lists.items())],
             "last_plan": None
             if self.last_plan is None
             else [self.last_plan.step, list(self.last_plan.clear_list)],
