@@ -1,0 +1,209 @@
+"""The ``torch`` clear backend: zero listed pages of cache planes held as torch tensors.
+
+Works on any torch device (the CPU is the embedded default) and any plane dtype
+(``float8_e4m3fn``, ``bfloat16``, ``uint8``, ...). Each plane ``[num_pages, ...]``
+is viewed as raw page rows ``[num_pages, plane_page_bytes]`` (as the widest integer
+type that divides a page: ``int64`` where possible, down to ``uint8``), and zeroing
+a page is zeroing its row. Two ways to zero a clear list, chosen per plane:
+
+    runs   sort the ids, coalesce adjacent ones: one ``rows[a:b].zero_()`` per run
+           (a memset per run; one launch per run on CUDA)
+    index  one ``rows.index_fill_(0, ids, 0)`` per plane (one launch per plane; the
+           id tensor is built once per clear and, on CUDA, copied from pinned memory
+           without blocking the host)
+
+``strategy="auto"`` (the default) picks per plane and per list, from a cost model
+whose constants ``bench/bench_clear_torch.py`` measured (see ``_COST``, and
+bench/README.md for the figures). On the CPU a slice fill costs about 2.3 us, an
+indexed fill about 3.5 times that plus a little per row, and an indexed fill
+writes bytes about 2.5 times slower than a memset: adjacent ids (few runs) go by
+runs, scattered ids by one indexed fill, and for very wide pages (tens of KiB)
+runs win again. On CUDA every call is a launch, so a list of more than three
+runs takes one indexed fill per plane.
+
+On CUDA planes the work is enqueued on ``stream`` (the rank's model stream; the
+current stream when ``None``) and ``clear`` returns without waiting for it.
+"""
+
+from __future__ import annotations
+
+from array import array
+from operator import sub as _sub
+from typing import Any, Sequence
+
+from kvledger.core.errors import ConfigurationError
+
+from .backend import check_page_ids, coalesce_runs
+
+__all__ = ["TorchClearBackend", "STRATEGIES"]
+
+STRATEGIES: tuple[str, ...] = ("auto", "runs", "index")
+
+# Cost model for strategy="auto", in units of one slice fill's fixed cost, per plane:
+#   runs   costs  R                    + k * page_bytes * memset_per_byte
+#   index  costs  fixed + k * per_row  + k * page_bytes * indexed_per_byte
+# so runs wins while  R <= fixed + k * (per_row + page_bytes * extra_per_byte),
+# extra_per_byte = indexed_per_byte - memset_per_byte. R: runs in the list, k: pages.
+# Constants: (fixed, per_row, extra_per_byte), measured with bench/bench_clear_torch.py
+# (figures in bench/README.md).
+_COST = {
+    # CPU, one intra-op thread: a slice fill ~2.3 us; index_fill_ ~8 us fixed per plane
+    # plus ~0.2 us per row; it writes at ~7 GB/s where a memset does ~18 GB/s.
+    "cpu": (3.5, 0.09, 1.0 / 26_000.0),
+    # CUDA: every call is a kernel launch (~5 us from Python); an indexed fill is one
+    # bandwidth-bound launch plus a non-blocking copy of the ids.
+    "cuda": (3.0, 0.0, 0.0),
+}
+_WIDE = ((8, "int64"), (4, "int32"), (2, "int16"))
+
+
+class TorchClearBackend:
+    """Zeroes pages of torch-tensor planes. ``TorchClearBackend(planes, stream=None)``.
+
+    Raises ``ConfigurationError`` (and builds nothing) when ``planes`` is empty, a
+    plane is not a contiguous tensor with at least one dimension, the planes
+    disagree on ``num_pages`` (their first dimension) or on the device, a plane
+    requires grad, or a ``stream`` is given for planes that are not on CUDA.
+    """
+
+    name = "torch"
+
+    def __init__(self, planes: Sequence[Any], stream: Any = None, *, strategy: str = "auto") -> None:
+        import torch
+
+        if strategy not in STRATEGIES:
+            raise ConfigurationError(f"unknown clear strategy {strategy!r}; one of {STRATEGIES}")
+        planes = tuple(planes)
+        if not planes:
+            raise ConfigurationError("a clear backend needs at least one plane")
+        num_pages = device = None
+        rows: list = []
+        page_bytes: list[int] = []
+        for i, plane in enumerate(planes):
+            if not isinstance(plane, torch.Tensor):
+                raise ConfigurationError(f"plane {i} is not a torch.Tensor: {type(plane).__name__}")
+            if plane.dim() < 1:
+                raise ConfigurationError(f"plane {i} needs a page dimension first, got a 0-d tensor")
+            if not plane.is_contiguous():
+                raise ConfigurationError(f"plane {i} (shape {tuple(plane.shape)}) is not contiguous")
+            if plane.requires_grad:
+                raise ConfigurationError(f"plane {i} requires grad; cache planes must not")
+            if num_pages is None:
+                num_pages, device = plane.shape[0], plane.device
+            elif plane.shape[0] != num_pages:
+                raise ConfigurationError(
+                    f"plane {i} has {plane.shape[0]} pages, plane 0 has {num_pages}: "
+                    "page ids are global, every plane of a rank needs the same number of pages"
+                )
+            elif plane.device != device:
+                raise ConfigurationError(f"plane {i} is on {plane.device}, plane 0 on {device}")
+            if num_pages == 0:
+                raise ConfigurationError("planes have no pages")
+            nbytes = plane.numel() * plane.element_size()
+            if nbytes == 0:
+                continue  # nothing to zero in a zero-width plane
+            u8 = plane.reshape(num_pages, -1).view(torch.uint8)
+            rows.append(_widest(torch, u8))
+            page_bytes.append(nbytes // num_pages)
+        self.planes = planes
+        self.num_pages: int = int(num_pages)
+        self.device = device
+        self.plane_page_bytes: tuple[int, ...] = tuple(page_bytes)
+        self._page_bytes_total = sum(page_bytes)
+        self.strategy = strategy
+        self._rows = rows
+        self._torch = torch
+        self._cuda = device.type == "cuda"
+        if stream is not None and not self._cuda:
+            raise ConfigurationError(f"a stream was given but the planes are on {device}, not CUDA")
+        self.stream = stream
+        fixed, per_row, per_byte = _COST["cuda" if self._cuda else "cpu"]
+        self._fixed = fixed
+        self._per_page = tuple(per_row + pb * per_byte for pb in page_bytes)
+        self._calls = self._pages = self._bytes = self._slice_fills = self._index_fills = 0
+
+    # ------------------------------------------------------------------ the hot path
+
+    def clear(self, page_ids: Sequence[int]) -> None:
+        """Zero every listed page in every plane (enqueued on ``stream`` for CUDA planes).
+
+        Raises ``PageOutOfRangeError`` / ``DuplicatePageError`` / ``InvalidArgumentError``
+        before touching any plane. An empty list does nothing.
+        """
+        ids = check_page_ids(page_ids, self.num_pages)
+        if not ids:
+            return
+        if self.stream is not None:  # CUDA planes with a named model stream
+            with self._torch.cuda.stream(self.stream):
+                self._zero(ids)
+        else:  # the CPU, or CUDA on the current stream
+            self._zero(ids)
+
+    def _zero(self, ids: tuple[int, ...]) -> None:
+        k = len(ids)
+        srt = sorted(ids)
+        # runs = pages - adjacent pairs (C-level: no Python loop over the ids)
+        nruns = k - list(map(_sub, srt[1:], srt[:-1])).count(1) if k > 1 else 1
+        strategy = self.strategy
+        fixed = self._fixed
+        runs = index = None
+        slices = fills = 0
+        for rows, per_page in zip(self._rows, self._per_page):
+            if strategy == "runs" or (strategy == "auto" and nruns <= fixed + k * per_page):
+                if runs is None:
+                    runs = coalesce_runs(srt)
+                for a, b in runs:
+                    rows[a:b].zero_()
+                slices += nruns
+            else:
+                if index is None:
+                    index = self._index(srt)
+                rows.index_fill_(0, index, 0)
+                fills += 1
+        self._calls += 1
+        self._pages += k
+        self._bytes += k * self._page_bytes_total
+        self._slice_fills += slices
+        self._index_fills += fills
+
+    def _index(self, srt: list[int]):
+        torch = self._torch
+        host = torch.frombuffer(array("q", srt), dtype=torch.int64)  # no per-id Python objects
+        if not self._cuda:
+            return host
+        # Non-blocking from pinned memory: the host never waits for the model stream.
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    # ------------------------------------------------------------------ introspection
+
+    def statistics(self) -> dict[str, int]:
+        """Counters since construction: clear calls, pages and bytes zeroed, slice fills
+        (one per run per plane) and indexed fills (one per plane)."""
+        return {
+            "calls": self._calls,
+            "pages": self._pages,
+            "bytes": self._bytes,
+            "slice_fills": self._slice_fills,
+            "index_fills": self._index_fills,
+        }
+
+    def __repr__(self) -> str:
+        return "TorchClearBackend(planes=%d, num_pages=%d, device=%s, page_bytes=%r, strategy=%s)" % (
+            len(self.planes),
+            self.num_pages,
+            self.device,
+            self.plane_page_bytes,
+            self.strategy,
+        )
+
+
+def _widest(torch, u8):
+    """The page rows as the widest integer dtype that divides a page (faster fills)."""
+    width = u8.shape[1]
+    for size, dtype_name in _WIDE:
+        if width % size == 0 and u8.storage_offset() % size == 0:
+            try:
+                return u8.view(getattr(torch, dtype_name))
+            except RuntimeError:
+                continue
+    return u8

@@ -1,0 +1,428 @@
+"""The embedded async engine: commands, run_step on in-process ranks, failures and
+cancellation leave the ledger consistent (its digest equals a replay of its events)."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvledger import (  # noqa: E402
+    ConfigurationError,
+    Geometry,
+    InvalidArgumentError,
+    OutOfPagesError,
+    PageOutOfRangeError,
+    StepOrderError,
+    check_invariants,
+    replay,
+)
+from kvledger.core.events import StepAborted, StepCompleted, StepSealed  # noqa: E402
+from kvledger.engine import (  # noqa: E402
+    EngineClosedError,
+    RankSpec,
+    StepFailedError,
+    StepInputs,
+    StepResult,
+    open,
+    open_engine,
+)
+from kvledger.executors.torch_backend import TorchClearBackend  # noqa: E402
+
+G = Geometry(num_pages=16, page_tokens=4)
+ROW = 0x7F  # an FP8 e4m3fn NaN byte, what released snapshot rows leave behind
+
+
+def make_planes():
+    """K and V planes of one rank: FP8 K, bf16 V; every byte non-zero to start with."""
+    k = torch.full((G.num_pages, 4, 8), 0x11, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    v = torch.full((G.num_pages, 4, 8), 1.5, dtype=torch.bfloat16)
+    return [k, v]
+
+
+def write_rows(planes, pages, byte=ROW):
+    """What a snapshot row does through its VMM alias: raw bytes into the pages."""
+    for plane in planes:
+        plane.view(torch.uint8)[list(pages)] = byte
+
+
+def page_is_zero(plane, p) -> bool:
+    return int(plane[p].reshape(-1).view(torch.uint8).count_nonzero()) == 0
+
+
+def assert_consistent(engine):
+    ledger = engine.ledger
+    check_invariants(ledger.state)
+    assert replay(ledger.events, check=True).digest() == ledger.digest()
+
+
+async def released_then_committed(engine, all_planes, *, snapshot=7, request=1, n=3, step=0):
+    """A snapshot writes row bytes into n pages and is released; a request commits them."""
+    rows = await engine.alias_snapshot(snapshot, n)
+    for planes in all_planes:
+        write_rows(planes, rows)
+    await engine.release_snapshot(snapshot)
+    pages = await engine.reserve(request, n)
+    assert sorted(pages) == sorted(rows)  # LIFO reuse hands the row pages out first
+    listed = await engine.commit(request, step, n)
+    assert sorted(listed) == sorted(rows)
+    return rows
+
+
+@pytest.mark.asyncio
+async def test_order_input_copies_then_clears_then_graph():
+    planes = make_planes()
+    host_tokens = torch.tensor([10, 11, 12, 13])
+    dev_tokens = torch.zeros(4, dtype=torch.int64)
+    seen = {}
+
+    def graph(ctx, step, inputs):
+        # runs third: the copied inputs are there, the listed pages are zero ...
+        assert torch.equal(dev_tokens, host_tokens)
+        for plane in ctx.planes:
+            for p in seen["listed"]:
+                assert page_is_zero(plane, p), (step, p)
+        # ... including the bytes an input copy wrote into a listed page: the copy ran first
+        assert page_is_zero(ctx.planes[0], seen["listed"][0])
+        seen["graph"] = (ctx.rank, step, inputs.data)
+
+    async with open(G, ranks=[RankSpec(planes=planes, graph=graph)], record=True, check=True) as engine:
+        seen["listed"] = await released_then_committed(engine, [planes])
+        junk = torch.full((4, 8), 0x33, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        inputs = StepInputs(
+            copies=[(host_tokens, dev_tokens), (junk, planes[0][seen["listed"][0]])], data="tokens"
+        )
+        result = await engine.run_step(0, inputs)
+        assert seen["graph"] == (0, 0, "tokens")
+        assert isinstance(result, StepResult)
+        assert sorted(result.clear_list) == sorted(seen["listed"])
+        assert [t.rank for t in result.ranks] == [0]
+        t = result.ranks[0]
+        assert min(t.copies_s, t.clear_s, t.graph_s) >= 0 and t.total_s >= t.graph_s
+        # pages nobody listed keep their bytes
+        for p in range(G.num_pages):
+            if p not in seen["listed"]:
+                assert not page_is_zero(planes[0], p)
+        assert engine.ledger.events[-2:] == [
+            StepSealed(step=0, clear_list=result.clear_list),
+            StepCompleted(step=0, rank=0),
+        ]
+        assert engine.statistics() == {"steps_completed": 1, "steps_aborted": 0, "pages_cleared": 3}
+        assert engine.executors[0].statistics()["pages_cleared"] == 3
+        assert_consistent(engine)
+
+
+@pytest.mark.asyncio
+async def test_two_ranks_in_process_each_clear_their_own_planes():
+    planes = [make_planes(), make_planes()]
+    ran = []
+
+    async def graph(ctx, step, inputs):  # async graphs are awaited
+        await anyio.sleep(0)
+        ran.append((ctx.rank, ctx.world_size, step))
+
+    specs = [RankSpec(planes=p, graph=graph) for p in planes]
+    async with open_engine(G, ranks=specs, record=True) as engine:
+        assert engine.world_size == 2
+        rows = await released_then_committed(engine, planes)
+        result = await engine.run_step(0)
+        assert sorted(ran) == [(0, 2, 0), (1, 2, 0)]
+        assert [t.rank for t in result.ranks] == [0, 1]
+        for rank_planes in planes:
+            for plane in rank_planes:
+                assert all(page_is_zero(plane, p) for p in rows)
+        done = [e for e in engine.ledger.events if type(e) is StepCompleted]
+        assert done == [StepCompleted(step=0, rank=0), StepCompleted(step=0, rank=1)]
+        assert engine.ledger.state.completed == {0: 0, 1: 0}
+        # a later step lists nothing again: the marks were taken exactly once
+        await engine.reserve(2, 2)
+        assert await engine.commit(2, 1, 2) == ()
+        assert (await engine.run_step(1)).clear_list == ()
+        assert_consistent(engine)
+
+
+@pytest.mark.asyncio
+async def test_a_raising_rank_fails_the_step_and_nothing_is_completed_for_it():
+    planes = [make_planes(), make_planes()]
+    async with open_engine(G, ranks=[RankSpec(planes=p) for p in planes], record=True) as engine:
+        rows = await released_then_committed(engine, planes)
+        # rank 1's input copy is malformed (shapes differ): torch raises before its clears
+        bad = StepInputs(copies=[(torch.zeros(3), torch.zeros(4))])
+        with pytest.raises(StepFailedError) as info:
+            await engine.run_step(0, [None, bad])
+        err = info.value
+        assert err.step == 0 and err.rank == 1 and "rank 1" in str(err)
+        assert isinstance(err.__cause__, RuntimeError)
+        assert [r for r, _ in err.failures] == [1]
+        events = engine.ledger.events
+        assert StepCompleted(step=0, rank=1) not in events
+        aborted = [e for e in events if type(e) is StepAborted]
+        assert len(aborted) == 1 and aborted[0].step == 0 and "rank 1" in aborted[0].reason
+        # rank 1 never cleared: its pages still hold the row bytes
+        assert not any(page_is_zero(planes[1][0], p) for p in rows)
+        assert_consistent(engine)
+        # the aborted step's clear list is carried into the next step, and zeroed there
+        result = await engine.run_step(1)
+        assert sorted(result.clear_list) == sorted(rows)
+        for rank_planes in planes:
+            for plane in rank_planes:
+                assert all(page_is_zero(plane, p) for p in rows)
+        assert engine.statistics()["steps_aborted"] == 1
+        assert engine.executors[1].statistics()["plans_failed"] == 1
+        assert_consistent(engine)
+
+
+@pytest.mark.asyncio
+async def test_a_raising_graph_and_a_raising_backend_name_their_rank():
+    class RefusingBackend:
+        """A ClearBackend over real planes whose device refuses the clear (a driver error)."""
+
+        name = "refusing"
+
+        def __init__(self, planes):
+            self.inner = TorchClearBackend(planes)
+            self.num_pages = self.inner.num_pages
+
+        def clear(self, page_ids):
+            raise PageOutOfRangeError(page_ids, 0)
+
+    def boom(ctx, step, inputs):
+        raise ValueError("graph exploded on rank %d" % ctx.rank)
+
+    planes = [make_planes(), make_planes(), make_planes()]
+    specs = [
+        RankSpec(planes=planes[0]),
+        RankSpec(planes=planes[1], graph=boom),
+        RankSpec(planes=planes[2], backend=RefusingBackend(planes[2])),
+    ]
+    async with open_engine(G, ranks=specs, record=True) as engine:
+        await released_then_committed(engine, planes)
+        with pytest.raises(StepFailedError) as info:
+            await engine.run_step(0)
+        failed = dict(info.value.failures)
+        assert set(failed) <= {1, 2} and info.value.rank in (1, 2)
+        completed = {e.rank for e in engine.ledger.events if type(e) is StepCompleted}
+        assert not completed & {1, 2}  # never recorded for a failed rank
+        assert_consistent(engine)
+
+
+@pytest.mark.asyncio
+async def test_cancellation_mid_step_leaves_the_ledger_consistent():
+    planes = [make_planes(), make_planes()]
+    hang = {"on": True}
+    started = anyio.Event()
+
+    async def graph(ctx, step, inputs):
+        if ctx.rank == 1 and hang["on"]:
+            started.set()
+            await anyio.sleep_forever()
+
+    specs = [RankSpec(planes=p, graph=graph) for p in planes]
+    async with open_engine(G, ranks=specs, record=True, check=True) as engine:
+        rows = await released_then_committed(engine, planes)
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(engine.run_step, 0)
+                await started.wait()
+                scope.cancel()  # the caller gives up while rank 1 is inside its graph
+        assert scope.cancelled_caught
+        events = engine.ledger.events
+        assert StepCompleted(step=0, rank=0) in events
+        assert StepCompleted(step=0, rank=1) not in events
+        assert events[-1] == StepAborted(step=0, reason="cancelled")
+        assert engine.executors[1].statistics()["plans_cancelled"] == 1
+        assert_consistent(engine)
+        # both executors are free again; the carried clear list runs in the next step
+        hang["on"] = False
+        result = await engine.run_step(1)
+        assert sorted(result.clear_list) == sorted(rows)
+        assert_consistent(engine)
+
+
+@pytest.mark.asyncio
+async def test_fail_after_at_the_call_site_raises_timeout_and_records_the_abort():
+    async def graph(ctx, step, inputs):
+        if step == 0:
+            await anyio.sleep_forever()
+
+    async with open_engine(G, ranks=[RankSpec(graph=graph), RankSpec(graph=graph)], record=True) as engine:
+        with pytest.raises(TimeoutError):
+            with anyio.fail_after(0.05):
+                await engine.run_step(0)
+        assert engine.ledger.events[-1] == StepAborted(step=0, reason="cancelled")
+        assert not [e for e in engine.ledger.events if type(e) is StepCompleted]
+        assert_consistent(engine)
+        await engine.run_step(1)
+        assert_consistent(engine)
+
+
+@pytest.mark.asyncio
+async def test_a_rank_cancellation_cannot_reach_does_not_hang_a_failed_step():
+    # rank 0 waits in a worker thread for a collective that rank 1 (which fails) never
+    # joins: the engine stops waiting after drain_timeout_s and records the abort.
+    collective = threading.Event()
+
+    async def graph(ctx, step, inputs):
+        if step == 0 and ctx.rank == 0:
+            await anyio.to_thread.run_sync(collective.wait)
+        if step == 0 and ctx.rank == 1:
+            raise RuntimeError("rank 1 lost its device")
+
+    async with open_engine(G, ranks=[RankSpec(graph=graph), RankSpec(graph=graph)], record=True,
+                           drain_timeout_s=0.2) as engine:
+        with pytest.raises(StepFailedError) as info:
+            with anyio.fail_after(10):
+                await engine.run_step(0)
+        assert info.value.rank == 1
+        assert not [e for e in engine.ledger.events if type(e) is StepCompleted]
+        assert type(engine.ledger.events[-1]) is StepAborted
+        collective.set()  # rank 0 finishes its old plan; its late answer is dropped
+        result = await engine.run_step(1)  # and the next plan runs on it
+        assert [t.rank for t in result.ranks] == [0, 1]
+        assert {(e.step, e.rank) for e in engine.ledger.events if type(e) is StepCompleted} == {(1, 0), (1, 1)}
+        assert_consistent(engine)
+
+
+@pytest.mark.asyncio
+async def test_bad_calls_change_nothing():
+    async with open_engine(G, ranks=2, record=True) as engine:
+        seq = engine.seq
+        with pytest.raises(InvalidArgumentError):
+            await engine.run_step(0, [StepInputs()])  # one entry for two ranks
+        with pytest.raises(InvalidArgumentError):
+            await engine.run_step(0, {5: StepInputs()})
+        with pytest.raises(InvalidArgumentError):
+            await engine.run_step(0, "tokens")
+        with pytest.raises(InvalidArgumentError):
+            StepInputs(copies=[(1, 2, 3)])
+        with pytest.raises(StepOrderError):
+            await engine.run_step(3)
+        with pytest.raises(OutOfPagesError):
+            await engine.reserve(1, G.num_pages + 1)
+        assert engine.seq == seq
+        # commands mirror the ledger
+        pages = await engine.reserve(1, 4, tenant="a")
+        assert await engine.return_reservation(1, pages[2:]) == pages[2:]
+        await engine.commit(1, 0, 2)
+        await engine.restore_started(await engine.reserve(2, 1), request=2)
+        await engine.restore_completed(engine.ledger.reserved_pages(2), request=2)
+        await engine.cancel(2)
+        await engine.finish(1)
+        await engine.run_step(0, {1: StepInputs(data=1)})
+        assert await engine.call(lambda ledger, r: ledger.kv_pages(r), 1) == ()
+        assert await engine.digest() == engine.ledger.digest()
+        assert engine.open_step == 1 and engine.free_count == G.num_pages
+        assert_consistent(engine)
+    with pytest.raises(EngineClosedError):
+        await engine.reserve(3, 1)
+    with pytest.raises(EngineClosedError):
+        await engine.run_step(1)
+
+
+@pytest.mark.asyncio
+async def test_open_refuses_bad_configuration():
+    with pytest.raises(ConfigurationError, match="pages"):
+        async with open_engine(G, ranks=[RankSpec(planes=[torch.zeros(G.num_pages + 1, 4)])]):
+            pass
+    with pytest.raises(InvalidArgumentError):
+        async with open_engine(G, ranks=0):
+            pass
+    with pytest.raises(InvalidArgumentError):
+        async with open_engine(G, ranks=["rank"]):
+            pass
+    with pytest.raises(ConfigurationError):
+        async with open_engine(G, ranks=1, policy="sometimes"):
+            pass
+    with pytest.raises(ConfigurationError, match="unknown clear backend"):
+        async with open_engine(G, ranks=[RankSpec(planes=make_planes())], backend="opencl"):
+            pass
+    with pytest.raises(InvalidArgumentError):
+        async with open_engine(None):
+            pass
+
+
+@pytest.mark.asyncio
+async def test_an_error_in_the_body_comes_out_as_itself():
+    with pytest.raises(KeyError):
+        async with open_engine(G, ranks=2):
+            raise KeyError("body")
+
+
+@pytest.mark.asyncio
+async def test_with_a_log_every_ledger_call_runs_in_a_worker_thread(tmp_path):
+    pytest.importorskip("kvledger.durable")
+    from kvledger.durable import open_ledger
+
+    path = tmp_path / "engine.kvlog"
+    planes = [make_planes(), make_planes()]
+    hang = {"on": True}
+
+    async def graph(ctx, step, inputs):
+        if ctx.rank == 0 and hang["on"]:
+            await anyio.sleep_forever()
+
+    loop_thread = threading.get_ident()
+    async with open_engine(G, log=path, ranks=[RankSpec(planes=p, graph=graph) for p in planes]) as engine:
+        assert await engine.call(lambda ledger: threading.get_ident()) != loop_thread
+        rows = await released_then_committed(engine, planes)
+        with anyio.move_on_after(0.05) as scope:
+            await engine.run_step(0)
+        assert scope.cancelled_caught
+        hang["on"] = False
+        await engine.reserve(2, 2)
+        result = await engine.run_step(1)
+        assert sorted(result.clear_list) == sorted(rows)
+        live = await engine.digest()
+    with open_ledger(path) as reopened:
+        assert reopened.digest() == live
+        assert reopened.state.completed == {0: 1, 1: 1}
+    # reopening through the engine continues the same log
+    async with open_engine(None, log=path, ranks=2) as engine:
+        assert await engine.digest() == live
+        assert engine.open_step == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.asyncio
+async def test_cuda_ranks_clear_on_their_model_streams_without_blocking_the_loop():
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    planes = [[t.cuda() for t in make_planes()] for _ in streams]
+    host = torch.arange(1 << 16, dtype=torch.float32).pin_memory()
+    bufs = [torch.zeros(1 << 16, device="cuda") for _ in streams]
+    sums = {}
+
+    def graph(ctx, step, inputs):
+        assert torch.cuda.current_stream() == ctx.stream
+        sums[ctx.rank] = (bufs[ctx.rank].sum(), [plane[seen[0]].float().abs().sum() for plane in ctx.planes])
+        torch.cuda._sleep(20_000_000)  # a long graph: completion is awaited, not synchronized
+
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.sleep(0)
+
+    specs = [RankSpec(planes=p, graph=graph, stream=s) for p, s in zip(planes, streams)]
+    async with open_engine(G, ranks=specs, record=True) as engine:
+        seen = await released_then_committed(engine, planes)
+        inputs = [StepInputs(copies=[(host, buf)]) for buf in bufs]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            result = await engine.run_step(0, inputs)
+            tg.cancel_scope.cancel()
+        assert ticks > 10
+        for rank in range(2):
+            total, page_sums = sums[rank]
+            assert float(total) == float(host.sum())
+            assert all(float(s) == 0.0 for s in page_sums)
+            for plane in planes[rank]:
+                assert all(page_is_zero(plane, p) for p in seen)
+            t = result.ranks[rank]
+            assert t.graph_s > 1e-3 and t.total_s >= t.graph_s
+        assert_consistent(engine)

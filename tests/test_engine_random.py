@@ -1,0 +1,124 @@
+"""Random serving sessions through the engine, with rank failures and cancellations.
+
+Oracles, for every example:
+* zero before first read: whenever a rank's graph runs, no KV page of any live request
+  holds a byte a snapshot row wrote (0x7F), in any plane of that rank;
+* StepCompleted(step, rank) is recorded exactly for the (step, rank) pairs whose graph
+  ran to its end;
+* the ledger's digest equals a replay of its events, and the SPEC invariants hold.
+"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+from hypothesis import given, strategies as st
+
+torch = pytest.importorskip("torch")
+
+from kvledger import Geometry, OutOfPagesError, check_invariants, replay  # noqa: E402
+from kvledger.core.events import StepCompleted  # noqa: E402
+from kvledger.engine import RankSpec, StepFailedError, StepInputs, open_engine  # noqa: E402
+
+G = Geometry(num_pages=12, page_tokens=4)
+ROW = 0x7F
+RANKS = 2
+
+command = st.tuples(
+    st.sampled_from(["alias", "release", "churn", "admit", "admit", "grow", "finish", "cancel"]),
+    st.integers(1, 4),
+    st.integers(0, 10_000),
+)
+step_plan = st.tuples(
+    st.lists(command, max_size=6),
+    st.sampled_from(["ok", "ok", "ok", "graph_fails", "copy_fails", "cancelled"]),
+    st.integers(0, RANKS - 1),
+)
+
+
+def rank_planes():
+    return [
+        torch.zeros((G.num_pages, 4, 2), dtype=torch.uint8).view(torch.float8_e4m3fn),
+        torch.zeros((G.num_pages, 5), dtype=torch.uint8),
+    ]
+
+
+async def session(steps):
+    planes = [rank_planes() for _ in range(RANKS)]
+    finished: set[tuple[int, int]] = set()
+    current = {"outcome": "ok", "rank": 0, "scope": None}
+    engine_box = {}
+
+    async def graph(ctx, step, inputs):
+        state = engine_box["engine"].ledger.state
+        for rec in state.requests.values():
+            for p in rec.kv:
+                for plane in ctx.planes:
+                    raw = plane[p].reshape(-1).view(torch.uint8)
+                    assert not bool((raw == ROW).any()), "rank %d step %d read row bytes in page %d" % (
+                        ctx.rank, step, p)
+        if ctx.rank == current["rank"]:
+            if current["outcome"] == "graph_fails":
+                raise RuntimeError("graph failed")
+            if current["outcome"] == "cancelled":
+                current["scope"].cancel()
+                await anyio.sleep_forever()
+        finished.add((step, ctx.rank))
+
+    specs = [RankSpec(planes=p, graph=graph) for p in planes]
+    async with open_engine(G, ranks=specs, record=True, check=True) as engine:
+        engine_box["engine"] = engine
+        snapshots: list[int] = []
+        requests: list[int] = []
+        next_id = 0
+        for step, (commands, outcome, rank) in enumerate(steps):
+            for op, n, pick in commands:
+                next_id += 1
+                try:
+                    if op in ("alias", "churn"):
+                        pages = await engine.alias_snapshot(next_id, n)
+                        for rp in planes:  # the row writes through its alias
+                            for plane in rp:
+                                plane.view(torch.uint8)[list(pages)] = ROW
+                        if op == "churn":  # a short-lived snapshot: released at once
+                            await engine.release_snapshot(next_id)
+                        else:
+                            snapshots.append(next_id)
+                    elif op == "release" and snapshots:
+                        await engine.release_snapshot(snapshots.pop(pick % len(snapshots)))
+                    elif op == "admit":
+                        await engine.reserve(next_id, n)
+                        await engine.commit(next_id, step, max(1, n - 1))
+                        requests.append(next_id)
+                    elif op == "grow" and requests:
+                        r = requests[pick % len(requests)]
+                        await engine.reserve(r, n)
+                        await engine.commit(r, step, n)
+                    elif op in ("finish", "cancel") and requests:
+                        r = requests.pop(pick % len(requests))
+                        await (engine.finish if op == "finish" else engine.cancel)(r)
+                except OutOfPagesError:
+                    pass
+            current.update(outcome=outcome, rank=rank)
+            inputs = None
+            if outcome == "copy_fails":
+                bad = StepInputs(copies=[(torch.zeros(2), torch.zeros(3))])
+                inputs = {rank: bad}
+            with anyio.CancelScope() as scope:
+                current["scope"] = scope
+                try:
+                    await engine.run_step(step, inputs)
+                    assert outcome == "ok"
+                except StepFailedError as err:
+                    assert outcome in ("graph_fails", "copy_fails") and err.rank == rank and err.step == step
+            assert scope.cancelled_caught == (outcome == "cancelled")
+        ledger = engine.ledger
+        recorded = {(e.step, e.rank) for e in ledger.events if type(e) is StepCompleted}
+        assert recorded == finished
+        check_invariants(ledger.state)
+        assert replay(ledger.events, check=True).digest() == ledger.digest()
+
+
+@given(st.lists(step_plan, min_size=1, max_size=10))
+def test_random_sessions_with_failures_and_cancellations(steps):
+    anyio.run(session, steps)
