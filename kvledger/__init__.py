@@ -19,6 +19,16 @@ from kvledger.core.state import LedgerState, check_invariants
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # ``kvledger.open`` (the async engine) is resolved lazily: it needs anyio, and the
+    # engine module imports torch only when a rank has planes.
+    if name == "open":
+        from kvledger.engine import open_engine
+
+        return open_engine
+    raise AttributeError(f"module 'kvledger' has no attribute {name!r}")
+
 __all__ = [
     *_errors_all,
     "CLEAR_POLICIES",

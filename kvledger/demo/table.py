@@ -1,0 +1,94 @@
+"""The demo's output: a rich progress bar while it runs, a short table when it ends."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Optional
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+__all__ = ["progress_bars", "render_table"]
+
+
+@contextlib.contextmanager
+def progress_bars(console: Console, enabled: bool = True) -> Iterator[Optional[Callable[[str, int], Callable[[int], None]]]]:
+    """A ``progress(label, total) -> advance(n)`` factory drawing one bar per run
+    (``None`` when disabled)."""
+    if not enabled:
+        yield None
+        return
+    columns = (TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("requests"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as bars:
+
+        def factory(label: str, total: int) -> Callable[[int], None]:
+            task = bars.add_task(label, total=total)
+
+            def advance(n: int) -> None:
+                bars.advance(task, n)
+
+            return advance
+
+        yield factory
+
+
+def _ms(s: float) -> str:
+    return "%.2f ms" % (s * 1e3)
+
+
+def render_table(report) -> Table:
+    """The final table of a ``DemoReport``: one column for the run, one for the reference."""
+    c = report.config
+    run, ref = report.run, report.reference
+    title = (
+        "kvledger demo: %d requests, %d/%d-token prompts alternating, %d tokens out\n"
+        "hybrid decoder: %d layers, %d heads x %d + gated linear recurrence\n"
+        "FP8 e4m3fn KV, %d-token pages, %s, %d rank%s, policy %s\n"
+        "attention: torch scaled_dot_product_attention, masked over valid tokens"
+        % (c.requests, c.short_tokens, c.long_tokens, c.gen_tokens, c.layers, c.heads, c.head_dim,
+           c.page_tokens, c.device, c.ranks, "" if c.ranks == 1 else "s", c.policy)
+    )
+    t = Table(title=title, title_justify="left", header_style="bold")
+    t.add_column("")
+    t.add_column(run.label, no_wrap=True)
+    t.add_column("reference (no pressure)", no_wrap=True, style="dim")
+
+    def row(name: str, fn, ref_too: bool = True) -> None:
+        t.add_row(name, fn(run), fn(ref) if (ref is not None and ref_too) else "-")
+
+    row("requests passed", lambda r: "%d / %d" % (r.passed, r.requests))
+    row("INVALID_SPECULATION (6)", lambda r: str(r.invalid_speculation))
+    row("clear backend", lambda r: r.backend)
+    row("page budget", lambda r: "%d pages" % r.page_budget)
+    row("released pages as tails", lambda r: str(r.tails_released))
+    row("pages listed / cleared", lambda r: "%d / %d" % (r.pages_listed, r.pages_zeroed))
+    row("bytes zeroed", lambda r: "{:,}".format(r.bytes_zeroed))
+    row("time clearing", _clear_time)
+    row("step time, mean", lambda r: "%s (%d steps)" % (_ms(r.step_s / r.steps if r.steps else 0.0), r.steps))
+    row("clearing adds to step", lambda r: ("%.3f %%" % _added(r)) if r.pages_zeroed else "-")
+    row("snapshots made / freed", lambda r: "%d / %d" % (r.snapshots_made, r.snapshots_released))
+    row("rows intact at release", lambda r: "%d / %d" % (r.snapshot_rows_intact, r.snapshots_released))
+    row("FP8 NaN bytes via rows", lambda r: "{:,}".format(r.nan_bytes_written))
+    if report.oracle is None:
+        eq = "not checked"
+    else:
+        o = report.oracle
+        eq = "%s (%d/%d identical)" % ("yes" if o["equal"] else "no", o["requests_equal"], o["requests"])
+    t.add_row("logits == reference", eq, "-")
+    row("events / digest", lambda r: "%d / %s" % (r.events, r.digest[:12]))
+    row("wall time", lambda r: "%.1f s" % r.wall_s)
+    return t
+
+
+def _clear_time(r) -> str:
+    if r.pages_listed and not r.pages_zeroed:
+        return "none (not zeroed)"
+    return "%s (%d steps)" % (_ms(r.clear_s), r.steps_with_clears)
+
+
+def _added(r) -> float:
+    """Clearing's share of step time, as the percentage it adds to the rest of the step."""
+    rest = r.step_s - r.clear_s
+    return 100.0 * r.clear_s / rest if rest > 0 else 0.0

@@ -1,0 +1,137 @@
+"""The demo's workload: the seed's request trace, scaled, and the knobs of a run.
+
+The seed (helios PR 181): 143 requests alternating 16k/32k-token prompts under a
+49.5 GB memory limit, TP2. Here the same shape with sizes that fit a CPU:
+143 requests alternating short and long prompts (1024 / 2048 tokens by default),
+16-token pages, a few generated tokens each, and a page budget tight enough that
+the scheduler keeps evicting snapshot rows to admit requests, so released snapshot
+pages come back as requests' partially filled tail pages again and again.
+
+Pure Python (no torch): the CLI parses into a ``DemoConfig`` before torch is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from kvledger.core.errors import ConfigurationError, InvalidArgumentError
+from kvledger.core.events import CLEAR_POLICIES
+
+__all__ = ["DemoConfig", "RequestSpec", "requests_of", "INVALID_SPECULATION"]
+
+INVALID_SPECULATION = 6  # the device error the seed's engine reported for non-finite logits
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestSpec:
+    """One request of the trace: ``prompt_tokens`` tokens in, ``gen_tokens`` tokens out."""
+
+    request: int
+    prompt_tokens: int
+    gen_tokens: int
+    tenant: str
+
+    def kv_tokens(self) -> int:
+        """Tokens whose K/V end up in the cache (the last generated token is never fed)."""
+        return self.prompt_tokens + self.gen_tokens - 1
+
+    def pages(self, page_tokens: int) -> int:
+        """Pages the request holds once it is done."""
+        return -(-self.kv_tokens() // page_tokens)
+
+    def prompt_pages(self, page_tokens: int) -> int:
+        return -(-self.prompt_tokens // page_tokens)
+
+    def checkpoints(self, every: int) -> tuple[int, ...]:
+        """Token counts after which prefill snapshots the recurrent state: every ``every``
+        tokens and at the end of the prompt (prefix caching for a hybrid model)."""
+        return tuple(range(every, self.prompt_tokens, every)) + (self.prompt_tokens,)
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    """Everything a demo run depends on. ``validate()`` raises ``InvalidArgumentError``
+    / ``ConfigurationError`` naming the bad knob.
+
+    ``page_budget``: pages in the cache under pressure; ``None`` picks one from
+    ``pressure`` (the fraction of the pages ``max_running`` average requests would
+    hold). ``clear=False`` is the seed's failure: the ledger still lists pages, the
+    executors do not zero them. ``keep_going=True`` counts a request's
+    INVALID_SPECULATION but lets it decode to the end instead of cancelling it, so a
+    run with clears off follows exactly the schedule of one with clears on (the
+    scheduler never looks at logits): the fair baseline for step-time comparisons.
+    """
+
+    requests: int = 143
+    short_tokens: int = 1024
+    long_tokens: int = 2048
+    gen_tokens: int = 8
+    page_tokens: int = 16
+    page_budget: Optional[int] = None
+    pressure: float = 0.75
+    max_running: int = 8
+    snapshot_cache: Optional[int] = None  # cap on live snapshots; None: evicted under pressure only
+    snapshot_every: int = 512  # prefill snapshots the recurrent state every this many tokens, and at the end
+    policy: str = "released_aliases"
+    clear: bool = True
+    device: str = "cpu"
+    backend: str = "torch"
+    ranks: int = 1
+    seed: int = 0
+    layers: int = 2
+    heads: int = 4
+    head_dim: int = 16
+    d_model: int = 64
+    tenants: int = 3
+    threads: Optional[int] = 1  # torch intra-op threads on the CPU (None: leave torch's setting)
+    keep_going: bool = False  # count INVALID_SPECULATION but keep decoding (same schedule either way: timing)
+
+    def validate(self) -> "DemoConfig":
+        for name in ("requests", "short_tokens", "long_tokens", "gen_tokens", "page_tokens", "max_running",
+                     "ranks", "layers", "heads", "head_dim", "d_model", "tenants", "snapshot_every"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 1:
+                raise InvalidArgumentError("%s must be a positive int, got %r" % (name, v))
+        if self.gen_tokens < 2:
+            raise InvalidArgumentError("gen_tokens must be >= 2 (at least one decode step), got %d" % self.gen_tokens)
+        if self.threads is not None and (type(self.threads) is not int or self.threads < 1):
+            raise InvalidArgumentError("threads must be a positive int or None, got %r" % (self.threads,))
+        if self.page_budget is not None and (type(self.page_budget) is not int or self.page_budget < 1):
+            raise InvalidArgumentError("page_budget must be a positive int, got %r" % (self.page_budget,))
+        if not 0.0 < self.pressure <= 4.0:
+            raise InvalidArgumentError("pressure must be in (0, 4], got %r" % (self.pressure,))
+        if self.snapshot_cache is not None and (type(self.snapshot_cache) is not int or self.snapshot_cache < 0):
+            raise InvalidArgumentError("snapshot_cache must be an int >= 0, got %r" % (self.snapshot_cache,))
+        if self.policy not in CLEAR_POLICIES:
+            raise ConfigurationError("unknown clear policy %r; one of %s" % (self.policy, CLEAR_POLICIES))
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigurationError("device must be 'cpu' or 'cuda', got %r" % (self.device,))
+        if self.heads % self.ranks:
+            raise ConfigurationError("heads (%d) must divide by ranks (%d)" % (self.heads, self.ranks))
+        return self
+
+    def specs(self) -> list[RequestSpec]:
+        return requests_of(self)
+
+    def budget(self) -> int:
+        """The page budget under pressure: ``page_budget``, or ``pressure`` times the
+        pages ``max_running`` requests of average size hold (at least the largest
+        request plus one snapshot, so the trace always makes progress)."""
+        specs = self.specs()
+        largest = max(s.pages(self.page_tokens) for s in specs)
+        if self.page_budget is not None:
+            return self.page_budget
+        mean = sum(s.pages(self.page_tokens) for s in specs) / len(specs)
+        return max(int(self.pressure * self.max_running * mean), largest + 2 * self.max_running)
+
+
+def requests_of(config: DemoConfig) -> list[RequestSpec]:
+    """The trace: request ``i`` has the short prompt when ``i`` is even, the long one when
+    odd (alternating, as in the seed); tenants round-robin."""
+    out = []
+    for i in range(config.requests):
+        tokens = config.short_tokens if i % 2 == 0 else config.long_tokens
+        out.append(RequestSpec(request=i, prompt_tokens=tokens, gen_tokens=config.gen_tokens,
+                               tenant="tenant-%d" % (i % config.tenants)))
+    return out
