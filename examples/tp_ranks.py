@@ -1,0 +1,318 @@
+"""Tensor-parallel ranks in separate processes, over the layout-7 wire.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 4 examples/tp_ranks.py --steps 40
+    (torchrun --standalone --nproc-per-node 4 ..., same thing; --standalone picks a free
+    rendezvous port; multi-host: torchrun's usual --nnodes/--rdzv-endpoint, and --host
+    set to an address of rank 0 the other hosts can reach)
+
+Rank 0 is the leader: it owns a kvledger.Ledger under KV pressure (snapshot rows
+alias pages and are released, requests take the pages back as tail pages) and
+sends each sealed step's plan to the other ranks in PREPARE frames. The ranks find
+each other only through torch.distributed's rendezvous store: the leader listens
+on TCP and publishes its address there; peers read it and connect.
+
+    rank 0 (leader)                               rank r (peer)
+    ───────────────                               ─────────────
+    store <- "kvledger/wire/leader" = host:port   store.get(...) -> connect, HELLO
+    ledger: alias / release / reserve / commit
+    plan = ledger.seal_step(k)
+    run_step(plan, payload) ── PREPARE ─────────► validate ─► READY
+                            ◄── READY from all ──
+                            ── LAUNCH ──────────► step k on every rank, own planes:
+                                                    1. rows:  snapshot rows write
+                                                       FP8 NaN bytes (0x7F) into pages
+                                                    2. clear: make_backend("torch"|...).clear
+                                                    3. kv:    requests write their tokens
+                                                    4. check: no NaN byte in a page a
+                                                       request just wrote
+    at the end every rank puts a digest of (step, sorted clear list) for the steps it
+    launched into the store; the leader compares them and exits non-zero on any
+    disagreement or NaN byte, and every rank exits with the leader's verdict.
+
+Each rank has its own planes (K as bfloat16, V as float8_e4m3fn; bytes per page
+differ per rank, as with sharded heads). ``--device cuda`` puts them on the rank's
+GPU (and uses NCCL for the process group); ``--backend triton`` picks that clear
+backend. ``--skip-clear`` leaves stale bytes in place, so the NaN check fails:
+the check is real.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import random
+import struct
+import sys
+import time
+from datetime import timedelta
+
+import anyio
+import msgspec
+import structlog
+
+from kvledger import Geometry, Ledger, OutOfPagesError
+from kvledger.wire.rank import open_leader, run_peer
+from kvledger.wire.transport import connect_tcp
+
+NAN = 0x7F  # float8_e4m3fn NaN (so is 0xFF)
+KEY = "kvledger/wire/"
+
+
+class Payload(msgspec.Struct, frozen=True, array_like=True):
+    """What a step carries besides its clear list: row writes and KV writes."""
+
+    rows: tuple[int, ...] = ()  # pages written by snapshot rows (whole page, NaN bytes)
+    kv: tuple[tuple[int, int, int], ...] = ()  # (page, tokens, byte) written by requests
+
+
+class RankState:
+    """One rank's planes, clear backend and record of what it launched."""
+
+    def __init__(self, rank: int, geometry: Geometry, device: str, backend: str, skip_clear: bool) -> None:
+        import torch
+
+        from kvledger.executors.backend import make_backend
+
+        self.rank = rank
+        self.torch = torch
+        heads = 2 * (rank + 1)  # bytes per page differ per rank
+        shape = (geometry.num_pages, geometry.page_tokens, heads, 8)
+        self.planes = [
+            torch.zeros(shape, dtype=torch.bfloat16, device=device),
+            torch.zeros(shape, dtype=torch.float8_e4m3fn, device=device),
+        ]
+        self.bytes = [p.view(torch.uint8) for p in self.planes]  # same memory, as bytes
+        self.backend = make_backend(backend, self.planes)
+        self.skip_clear = skip_clear
+        self.decoder = msgspec.msgpack.Decoder(Payload)
+        self.digest = hashlib.blake2b(digest_size=16)
+        self.launched = 0
+        self.dropped = 0
+        self.pages_cleared = 0
+        self.nan_pages: list[tuple[int, int]] = []
+
+    def on_launch(self, step: int, clear_pages, payload: bytes) -> None:
+        torch = self.torch
+        p = self.decoder.decode(payload)
+        ids = sorted(clear_pages)
+        for b in self.bytes:  # 1. input copies: snapshot rows land in their pages
+            if p.rows:
+                b[list(p.rows)] = NAN
+        if not self.skip_clear:  # 2. zero the clear list in every plane
+            self.backend.clear(ids)
+        for page, tokens, byte in p.kv:  # 3. the step graph: requests write their tokens
+            for b in self.bytes:
+                b[page, :tokens] = byte
+        written = sorted({page for page, _, _ in p.kv})
+        if written:  # 4. no request page may hold a NaN byte it did not write
+            for b in self.bytes:
+                bad = (b[written] == NAN).flatten(1).any(1).nonzero().flatten().tolist()
+                self.nan_pages += [(step, written[i]) for i in bad]
+        self.digest.update(struct.pack("<QI", step, len(ids)) + struct.pack("<" + str(len(ids)) + "I", *ids))
+        self.launched += 1
+        self.pages_cleared += len(ids)
+        if self.planes[0].is_cuda:
+            torch.cuda.current_stream().synchronize()
+
+    def on_drop(self, step: int, code: int, rank: int) -> None:
+        self.dropped += 1
+
+    def report(self) -> dict:
+        return {
+            "rank": self.rank,
+            "digest": self.digest.hexdigest(),
+            "launched": self.launched,
+            "dropped": self.dropped,
+            "pages_cleared": self.pages_cleared,
+            "nan_pages": len(self.nan_pages),
+            "first_nan": self.nan_pages[:3],
+            "plane_bytes_per_page": [b[0].numel() for b in self.bytes],
+        }
+
+
+class Workload:
+    """KV pressure with snapshots, driven through a Ledger (the leader's side)."""
+
+    def __init__(self, geometry: Geometry, seed: int) -> None:
+        self.ledger = Ledger(geometry, record=False)
+        self.g = geometry
+        self.rng = random.Random(seed)
+        self.live: dict[int, int] = {}
+        self.snaps: list[int] = []
+        self.next_request = self.next_snapshot = 0
+        self.rows: list[int] = []  # carried until a step launches
+        self.writes: dict[int, tuple[int, int]] = {}  # request -> (tokens, byte), until a step launches
+        self.refused = 0
+
+    def step(self, step: int) -> tuple:
+        rng, led, T = self.rng, self.ledger, self.g.page_tokens
+        for _ in range(rng.randint(1, 3)):  # hybrid-model snapshots take pages ...
+            try:
+                pages = led.alias_snapshot(self.next_snapshot, rng.randint(2, 6))
+            except OutOfPagesError:
+                self.refused += 1
+                continue
+            self.snaps.append(self.next_snapshot)
+            self.next_snapshot += 1
+            self.rows.extend(pages)
+        while self.snaps and rng.random() < 0.55:  # ... and some are released: pages marked
+            led.release_snapshot(self.snaps.pop(rng.randrange(len(self.snaps))))
+        for _ in range(rng.randint(1, 4)):  # requests: whole pages plus a partial tail page
+            tokens = rng.randint(T + 1, 8 * T)
+            need = -(-tokens // T)
+            r = self.next_request
+            self.next_request += 1
+            try:
+                led.reserve(r, need, tenant="t" + str(r % 3))
+            except OutOfPagesError:
+                self.refused += 1
+                continue
+            led.commit(r, step, need)
+            self.writes[r] = (tokens, 0x01 + r % 0x7E)  # never 0x7F
+            self.live[r] = tokens
+        for r in [r for r in self.live if rng.random() < 0.3]:
+            (led.cancel if rng.random() < 0.2 else led.finish)(r)
+            del self.live[r]
+        plan = led.seal_step(step)
+        kv = []  # requests still live write their tokens; one that finished already writes nothing
+        for r, (tokens, byte) in self.writes.items():
+            if r in self.live:
+                for i, page in enumerate(led.kv_pages(r)):
+                    kv.append((page, min(T, tokens - i * T), byte))
+        payload = msgspec.msgpack.encode(Payload(rows=tuple(self.rows), kv=tuple(kv)))
+        return plan, payload
+
+    def launched(self, step: int) -> None:
+        self.rows.clear()
+        self.writes.clear()
+        self.ledger.step_completed(step, 0)
+
+    def aborted(self, step: int, reason: str) -> None:
+        self.ledger.step_aborted(step, reason)  # the clear list is carried into the next step
+
+
+async def lead(args, store, world: int, me: RankState, g: Geometry) -> dict:
+    work = Workload(g, args.seed)
+    decisions = []
+    async with open_leader(g, world_size=world) as leader:
+        host, port = await leader.listen_tcp(args.host, 0)
+        store.set(KEY + "leader", host + ":" + str(port))
+        with anyio.fail_after(args.join_timeout):
+            await leader.wait_joined()
+        t0 = time.perf_counter()
+        for step in range(args.steps):
+            plan, payload = work.step(step)
+            d = await leader.run_step(plan, payload, timeout=args.timeout)
+            if d.launch:
+                ids = memoryview(struct.pack("<" + str(len(plan.clear_list)) + "I", *sorted(plan.clear_list))).cast("I")
+                me.on_launch(step, ids, payload)
+                work.launched(step)
+            else:
+                me.on_drop(step, d.code, d.rank)
+                work.aborted(step, d.detail)
+            decisions.append(d.launch)
+        elapsed = time.perf_counter() - t0
+        stats = leader.statistics()
+    return {
+        "steps": args.steps,
+        "launched": sum(decisions),
+        "aborted": len(decisions) - sum(decisions),
+        "seconds": elapsed,
+        "ledger_digest": work.ledger.digest(),
+        "refused": work.refused,
+        "frames": sum(v for k, v in stats.items() if k.endswith("frames_in")),
+    }
+
+
+async def follow(args, store, rank: int, world: int, me: RankState, g: Geometry) -> dict:
+    host, port = store.get(KEY + "leader").decode().rsplit(":", 1)
+    with anyio.fail_after(args.join_timeout):
+        stream = await connect_tcp(host, int(port))
+    return await run_peer(
+        stream, g, rank=rank, world_size=world, on_launch=me.on_launch, on_drop=me.on_drop, hello_timeout=args.join_timeout
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--pages", type=int, default=128)
+    ap.add_argument("--page-tokens", type=int, default=16)
+    ap.add_argument("--timeout", type=float, default=2.0, help="seconds the leader waits for READY from all")
+    ap.add_argument("--join-timeout", type=float, default=60.0)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (each rank takes cuda:LOCAL_RANK)")
+    ap.add_argument("--backend", default="torch", help="clear backend: torch, triton or cuda")
+    ap.add_argument("--host", default=None, help="address the leader listens on (default: MASTER_ADDR)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-clear", action="store_true", help="do not clear (the NaN check must then fail)")
+    args = ap.parse_args()
+
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+    import torch
+    import torch.distributed as dist
+
+    # Rendezvous through torch.distributed's store (torchrun's env://): no discovery of our own.
+    store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=args.join_timeout)))
+    store = dist.PrefixStore("kvledger-tp", store)
+    device = args.device
+    if device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local)
+        device = "cuda:" + str(local)
+    dist.init_process_group(
+        "nccl" if device.startswith("cuda") else "gloo",
+        store=dist.PrefixStore("pg", store),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=args.join_timeout),
+    )
+    args.host = args.host or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    if args.host == "localhost":
+        args.host = "127.0.0.1"
+    g = Geometry(num_pages=args.pages, page_tokens=args.page_tokens)
+    me = RankState(rank, g, device, args.backend, args.skip_clear)
+
+    if rank == 0:
+        run = anyio.run(lead, args, store, world, me, g)
+    else:
+        run = anyio.run(follow, args, store, rank, world, me, g)
+    rep = me.report()
+    store.set(KEY + "report/" + str(rank), json.dumps(rep))
+
+    if rank == 0:
+        store.wait([KEY + "report/" + str(r) for r in range(world)], timedelta(seconds=args.join_timeout))
+        reports = [json.loads(store.get(KEY + "report/" + str(r))) for r in range(world)]
+        agree = len({r["digest"] for r in reports}) == 1 and len({r["launched"] for r in reports}) == 1
+        nan = sum(r["nan_pages"] for r in reports)
+        ok = agree and nan == 0 and run["launched"] == reports[0]["launched"]
+        print(
+            "tp_ranks: " + str(world) + " ranks, " + str(run["steps"]) + " steps (" + str(run["launched"]) + " launched, "
+            + str(run["aborted"]) + " aborted) in " + format(run["seconds"], ".3f") + " s, "
+            + format(1e3 * run["seconds"] / max(1, run["steps"]), ".2f") + " ms/step; ledger digest "
+            + run["ledger_digest"][:16] + "; reservations refused under KV pressure: " + str(run["refused"])
+        )
+        print(" rank  launched  dropped  pages cleared  NaN pages  bytes/page per plane  clear digest")
+        for r in reports:
+            print(
+                format(r["rank"], ">5") + format(r["launched"], ">10") + format(r["dropped"], ">9")
+                + format(r["pages_cleared"], ">15") + format(r["nan_pages"], ">11") + "  "
+                + format(str(r["plane_bytes_per_page"]), "<22") + r["digest"]
+            )
+            if r["nan_pages"]:
+                print("       first NaN pages (step, page):", r["first_nan"])
+        print("verdict:", "ranks agree, no stale byte read" if ok else "FAILED (digests differ or NaN bytes read)")
+        store.set(KEY + "verdict", "ok" if ok else "failed")
+    verdict = store.get(KEY + "verdict").decode()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0 if verdict == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,376 @@
+"""The async drivers over real transports: anyio memory pipes and loopback TCP.
+
+Every rank clears its own torch planes through the torch clear backend on LAUNCH;
+faults (a peer killed, paused or partitioned at a handshake phase) are injected
+by a relay that reads the frames going by. Deadlines here are real (anyio), so
+the figures printed are wall-clock: time from PREPARE to the survivors' ABORT.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import anyio
+import pytest
+import torch
+
+from kvledger import DuplicatePageError, Geometry, StepOrderError, StepPlan, WireProtocolError
+from kvledger.executors.backend import make_backend
+from kvledger.wire.codec import HEADER_SIZE, FrameKind, Hello, RejectCode, decode, encode, geometry_digest
+from kvledger.wire.protocol import HandshakeRefused
+from kvledger.wire.rank import open_leader, run_peer
+from kvledger.wire.transport import connect_tcp, memory_pipe
+
+G = Geometry(num_pages=128, page_tokens=16)
+TIMEOUT = 0.3
+
+
+class Rank:
+    """One rank's planes, backend and record of what it cleared and dropped."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.planes = [torch.full((G.num_pages, 4 * (rank + 1)), 0x7F, dtype=torch.uint8) for _ in range(2)]
+        self.backend = make_backend("torch", self.planes)
+        self.ran: list[int] = []
+        self.error = None
+        self.dropped: list[tuple[int, float]] = []
+        self.digest = hashlib.blake2b(digest_size=16)
+
+    def on_launch(self, step, clear_pages, payload):
+        self.backend.clear(clear_pages)
+        self.ran.append(step)
+        self.digest.update(struct.pack("<Q", step) + bytes(memoryview(clear_pages).cast("B")))
+
+    def on_drop(self, step, code, rank):
+        self.dropped.append((step, anyio.current_time()))
+
+    def zeroed(self, ids) -> bool:
+        return all(int(p[list(ids)].sum()) == 0 for p in self.planes) if ids else True
+
+
+def frames_in(data: bytes):
+    """Kinds and steps of the whole frames at the start of ``data`` (relay inspection)."""
+    out, pos = [], 0
+    while pos + HEADER_SIZE <= len(data):
+        kind = data[pos + 5]
+        body_len = int.from_bytes(data[pos + 8 : pos + 12], "little")
+        step = int.from_bytes(data[pos + 12 : pos + 20], "little")
+        out.append((kind, step))
+        pos += HEADER_SIZE + body_len
+    return out
+
+
+class Relay:
+    """Forwards bytes leader <-> peer; can hold (partition), or call ``on_frame`` hooks first."""
+
+    def __init__(self, leader_end, peer_end, on_down=None, on_up=None) -> None:
+        self.a, self.b = leader_end, peer_end
+        self.on_down, self.on_up = on_down, on_up
+        self.open = anyio.Event()
+        self.open.set()
+        self.after_send = None  # called once, after the next chunk went through
+
+    def partition(self):
+        self.open = anyio.Event()
+
+    def heal(self):
+        self.open.set()
+
+    async def _pump(self, src, dst, hook):
+        try:
+            while True:
+                data = await src.receive()
+                if hook is not None:
+                    data = await hook(data)
+                    if data is None:
+                        continue
+                await self.open.wait()
+                await dst.send(data)
+                if self.after_send is not None:
+                    fn, self.after_send = self.after_send, None
+                    fn()
+        except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass
+        finally:
+            with anyio.CancelScope(shield=True):
+                await dst.aclose()
+                await src.aclose()
+
+    async def run(self):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._pump, self.a, self.b, self.on_down)
+            tg.start_soon(self._pump, self.b, self.a, self.on_up)
+
+
+def _wired(world, hooks, max_chunks=64):
+    """Memory pipes leader <-> relay <-> peer for ranks in ``hooks``; direct pipes for the rest."""
+    links = {}
+    for r in range(1, world):
+        lead_end, mid_a = memory_pipe(max_chunks)
+        if r in hooks:
+            mid_b, peer_end = memory_pipe(max_chunks)
+            links[r] = (lead_end, peer_end, Relay(mid_a, mid_b, **hooks[r]))
+        else:
+            links[r] = (lead_end, mid_a, None)
+    return links
+
+
+async def _start(tg, leader, world, hooks=None, max_chunks=64):
+    ranks = {r: Rank(r) for r in range(world)}
+    scopes, relays = {}, {}
+    for r, (lead_end, peer_end, relay) in _wired(world, hooks or {}, max_chunks).items():
+        leader.attach(lead_end)
+        if relay is not None:
+            relays[r] = relay
+            tg.start_soon(relay.run)
+        scope = anyio.CancelScope()
+        scopes[r] = scope
+
+        async def peer(r=r, stream=peer_end, scope=scope):
+            with scope:
+                try:
+                    await run_peer(
+                        stream, G, rank=r, world_size=world, on_launch=ranks[r].on_launch, on_drop=ranks[r].on_drop,
+                        hello_timeout=2,
+                    )
+                except (WireProtocolError, TimeoutError) as exc:
+                    ranks[r].error = exc
+
+        tg.start_soon(peer)
+    with anyio.fail_after(5):
+        await leader.wait_joined()
+    return ranks, scopes, relays
+
+
+async def _steps(leader, ranks, n, first=0, ids_for=None):
+    decisions = []
+    for step in range(first, first + n):
+        ids = ids_for(step) if ids_for else tuple(sorted({(step * 7 + i * 13) % G.num_pages for i in range(9)}))
+        plan = StepPlan(step=step, clear_list=ids)
+        t0 = anyio.current_time()
+        d = await leader.run_step(plan, b"payload-" + str(step).encode(), timeout=TIMEOUT)
+        if d.launch:
+            ranks[0].on_launch(step, memoryview(struct.pack("<" + str(len(ids)) + "I", *sorted(ids))).cast("I"), b"")
+        decisions.append((d, t0, ids))
+    return decisions
+
+
+# ---------------------------------------------------------------------------- happy paths
+
+
+@pytest.mark.asyncio
+async def test_memory_transport_every_rank_clears_the_same_pages():
+    async with anyio.create_task_group() as tg:
+        async with open_leader(G, world_size=4) as leader:
+            ranks, _, _ = await _start(tg, leader, 4)
+            decisions = await _steps(leader, ranks, 20)
+            await anyio.sleep(0.05)
+    assert all(d.launch for d, _, _ in decisions)
+    digests = {r.digest.hexdigest() for r in ranks.values()}
+    assert len(digests) == 1
+    for d, _, ids in decisions:
+        for r in ranks.values():
+            assert r.zeroed(ids)
+    assert all(r.ran == list(range(20)) and r.error is None for r in ranks.values())
+    print("memory transport: 4 ranks x 20 steps, one clear digest", digests.pop()[:16])
+
+
+@pytest.mark.asyncio
+async def test_tcp_transport_every_rank_clears_the_same_pages():
+    world = 4
+    ranks = {r: Rank(r) for r in range(world)}
+    async with anyio.create_task_group() as tg:
+        async with open_leader(G, world_size=world) as leader:
+            host, port = await leader.listen_tcp()
+            for r in range(1, world):
+                stream = await connect_tcp(host, port)
+                tg.start_soon(
+                    lambda s=stream, r=r: run_peer(s, G, rank=r, world_size=world, on_launch=ranks[r].on_launch, hello_timeout=5)
+                )
+            with anyio.fail_after(5):
+                await leader.wait_joined()
+            decisions = await _steps(leader, ranks, 15)
+            stats = leader.statistics()
+    assert all(d.launch for d, _, _ in decisions)
+    assert len({r.digest.hexdigest() for r in ranks.values()}) == 1
+    assert stats["launched"] == 15 and stats["rank3.votes"] == 15
+
+
+# ---------------------------------------------------------------------------- refusals at HELLO
+
+
+@pytest.mark.asyncio
+async def test_tcp_peer_with_another_geometry_or_layout_6_is_refused_at_hello():
+    world = 3
+    outcomes = {}
+    async with anyio.create_task_group() as tg:
+        async with open_leader(G, world_size=world) as leader:
+            host, port = await leader.listen_tcp()
+
+            # a peer built for another geometry
+            async def wrong_geometry():
+                s = await connect_tcp(host, port)
+                with pytest.raises(HandshakeRefused) as info:
+                    await run_peer(s, Geometry(num_pages=256, page_tokens=16), rank=1, world_size=world, on_launch=print)
+                outcomes["geometry"] = info.value.code
+
+            # a layout-6 build: its HELLO has layout byte 6
+            async def layout6():
+                s = await connect_tcp(host, port)
+                await s.send(encode(Hello(step=0, rank=2, world_size=world, geometry_digest=geometry_digest(G), layout=6)))
+                data = b""
+                with anyio.fail_after(5):
+                    while len(data) < HEADER_SIZE or len(data) < HEADER_SIZE + int.from_bytes(data[8:12], "little"):
+                        data += await s.receive()
+                outcomes["layout6"] = decode(data).code
+                await s.aclose()
+
+            tg.start_soon(wrong_geometry)
+            tg.start_soon(layout6)
+            with anyio.move_on_after(1.0):
+                await leader.wait_joined()
+            assert leader.ranks == frozenset()
+            # nothing joined: a step aborts at once, naming a missing rank
+            d = await leader.run_step(StepPlan(step=0, clear_list=(1,)), timeout=TIMEOUT)
+            assert not d.launch and d.code == RejectCode.PEER_LOST
+    assert outcomes == {"geometry": RejectCode.GEOMETRY_MISMATCH, "layout6": RejectCode.BAD_LAYOUT}
+
+
+@pytest.mark.asyncio
+async def test_a_second_link_for_a_taken_rank_is_refused():
+    async with anyio.create_task_group() as tg:
+        async with open_leader(G, world_size=2) as leader:
+            ranks, _, _ = await _start(tg, leader, 2)
+            a, b = memory_pipe()
+            leader.attach(a)
+            with pytest.raises(HandshakeRefused) as info:
+                await run_peer(b, G, rank=1, world_size=2, on_launch=print, hello_timeout=5)
+            assert info.value.code == RejectCode.BAD_RANK
+            d = (await _steps(leader, ranks, 1))[0][0]
+            assert d.launch  # the first link is untouched
+
+
+@pytest.mark.asyncio
+async def test_bad_plan_raises_locally_and_sends_nothing():
+    async with anyio.create_task_group() as tg:
+        async with open_leader(G, world_size=3) as leader:
+            ranks, _, _ = await _start(tg, leader, 3)
+            before = leader.statistics()
+            with pytest.raises(DuplicatePageError):
+                await leader.run_step(StepPlan(step=0, clear_list=(3, 3)), timeout=TIMEOUT)
+            with pytest.raises(StepOrderError):
+                await leader.run_step(StepPlan(step=5, clear_list=(3,)), timeout=TIMEOUT)
+            assert leader.statistics() == before
+            d = (await _steps(leader, ranks, 1))[0][0]
+            assert d.launch and d.step == 0
+
+
+# ---------------------------------------------------------------------------- R13 over the async drivers
+
+
+def _phase_hook(phase, step, action):
+    """A relay hook firing ``action()`` at ``phase`` of ``step``; returns (on_down, on_up)."""
+    fired = {"done": False}
+
+    async def on_down(data):
+        kinds = frames_in(data)
+        if not fired["done"]:
+            if phase == "before_prepare" and (FrameKind.PREPARE, step) in kinds:
+                fired["done"] = True
+                return await action(data, before=True)
+            if phase == "after_decision" and any(k in (FrameKind.LAUNCH, FrameKind.ABORT) and s == step for k, s in kinds):
+                fired["done"] = True
+                return await action(data, before=True)
+        return data
+
+    async def on_up(data):
+        kinds = frames_in(data)
+        if not fired["done"] and phase in ("after_prepare", "after_ready") and any(
+            k in (FrameKind.READY, FrameKind.REJECT) and s == step for k, s in kinds
+        ):
+            fired["done"] = True
+            # after_prepare: the answer never leaves; after_ready: it leaves, then the fault
+            return await action(data, before=phase == "after_prepare")
+        return data
+
+    return on_down, on_up
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("fault", ["kill", "pause", "partition"])
+@pytest.mark.parametrize("phase", ["before_prepare", "after_prepare", "after_ready", "after_decision"])
+async def test_r13_async_fault_at_each_phase(fault, phase):
+    world, fstep, f = 3, 1, 2
+
+    async with anyio.create_task_group() as tg:
+        async with open_leader(G, world_size=world, close_grace=0.1) as leader:
+            holder = {}
+
+            async def action(data, before):
+                relay, scope = holder["relay"], holder["scope"]
+                if fault == "kill":  # the peer dies: what it had not read or written is lost
+                    if before:
+                        scope.cancel()
+                        return None
+                    relay.after_send = scope.cancel  # ... or it wrote its READY, then died
+                    return data
+                if fault == "pause" and not before:
+                    relay.after_send = relay.partition  # it wrote its READY, then stopped
+                    return data
+                relay.partition()  # nothing moves either way until healed; this chunk waits too
+                return data
+
+            on_down, on_up = _phase_hook(phase, fstep, action)
+            ranks, scopes, relays = await _start(tg, leader, world, hooks={f: dict(on_down=on_down, on_up=on_up)})
+            holder["relay"], holder["scope"] = relays[f], scopes[f]
+            decisions = await _steps(leader, ranks, 4)
+            # heal: a paused or partitioned peer catches up with its backlog
+            relays[f].heal()
+            await anyio.sleep(0.1)
+        tg.cancel_scope.cancel()
+    by_step = {d.step: (d, t0) for d, t0, _ in decisions}
+    d1, t1 = by_step[fstep]
+    survivor = ranks[1]
+    # the faulted step aborts unless f's READY had reached the leader
+    if phase in ("before_prepare", "after_prepare"):
+        assert not d1.launch
+    # survivors reach ABORT within the deadline (plus scheduling slack)
+    worst = 0.0
+    for s, (d, t0) in by_step.items():
+        if not d.launch:
+            t_drop = dict(survivor.dropped)[s]
+            worst = max(worst, t_drop - t0)
+            assert t_drop - t0 <= TIMEOUT + 1.0, (s, t_drop - t0)
+    # nobody ran an aborted step, not even the healed peer; all ran the launched ones in order
+    launched = [s for s, (d, _) in sorted(by_step.items()) if d.launch]
+    assert ranks[0].ran == launched and survivor.ran == launched
+    assert set(ranks[f].ran) <= set(launched)
+    if fault != "kill":
+        assert ranks[f].ran == launched
+    print("R13 async", fault, phase, "decisions", [(d.step, d.launch, int(d.code)) for d, _, _ in decisions],
+          "slowest ABORT after PREPARE %.3f s (deadline %.1f s)" % (worst, TIMEOUT))
+
+
+@pytest.mark.asyncio
+async def test_a_peer_that_stops_reading_is_dropped_not_waited_for():
+    """Backpressure: a peer whose outbox fills is given up (lost), the leader never blocks on it."""
+    world = 3
+    async with anyio.create_task_group() as tg:
+        async with open_leader(G, world_size=world, outbox_frames=2, close_grace=0.1) as leader:
+            ranks, scopes, relays = await _start(tg, leader, world, hooks={2: {}}, max_chunks=2)
+            relays[2].partition()
+            t0 = anyio.current_time()
+            decisions = await _steps(leader, ranks, 8)
+            took = anyio.current_time() - t0
+            leader_ranks = leader.ranks
+            assert 2 not in leader_ranks
+        tg.cancel_scope.cancel()  # the relay of the stalled link never heals
+    codes = [int(d.code) for d, _, _ in decisions]
+    assert all(not d.launch for d, _, _ in decisions)
+    assert RejectCode.PEER_LOST in codes
+    assert took < 8 * TIMEOUT + 1.0
+    assert 1 in leader_ranks  # the healthy peer kept its link
+    assert ranks[1].error is None and [s for s, _ in ranks[1].dropped] == list(range(8))
+    print("stalled peer dropped after", codes.index(RejectCode.PEER_LOST), "timed-out steps; codes", codes)

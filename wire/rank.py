@@ -1,0 +1,490 @@
+"""Async drivers: the leader and the peer loop over any byte stream (memory or TCP).
+
+They move bytes between a transport and the pure state machines of
+``kvledger.wire.protocol`` and own every clock: the leader's vote deadline
+(``run_step(..., timeout=)``), a peer's join deadline (``hello_timeout``).
+
+    leader process / task                          peer r (one per remote rank)
+    ─────────────────────                          ────────────────────────────
+    async with open_leader(geometry, world_size=W) as leader:
+        leader.attach(stream)  or  await leader.listen_tcp()
+        with anyio.fail_after(t): await leader.wait_joined()
+        plan = ledger.seal_step(step)
+        d = await leader.run_step(plan, payload, timeout=0.5)
+        d.launch: clear plan.clear_list locally,     run_peer(stream, geometry, rank=r, world_size=W,
+                  run the step                                on_launch=clear_and_run)
+        else:     ledger.step_aborted(step)           on LAUNCH: on_launch(step, clear_pages, payload)
+                                                       on ABORT:  on_drop(step, code, rank)  (nothing cleared)
+
+Per link the leader runs a reader task (frames in, votes to the decision rule)
+and a writer task fed by a bounded outbox. A peer that stops reading (paused,
+partitioned) fills its outbox; the leader then drops the link instead of
+blocking, counts the rank as lost and aborts the step in flight and every later
+one until the rank rejoins. Failures are fail-closed: a lost link, an expired
+deadline or a REJECT all end in ABORT on every reachable rank, and a rank clears
+and launches a step only on a LAUNCH its own state machine accepts.
+
+Logging goes through a structlog logger passed in (or ``kvledger.wire``'s);
+nothing here configures output.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
+
+import anyio
+import structlog
+
+from kvledger.core.errors import InvalidArgumentError, WireProtocolError
+
+from .codec import RejectCode
+from .transport import listen_tcp, listener_address
+from .protocol import (
+    NEED_DATA,
+    Answered,
+    ConnectionClosed,
+    Decision,
+    DropStep,
+    Joined,
+    Leader,
+    LeaderLink,
+    LeaderState,
+    PeerHello,
+    PeerLink,
+    RunStep,
+)
+
+__all__ = ["WireLeader", "open_leader", "run_peer", "OnLaunch", "OnDrop"]
+
+OnLaunch = Callable[[int, Any, bytes], Union[None, Awaitable[None]]]
+OnDrop = Callable[[int, int, int], Union[None, Awaitable[None]]]
+
+_CLOSED = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
+
+
+def _logger(logger):
+    return logger if logger is not None else structlog.get_logger("kvledger.wire")
+
+
+class _Conn:
+    __slots__ = ("link", "stream", "out_send", "out_recv", "rank", "cancel", "alive", "writer_done")
+
+    def __init__(self, link: LeaderLink, stream, outbox: int) -> None:
+        self.link = link
+        self.stream = stream
+        self.out_send, self.out_recv = anyio.create_memory_object_stream[bytes](outbox)
+        self.rank: Optional[int] = None
+        self.cancel: Optional[anyio.CancelScope] = None
+        self.alive = True
+        self.writer_done = anyio.Event()
+
+
+class WireLeader:
+    """The leader (rank 0) of one tensor-parallel group. Build it with ``open_leader``.
+
+    ``run_step`` is the only way a step goes out; one step is in flight at a
+    time. ``statistics()`` gives the decision rule's counters and the links'.
+    """
+
+    def __init__(
+        self,
+        geometry,
+        *,
+        world_size: int,
+        next_step: int = 0,
+        outbox_frames: int = 32,
+        close_grace: float = 1.0,
+        logger=None,
+    ) -> None:
+        self.geometry = geometry
+        self.world_size = world_size
+        self._rule = Leader(geometry, world_size=world_size, next_step=next_step)
+        self._outbox = outbox_frames
+        self._close_grace = close_grace
+        self._log = _logger(logger)
+        self._tg: Optional[anyio.abc.TaskGroup] = None
+        self._conns: dict[int, _Conn] = {}
+        self._all: set[_Conn] = set()
+        self._joined_changed = anyio.Event()
+        self._decided = anyio.Event()
+        self._step_lock = anyio.Lock()
+        self._closing = False
+
+    # ------------------------------------------------------------------ links
+
+    def attach(self, stream) -> None:
+        """Serve one peer over ``stream`` (any anyio byte stream); returns at once."""
+        if self._tg is None or self._closing:
+            raise InvalidArgumentError("attach() outside open_leader() or after it closed")
+        conn = _Conn(LeaderLink(self.geometry, world_size=self.world_size), stream, self._outbox)
+        self._all.add(conn)
+        self._tg.start_soon(self._run_conn, conn)
+
+    async def listen(self, listener) -> tuple[str, int]:
+        """Accept peers on ``listener`` (from ``listen_tcp``) until the leader closes; returns its address."""
+        if self._tg is None or self._closing:
+            raise InvalidArgumentError("listen() outside open_leader() or after it closed")
+        await self._tg.start(self._serve, listener)
+        return listener_address(listener)
+
+    async def listen_tcp(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
+        """Listen for peers on ``host:port`` (0: any free port); returns ``(host, port)`` to publish."""
+        return await self.listen(await listen_tcp(host, port))
+
+    async def _serve(self, listener, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+        async with listener:
+            task_status.started()
+            while True:
+                try:
+                    stream = await _accept(listener)
+                except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                    return
+                if self._closing:
+                    await stream.aclose()
+                    return
+                self.attach(stream)
+
+    @property
+    def ranks(self) -> frozenset:
+        """Peer ranks with a live, joined link."""
+        return frozenset(r for r, c in self._conns.items() if c.alive)
+
+    async def wait_joined(self, ranks=None) -> None:
+        """Wait until every peer rank (or those in ``ranks``) has a live link. Put a deadline around it."""
+        want = set(range(1, self.world_size)) if ranks is None else set(ranks)
+        while not want <= self.ranks:
+            ev = self._joined_changed
+            await ev.wait()
+
+    def _changed(self) -> None:
+        ev, self._joined_changed = self._joined_changed, anyio.Event()
+        ev.set()
+
+    def _flush(self, conn: _Conn) -> None:
+        """Queue what the link wants sent without waiting; a full outbox drops the link."""
+        data = conn.link.data_to_send()
+        if not data or not conn.alive:
+            return
+        try:
+            conn.out_send.send_nowait(data)
+        except anyio.WouldBlock:
+            self._log.warning("wire.link_backlog", rank=conn.rank, queued=self._outbox)
+            self._drop(conn)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self._drop(conn)
+
+    async def _flush_all(self, conns: list, seconds: float) -> None:
+        """Queue what each link wants sent: first to every link with outbox room, without
+        waiting; then, for links whose outbox is full, wait up to ``seconds`` in all for
+        room, and drop the ones still full. A stalled peer never delays the others."""
+        waiting = []
+        for conn in conns:
+            data = conn.link.data_to_send()
+            if not data or not conn.alive:
+                continue
+            try:
+                conn.out_send.send_nowait(data)
+            except anyio.WouldBlock:
+                waiting.append((conn, data))
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                self._drop(conn)
+        if not waiting:
+            return
+        deadline = anyio.current_time() + seconds
+        for conn, data in waiting:
+            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                try:
+                    await conn.out_send.send(data)
+                    continue
+                except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                    pass
+            self._log.warning("wire.link_backlog", rank=conn.rank, queued=self._outbox)
+            self._drop(conn)
+
+    def _drop(self, conn: _Conn) -> None:
+        """The link is gone (closed, broken, backlogged): count the rank lost, stop its tasks."""
+        if not conn.alive:
+            return
+        conn.alive = False
+        if conn.cancel is not None:
+            conn.cancel.cancel()
+        r = conn.rank
+        if r is not None and self._conns.get(r) is conn:
+            d = self._rule.lose(r)
+            if d is not None:
+                self._decided.set()
+            self._changed()
+
+    async def _run_conn(self, conn: _Conn) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                conn.cancel = tg.cancel_scope
+                tg.start_soon(self._write_loop, conn)
+                await self._read_loop(conn)
+                conn.out_send.close()
+                with anyio.move_on_after(self._close_grace):
+                    await conn.writer_done.wait()
+                tg.cancel_scope.cancel()
+        finally:
+            self._drop(conn)
+            self._all.discard(conn)
+            with anyio.CancelScope(shield=True):
+                await conn.stream.aclose()
+
+    async def _write_loop(self, conn: _Conn) -> None:
+        try:
+            async with conn.out_recv:
+                async for data in conn.out_recv:
+                    await conn.stream.send(data)
+        except _CLOSED:
+            self._drop(conn)
+        finally:
+            conn.writer_done.set()
+
+    async def _read_loop(self, conn: _Conn) -> None:
+        link = conn.link
+        while True:
+            try:
+                data = await conn.stream.receive()
+            except _CLOSED:
+                data = b""
+            link.receive_data(data)
+            while True:
+                try:
+                    ev = link.next_event()
+                except WireProtocolError as exc:
+                    self._log.warning("wire.peer_error", rank=conn.rank, code=int(exc.code), detail=exc.detail)
+                    self._flush(conn)
+                    return
+                if ev is NEED_DATA:
+                    break
+                if type(ev) is ConnectionClosed:
+                    self._log.info("wire.peer_closed", rank=conn.rank)
+                    return
+                if not self._on_event(conn, ev):
+                    self._flush(conn)
+                    return
+            self._flush(conn)
+
+    def _on_event(self, conn: _Conn, ev) -> bool:
+        if type(ev) is PeerHello:
+            r = ev.rank
+            old = self._conns.get(r)
+            if old is not None and old.alive:
+                conn.link.refuse(RejectCode.BAD_RANK, "rank " + str(r) + " is already connected")
+                return False
+            rule = self._rule
+            rule.join(r)
+            conn.rank = r
+            self._conns[r] = conn
+            conn.link.accept(rule.step if rule.step is not None else rule.next_step)
+            self._log.info("wire.peer_joined", rank=r, step=conn.link.step)
+            self._changed()
+            return True
+        # a vote (Ready / Reject) for the step in flight
+        if self._rule.vote(ev) is not None:
+            self._decided.set()
+        return True
+
+    # ------------------------------------------------------------------ steps
+
+    async def run_step(self, plan, payload: bytes = b"", *, timeout: float) -> Decision:
+        """PREPARE ``plan`` on every peer, wait up to ``timeout`` s for the votes, LAUNCH or ABORT.
+
+        Returns the ``Decision``; the caller clears and runs the step locally only
+        if ``decision.launch``. Raises ``StepOrderError``, ``PageOutOfRangeError``,
+        ``DuplicatePageError`` or ``InvalidArgumentError`` before sending anything
+        when the plan is not the next step or its clear list is bad (nothing
+        changes then). A step that is decided is finished even if the caller is
+        cancelled meanwhile (the decision goes out shielded).
+        """
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise InvalidArgumentError("timeout must be a positive number of seconds, got " + repr(timeout))
+        async with self._step_lock:
+            rule = self._rule
+            data, crc = rule.begin(plan, payload)
+            self._decided = anyio.Event()
+            try:
+                # (acquiring the step lock was a checkpoint: the writers got to send the last decision)
+                if rule.decision is None:
+                    deadline = anyio.current_time() + timeout
+                    out = []
+                    for conn in list(self._conns.values()):
+                        if conn.alive and conn.link.state is LeaderState.IDLE:
+                            conn.link.prepare(plan.step, data, crc)
+                            out.append(conn)
+                    await self._flush_all(out, timeout)
+                    if rule.decision is None:
+                        with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                            await self._decided.wait()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    decision = rule.decision if rule.decision is not None else rule.expire()
+                    out = []
+                    for conn in list(self._conns.values()):
+                        link = conn.link
+                        if conn.alive and link.step == decision.step and link.state in (
+                            LeaderState.IDLE,
+                            LeaderState.AWAITING,
+                            LeaderState.VOTED,
+                        ):
+                            link.decide(decision)
+                            out.append(conn)
+                    rule.finish()
+                    await self._flush_all(out, timeout)
+            if not decision.launch:
+                self._log.warning(
+                    "wire.abort", step=decision.step, code=int(decision.code), rank=decision.rank, detail=decision.detail
+                )
+            return decision
+
+    @property
+    def next_step(self) -> int:
+        return self._rule.next_step
+
+    def statistics(self) -> dict:
+        """The decision rule's counters and, per live rank, its link's."""
+        out: dict = dict(self._rule.statistics())
+        for r, c in sorted(self._conns.items()):
+            for k, v in c.link.statistics().items():
+                out["rank" + str(r) + "." + k] = v
+        return out
+
+    async def _shutdown(self) -> None:
+        self._closing = True
+        for conn in list(self._all):
+            conn.out_send.close()
+        with anyio.move_on_after(self._close_grace, shield=True):
+            for conn in list(self._all):
+                await conn.writer_done.wait()
+
+
+async def _accept(listener):
+    inner = getattr(listener, "listeners", None)
+    if inner:  # anyio MultiListener: one socket per address family
+        return await inner[0].accept()
+    return await listener.accept()
+
+
+@asynccontextmanager
+async def open_leader(geometry, *, world_size: int, next_step: int = 0, **kwargs) -> AsyncIterator[WireLeader]:
+    """The leader of a ``world_size``-rank group (this process is rank 0).
+
+        async with open_leader(geometry, world_size=4) as leader:
+            host, port = await leader.listen_tcp()   # or leader.attach(stream)
+            ...
+
+    On exit the links' queued frames are flushed (for up to ``close_grace`` s),
+    then every link is closed: peers see the end of the stream and stop.
+    Keyword arguments go to ``WireLeader``.
+    """
+    leader = WireLeader(geometry, world_size=world_size, next_step=next_step, **kwargs)
+    async with anyio.create_task_group() as tg:
+        leader._tg = tg
+        try:
+            yield leader
+        finally:
+            await leader._shutdown()
+            tg.cancel_scope.cancel()
+
+
+class _PeerIO:
+    """Bytes between one stream and one ``PeerLink``; answers go out before events are handed on."""
+
+    __slots__ = ("link", "stream", "open")
+
+    def __init__(self, link: PeerLink, stream) -> None:
+        self.link = link
+        self.stream = stream
+        self.open = True
+
+    async def flush(self) -> None:
+        data = self.link.data_to_send()
+        if data and self.open:
+            try:
+                await self.stream.send(data)
+            except _CLOSED:
+                self.open = False
+
+    async def next_event(self):
+        link = self.link
+        while True:
+            try:
+                ev = link.next_event()
+            except WireProtocolError:
+                await self.flush()  # the REJECT naming what was wrong
+                raise
+            if ev is NEED_DATA:
+                await self.flush()
+                try:
+                    data = await self.stream.receive()
+                except _CLOSED:
+                    data = b""
+                link.receive_data(data)
+                continue
+            await self.flush()
+            return ev
+
+
+async def run_peer(
+    stream,
+    geometry,
+    *,
+    rank: int,
+    world_size: int,
+    on_launch: OnLaunch,
+    on_drop: Optional[OnDrop] = None,
+    on_answer: Optional[Callable[[Answered], None]] = None,
+    hello_timeout: float = 30.0,
+    max_payload: int = 1 << 20,
+    logger=None,
+) -> dict:
+    """Run peer ``rank`` over ``stream`` until the leader closes it; return the link's counters.
+
+    Sends HELLO and waits up to ``hello_timeout`` s to be accepted (``TimeoutError``
+    otherwise). Then every PREPARE is validated and answered READY or REJECT by
+    the link, ``on_launch(step, clear_pages, payload)`` runs for each LAUNCH (may
+    be async; it clears the pages and runs the step) and ``on_drop(step, code,
+    rank)`` for each ABORT (nothing to clear). Raises ``WireProtocolError`` when
+    the leader breaks the protocol (after telling it why) or refuses us
+    (``HandshakeRefused``); whatever ``on_launch`` raises propagates (this rank
+    failed mid-step; the leader sees the link close). Closes ``stream`` on exit.
+    """
+    log = _logger(logger)
+    link = PeerLink(geometry, rank=rank, world_size=world_size, max_payload=max_payload)
+    io = _PeerIO(link, stream)
+    try:
+        link.start()
+        await io.flush()
+        with anyio.fail_after(hello_timeout):
+            ev = await io.next_event()
+        if type(ev) is ConnectionClosed:
+            raise WireProtocolError(RejectCode.PEER_LOST, "the leader closed the link before accepting rank " + str(rank), remote=True)
+        if type(ev) is not Joined:  # the link allows nothing else first; kept as a real check
+            raise WireProtocolError(RejectCode.UNEXPECTED_FRAME, "expected to join, got " + repr(ev), remote=True)
+        log.info("wire.joined", rank=rank, step=ev.step)
+        while True:
+            ev = await io.next_event()
+            t = type(ev)
+            if t is RunStep:
+                r = on_launch(ev.step, ev.clear_pages, ev.payload)
+                if inspect.isawaitable(r):
+                    await r
+            elif t is DropStep:
+                log.info("wire.dropped", rank=rank, step=ev.step, code=int(ev.code), culprit=ev.rank)
+                if on_drop is not None:
+                    r = on_drop(ev.step, ev.code, ev.rank)
+                    if inspect.isawaitable(r):
+                        await r
+            elif t is Answered:
+                if on_answer is not None:
+                    on_answer(ev)
+                if not ev.ready:
+                    log.warning("wire.rejected", rank=rank, step=ev.step, code=int(ev.code), detail=ev.detail)
+            elif t is ConnectionClosed:
+                return link.statistics()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await stream.aclose()
