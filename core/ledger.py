@@ -36,6 +36,7 @@ from .events.events import (
     StepCompleted,
     StepPlan,
     StepSealed,
+    typed,
 )
 from .state.invariants import check_invariants
 from .state.state import LedgerState, validate_geometry
@@ -173,8 +174,12 @@ class Ledger:
         return effects
 
     def submit(self, event) -> tuple:
-        """Validate and fold an event built elsewhere (replay, tools). Returns its effects."""
-        return self._submit(event)
+        """Type-check, validate and fold an event built elsewhere (tools, a log reader).
+
+        Returns its effects. Raises ``InvalidArgumentError`` for an ill-typed event and
+        the specific precondition error otherwise; nothing changes on either.
+        """
+        return self._submit(typed(event))
 
     # ------------------------------------------------------------------ queries
 
@@ -313,7 +318,7 @@ class Ledger:
 
     def _request_gone(self, event_type, request: int) -> None:
         st = self.state
-        if request not in st.requests:
+        if type(request) is not int or request not in st.requests:
             _check_id(request, "request")
             raise UnknownRequestError(request)
         if self._plain:

@@ -16,9 +16,11 @@ Page lifecycle (holders), with the mark (``*``) and where it is set and cleared:
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 import msgspec
+
+from ..errors import InvalidArgumentError
 
 __all__ = [
     "Geometry",
@@ -41,19 +43,24 @@ __all__ = [
     "EVENT_TYPES",
     "StepPlan",
     "ClearPages",
+    "typed",
 ]
 
 ClearPolicy = Literal["released_aliases", "cross_tenant", "all_reused"]
 CLEAR_POLICIES: tuple[str, ...] = ("released_aliases", "cross_tenant", "all_reused")
 
-PageIds = tuple[int, ...]
+# Request, snapshot, step and rank ids are non-negative 63-bit ints. The constraint is
+# checked whenever events are decoded (the log) or type-checked (``typed``);
+# constructing an event in Python does not check it.
+Id = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+PageIds = tuple[int, ...]  # ranges checked by the fold: PageOutOfRangeError names them
 
 
 class Geometry(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The page space shared by every rank: ``num_pages`` pages of ``page_tokens`` tokens."""
 
-    num_pages: int
-    page_tokens: int
+    num_pages: Annotated[int, msgspec.Meta(ge=1, le=1 << 32)]
+    page_tokens: Annotated[int, msgspec.Meta(ge=1)]
 
 
 class _Event(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag_field="type"):
@@ -70,73 +77,73 @@ class CacheConfigured(_Event, tag="cache_configured"):
 class PagesReserved(_Event, tag="pages_reserved"):
     """Pages (chosen by the ledger's allocator) become ``reserved(request)``."""
 
-    request: int
+    request: Id
     page_ids: PageIds
     tenant: Optional[str] = None
 
 
 class ReservationReturned(_Event, tag="reservation_returned"):
-    request: int
+    request: Id
     page_ids: PageIds
 
 
 class PagesCommitted(_Event, tag="pages_committed"):
     """Reserved pages join ``request``'s KV pages in order; marked ones form a clear list."""
 
-    request: int
-    step: int
+    request: Id
+    step: Id
     page_ids: PageIds
 
 
 class RequestCancelled(_Event, tag="request_cancelled"):
-    request: int
+    request: Id
 
 
 class RequestFinished(_Event, tag="request_finished"):
-    request: int
+    request: Id
 
 
 class SnapshotAliased(_Event, tag="snapshot_aliased"):
-    snapshot: int
+    snapshot: Id
     page_ids: PageIds
 
 
 class SnapshotReleased(_Event, tag="snapshot_released"):
-    snapshot: int
+    snapshot: Id
 
 
 class RestoreStarted(_Event, tag="restore_started"):
     """An inbound host restore starts writing ``page_ids`` of a request or a snapshot."""
 
     into: Literal["request", "snapshot"]
-    target: int
+    target: Id
     page_ids: PageIds
 
 
 class RestoreCompleted(_Event, tag="restore_completed"):
     into: Literal["request", "snapshot"]
-    target: int
+    target: Id
     page_ids: PageIds
 
 
 class StepSealed(_Event, tag="step_sealed"):
     """Closes ``step``. The fold derives its plan; ``clear_list`` records what the live run derived."""
 
-    step: int
+    step: Id
     clear_list: PageIds = ()
 
 
 class StepCompleted(_Event, tag="step_completed"):
     """Rank ``rank`` ran the step's input copies, clears and graph."""
 
-    step: int
-    rank: int
+    step: Id
+    rank: Id
 
 
 class StepAborted(_Event, tag="step_aborted"):
     """The step did not complete on every rank (a rank failed, rejected or timed out)."""
 
-    step: int
+    step: Id
     reason: str = ""
 
 
@@ -166,12 +173,34 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     (commit order), each once.
     """
 
-    step: int
+    step: Id
     clear_list: PageIds = ()
 
 
 class ClearPages(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Effect of a commit: these pages must be zeroed before ``step``'s graph reads them."""
 
-    step: int
+    step: Id
     page_ids: PageIds
+
+
+_type_encoder = msgspec.msgpack.Encoder()
+_type_decoder = msgspec.msgpack.Decoder(Event)
+
+
+def typed(event):
+    """Return ``event`` if every field has its schema's type and range (a msgpack round
+    trip through the schema); raise ``InvalidArgumentError`` naming the problem otherwise.
+
+    For events built outside the ledger's commands (tools, ``Ledger.submit``): Python
+    does not check the annotations when a Struct is constructed.
+    """
+    if not isinstance(event, EVENT_TYPES):
+        raise InvalidArgumentError(f"not a kvledger event: {type(event).__name__}")
+    try:
+        return _type_decoder.decode(_type_encoder.encode(event))
+    except (msgspec.ValidationError, msgspec.DecodeError, TypeError, OverflowError) as exc:
+        shown = repr(event)
+        if len(shown) > 240:
+            shown = shown[:240] + "..."
+        raise InvalidArgumentError(f"ill-typed event {shown}: {exc}") from None

@@ -64,11 +64,9 @@ def check_invariants(st: LedgerState) -> None:
 
     # 2. no KV page carries a mark. 3. a mark is either set or pending, never both.
     marks, pend, targets = st.marks, st.pending, st.restore_targets
-    listed = set()
-    for step, pages in st.clear_lists.items():
+    for step in st.clear_lists:
         if step < st.open_step:
             raise InvariantViolation(3, f"clear list of sealed step {step} was never planned")
-        listed.update(pages)
     for p, m in marks.items():
         if not 0 <= p < n or m not in (MARK_ALL, MARK_TENANT):
             raise InvariantViolation(3, f"bad mark {m!r} on page {p}")
@@ -80,11 +78,11 @@ def check_invariants(st: LedgerState) -> None:
             raise InvariantViolation(3, f"page {p} mark {m} disagrees with its residue tenant")
     if len(st.residue) != sum(1 for m in marks.values() if m == MARK_TENANT):
         raise InvariantViolation(3, "residue tenants recorded for unmarked pages")
-    for p in pend:
+    for p, step in pend.items():
         if h[p] != KV:
             raise InvariantViolation(3, f"page {p} pending a clear but held as {st.holder_of(p)}")
-        if p not in listed:
-            raise InvariantViolation(3, f"page {p} pending a clear but in no step's clear list")
+        if p not in st.clear_lists.get(step, ()):
+            raise InvariantViolation(3, f"page {p} pending a clear in step {step} but not in its clear list")
 
     # 4. clear lists hold valid ids; the last plan's ids are distinct and none restoring.
     for pages in st.clear_lists.values():

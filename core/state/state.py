@@ -18,7 +18,9 @@ Sparse (a page is in the map only while the flag is set):
                       the tenant in residue[p])
     restore_targets   p -> (into, target) while an inbound restore writes p
                       (the ``restoring`` flag)
-    pending           pages sitting in an unsealed step's clear list
+    pending           page -> the unsealed step whose clear list it sits in
+    restored_since_seal  pages a restore into a request overwrote since the last
+                      seal (an abort of that step must not zero them again)
 
 The free stack holds exactly the free pages; the allocator takes from its top
 (LIFO), freed pages are pushed in event order. Taking pages anywhere but the top
@@ -139,7 +141,8 @@ class LedgerState:
         self.marks: dict[int, int] = {}
         self.residue: dict[int, Optional[str]] = {}
         self.restore_targets: dict[int, tuple[str, int]] = {}
-        self.pending: set[int] = set()
+        self.pending: dict[int, int] = {}
+        self.restored_since_seal: set[int] = set()
         self.free_stack: list[int] = []
         self.requests: dict[int, RequestRecord] = {}
         self.snapshots: dict[int, list[int]] = {}
@@ -477,12 +480,12 @@ class LedgerState:
         for p in pages:
             o[p] = OWNER_FREE
         pend = self.pending
-        if pend and not pend.isdisjoint(pages):
+        if pend and not pend.keys().isdisjoint(pages):
             marks, residue = self.marks, self.residue
             for p in pages:
                 if p in pend:
                     # Listed for a step that has not been sealed: nothing zeroed it yet.
-                    pend.discard(p)
+                    del pend[p]
                     marks[p] = MARK_ALL
                     residue.pop(p, None)
         self.free_stack.extend(pages)
@@ -524,7 +527,7 @@ class LedgerState:
                     if m == MARK_TENANT and residue.pop(p) == rec.tenant:
                         continue  # the committing tenant's own bytes
                     if p not in pend:
-                        pend.add(p)
+                        pend[p] = e.step
                         listed.append(p)
         reserved = rec.reserved
         k = len(pages)
@@ -601,6 +604,7 @@ class LedgerState:
             for p in pages:
                 marks.pop(p, None)  # overwritten whole: the restore removes the mark
                 residue.pop(p, None)
+            self.restored_since_seal.update(pages)
             if self.policy != "released_aliases":
                 rec = self.requests[e.target]
                 if rec.restored is None:
@@ -622,12 +626,15 @@ class LedgerState:
         if not listed:
             return ()
         pend = self.pending
-        return tuple(p for p in dict.fromkeys(listed) if p in pend)
+        return tuple(p for p in dict.fromkeys(listed) if pend.get(p) == step)
 
     def _a_sealed(self, e: StepSealed) -> tuple:
         clear_list = self.derive_clear_list(e.step)
         self.clear_lists.pop(e.step, None)
-        self.pending.difference_update(clear_list)
+        pend = self.pending
+        for p in clear_list:
+            del pend[p]
+        self.restored_since_seal.clear()
         self.open_step = e.step + 1
         plan = StepPlan(step=e.step, clear_list=clear_list)
         self.last_plan = plan
@@ -644,18 +651,21 @@ class LedgerState:
         """Nothing of the aborted step can be assumed zeroed: its pages go back to pending."""
         plan = self.last_plan
         self.last_plan = None
-        marks, residue, pend, targets = self.marks, self.residue, self.pending, self.restore_targets
+        marks, residue, pend = self.marks, self.residue, self.pending
         carry: list[int] = []
+        step = self.open_step
+        overwritten = self.restored_since_seal
         for p in plan.clear_list:
+            if p in overwritten:
+                continue  # a restore into a request rewrote it whole after the seal
             if self.holder_code(p) == KV:
                 if p not in pend:
-                    pend.add(p)
+                    pend[p] = step
                     carry.append(p)
-            elif not (p in targets and targets[p][0] == "request"):
+            else:
                 marks[p] = MARK_ALL
                 residue.pop(p, None)
         if carry:
-            step = self.open_step
             self.clear_lists[step] = carry + self.clear_lists.get(step, [])
         self.seq += 1
         return _NO_EFFECTS
@@ -680,7 +690,8 @@ class LedgerState:
             "marks": sorted(self.marks.items()),
             "residue": sorted(self.residue.items()),
             "restore_targets": [[p, t[0], t[1]] for p, t in sorted(self.restore_targets.items())],
-            "pending": sorted(self.pending),
+            "pending": sorted(self.pending.items()),
+            "restored_since_seal": sorted(self.restored_since_seal),
             "free_stack": list(self.free_stack),
             "requests": [
                 [r, rec.tenant, list(rec.reserved), list(rec.kv), sorted(rec.restored or ())]
@@ -717,7 +728,8 @@ class LedgerState:
         st.marks = {p: m for p, m in data["marks"]}
         st.residue = {p: t for p, t in data["residue"]}
         st.restore_targets = {p: (into, t) for p, into, t in data["restore_targets"]}
-        st.pending = set(data["pending"])
+        st.pending = {p: step for p, step in data["pending"]}
+        st.restored_since_seal = set(data["restored_since_seal"])
         st.free_stack = list(data["free_stack"])
         for r, tenant, reserved, kv, restored in data["requests"]:
             st.requests[r] = RequestRecord(r, tenant, list(reserved), list(kv), set(restored) or None)
