@@ -1,0 +1,389 @@
+"""A ledger that writes through the durable event log, and reopens to the same state.
+
+    open_ledger(path, geometry)       path missing: create the log (header + seq 0)
+    open_ledger(path)                 path exists: verify, rebuild the state from the
+                                      last checkpoint + the events after it, repair a
+                                      torn tail, continue appending
+
+    command ─► validate ─► log.append (sink) ─► fold ─► [every N events: checkpoint]
+
+A command whose append fails raises and leaves the state unchanged (the sink
+runs before the fold). A failed write or fsync closes the log to appends: every
+later command raises ``LogClosedError`` and the ledger must be reopened; events
+after ``durable_seq`` may be lost then, never events at or below it.
+
+Checkpoints hold ``state.canonical()`` and the state digest after ``seq``
+events; they are taken after the fold, so a checkpoint never changes what a
+command did. Reopen loads the last one and folds the rest; ``kvledger replay``
+folds everything and compares each checkpoint's digest with its own.
+
+Logging: structlog events on the ``kvledger`` logger, never configured here:
+``log_created``, ``log_opened``, ``log_truncated`` (warning), ``log_closed``,
+``log_write_failed`` (error), ``checkpoint_skipped`` (warning) and, at debug,
+``checkpoint_written``, ``step_sealed`` and ``pages_committed`` (commits that
+listed marked pages). Whether debug events are emitted is decided once, when the
+ledger is opened, from the logger's level.
+
+All methods block on file I/O; async code calls them through
+``anyio.to_thread.run_sync``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from typing import Optional
+
+import msgspec
+import structlog
+
+from kvledger.core.errors import (
+    ConfigurationError,
+    CorruptLogError,
+    InvalidArgumentError,
+    KVLedgerError,
+    LogError,
+)
+from kvledger.core.events.codec import Checkpoint, LogHeader
+from kvledger.core.events.events import CLEAR_POLICIES, CacheConfigured, ClearPages, Geometry, StepSealed
+from kvledger.core.events.log import EventLog, LogView, _default_layer
+from kvledger.core.ledger import Ledger
+from kvledger.core.state.invariants import check_invariants
+from kvledger.core.state.state import LedgerState, validate_geometry
+
+__all__ = ["DurableLedger", "Recovery", "open_ledger", "state_from_checkpoint", "rebuild_state"]
+
+
+class Recovery(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """What ``open_ledger`` found and did."""
+
+    path: str
+    created: bool  # the log did not exist and was created
+    events: int  # events in the log after open (= the ledger's seq)
+    checkpoint_seq: Optional[int]  # the state was loaded from the checkpoint at this seq
+    folded: int  # events folded on top of it
+    truncated_at: Optional[int]  # offset of the torn tail that was cut off
+    truncated_bytes: int
+    closed_cleanly: bool  # the previous writer closed the log (no crash)
+    seconds: float
+
+
+# ---------------------------------------------------------------------- checkpoints
+
+
+def _int_list(x, n: int | None, lo: int, hi: int) -> bool:
+    if type(x) is not list or (n is not None and len(x) != n):
+        return False
+    for v in x:
+        if type(v) is not int or not lo <= v < hi:
+            return False
+    return True
+
+
+def state_from_checkpoint(cp: Checkpoint, header: LogHeader, *, path: str = "<memory>", offset: int = 0) -> LedgerState:
+    """Rebuild and verify the state a checkpoint holds.
+
+    The state must decode, fit the header's geometry and policy, re-encode to
+    exactly the recorded bytes, reproduce the recorded digest and pass every
+    invariant; otherwise ``CorruptLogError`` names ``offset`` and the
+    checkpoint's seq. Only the layout ``LedgerState.canonical()`` writes is
+    accepted, whatever it is (this module does not duplicate it).
+    """
+    g = header.geometry
+    n = g.num_pages
+
+    def bad(detail: str) -> CorruptLogError:
+        return CorruptLogError(path, offset, cp.seq, "checkpoint " + detail)
+
+    try:
+        data = msgspec.msgpack.decode(cp.state)
+    except msgspec.DecodeError as exc:
+        raise bad(f"state does not decode: {exc}") from None
+    if type(data) is not dict or data.get("geometry") != [n, g.page_tokens] or data.get("policy") != header.policy \
+            or data.get("seq") != cp.seq:
+        raise bad(f"is not a state of this log's geometry ({n}, {g.page_tokens}), policy {header.policy!r} "
+                  f"and seq {cp.seq}")
+    try:
+        st = LedgerState.from_canonical(data)
+        if st.num_pages != n or not _int_list(st.owner, n, -2, 1 << 63) or not _int_list(st.alias_n, n, 0, 1 << 63) \
+                or not _int_list(st.free_stack, None, 0, n):
+            raise bad("page table does not match the geometry")
+        if st.canonical_bytes() != cp.state:
+            raise bad("state does not re-encode to the recorded bytes")
+        digest = st.digest()
+        if digest != cp.digest:
+            raise bad(f"state digest {digest[:16]}... differs from the recorded {cp.digest[:16]}...")
+        check_invariants(st)
+    except CorruptLogError:
+        raise
+    except (KVLedgerError, ValueError, TypeError, KeyError, IndexError, OverflowError, AttributeError) as exc:
+        raise bad(f"state is inconsistent: {type(exc).__name__}: {exc}") from None
+    return st
+
+
+def rebuild_state(view: LogView, *, from_checkpoint: bool = True, check: bool = False):
+    """Fold a verified log into a state: ``(state or None, checkpoint_seq, folded)``.
+
+    Starts from the last checkpoint unless ``from_checkpoint`` is false. ``None``
+    for a log with no events. Raises ``CorruptLogError`` for a payload that does
+    not decode, a bad checkpoint, or an event the fold rejects (naming its
+    record's offset and the event's seq).
+    """
+    header = view.header
+    if view.scan.next_seq == 0:
+        return None, None, 0
+    start, ck = 0, None
+    st = LedgerState()
+    if from_checkpoint:
+        i = view.last_checkpoint()
+        if i >= 0:
+            rec = view.records[i]
+            st = state_from_checkpoint(view.checkpoint(rec), header, path=view.path, offset=rec.offset)
+            start, ck = i + 1, rec.seq
+    folded = 0
+    fold = st.fold
+    for seq, ev, rec in view.iter_events(start):
+        if seq == 0:
+            _check_first(ev, header, view.path, rec.offset)
+        try:
+            fold(ev)
+        except KVLedgerError as exc:
+            raise CorruptLogError(view.path, rec.offset, seq,
+                                  f"{type(ev).__name__} at seq {seq} is rejected by the fold: {exc}") from exc
+        folded += 1
+    if st.seq != view.scan.next_seq:
+        raise CorruptLogError(view.path, view.scan.end, st.seq, f"state at seq {st.seq}, the log holds {view.scan.next_seq} events")
+    if check:
+        try:
+            check_invariants(st)
+        except KVLedgerError as exc:
+            raise CorruptLogError(view.path, view.scan.end, st.seq, f"state breaks an invariant: {exc}") from exc
+    return st, ck, folded
+
+
+def _check_first(ev, header: LogHeader, path: str, offset: int) -> None:
+    if type(ev) is not CacheConfigured or ev.geometry != header.geometry or ev.policy != header.policy:
+        raise CorruptLogError(path, offset, 0, f"first event {ev!r} does not configure the header's "
+                              f"{header.geometry} with policy {header.policy!r}")
+
+
+# ---------------------------------------------------------------------- the ledger
+
+
+def _debug_enabled(logger) -> bool:
+    for name in ("is_enabled_for", "isEnabledFor"):
+        fn = getattr(logger, name, None)
+        if fn is not None:
+            try:
+                return bool(fn(logging.DEBUG))
+            except Exception:
+                return True
+    return True
+
+
+class DurableLedger(Ledger):
+    """A ``Ledger`` whose events go through an ``EventLog`` before they are folded.
+
+    Built by ``open_ledger``. ``log`` is the ``EventLog``, ``recovery`` what open
+    found. ``close()`` (or leaving a ``with`` block) writes a final checkpoint,
+    syncs and releases the file; commands afterwards raise ``LogClosedError``.
+
+    The log is the ledger's sink itself (no wrapper on the hot path); the log
+    takes the periodic checkpoints, in front of the event that would fold into
+    the checkpointed state, so a checkpoint never changes what a command did.
+    """
+
+    def __init__(self, log: EventLog, *, state: LedgerState | None = None, policy: str = "released_aliases",
+                 check: bool = False, checkpoint_every: int | None = 10_000, logger=None,
+                 recovery: Recovery | None = None) -> None:
+        if checkpoint_every is not None and (type(checkpoint_every) is not int or checkpoint_every < 1):
+            raise InvalidArgumentError(f"checkpoint_every must be a positive int or None, got {checkpoint_every!r}")
+        self.log = log
+        self.recovery = recovery
+        self._every = checkpoint_every
+        base = logger if logger is not None else structlog.get_logger("kvledger")
+        self._logger = base.bind(log=log.path)
+        self._debug = _debug_enabled(self._logger)
+        self._closed = False
+        log.notify = self._notify
+        log.set_checkpoints(checkpoint_every, self._checkpoint_state)
+        self._append_next = log.append_next
+        if self._debug:  # step and commit events, only when someone listens at debug level
+            self._submit = self._submit_logged
+            self._submit_built = self._submit_built_logged
+        super().__init__(log.header.geometry, policy=policy, check=check, sink=log.append, state=state)
+        if self.state.seq != log.seq:
+            raise ConfigurationError(f"state at seq {self.state.seq} for a log at seq {log.seq}")
+
+    def _set_check(self, value: bool) -> None:
+        Ledger.check.fset(self, value)
+        self._fast = not self.check and self.events is None
+
+    check = property(Ledger.check.fget, _set_check, doc=Ledger.check.__doc__)
+
+    def _submit_built(self, event, fold) -> tuple:
+        """The hot commands' path (reserve, commit, finish, cancel): the event is
+        built from state and valid by construction, so it goes straight to the log
+        and the fold. Check mode (and a ledger that records) takes the core's path."""
+        if not self._fast:
+            return Ledger._submit_built(self, event, fold)
+        self._append_next(event)
+        return fold(event)
+
+    @property
+    def durable_seq(self) -> int:
+        """Highest seq on stable storage (-1: none)."""
+        return self.log.durable_seq
+
+    def _checkpoint_state(self) -> tuple:
+        st = self.state
+        cb = st.canonical_bytes()
+        # LedgerState.digest() is BLAKE2b-256 of canonical_bytes(): computed once here (replay re-checks it)
+        return st.seq, hashlib.blake2b(cb, digest_size=32).hexdigest(), cb
+
+    def _notify(self, name: str, fields: dict) -> None:
+        if name == "write_failed":
+            self._logger.error("log_write_failed", seq=self.state.seq, **fields)
+        elif name == "checkpoint_skipped":
+            self._logger.warning("checkpoint_skipped", **fields)
+        elif self._debug:
+            self._logger.debug(name, **fields)
+
+    def _submit_logged(self, event) -> tuple:
+        return self._logged(event, Ledger._submit(self, event))
+
+    def _submit_built_logged(self, event, fold) -> tuple:
+        return self._logged(event, DurableLedger._submit_built(self, event, fold))
+
+    def _logged(self, event, effects: tuple) -> tuple:
+        if effects:
+            eff = effects[0]
+            if type(eff) is ClearPages:
+                self._logger.debug("pages_committed", seq=self.state.seq - 1, request=event.request,
+                                   step=eff.step, listed=list(eff.page_ids))
+            elif type(event) is StepSealed:
+                self._logger.debug("step_sealed", seq=self.state.seq - 1, step=event.step,
+                                   cleared=len(event.clear_list), durable_seq=self.log.durable_seq)
+        return effects
+
+    def checkpoint(self) -> None:
+        """Append a checkpoint of the current state now (durable at the next sync).
+
+        Never fails the caller: skipped when the log is closed or failed (the
+        next command reports why) or when the state is too large for a record.
+        """
+        if self.log.failed or self.log.closed:
+            return
+        seq, digest, state = self._checkpoint_state()
+        try:
+            self.log.checkpoint(seq, digest, state)
+        except LogError as exc:
+            self._logger.warning("checkpoint_skipped", seq=seq, error=str(exc))
+            return
+        if self._debug:
+            self._logger.debug("checkpoint_written", seq=seq, bytes=len(state))
+
+    def sync(self) -> None:
+        """Make every event so far durable (``durable_seq == seq - 1``). Raises ``LogIOError``."""
+        self.log.sync()
+
+    def wait_durable(self, seq: int, timeout: float | None = None) -> bool:
+        """Block until event ``seq`` is durable (background logs); see ``EventLog.wait_durable``."""
+        return self.log.wait_durable(seq, timeout)
+
+    def close(self) -> None:
+        """Checkpoint (if anything changed since the last one), sync, close the log. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            last = self.log.checkpoint_seq
+            if self.recovery is not None and self.recovery.checkpoint_seq is not None:
+                last = max(last, self.recovery.checkpoint_seq)
+            if self._every and self.state.seq > last:
+                self.checkpoint()
+            self.log.close()
+        finally:
+            self._logger.info("log_closed", events=self.state.seq, durable_seq=self.log.durable_seq)
+
+    def __enter__(self) -> "DurableLedger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_ledger(path, geometry: Geometry | None = None, *, policy: str | None = None, fsync: str = "per_step",
+                checkpoint_every: int | None = 10_000, check: bool = False, background: bool = False,
+                layer=None, logger=None) -> DurableLedger:
+    """Open the durable ledger at ``path``, creating the log if it does not exist.
+
+    Creating needs ``geometry``; ``policy`` defaults to ``"released_aliases"``.
+    An existing log keeps its own geometry and policy (giving different ones
+    raises ``ConfigurationError``). Opening verifies every record, rebuilds the
+    state from the last checkpoint and the events after it, truncates a torn
+    tail (``recovery`` and a ``log_truncated`` warning report it) and refuses
+    corruption with ``CorruptLogError`` (offset and seq; the file is untouched).
+    ``check=True`` runs every invariant after every command (and once on open).
+    ``background=True`` fsyncs in a writer thread (see ``EventLog``): a sealed
+    step is durable once ``durable_seq`` reaches it, not when ``seal_step``
+    returns. ``layer`` swaps the file layer (fault injection). Raises
+    ``LogLockedError`` when another writer has the log open.
+    """
+    t0 = time.perf_counter()
+    lay = layer if layer is not None else _default_layer
+    path = os.fspath(path)
+    base = logger if logger is not None else structlog.get_logger("kvledger")
+    if policy is not None and policy not in CLEAR_POLICIES:
+        raise ConfigurationError(f"unknown clear policy {policy!r}; one of {CLEAR_POLICIES}")
+    if geometry is not None:
+        if not isinstance(geometry, Geometry):
+            raise InvalidArgumentError(f"geometry must be a Geometry, got {geometry!r}")
+        validate_geometry(geometry)
+    if not lay.exists(path):
+        if geometry is None:
+            raise ConfigurationError(f"{path} does not exist: give a geometry to create it")
+        pol = policy or "released_aliases"
+        log = EventLog.create(path, geometry, policy=pol, fsync=fsync, background=background, layer=lay)
+        try:
+            led = DurableLedger(log, policy=pol, check=check, checkpoint_every=checkpoint_every, logger=base)
+            log.sync()
+        except BaseException:
+            log.abandon()
+            raise
+        led.recovery = Recovery(path=path, created=True, events=led.seq, checkpoint_seq=None, folded=0,
+                                truncated_at=None, truncated_bytes=0, closed_cleanly=False,
+                                seconds=time.perf_counter() - t0)
+        led._logger.info("log_created", geometry=[geometry.num_pages, geometry.page_tokens], policy=pol, fsync=fsync)
+        return led
+
+    def load(view: LogView):
+        hdr = view.header
+        if geometry is not None and geometry != hdr.geometry:
+            raise ConfigurationError(f"{path} holds geometry {hdr.geometry}, not {geometry}")
+        if policy is not None and policy != hdr.policy:
+            raise ConfigurationError(f"{path} uses clear policy {hdr.policy!r}, not {policy!r}")
+        return rebuild_state(view, check=check)
+
+    log = EventLog.open(path, fsync=fsync, background=background, layer=lay, loader=load)
+    res = log.recovery
+    state, ck, folded = log.loaded
+    log.loaded = None
+    try:
+        led = DurableLedger(log, state=state, policy=log.header.policy, check=check,
+                            checkpoint_every=checkpoint_every, logger=base)
+        if state is None:
+            log.sync()  # the log held no events: seq 0 (CacheConfigured) was just appended
+    except BaseException:
+        log.abandon()
+        raise
+    led.recovery = Recovery(path=path, created=False, events=led.seq, checkpoint_seq=ck, folded=folded,
+                            truncated_at=res.torn_at, truncated_bytes=res.torn_bytes, closed_cleanly=res.closed,
+                            seconds=time.perf_counter() - t0)
+    if res.torn_at is not None:
+        led._logger.warning("log_truncated", offset=res.torn_at, bytes=res.torn_bytes, events=led.seq)
+    led._logger.info("log_opened", events=led.seq, checkpoint_seq=ck, folded=folded,
+                     closed_cleanly=res.closed, seconds=round(led.recovery.seconds, 4))
+    return led
