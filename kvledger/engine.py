@@ -35,6 +35,14 @@ serving loop issues a step's commands in one ``await engine.call(fn)`` instead
 * if recording a step's outcome itself fails (a log write error), the engine is
   broken: every later call raises ``EngineClosedError`` chained to that error.
 
+Remote ranks (``open_engine(..., remote=RemoteRanks(...))``, see
+``kvledger.remote``): after sealing, ``run_step`` runs the wire's
+PREPARE/READY/LAUNCH handshake with every peer (the engine is the wire leader)
+under ``RemoteRanks.timeout``; only on LAUNCH do the local ranks run. A REJECT,
+an expired deadline or a lost or missing peer aborts the step: ``StepFailedError``
+names the rank (engine numbering), nothing is cleared or run anywhere, and the
+ledger records ``StepAborted`` exactly as for a failing local rank.
+
 ``import kvledger.engine`` does not import torch; a rank's planes bring it in.
 """
 
@@ -54,6 +62,7 @@ from kvledger.core.errors import ConfigurationError, InvalidArgumentError, KVLed
 from kvledger.core.events import CLEAR_POLICIES, Geometry, StepPlan
 from kvledger.core.ledger import Ledger
 from kvledger.executors.backend import make_backend
+from kvledger.remote import RemoteRanks
 from kvledger.executors.executor import (
     NO_INPUTS,
     RankContext,
@@ -76,6 +85,7 @@ __all__ = [
     "StepResult",
     "open",
     "open_engine",
+    "RemoteRanks",
 ]
 
 
@@ -173,6 +183,9 @@ class Engine:
         self._job_receivers = [r for _, r in pairs]
         self._no_inputs = [NO_INPUTS] * self.world_size
         self._steps_completed = self._steps_aborted = self._pages_cleared = 0
+        self._remote: Optional[RemoteRanks] = None
+        self._leader: Any = None
+        self.remote_address: Optional[tuple[str, int]] = None
 
     # ------------------------------------------------------------------ plumbing
 
@@ -201,6 +214,28 @@ class Engine:
     @property
     def executors(self) -> tuple[RankExecutor, ...]:
         return self._executors
+
+    @property
+    def leader(self) -> Any:
+        """The wire leader (``kvledger.wire.WireLeader``) driving the remote ranks, or ``None``."""
+        return self._leader
+
+    @property
+    def remote_ranks(self) -> frozenset:
+        """Engine rank numbers of the remote peers whose links are live (empty without ``remote``)."""
+        if self._leader is None:
+            return frozenset()
+        base = self.world_size - 1
+        return frozenset(base + w for w in self._leader.ranks)
+
+    async def wait_remote(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s until every remote peer has joined. Raises ``TimeoutError``
+        (nothing changes; a step run now aborts naming a missing rank), and
+        ``ConfigurationError`` for an engine without ``remote``."""
+        if self._leader is None:
+            raise ConfigurationError("this engine has no remote ranks")
+        with anyio.fail_after(timeout):
+            await self._leader.wait_joined()
 
     def statistics(self) -> dict[str, int]:
         """Steps completed on every rank, steps aborted, pages zeroed by completed steps."""
@@ -291,7 +326,7 @@ class Engine:
 
     # ------------------------------------------------------------------ steps
 
-    async def run_step(self, step: int, inputs: Any = None) -> StepResult:
+    async def run_step(self, step: int, inputs: Any = None, *, payload: bytes = b"") -> StepResult:
         """Seal ``step`` and run its plan on every rank: input copies -> clears -> graph.
 
         ``inputs``: ``None``; one ``StepInputs`` for every rank; or one per rank (a
@@ -304,11 +339,17 @@ class Engine:
         the open one (nothing changed either way), ``StepFailedError`` when a rank
         failed (see the module docstring for what is recorded), and re-raises
         cancellation after recording the step as aborted.
+
+        With remote ranks, ``payload`` (bytes) travels in the PREPARE to every peer
+        (its ``on_launch`` gets it); the step runs locally only once every peer is
+        READY (see the module docstring).
         """
         per_rank = self._inputs_for_ranks(inputs)
+        if not isinstance(payload, (bytes, bytearray)):
+            raise InvalidArgumentError("payload must be bytes, got %s" % (type(payload).__name__,))
         self._check_open()
         async with self._step_lock:
-            return await self._run_step(step, per_rank)
+            return await self._run_step(step, per_rank, bytes(payload))
 
     def _inputs_for_ranks(self, inputs: Any) -> list[StepInputs]:
         n = self.world_size
@@ -371,15 +412,60 @@ class Engine:
             self._steps_aborted += 1
             self._log.warning("step_aborted", step=step, reason=reason, completed_ranks=list(ok_ranks))
 
-    async def _run_step(self, step: int, per_rank: list[StepInputs]) -> StepResult:
+    async def _remote_handshake(self, plan: StepPlan, payload: bytes) -> None:
+        """PREPARE/READY with every peer; returns on LAUNCH. On anything else the step
+        is recorded as aborted (no rank ran it) and this raises: ``StepFailedError``
+        naming the culprit rank for an ABORT, or what interrupted it (cancellation)."""
+        step = plan.step
+        try:
+            decision = await self._leader.run_step(plan, payload, timeout=self._remote.timeout)
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                await self._wire_catch_up(plan)
+                reason = "cancelled" if isinstance(exc, anyio.get_cancelled_exc_class()) else repr(exc)
+                await self._settle(step, (), "remote handshake: " + reason)
+            raise
+        if decision.launch:
+            return
+        from kvledger.core.errors import WireProtocolError
+        from kvledger.wire.codec import NO_RANK
+
+        base = self.world_size - 1
+        rank = base + decision.rank if decision.rank != NO_RANK else self.world_size
+        cause = WireProtocolError(decision.code, decision.detail or "aborted", remote=True)
+        reason = "rank %d aborted the step over the wire: code %d: %s" % (rank, int(decision.code), decision.detail)
+        await self._settle(step, (), reason)
+        raise StepFailedError(step, rank, [(rank, cause)], reason, plan.clear_list) from cause
+
+    async def _wire_catch_up(self, plan: StepPlan) -> None:
+        """A sealed step that never reached the wire (the caller was cancelled first):
+        put it through the handshake with a deadline that is already over, so the
+        peers see PREPARE then ABORT and their step numbers stay in line with the
+        ledger's. Call shielded. Should a LAUNCH go out all the same, the ledger
+        still records the step as aborted and its clear list is cleared again next
+        step (zeroing is idempotent)."""
+        leader = self._leader
+        if leader is None or leader.next_step != plan.step:
+            return
+        try:
+            await leader.run_step(plan, b"", timeout=1e-9)
+        except Exception as exc:  # the peers will refuse the next step: it aborts, naming them
+            self._log.error("wire_catch_up_failed", step=plan.step, error=repr(exc))
+
+    async def _run_step(self, step: int, per_rank: list[StepInputs], payload: bytes = b"") -> StepResult:
         t0 = time.perf_counter()
         box: list = []
         try:
             plan = await self._call(self._seal, step, box)
         except BaseException:
             if box:  # sealed in the worker thread, but our caller was cancelled meanwhile
+                if self._leader is not None:
+                    with anyio.CancelScope(shield=True):
+                        await self._wire_catch_up(box[0])
                 await self._settle(step, (), "cancelled before dispatch")
             raise
+        if self._leader is not None:
+            await self._remote_handshake(plan, payload)
         n = self.world_size
         scopes = [anyio.CancelScope() for _ in range(n)]
         replies = StepReplies(n)
@@ -513,6 +599,27 @@ def _build_executors(specs: list[RankSpec], num_pages: int, default_backend: Any
     return out
 
 
+@contextlib.asynccontextmanager
+async def _open_remote(engine: Engine, remote: RemoteRanks, logger: Any) -> AsyncIterator[None]:
+    from kvledger.wire.rank import open_leader
+
+    async with open_leader(
+        engine.geometry,
+        world_size=remote.world_size,
+        next_step=engine.open_step,
+        close_grace=remote.close_grace,
+        logger=logger,
+    ) as leader:
+        if remote.listen is not None:
+            engine.remote_address = await leader.listen_tcp(*remote.listen)
+        engine._remote = remote
+        engine._leader = leader
+        try:
+            yield
+        finally:
+            engine._leader = None
+
+
 async def _open_ledger(geometry, log, policy, check, record, fsync, logger) -> tuple[Ledger, bool]:
     if log is None:
         if not isinstance(geometry, Geometry):
@@ -540,6 +647,7 @@ async def open_engine(
     queue_size: int = 1,
     drain_timeout_s: float = 10.0,
     logger: Any = None,
+    remote: Optional[RemoteRanks] = None,
 ) -> AsyncIterator[Engine]:
     """Open the embedded engine: a ledger (durable when ``log`` is a path) and one
     executor task per rank, in a task group that lives as long as the ``async with``.
@@ -562,8 +670,15 @@ async def open_engine(
     planes that do not fit the geometry (nothing opened), and what opening the log
     raises (``CorruptLogError``, ...). On exit the executors stop after their
     current plan and the log is closed (shielded from cancellation).
+
+    ``remote``: a ``RemoteRanks`` (see ``kvledger.remote``): the engine becomes the
+    wire leader of ``remote.world_size - 1`` peers, listening on ``remote.listen``
+    (``engine.remote_address``); every step then needs all of them READY. On exit
+    the links are closed (peers see the end of the stream and return).
     """
     specs = _rank_specs(ranks)
+    if remote is not None and not isinstance(remote, RemoteRanks):
+        raise InvalidArgumentError("remote must be a RemoteRanks or None, got %s" % (type(remote).__name__,))
     if policy is not None and policy not in CLEAR_POLICIES:
         raise ConfigurationError("unknown clear policy %r; one of %s" % (policy, CLEAR_POLICIES))
     if type(queue_size) is not int or queue_size < 1:
@@ -588,9 +703,18 @@ async def open_engine(
                     for ex, jobs in zip(executors, engine._job_receivers):
                         await tg.start(ex.serve, jobs)
                         started += 1
-                    yield engine
+                    if remote is None:
+                        yield engine
+                    else:
+                        async with _open_remote(engine, remote, logger):
+                            try:
+                                yield engine
+                            except BaseException as exc:
+                                body_error = exc
+                                raise
                 except BaseException as exc:
-                    body_error = exc
+                    if body_error is None:
+                        body_error = exc
                     raise
                 finally:
                     engine._shutdown()
