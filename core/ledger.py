@@ -154,7 +154,7 @@ class Ledger:
         if self.events is not None:
             self.events.append(event)
         effects = st.apply(event)
-        if self.check:
+        if self._check:
             check_invariants(st)
         return effects
 
@@ -162,14 +162,15 @@ class Ledger:
         """``_submit`` for an event the command built from state itself (valid by
         construction; check mode still validates), folded by ``fold`` directly."""
         st = self.state
-        if self.check:
+        check = self._check
+        if check:
             st.validate(event)
         if self._sink is not None:
             self._sink(st.seq, event)
         if self.events is not None:
             self.events.append(event)
         effects = fold(event)
-        if self.check:
+        if check:
             check_invariants(st)
         return effects
 
