@@ -633,7 +633,6 @@ class _Auditor:
     # ------------------------------------------------------------------ rows
 
     def _rows(self, seq: int, ev, t, pages, before: dict, effects, open_step: int) -> None:
-        st = self.st
         tag = _tag(ev)
         step = ev.step if t is PagesCommitted else open_step
         listed = effects[0].page_ids if effects and t is PagesCommitted else ()

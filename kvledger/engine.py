@@ -67,7 +67,6 @@ from kvledger.executors.executor import (
     NO_INPUTS,
     RankContext,
     RankExecutor,
-    RankOutcome,
     RankTiming,
     StepInputs,
     StepJob,
