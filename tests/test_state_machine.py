@@ -273,6 +273,13 @@ class Bytes:
         for p in pages:
             self.write(p, self.own(r))
 
+    def let_go(self, pages, r):
+        """``r`` gave the pages back: what it wrote there is no longer data it will read
+        (a later reservation by the same request starts over), only its tenant's bytes."""
+        for p in pages:
+            if self.content[p] == self.own(r):
+                self.content[p] = ("kv", r.tenant, -r.inc)
+
     def committed(self, listed, step, r):
         for p in listed:
             self.owed[p] = [step, r.inc, 0]
@@ -410,6 +417,7 @@ class LedgerMachine(RuleBasedStateMachine):
         got = self.both(lambda L: L.return_reservation(r.rid, None if everything else list(pages)))
         assert got == pages
         self.m.return_(r.rid, pages)
+        self.b.let_go(pages, r)
 
     # -- commit
 
@@ -448,6 +456,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.both(lambda L: L.finish(rid) if finished else L.cancel(rid))
         r = self.m.gone(rid)
         self.b.left_kv(r.kv_pages())
+        self.b.let_go(r.reserved + r.kv_pages(), r)
         self.stats["finished" if finished else "cancelled"] += 1
 
     # -- snapshots
