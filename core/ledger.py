@@ -230,14 +230,14 @@ class Ledger:
         if type(n) is not int or n < 1:
             _check_count(n, "n")
         st = self.state
+        if tenant is not None and type(tenant) is not str:
+            _check_tenant(tenant)
         rec = st.requests.get(request)
         if rec is not None:
             if tenant is None:
                 tenant = rec.tenant
             elif tenant != rec.tenant:
                 raise TenantMismatchError(request, rec.tenant, tenant)
-        elif tenant is not None:
-            _check_tenant(tenant)
         stack = st.free_stack
         if n > len(stack):
             raise OutOfPagesError(n, st.reservable_count, f"request {request}")
