@@ -342,19 +342,7 @@ class EventLog:
             self._refuse_append(seq)
         if type(event) not in _EVENT_TYPES:
             raise InvalidArgumentError(f"not a kvledger event: {type(event).__name__}")
-        if seq >= self._next_checkpoint:
-            self._auto_checkpoint(seq)
-        buf = self._buf
-        if self._batch_at < 0:
-            self._batch_at = len(buf)
-            self._batch_seq = seq
-            buf += _BATCH_HEAD
-        self._encode_into(event, buf, -1)
-        self._next_seq = seq + 1
-        if len(buf) - self._batch_at > _BATCH_BYTES:
-            self._large_batch(seq, event)
-        if type(event) in self._sync_types:
-            self._commit()
+        self.append_next(event)
 
     def append_next(self, event) -> None:
         """``append(self.seq, event)`` for a caller that owns the sequence and hands only
