@@ -79,8 +79,8 @@ def _commands(ledger, step: int, n: int, ids: _Ids, prev: list) -> list:
 def _bare_step(ledger, step, n, ids, prev):
     new = _commands(ledger, step, n, ids, prev)
     ledger.seal_step(step)
-    ledger.step_completed(step, 0)
-    ledger.step_completed(step, 1)
+    ledger.complete_step(step, 0)
+    ledger.complete_step(step, 1)
     return new
 
 

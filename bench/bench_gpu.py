@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import print_table  # noqa: E402
 
-from kvledger.executors.cuda_driver import CudaUnavailableError  # noqa: E402  (no CUDA import)
+from kvledger.core.errors import CudaUnavailableError  # noqa: E402  (no CUDA import)
 
 PAGE_BYTES = 16384
 NUM_PAGES = 2048

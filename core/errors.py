@@ -4,28 +4,45 @@ Every command is validated before any event is written, so an error raised by a
 command leaves state, log and effects exactly as they were.
 
     KVLedgerError
-     ├── InvalidArgumentError      an argument of the wrong type or range
-     ├── ConfigurationError        bad geometry, policy or plane layout
-     ├── UnknownRequestError       request id not known to the ledger
-     ├── UnknownSnapshotError      snapshot id not live
-     ├── DuplicateIdError          request / snapshot id already in use
-     ├── TenantMismatchError       a request's tenant cannot change
-     ├── PageError                 (a page-level precondition failed)
-     │    ├── PageOutOfRangeError  id >= num_pages or negative
-     │    ├── DuplicatePageError   one id twice in one command
-     │    ├── PageNotHeldError     page not held as the command requires
-     │    └── RestoringPageError   an inbound restore is writing the page
-     ├── OutOfPagesError           not enough reservable pages (KV pressure)
-     ├── StepOrderError            step older than the open step, or not open
-     ├── LogError                  (the durable log)
-     │    ├── CorruptLogError      a bad record that is not a torn tail
-     │    └── TornLogError         a partial last record
-     ├── ReplayMismatchError       replay re-derived different effects/digest
-     ├── InvariantViolation        check mode found a broken invariant (a bug)
-     └── WireProtocolError         a bad or unexpected frame, with a code
+     ├── InvalidArgumentError       an argument of the wrong type or range
+     ├── ConfigurationError         bad geometry, policy or plane layout
+     │    └── BackendUnavailableError   a clear backend cannot load here
+     ├── UnknownRequestError        request id not known to the ledger
+     ├── UnknownSnapshotError       snapshot id not live
+     ├── DuplicateIdError           an id that must be new is in use
+     ├── TenantMismatchError        a request's tenant cannot change
+     ├── PageError                  (a page-level precondition failed)
+     │    ├── PageOutOfRangeError   id >= num_pages or negative
+     │    ├── DuplicatePageError    one id twice in one command
+     │    ├── PageNotHeldError      page not held as the command requires
+     │    └── RestoringPageError    an inbound restore is writing the page
+     ├── OutOfPagesError            not enough reservable pages (KV pressure)
+     ├── StepOrderError             step older than the open step, or not open
+     ├── LogError                   (the durable log)
+     │    ├── CorruptLogError       a bad record that is not a torn tail
+     │    ├── TornLogError          a partial last record
+     │    ├── LogVersionError       a log format this version cannot read
+     │    ├── LogExistsError        create on a path that exists
+     │    ├── LogLockedError        another writer holds the log
+     │    ├── LogIOError            a write, fsync or truncate failed
+     │    ├── LogClosedError        an append after close or after a failure
+     │    └── RecordTooLargeError   an event or checkpoint over the size limit
+     ├── ReplayMismatchError        replay re-derived different effects/digest
+     ├── InvariantViolation         check mode found a broken invariant (a bug)
+     ├── WireProtocolError          a bad or unexpected frame, with a code
+     │    ├── LocalProtocolError    this side broke the protocol
+     │    └── RemoteProtocolError   the peer broke it
+     │         ├── FrameError       bytes that are not a well-formed frame
+     │         └── HandshakeRefused the peer refused our HELLO
+     ├── StepFailedError            a step did not complete on every rank
+     ├── EngineClosedError          the engine is closed or broken
+     └── CudaDriverError            a CUDA driver call failed
+          └── CudaUnavailableError  cuda-python is missing or too old
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 __all__ = [
     "KVLedgerError",
@@ -48,6 +65,21 @@ __all__ = [
     "ReplayMismatchError",
     "InvariantViolation",
     "WireProtocolError",
+    "LogVersionError",
+    "LogExistsError",
+    "LogLockedError",
+    "LogIOError",
+    "LogClosedError",
+    "RecordTooLargeError",
+    "LocalProtocolError",
+    "RemoteProtocolError",
+    "FrameError",
+    "HandshakeRefused",
+    "StepFailedError",
+    "EngineClosedError",
+    "BackendUnavailableError",
+    "CudaDriverError",
+    "CudaUnavailableError",
 ]
 
 
@@ -202,3 +234,142 @@ class WireProtocolError(KVLedgerError):
         self.detail = detail
         self.remote = remote
         super().__init__(f"wire protocol error {code}: {detail}")
+
+
+# ---------------------------------------------------------------------- the durable log
+
+
+class LogVersionError(LogError):
+    """The file is a kvledger log of a format this version cannot read."""
+
+
+class LogExistsError(LogError):
+    """``EventLog.create`` on a path that already exists. Nothing was written."""
+
+
+class LogLockedError(LogError):
+    """Another writer (this process or another) has the log open."""
+
+
+class LogIOError(LogError):
+    """A write, fsync or truncate failed. The log refuses every later append until reopened.
+
+    ``op`` is the operation, ``errno`` the OS error number (or None).
+    """
+
+    def __init__(self, path, op: str, exc: BaseException | None, detail: str = "") -> None:
+        self.path = str(path)
+        self.op = op
+        self.errno = getattr(exc, "errno", None)
+        super().__init__(f"{op} failed on {self.path}: {exc}" + (f" ({detail})" if detail else ""))
+
+
+class LogClosedError(LogError):
+    """An append after ``close()``, or after a failure that closed the log to appends."""
+
+
+class RecordTooLargeError(LogError):
+    """An event or checkpoint exceeds the record size limit. Nothing was written."""
+
+
+# ---------------------------------------------------------------------- the wire
+
+
+class LocalProtocolError(WireProtocolError):
+    """This side broke the protocol (a send the state does not allow): ``remote=False``."""
+
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(code, detail, remote=False)
+
+
+class RemoteProtocolError(WireProtocolError):
+    """The other side broke the protocol (a frame it should not have sent): ``remote=True``."""
+
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(code, detail, remote=True)
+
+
+class FrameError(RemoteProtocolError):
+    """Bytes that are not a well-formed frame (always ``remote=True``).
+
+    ``step`` and ``kind`` are what the header said, when the header was readable
+    (``None`` otherwise); a REJECT can then name the step the sender meant.
+    """
+
+    def __init__(self, code: int, detail: str, *, step: int | None = None, kind: int | None = None) -> None:
+        super().__init__(code, detail)
+        self.step = step
+        self.kind = kind
+
+
+class HandshakeRefused(RemoteProtocolError):
+    """The other side answered our HELLO with REJECT (layout, geometry, world size, rank)."""
+
+
+# ---------------------------------------------------------------------- the engine
+
+
+class StepFailedError(KVLedgerError):
+    """A step did not complete on every rank; the ledger recorded ``StepAborted``.
+
+    ``step``; ``rank``: the rank whose failure was reported first; ``failures``:
+    ``((rank, error), ...)`` for every rank that raised, in order of report;
+    ``clear_list``: the aborted step's clear list, carried into the next step
+    (run the next step to zero it everywhere). The first rank's exception is the
+    ``__cause__``.
+    """
+
+    def __init__(
+        self,
+        step: int,
+        rank: int,
+        failures: Sequence[tuple[int, BaseException]],
+        detail: str = "",
+        clear_list: Sequence[int] = (),
+    ) -> None:
+        self.step = step
+        self.rank = rank
+        self.failures = tuple(failures)
+        self.clear_list = tuple(clear_list)
+        first = self.failures[0][1] if self.failures else None
+        what = detail or (f"{type(first).__name__}: {first}" if first is not None else "cancelled")
+        super().__init__(f"step {step} failed on rank {rank}: {what}")
+
+
+class EngineClosedError(KVLedgerError):
+    """The engine is closed, or broken because a step's outcome could not be recorded."""
+
+
+# ---------------------------------------------------------------------- executors
+
+
+class BackendUnavailableError(ConfigurationError):
+    """A registered clear backend could not be loaded here (its module or a dependency
+    is missing, e.g. no cuda-python or triton on this machine)."""
+
+    def __init__(self, name: str, target: str, cause: BaseException) -> None:
+        self.name = name
+        self.target = target
+        super().__init__(f"clear backend {name!r} ({target}) is not available here: {cause!r}")
+
+
+class CudaDriverError(KVLedgerError):
+    """A CUDA driver call failed.
+
+    ``call`` is the driver function (``"cuMemCreate"``), ``code`` the integer
+    ``CUresult`` (None when the driver could not be reached at all), ``name`` the
+    result's symbolic name (``"CUDA_ERROR_INVALID_VALUE"``) and ``detail`` the
+    arguments that matter.
+    """
+
+    def __init__(self, call: str, code: int | None, name: str, detail: str = "") -> None:
+        self.call = call
+        self.code = code
+        self.name = name
+        self.detail = detail
+        what = name if code is None else f"{name} ({code})"
+        super().__init__(f"{call} failed: {what}" + (f": {detail}" if detail else ""))
+
+
+class CudaUnavailableError(CudaDriverError):
+    """cuda-python (``cuda.bindings``) is not installed, or is too old to use."""

@@ -11,8 +11,9 @@ so state and effects are exactly as before. Running out of pages is an ordinary
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable
 
+from . import checks
 from .errors import (
     ConfigurationError,
     InvalidArgumentError,
@@ -39,46 +40,13 @@ from .events.events import (
     typed,
 )
 from .state.invariants import check_invariants
-from .state.state import LedgerState, validate_geometry
+from .state.state import LedgerState
 
 __all__ = ["Ledger", "EventSink", "replay"]
-
-MAX_ID = (1 << 63) - 1
 
 # A sink receives every accepted event with its sequence number before it is folded.
 # Raising refuses the event (the command fails, nothing changes).
 EventSink = Callable[[int, object], None]
-
-
-def _check_id(value, what: str) -> int:
-    if type(value) is not int or not 0 <= value <= MAX_ID:
-        raise InvalidArgumentError(f"{what} id must be an int in [0, 2**63), got {value!r}")
-    return value
-
-
-def _check_count(value, what: str) -> int:
-    if type(value) is not int or value < 1:
-        raise InvalidArgumentError(f"{what} must be a positive int, got {value!r}")
-    return value
-
-
-def _check_pages(pages) -> tuple[int, ...]:
-    try:
-        out = tuple(pages)
-    except TypeError:
-        raise InvalidArgumentError(f"page ids must be an iterable of ints, got {pages!r}") from None
-    for p in out:
-        if type(p) is not int:
-            raise InvalidArgumentError(f"page ids must be ints, got {p!r}")
-    if not out:
-        raise InvalidArgumentError("at least one page id is needed")
-    return out
-
-
-def _check_tenant(tenant) -> Optional[str]:
-    if tenant is not None and type(tenant) is not str:
-        raise InvalidArgumentError(f"tenant must be a str or None, got {tenant!r}")
-    return tenant
 
 
 def _one_of(n, pages, what: str):
@@ -115,7 +83,7 @@ class Ledger:
             return
         if not isinstance(geometry, Geometry):
             raise InvalidArgumentError(f"geometry must be a Geometry, got {geometry!r}")
-        validate_geometry(geometry)
+        checks.geometry(geometry)
         self.state = LedgerState()
         self._submit(CacheConfigured(geometry=geometry, policy=policy))
 
@@ -225,13 +193,13 @@ class Ledger:
         Raises ``OutOfPagesError`` (nothing changed) when fewer than ``n`` are reservable,
         ``TenantMismatchError`` when a known request names another tenant.
         """
-        if type(request) is not int or not 0 <= request <= MAX_ID:
-            _check_id(request, "request")
+        if type(request) is not int or not 0 <= request <= checks.MAX_ID:
+            checks.ident(request, "request")
         if type(n) is not int or n < 1:
-            _check_count(n, "n")
+            checks.count(n, "n")
         st = self.state
         if tenant is not None and type(tenant) is not str:
-            _check_tenant(tenant)
+            checks.tenant(tenant)
         rec = st.requests.get(request)
         if rec is not None:
             if tenant is None:
@@ -255,14 +223,14 @@ class Ledger:
 
     def return_reservation(self, request: int, pages: Iterable[int] | None = None) -> tuple[int, ...]:
         """Give reserved pages back unused (all of the request's reservation by default)."""
-        _check_id(request, "request")
+        checks.ident(request, "request")
         if pages is None:
             pages = self.reserved_pages(request)
             if not pages and request not in self.state.requests:
                 raise UnknownRequestError(request)
             if not pages:
                 return ()
-        pages = _check_pages(pages)
+        pages = checks.page_ids(pages, self.state.num_pages, allow_empty=False)
         self._submit(ReservationReturned(request=request, page_ids=pages))
         return pages
 
@@ -282,7 +250,7 @@ class Ledger:
             if (
                 rec is not None
                 and 0 < n <= len(rec.reserved)
-                and st.open_step <= step <= MAX_ID
+                and st.open_step <= step <= checks.MAX_ID
                 and (not st.restore_targets or st.restore_targets.keys().isdisjoint(rec.reserved[:n]))
             ):
                 ev = PagesCommitted(request=request, step=step, page_ids=tuple(rec.reserved[:n]))
@@ -291,11 +259,11 @@ class Ledger:
                 else:
                     effects = self._submit_built(ev, st.apply_committed)
                 return effects[0].page_ids if effects else ()
-        _check_id(request, "request")
-        _check_id(step, "step")
+        checks.ident(request, "request")
+        checks.ident(step, "step")
         _one_of(n, pages, "commit")
         if n is not None:
-            _check_count(n, "n")
+            checks.count(n, "n")
             rec = st.requests.get(request)
             if rec is None:
                 raise UnknownRequestError(request)
@@ -305,7 +273,7 @@ class Ledger:
                 )
             ids = tuple(rec.reserved[:n])
         else:
-            ids = _check_pages(pages)
+            ids = checks.page_ids(pages, self.state.num_pages, allow_empty=False)
         effects = self._submit(PagesCommitted(request=request, step=step, page_ids=ids))
         return effects[0].page_ids if effects else ()
 
@@ -320,7 +288,7 @@ class Ledger:
     def _request_gone(self, event_type, request: int) -> None:
         st = self.state
         if type(request) is not int or request not in st.requests:
-            _check_id(request, "request")
+            checks.ident(request, "request")
             raise UnknownRequestError(request)
         if self._plain:
             st.apply_request_gone(event_type(request=request))
@@ -332,58 +300,58 @@ class Ledger:
     ) -> tuple[int, ...]:
         """Back snapshot rows with pages: ``n`` free pages from the allocator, or named
         free/aliased pages (snapshot reuse). Returns the page ids."""
-        _check_id(snapshot, "snapshot")
+        checks.ident(snapshot, "snapshot")
         _one_of(n, pages, "alias_snapshot")
         if n is not None:
-            _check_count(n, "n")
+            checks.count(n, "n")
             got = self.state.pick_free(n)
             if got is None:
                 raise OutOfPagesError(n, self.state.reservable_count, f"snapshot {snapshot}")
             ids = tuple(got)
         else:
-            ids = _check_pages(pages)
+            ids = checks.page_ids(pages, self.state.num_pages, allow_empty=False)
         self._submit(SnapshotAliased(snapshot=snapshot, page_ids=ids))
         return ids
 
     def release_snapshot(self, snapshot: int) -> None:
         """The snapshot is gone; pages it was the last alias of become free and marked."""
-        self._submit(SnapshotReleased(snapshot=_check_id(snapshot, "snapshot")))
+        self._submit(SnapshotReleased(snapshot=checks.ident(snapshot, "snapshot")))
 
     def _restore_target(self, request, snapshot) -> tuple[str, int]:
         if (request is None) == (snapshot is None):
             raise InvalidArgumentError("restore: give exactly one of request= or snapshot=")
         if request is not None:
-            return "request", _check_id(request, "request")
-        return "snapshot", _check_id(snapshot, "snapshot")
+            return "request", checks.ident(request, "request")
+        return "snapshot", checks.ident(snapshot, "snapshot")
 
-    def restore_started(
+    def start_restore(
         self, pages: Iterable[int], *, request: int | None = None, snapshot: int | None = None
     ) -> None:
         """An inbound host restore starts writing ``pages`` of a request or a snapshot."""
         into, target = self._restore_target(request, snapshot)
-        self._submit(RestoreStarted(into=into, target=target, page_ids=_check_pages(pages)))
+        self._submit(RestoreStarted(into=into, target=target, page_ids=checks.page_ids(pages, self.state.num_pages, allow_empty=False)))
 
-    def restore_completed(
+    def complete_restore(
         self, pages: Iterable[int], *, request: int | None = None, snapshot: int | None = None
     ) -> None:
         into, target = self._restore_target(request, snapshot)
-        self._submit(RestoreCompleted(into=into, target=target, page_ids=_check_pages(pages)))
+        self._submit(RestoreCompleted(into=into, target=target, page_ids=checks.page_ids(pages, self.state.num_pages, allow_empty=False)))
 
     def seal_step(self, step: int) -> StepPlan:
         """Close the open step and return its plan (the pages every rank must zero)."""
-        _check_id(step, "step")
+        checks.ident(step, "step")
         clear_list = self.state.derive_clear_list(step)
         (plan,) = self._submit(StepSealed(step=step, clear_list=clear_list))
         return plan
 
-    def step_completed(self, step: int, rank: int) -> None:
-        self._submit(StepCompleted(step=_check_id(step, "step"), rank=_check_id(rank, "rank")))
+    def complete_step(self, step: int, rank: int) -> None:
+        self._submit(StepCompleted(step=checks.ident(step, "step"), rank=checks.ident(rank, "rank")))
 
-    def step_aborted(self, step: int, reason: str = "") -> None:
+    def abort_step(self, step: int, reason: str = "") -> None:
         """The last sealed step did not run everywhere: its clear list is carried into the next."""
         if type(reason) is not str:
             raise InvalidArgumentError(f"reason must be a str, got {reason!r}")
-        self._submit(StepAborted(step=_check_id(step, "step"), reason=reason))
+        self._submit(StepAborted(step=checks.ident(step, "step"), reason=reason))
 
 
 def replay(events: Iterable, *, check: bool = False) -> LedgerState:

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 import kvledger
-from kvledger.engine import RankSpec, StepFailedError, StepInputs, open_engine
+from kvledger.engine import RankSpec, StepInputs, open_engine
+from kvledger.core.errors import StepFailedError
 
 PAGE_TOKENS, HEADS, DIM = 16, 2, 32
 FAIL_STEP, FAIL_RANK = 4, 1  # rank 1 faults in the first step from 4 on that lists pages

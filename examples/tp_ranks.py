@@ -188,10 +188,10 @@ class Workload:
     def launched(self, step: int) -> None:
         self.rows.clear()
         self.writes.clear()
-        self.ledger.step_completed(step, 0)
+        self.ledger.complete_step(step, 0)
 
     def aborted(self, step: int, reason: str) -> None:
-        self.ledger.step_aborted(step, reason)  # the clear list is carried into the next step
+        self.ledger.abort_step(step, reason)  # the clear list is carried into the next step
 
 
 async def lead(args, store, world: int, me: RankState, g: Geometry) -> dict:

@@ -23,7 +23,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
-from kvledger.core.errors import (
+from ..core.errors import (
+    BackendUnavailableError,
     ConfigurationError,
     DuplicatePageError,
     InvalidArgumentError,
@@ -35,7 +36,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "BACKENDS",
-    "BackendUnavailableError",
     "ClearBackend",
     "backend_class",
     "check_page_ids",
@@ -59,15 +59,6 @@ class ClearBackend(Protocol):
 
     def clear(self, page_ids: Sequence[int]) -> None: ...
 
-
-class BackendUnavailableError(ConfigurationError):
-    """A registered backend could not be loaded here (its module or a dependency is
-    missing, e.g. no cuda-python or triton on this machine)."""
-
-    def __init__(self, name: str, target: str, cause: BaseException) -> None:
-        self.name = name
-        self.target = target
-        super().__init__(f"clear backend {name!r} ({target}) is not available here: {cause!r}")
 
 
 _REGISTRY: dict[str, str] = {

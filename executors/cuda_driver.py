@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import threading
 
-from kvledger.core.errors import KVLedgerError
+from ..core.errors import CudaDriverError, CudaUnavailableError
 
 __all__ = [
-    "CudaDriverError",
-    "CudaUnavailableError",
     "address_free",
     "address_reserve",
     "allocation_granularity",
@@ -49,26 +47,6 @@ __all__ = [
 ]
 
 
-class CudaDriverError(KVLedgerError):
-    """A CUDA driver call failed.
-
-    ``call`` is the driver function (``"cuMemCreate"``), ``code`` the integer
-    ``CUresult`` (None when the driver could not be reached at all), ``name`` the
-    result's symbolic name (``"CUDA_ERROR_INVALID_VALUE"``) and ``detail`` the
-    arguments that matter.
-    """
-
-    def __init__(self, call: str, code: int | None, name: str, detail: str = "") -> None:
-        self.call = call
-        self.code = code
-        self.name = name
-        self.detail = detail
-        what = name if code is None else "%s (%d)" % (name, code)
-        super().__init__("%s failed: %s%s" % (call, what, (": " + detail) if detail else ""))
-
-
-class CudaUnavailableError(CudaDriverError):
-    """cuda-python (``cuda.bindings``) is not installed, or is too old to use."""
 
 
 _D = None  # the cuda.bindings.driver module, once loaded

@@ -3,41 +3,102 @@
 Bytes a page held for someone else (a released snapshot row, another tenant)
 are zeroed exactly once, on every rank, before any request reads them.
 
-``import kvledger`` is light: it never imports torch, triton or CUDA.
+The public face:
+
+* ``Ledger`` (in memory) and ``open_ledger`` (with a durable log): the
+  synchronous command side; ``replay`` folds events into a ``LedgerState``.
+* ``open`` (``kvledger.open(geometry, ranks=[RankSpec(...)])``), ``Engine``,
+  ``RankSpec``, ``StepInputs``, ``StepResult``: the embedded async engine.
+* ``Geometry``, ``StepPlan``, ``ClearPages`` and the events a ``Ledger.submit``
+  caller builds.
+* every error: ``KVLedgerError`` and its subclasses (``kvledger.core.errors``).
+
+``import kvledger`` is light: it never imports torch, triton or CUDA, and the
+engine (anyio) and the durable ledger load on first use.
 """
 
-from kvledger.core.errors import *  # noqa: F401,F403
-from kvledger.core.errors import __all__ as _errors_all
-from kvledger.core.events import (
+from .core.errors import *  # noqa: F403
+from .core.errors import __all__ as _errors_all
+from .core.events import (
     CLEAR_POLICIES,
+    CacheConfigured,
     ClearPages,
     Geometry,
+    PagesCommitted,
+    PagesReserved,
+    RequestCancelled,
+    RequestFinished,
+    ReservationReturned,
+    RestoreCompleted,
+    RestoreStarted,
+    SnapshotAliased,
+    SnapshotReleased,
+    StepAborted,
+    StepCompleted,
     StepPlan,
+    StepSealed,
 )
-from kvledger.core.ledger import Ledger, replay
-from kvledger.core.state import LedgerState, check_invariants
+from .core.ledger import Ledger, replay
+from .core.state import LedgerState, check_invariants
 
 __version__ = "0.1.0"
 
+# Loaded on first use: name -> (module, attribute).
+_LAZY = {
+    "open": ("kvledger.engine", "open_engine"),
+    "Engine": ("kvledger.engine", "Engine"),
+    "RankSpec": ("kvledger.engine", "RankSpec"),
+    "StepInputs": ("kvledger.engine", "StepInputs"),
+    "StepResult": ("kvledger.engine", "StepResult"),
+    "open_ledger": ("kvledger.durable", "open_ledger"),
+    "DurableLedger": ("kvledger.durable", "DurableLedger"),
+}
+
 
 def __getattr__(name: str):
-    # ``kvledger.open`` (the async engine) is resolved lazily: it needs anyio, and the
-    # engine module imports torch only when a rank has planes.
-    if name == "open":
-        from kvledger.engine import open_engine
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'kvledger' has no attribute {name!r}")
+    import importlib
 
-        return open_engine
-    raise AttributeError(f"module 'kvledger' has no attribute {name!r}")
+    value = getattr(importlib.import_module(target[0]), target[1])
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     *_errors_all,
     "CLEAR_POLICIES",
+    "CacheConfigured",
     "ClearPages",
+    "DurableLedger",
+    "Engine",
     "Geometry",
     "Ledger",
     "LedgerState",
+    "PagesCommitted",
+    "PagesReserved",
+    "RankSpec",
+    "RequestCancelled",
+    "RequestFinished",
+    "ReservationReturned",
+    "RestoreCompleted",
+    "RestoreStarted",
+    "SnapshotAliased",
+    "SnapshotReleased",
+    "StepAborted",
+    "StepCompleted",
+    "StepInputs",
     "StepPlan",
+    "StepResult",
+    "StepSealed",
     "check_invariants",
+    "open",
+    "open_ledger",
     "replay",
     "__version__",
 ]

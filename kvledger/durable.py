@@ -51,7 +51,8 @@ from kvledger.core.events.events import CLEAR_POLICIES, CacheConfigured, ClearPa
 from kvledger.core.events.log import EventLog, LogView, _default_layer
 from kvledger.core.ledger import Ledger
 from kvledger.core.state.invariants import check_invariants
-from kvledger.core.state.state import LedgerState, validate_geometry
+from kvledger.core import checks
+from kvledger.core.state.state import LedgerState
 
 __all__ = ["DurableLedger", "Recovery", "open_ledger", "state_from_checkpoint", "rebuild_state"]
 
@@ -341,7 +342,7 @@ def open_ledger(path, geometry: Geometry | None = None, *, policy: str | None = 
     if geometry is not None:
         if not isinstance(geometry, Geometry):
             raise InvalidArgumentError(f"geometry must be a Geometry, got {geometry!r}")
-        validate_geometry(geometry)
+        checks.geometry(geometry)
     if not lay.exists(path):
         if geometry is None:
             raise ConfigurationError(f"{path} does not exist: give a geometry to create it")

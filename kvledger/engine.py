@@ -58,7 +58,12 @@ import anyio
 import msgspec
 import structlog
 
-from kvledger.core.errors import ConfigurationError, InvalidArgumentError, KVLedgerError
+from kvledger.core.errors import (
+    ConfigurationError,
+    EngineClosedError,
+    InvalidArgumentError,
+    StepFailedError,
+)
 from kvledger.core.events import CLEAR_POLICIES, Geometry, StepPlan
 from kvledger.core.ledger import Ledger
 from kvledger.executors.backend import make_backend
@@ -75,48 +80,16 @@ from kvledger.executors.executor import (
 
 __all__ = [
     "Engine",
-    "EngineClosedError",
     "RankContext",
     "RankSpec",
     "RankTiming",
-    "StepFailedError",
     "StepInputs",
     "StepResult",
-    "open",
     "open_engine",
     "RemoteRanks",
 ]
 
 
-class StepFailedError(KVLedgerError):
-    """A step did not complete on every rank; the ledger recorded ``StepAborted``.
-
-    ``step``, ``rank`` (the rank whose failure was reported first), ``failures``:
-    ``((rank, error), ...)`` for every rank that raised, in order of report;
-    ``clear_list``: the aborted step's clear list (carried into the next step). The first rank's exception is the ``__cause__``.
-    The step's clear list was carried into the next step: run the next step to
-    zero it everywhere.
-    """
-
-    def __init__(
-        self,
-        step: int,
-        rank: int,
-        failures: Sequence[tuple[int, BaseException]],
-        detail: str = "",
-        clear_list: Sequence[int] = (),
-    ) -> None:
-        self.step = step
-        self.rank = rank
-        self.failures = tuple(failures)
-        self.clear_list = tuple(clear_list)
-        first = self.failures[0][1] if self.failures else None
-        what = detail or ("%s: %s" % (type(first).__name__, first) if first is not None else "cancelled")
-        super().__init__("step %d failed on rank %d: %s" % (step, rank, what))
-
-
-class EngineClosedError(KVLedgerError):
-    """The engine is closed, or broken because a step's outcome could not be recorded."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,15 +276,15 @@ class Engine:
     async def release_snapshot(self, snapshot: int) -> None:
         await self._call(self._ledger.release_snapshot, snapshot)
 
-    async def restore_started(
+    async def start_restore(
         self, pages: Iterable[int], *, request: int | None = None, snapshot: int | None = None
     ) -> None:
-        await self._call(self._ledger.restore_started, pages, request=request, snapshot=snapshot)
+        await self._call(self._ledger.start_restore, pages, request=request, snapshot=snapshot)
 
-    async def restore_completed(
+    async def complete_restore(
         self, pages: Iterable[int], *, request: int | None = None, snapshot: int | None = None
     ) -> None:
-        await self._call(self._ledger.restore_completed, pages, request=request, snapshot=snapshot)
+        await self._call(self._ledger.complete_restore, pages, request=request, snapshot=snapshot)
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(ledger, *args)`` with exclusive access to the ledger (in the worker
@@ -387,9 +360,9 @@ class Engine:
     def _record(self, step: int, ok_ranks: tuple[int, ...], reason: Optional[str]) -> None:
         ledger = self._ledger
         for rank in ok_ranks:
-            ledger.step_completed(step, rank)
+            ledger.complete_step(step, rank)
         if reason is not None:
-            ledger.step_aborted(step, reason)
+            ledger.abort_step(step, reason)
 
     async def _settle(self, step: int, ok_ranks: tuple[int, ...], reason: Optional[str]) -> None:
         """Record a sealed step's outcome, shielded from cancellation (in memory it is a
@@ -732,5 +705,3 @@ async def open_engine(
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(ledger.close)
 
-
-open = open_engine

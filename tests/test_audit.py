@@ -90,9 +90,9 @@ def test_check_finds_no_fault_in_random_workloads(tmp_path, policy):
             drive(led, "audit-%d" % seed, 50, ranks=2)
             for (into, target) in sorted(set(led.state.restore_targets.values())):  # drain restores
                 pages = sorted(q for q, t in led.state.restore_targets.items() if t == (into, target))
-                led.restore_completed(pages, **{into: target})
+                led.complete_restore(pages, **{into: target})
             for rank in range(2):
-                led.step_completed(led.open_step - 1, rank)
+                led.complete_step(led.open_step - 1, rank)
         for since in (None, 200):
             rep = audit_log(p, check=True, since=since)
             assert rep.ok, [f.detail for f in rep.faults]

@@ -33,14 +33,14 @@ def run(policy):
         L.reserve(r, 2 + i % 3, tenant=tenants[(i * 3) % 5])
     L.commit(5, 0, 1)
     L.commit(2**62, 2, 2)
-    L.restore_started(L.reserved_pages(999_999_937)[:1], request=999_999_937)
-    L.restore_started(L.snapshot_pages(17)[:2], snapshot=17)
+    L.start_restore(L.reserved_pages(999_999_937)[:1], request=999_999_937)
+    L.start_restore(L.snapshot_pages(17)[:2], snapshot=17)
     L.commit(3, 1, pages=list(L.reserved_pages(3)))
     L.seal_step(0)
-    L.step_completed(0, 1)
-    L.step_completed(0, 0)
+    L.complete_step(0, 1)
+    L.complete_step(0, 0)
     L.finish(5)
-    L.restore_completed(L.snapshot_pages(17)[:1], snapshot=17)
+    L.complete_restore(L.snapshot_pages(17)[:1], snapshot=17)
     L.release_snapshot(17)
     L.cancel(2**33 + 1)
     L.reserve(44, 3, tenant="zz")
@@ -93,8 +93,8 @@ def _world(order: str) -> Ledger:
             lambda: L.commit(3, 1, pages=[21]),
         ],
         "restores": [
-            lambda: L.restore_started([11], request=7),
-            lambda: L.restore_started([27], snapshot=2),
+            lambda: L.start_restore([11], request=7),
+            lambda: L.start_restore([27], snapshot=2),
         ],
     }
     for group in ("requests", "snapshots", "commits", "restores"):
@@ -102,7 +102,7 @@ def _world(order: str) -> Ledger:
             op()
     L.seal_step(0)
     for rank in ((0, 1) if order == "ab" else (1, 0)):
-        L.step_completed(0, rank)
+        L.complete_step(0, rank)
     return L
 
 
@@ -114,11 +114,11 @@ def _continue(L: Ledger) -> list:
     out.append(L.reserve(7, 1))
     out.append(L.commit(50, 1, pages=list(L.reserved_pages(50))))
     out.append(L.seal_step(1))
-    L.restore_completed([27], snapshot=2)
+    L.complete_restore([27], snapshot=2)
     L.release_snapshot(11)
     L.cancel(7)
     out.append(L.alias_snapshot(12, 3))
-    L.restore_completed([11], request=7)
+    L.complete_restore([11], request=7)
     out.append(L.reserve(8, 5, tenant="y"))
     out.append(L.commit(8, 2, 5))
     out.append(L.seal_step(2))
@@ -168,10 +168,10 @@ def _rich(policy: str) -> Ledger:
     L.reserve(11, 3, tenant="b")
     L.commit(10, 0, 2)
     L.commit(11, 1, 1)  # a clear list for a later step
-    L.restore_started(L.reserved_pages(10)[:1], request=10)
-    L.restore_started(L.snapshot_pages(2)[:1], snapshot=2)
+    L.start_restore(L.reserved_pages(10)[:1], request=10)
+    L.start_restore(L.snapshot_pages(2)[:1], snapshot=2)
     L.seal_step(0)
-    L.step_completed(0, 3)
+    L.complete_step(0, 3)
     L.finish(11)
     L.reserve(12, 2, tenant="a")
     L.commit(12, 1, 1)
@@ -199,11 +199,11 @@ def test_canonical_round_trip_keeps_digest_and_behaviour(policy, via):
     steps = [
         lambda X: X.commit(10, 1, pages=list(X.reserved_pages(10))[1:]),
         lambda X: X.seal_step(1),
-        lambda X: X.restore_completed(X.reserved_pages(10)[:1], request=10),
+        lambda X: X.complete_restore(X.reserved_pages(10)[:1], request=10),
         lambda X: X.commit(10, 2, 1),
         lambda X: X.release_snapshot(2),
         lambda X: X.reserve(13, 6, tenant="b"),
-        lambda X: X.step_aborted(1),
+        lambda X: X.abort_step(1),
         lambda X: X.commit(13, 2, 6),
         lambda X: X.cancel(10),
         lambda X: X.seal_step(2),

@@ -10,6 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import kvledger  # noqa: E402
 from kvledger import (  # noqa: E402
     ConfigurationError,
     Geometry,
@@ -21,15 +22,8 @@ from kvledger import (  # noqa: E402
     replay,
 )
 from kvledger.core.events import StepAborted, StepCompleted, StepSealed  # noqa: E402
-from kvledger.engine import (  # noqa: E402
-    EngineClosedError,
-    RankSpec,
-    StepFailedError,
-    StepInputs,
-    StepResult,
-    open,
-    open_engine,
-)
+from kvledger.engine import RankSpec, StepInputs, StepResult, open_engine  # noqa: E402
+from kvledger.core.errors import EngineClosedError, StepFailedError  # noqa: E402
 from kvledger.executors.torch_backend import TorchClearBackend  # noqa: E402
 
 G = Geometry(num_pages=16, page_tokens=4)
@@ -89,7 +83,7 @@ async def test_order_input_copies_then_clears_then_graph():
         assert page_is_zero(ctx.planes[0], seen["listed"][0])
         seen["graph"] = (ctx.rank, step, inputs.data)
 
-    async with open(G, ranks=[RankSpec(planes=planes, graph=graph)], record=True, check=True) as engine:
+    async with kvledger.open(G, ranks=[RankSpec(planes=planes, graph=graph)], record=True, check=True) as engine:
         seen["listed"] = await released_then_committed(engine, [planes])
         junk = torch.full((4, 8), 0x33, dtype=torch.uint8).view(torch.float8_e4m3fn)
         inputs = StepInputs(
@@ -307,8 +301,8 @@ async def test_bad_calls_change_nothing():
         pages = await engine.reserve(1, 4, tenant="a")
         assert await engine.return_reservation(1, pages[2:]) == pages[2:]
         await engine.commit(1, 0, 2)
-        await engine.restore_started(await engine.reserve(2, 1), request=2)
-        await engine.restore_completed(engine.ledger.reserved_pages(2), request=2)
+        await engine.start_restore(await engine.reserve(2, 1), request=2)
+        await engine.complete_restore(engine.ledger.reserved_pages(2), request=2)
         await engine.cancel(2)
         await engine.finish(1)
         await engine.run_step(0, {1: StepInputs(data=1)})

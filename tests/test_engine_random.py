@@ -18,7 +18,8 @@ torch = pytest.importorskip("torch")
 
 from kvledger import Geometry, OutOfPagesError, check_invariants, replay  # noqa: E402
 from kvledger.core.events import StepCompleted  # noqa: E402
-from kvledger.engine import RankSpec, StepFailedError, StepInputs, open_engine  # noqa: E402
+from kvledger.engine import RankSpec, StepInputs, open_engine
+from kvledger.core.errors import StepFailedError  # noqa: E402
 
 G = Geometry(num_pages=12, page_tokens=4)
 ROW = 0x7F

@@ -19,11 +19,12 @@ torch = pytest.importorskip("torch")
 
 from kvledger import Geometry, check_invariants, replay  # noqa: E402
 from kvledger.core.events import StepAborted, StepCompleted, StepSealed  # noqa: E402
-from kvledger.engine import RankSpec, StepFailedError, open_engine  # noqa: E402
+from kvledger.engine import RankSpec, open_engine
+from kvledger.core.errors import StepFailedError  # noqa: E402
 from kvledger.executors.backend import make_backend  # noqa: E402
 from kvledger.remote import RemoteRanks, serve_remote_rank  # noqa: E402
 from kvledger.wire.codec import RejectCode  # noqa: E402
-from kvledger.wire.protocol import HandshakeRefused  # noqa: E402
+from kvledger.core.errors import HandshakeRefused  # noqa: E402
 from kvledger.wire.rank import run_peer  # noqa: E402
 from kvledger.wire.transport import connect_tcp  # noqa: E402
 

@@ -218,7 +218,7 @@ ACCEPTED = [
     ("step-completed", StepCompleted(step=0, rank=3),
      {}, (), lambda L: L.state.completed == {3: 0}),
     ("step-aborted-empty-plan", StepAborted(step=0, reason="rank 1 timed out"),
-     {}, (), lambda L: L.open_step == 1 and _raises(lambda: L.step_aborted(0), StepOrderError)),
+     {}, (), lambda L: L.open_step == 1 and _raises(lambda: L.abort_step(0), StepOrderError)),
 ]
 
 
@@ -265,15 +265,15 @@ COMMANDS = [
     ("alias-pages", lambda L: L.alias_snapshot(300, pages=[10, 0]),
      SnapshotAliased(snapshot=300, page_ids=(10, 0)), (10, 0)),
     ("release", lambda L: L.release_snapshot(201), SnapshotReleased(snapshot=201), None),
-    ("restore-started-request", lambda L: L.restore_started([3], request=1),
+    ("restore-started-request", lambda L: L.start_restore([3], request=1),
      RestoreStarted(into="request", target=1, page_ids=(3,)), None),
-    ("restore-started-snapshot", lambda L: L.restore_started(iter([10]), snapshot=200),
+    ("restore-started-snapshot", lambda L: L.start_restore(iter([10]), snapshot=200),
      RestoreStarted(into="snapshot", target=200, page_ids=(10,)), None),
-    ("restore-completed", lambda L: L.restore_completed([9], snapshot=200),
+    ("restore-completed", lambda L: L.complete_restore([9], snapshot=200),
      RestoreCompleted(into="snapshot", target=200, page_ids=(9,)), None),
     ("seal", lambda L: L.seal_step(1), StepSealed(step=1, clear_list=(6,)), StepPlan(step=1, clear_list=(6,))),
-    ("step-completed", lambda L: L.step_completed(0, 1), StepCompleted(step=0, rank=1), None),
-    ("step-aborted", lambda L: L.step_aborted(0, "why"), StepAborted(step=0, reason="why"), None),
+    ("step-completed", lambda L: L.complete_step(0, 1), StepCompleted(step=0, rank=1), None),
+    ("step-aborted", lambda L: L.abort_step(0, "why"), StepAborted(step=0, reason="why"), None),
 ]
 
 
@@ -473,8 +473,8 @@ REJECTS = [
     ("restore-snapshot-free-page", S(R(into="snapshot", target=200, page_ids=(13,))), PageNotHeldError, [13, 200]),
     ("restore-snapshot-already-restoring", S(R(into="snapshot", target=200, page_ids=(9,))), RestoringPageError, [9]),
     ("restore-bad-target-kind", S(R(into="disk", target=1, page_ids=(2,))), InvalidArgumentError, ["disk"]),
-    ("restore-cmd-both-targets", lambda L: L.restore_started([2], request=1, snapshot=200), InvalidArgumentError, []),
-    ("restore-cmd-no-target", lambda L: L.restore_started([2]), InvalidArgumentError, []),
+    ("restore-cmd-both-targets", lambda L: L.start_restore([2], request=1, snapshot=200), InvalidArgumentError, []),
+    ("restore-cmd-no-target", lambda L: L.start_restore([2]), InvalidArgumentError, []),
     # ---- RestoreCompleted
     ("completed-not-restoring", S(C(into="request", target=1, page_ids=(2,))), PageNotHeldError, [2]),
     ("completed-other-request", S(C(into="request", target=1, page_ids=(8,))), PageNotHeldError, [8, 1, 2]),
@@ -492,11 +492,11 @@ REJECTS = [
     # ---- StepCompleted
     ("completed-step-not-sealed", S(StepCompleted(step=1, rank=0)), StepOrderError, [1]),
     ("completed-negative-rank", S(StepCompleted(step=0, rank=-1)), InvalidArgumentError, [-1]),
-    ("completed-cmd-future-step", lambda L: L.step_completed(5, 0), StepOrderError, [5]),
+    ("completed-cmd-future-step", lambda L: L.complete_step(5, 0), StepOrderError, [5]),
     # ---- StepAborted
     ("aborted-open-step", S(StepAborted(step=1)), StepOrderError, [1]),
     ("aborted-unknown-step", S(StepAborted(step=9)), StepOrderError, [9]),
-    ("aborted-cmd-open-step", lambda L: L.step_aborted(1), StepOrderError, [1]),
+    ("aborted-cmd-open-step", lambda L: L.abort_step(1), StepOrderError, [1]),
     # ---- anything else
     ("submit-not-an-event", lambda L: L.submit(42), InvalidArgumentError, []),
     ("submit-none", lambda L: L.submit(None), InvalidArgumentError, []),
@@ -546,19 +546,19 @@ WRONG_TYPES = [
     ("alias-empty-pages", lambda L: L.alias_snapshot(300, pages=[]), []),
     ("release-str", lambda L: L.release_snapshot("200"), ["'200'"]),
     ("release-negative", lambda L: L.release_snapshot(-200), [-200]),
-    ("restore-str-request", lambda L: L.restore_started([2], request="1"), ["'1'"]),
-    ("restore-none-pages", lambda L: L.restore_started(None, request=1), ["None"]),
-    ("restore-float-page", lambda L: L.restore_started([2.0], request=1), ["2.0"]),
-    ("restore-empty-pages", lambda L: L.restore_started([], request=1), []),
-    ("completed-both-targets", lambda L: L.restore_completed([8], request=2, snapshot=200), []),
-    ("completed-str-snapshot", lambda L: L.restore_completed([9], snapshot="200"), ["'200'"]),
+    ("restore-str-request", lambda L: L.start_restore([2], request="1"), ["'1'"]),
+    ("restore-none-pages", lambda L: L.start_restore(None, request=1), ["None"]),
+    ("restore-float-page", lambda L: L.start_restore([2.0], request=1), ["2.0"]),
+    ("restore-empty-pages", lambda L: L.start_restore([], request=1), []),
+    ("completed-both-targets", lambda L: L.complete_restore([8], request=2, snapshot=200), []),
+    ("completed-str-snapshot", lambda L: L.complete_restore([9], snapshot="200"), ["'200'"]),
     ("seal-str-step", lambda L: L.seal_step("1"), ["'1'"]),
     ("seal-float-step", lambda L: L.seal_step(1.0), ["1.0"]),
-    ("step-completed-str-step", lambda L: L.step_completed("0", 0), ["'0'"]),
-    ("step-completed-negative-rank", lambda L: L.step_completed(0, -1), [-1]),
-    ("step-completed-float-rank", lambda L: L.step_completed(0, 1.5), ["1.5"]),
-    ("step-aborted-str-step", lambda L: L.step_aborted("0"), ["'0'"]),
-    ("step-aborted-int-reason", lambda L: L.step_aborted(0, reason=5), [5]),
+    ("step-completed-str-step", lambda L: L.complete_step("0", 0), ["'0'"]),
+    ("step-completed-negative-rank", lambda L: L.complete_step(0, -1), [-1]),
+    ("step-completed-float-rank", lambda L: L.complete_step(0, 1.5), ["1.5"]),
+    ("step-aborted-str-step", lambda L: L.abort_step("0"), ["'0'"]),
+    ("step-aborted-int-reason", lambda L: L.abort_step(0, reason=5), [5]),
 ]
 
 
@@ -647,9 +647,9 @@ def test_step_completed_keeps_the_highest_step_per_rank():
     L = Ledger(Geometry(num_pages=2, page_tokens=16), check=True)
     for step in range(3):
         L.seal_step(step)
-    L.step_completed(2, 0)
-    L.step_completed(1, 0)
-    L.step_completed(0, 1)
+    L.complete_step(2, 0)
+    L.complete_step(1, 0)
+    L.complete_step(0, 1)
     assert L.state.completed == {0: 2, 1: 0}
 
 
@@ -669,7 +669,7 @@ def test_aborted_step_carries_kv_pages_and_remarks_freed_ones():
     L.submit(PagesReserved(request=2, page_ids=(0, 1)))
     assert L.commit(2, 1, pages=[0]) == ()  # not marked: the plan was going to zero it
     L.alias_snapshot(5, pages=[2])
-    L.step_aborted(0, "rank 1 rejected")
+    L.abort_step(0, "rank 1 rejected")
     # page 0 is kv(2): nothing zeroed it, so step 1 must; 1 is reserved(2), 2 aliased,
     # 3 free: all marked again.
     assert not L.is_marked(0) and L.is_marked(1) and L.is_marked(2) and L.is_marked(3)
@@ -677,17 +677,17 @@ def test_aborted_step_carries_kv_pages_and_remarks_freed_ones():
     assert L.seal_step(1).clear_list == (0, 1)
     assert replay(L.events, check=True).digest() == L.digest()
     with pytest.raises(StepOrderError):
-        L.step_aborted(0)  # only the last sealed step, and only once
+        L.abort_step(0)  # only the last sealed step, and only once
 
 
 def test_aborted_step_keeps_restoring_pages_unmarked():
     L = _aborted_world()
     L.cancel(1)
     L.submit(PagesReserved(request=2, page_ids=(0,)))
-    L.restore_started([0], request=2)
-    L.step_aborted(0)
+    L.start_restore([0], request=2)
+    L.abort_step(0)
     assert not L.is_marked(0)  # the restore is overwriting it whole
-    L.restore_completed([0], request=2)
+    L.complete_restore([0], request=2)
     assert L.commit(2, 1, 1) == ()
 
 
@@ -700,11 +700,11 @@ def test_aborted_step_does_not_reclear_a_page_a_restore_already_overwrote(commit
     L = _aborted_world()
     L.cancel(1)
     L.submit(PagesReserved(request=2, page_ids=(0,)))
-    L.restore_started([0], request=2)
-    L.restore_completed([0], request=2)
+    L.start_restore([0], request=2)
+    L.complete_restore([0], request=2)
     if committed:
         assert L.commit(2, 1, 1) == ()
-    L.step_aborted(0)
+    L.abort_step(0)
     assert not L.is_marked(0)
     if not committed:
         assert L.commit(2, 1, 1) == ()

@@ -24,7 +24,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-from kvledger import Geometry, InvalidArgumentError, KVLedgerError, Ledger  # noqa: E402
+from kvledger import CudaDriverError, Geometry, InvalidArgumentError, KVLedgerError, Ledger  # noqa: E402
 
 BACKENDS = ["torch", "cuda", "cuda-per-page", "triton", "triton-graph"]
 PAGE_BYTES = (16384, 8192, 32768)
@@ -160,13 +160,13 @@ def test_driver_errors_name_the_call():
     dev = torch.cuda.current_device()
     torch.cuda.current_stream()
     g = cuda_driver.allocation_granularity(dev)
-    with pytest.raises(cuda_driver.CudaDriverError) as info:
+    with pytest.raises(CudaDriverError) as info:
         cuda_driver.mem_create(g + 1, dev)
     err = info.value
     assert isinstance(err, KVLedgerError)
     assert err.call == "cuMemCreate" and err.code and err.name.startswith("CUDA_ERROR_")
     assert "cuMemCreate" in str(err) and "size=%d" % (g + 1) in str(err)
-    with pytest.raises(cuda_driver.CudaDriverError) as info:
+    with pytest.raises(CudaDriverError) as info:
         cuda_driver.address_free(0x1000, g)
     assert info.value.call == "cuMemAddressFree"
     # the context is still healthy: a normal allocation works

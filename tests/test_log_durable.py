@@ -17,7 +17,8 @@ from kvledger import (
     replay,
 )
 from kvledger.core.events.codec import KIND_CHECKPOINT, Checkpoint
-from kvledger.core.events.log import FaultInjector, LogClosedError, LogIOError, LogLockedError, SimulatedDisk, open_view
+from kvledger.core.events.log import FaultInjector, SimulatedDisk, open_view
+from kvledger.core.errors import LogClosedError, LogIOError, LogLockedError
 from kvledger.durable import DurableLedger, open_ledger, state_from_checkpoint
 
 from test_log_workload import GEOMETRY, drive

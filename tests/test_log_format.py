@@ -16,26 +16,23 @@ from kvledger.core.events.codec import (
     KIND_CHECKPOINT,
     KIND_CLOSE,
     KIND_EVENTS,
-    LogVersionError,
     max_record_bytes,
     scan,
 )
+from kvledger.core.errors import LogVersionError
 from kvledger.core.events.events import (
     CacheConfigured,
     PagesReserved,
     StepAborted,
     StepSealed,
 )
-from kvledger.core.events.log import (
-    EventLog,
-    FaultInjector,
+from kvledger.core.events.log import EventLog, FaultInjector, SimulatedDisk, open_view
+from kvledger.core.errors import (
     LogClosedError,
     LogExistsError,
     LogIOError,
     LogLockedError,
     RecordTooLargeError,
-    SimulatedDisk,
-    open_view,
 )
 
 G = Geometry(num_pages=4096, page_tokens=16)

@@ -70,21 +70,21 @@ def drive(ledger, seed, steps: int, *, ranks: int = 1, restores: bool = True, ab
             cands = [(r, ps) for r, ps in cands if ps]
             if cands:
                 r, ps = rng.choice(cands)
-                ledger.restore_started(ps[: rng.randint(1, len(ps))], request=r)
+                ledger.start_restore(ps[: rng.randint(1, len(ps))], request=r)
         if restores and st.snapshots and rng.random() < 0.2:
             s = rng.choice(sorted(st.snapshots))
             ps = [p for p in st.snapshots[s] if p not in st.restore_targets]
             if ps:
-                ledger.restore_started(ps[: rng.randint(1, len(ps))], snapshot=s)
+                ledger.start_restore(ps[: rng.randint(1, len(ps))], snapshot=s)
         if st.restore_targets and rng.random() < 0.6:
             by: dict = {}
             for p, t in sorted(st.restore_targets.items()):
                 by.setdefault(t, []).append(p)
             (into, target), ps = rng.choice(sorted(by.items()))
             if into == "request":
-                ledger.restore_completed(ps, request=target)
+                ledger.complete_restore(ps, request=target)
             else:
-                ledger.restore_completed(ps, snapshot=target)
+                ledger.complete_restore(ps, snapshot=target)
         # commits (some partial, the rest returned)
         for r, rec in sorted(st.requests.items()):
             ready = [p for p in rec.reserved if p not in st.restore_targets]
@@ -107,10 +107,10 @@ def drive(ledger, seed, steps: int, *, ranks: int = 1, restores: bool = True, ab
         if on_seal is not None:
             on_seal(ledger, plan)
         if aborts and rng.random() < 0.05:
-            ledger.step_aborted(step, "rank 1 timed out")
+            ledger.abort_step(step, "rank 1 timed out")
         else:
             for rank in range(ranks):
-                ledger.step_completed(step, rank)
+                ledger.complete_step(step, rank)
 
 
 def make_events(seed, steps: int, *, policy: str = "released_aliases", geometry: Geometry = GEOMETRY, **kw):

@@ -124,9 +124,9 @@ def test_released_aliases_restore_into_request_then_cancel():
     L = make("released_aliases")
     released_rows(L, 1, [0, 1])
     take(L, 1, [0, 1], "a")
-    L.restore_started([0], request=1)  # overwrites page 0 whole: its mark goes
+    L.start_restore([0], request=1)  # overwrites page 0 whole: its mark goes
     L.cancel(1)  # mid-restore
-    L.restore_completed([0], request=1)
+    L.complete_restore([0], request=1)
     assert not L.is_marked(0) and L.is_marked(1)
     assert listed_on_commit(L, 2, [0, 1], "b") == (1,)
     finish_checks(L)
@@ -193,16 +193,16 @@ def test_cross_tenant_freed_page_aliased_and_released_is_marked_for_everyone():
 def test_cross_tenant_restore_into_request_then_let_go(end):
     L = make("cross_tenant")
     take(L, 1, [0, 1], "a")
-    L.restore_started([0], request=1)
+    L.start_restore([0], request=1)
     if end != "cancel-mid-restore":
-        L.restore_completed([0], request=1)
+        L.complete_restore([0], request=1)
     if end == "return":
         L.return_reservation(1)
     else:
         L.cancel(1)
     if end == "cancel-mid-restore":
         assert L.is_restoring(0)
-        L.restore_completed([0], request=1)
+        L.complete_restore([0], request=1)
     assert L.is_marked(0)  # tenant a's restored KV
     assert not L.is_marked(1)  # reserved, never written
     L2 = make("cross_tenant")  # the same history, read by the other tenant
@@ -218,9 +218,9 @@ def test_cross_tenant_restore_over_a_released_row_then_cancel():
     L = make("cross_tenant")
     released_rows(L, 1, [0])
     take(L, 1, [0], "a")
-    L.restore_started([0], request=1)  # overwrites the row: mark gone
+    L.start_restore([0], request=1)  # overwrites the row: mark gone
     assert not L.is_marked(0)
-    L.restore_completed([0], request=1)
+    L.complete_restore([0], request=1)
     L.cancel(1)  # now a's bytes
     assert L.is_marked(0)
     assert listed_on_commit(L, 2, [0], "a") == ()
@@ -247,8 +247,8 @@ def test_all_reused_lists_every_reused_page_once(end):
 def test_all_reused_restore_into_request_then_let_go(end):
     L = make("all_reused")
     take(L, 1, [0, 1], "a")
-    L.restore_started([0], request=1)
-    L.restore_completed([0], request=1)
+    L.start_restore([0], request=1)
+    L.complete_restore([0], request=1)
     if end == "return":
         L.return_reservation(1)
     else:
@@ -262,8 +262,8 @@ def test_all_reused_restore_then_commit_is_not_listed():
     L = make("all_reused")
     released_rows(L, 1, [0])
     take(L, 1, [0], "a")
-    L.restore_started([0], request=1)
-    L.restore_completed([0], request=1)
+    L.start_restore([0], request=1)
+    L.complete_restore([0], request=1)
     assert L.commit(1, 0, 1) == ()  # the restore wrote it whole: nothing to zero
     L.finish(1)
     assert L.is_marked(0)

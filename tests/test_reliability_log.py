@@ -33,7 +33,8 @@ import structlog
 
 from kvledger import CLEAR_POLICIES, CorruptLogError, replay
 from kvledger.core.events.codec import HEADER_SIZE, KIND_CLOSE, KIND_EVENTS, PREFIX, scan
-from kvledger.core.events.log import FaultInjector, LogError, LogIOError, SimulatedDisk, open_view
+from kvledger.core.events.log import FaultInjector, LogError, SimulatedDisk, open_view
+from kvledger.core.errors import LogIOError
 from kvledger.durable import open_ledger, rebuild_state, state_from_checkpoint
 from kvledger.replay_log import replay_log
 

@@ -72,11 +72,11 @@ def test_restore_into_request_never_enters_a_clear_list():
     L = make(num_pages=4)
     pages = released_alias(L, n=4)
     got = L.reserve(1, 4)
-    L.restore_started(got[:2], request=1)
+    L.start_restore(got[:2], request=1)
     assert not L.is_marked(got[0]) and not L.is_marked(got[1])
     with pytest.raises(RestoringPageError):
         L.commit(1, 0, pages=got[:2])
-    L.restore_completed(got[:2], request=1)
+    L.complete_restore(got[:2], request=1)
     listed = L.commit(1, 0, 4)
     assert sorted(listed) == sorted(got[2:])  # only the pages no restore overwrote
     assert sorted(L.seal_step(0).clear_list) == sorted(got[2:])
@@ -85,7 +85,7 @@ def test_restore_into_request_never_enters_a_clear_list():
 def test_restoring_page_cannot_be_reserved_or_committed():
     L = make(num_pages=4)
     snap = L.alias_snapshot(7, 2)
-    L.restore_started(snap, snapshot=7)
+    L.start_restore(snap, snapshot=7)
     L.release_snapshot(7)  # released mid-restore: free, marked, still restoring
     assert all(L.holder_of(p) == "free" for p in snap)
     assert all(L.is_marked(p) and L.is_restoring(p) for p in snap)
@@ -101,7 +101,7 @@ def test_restoring_page_cannot_be_reserved_or_committed():
     with pytest.raises(PageNotHeldError):
         L.commit(1, 0, pages=snap)  # not reserved(1), and restoring
     assert L.digest() == before
-    L.restore_completed(snap, snapshot=7)
+    L.complete_restore(snap, snapshot=7)
     assert all(L.is_marked(p) and not L.is_restoring(p) for p in snap)
     got2 = L.reserve(2, 2)
     assert set(got2) == set(snap)
@@ -128,7 +128,7 @@ def test_aborted_step_carries_its_clear_list_into_the_next():
     L.commit(1, 0, 2)
     plan = L.seal_step(0)
     assert sorted(plan.clear_list) == sorted(pages)
-    L.step_aborted(0, "rank 1 failed")
+    L.abort_step(0, "rank 1 failed")
     assert L.seal_step(1).clear_list == plan.clear_list
 
 

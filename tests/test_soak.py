@@ -62,13 +62,13 @@ class Soak:
     def restore_into_request(self, r: int, pages) -> None:
         L = self.L
         self.c["marks removed by restores"] += sum(1 for p in pages if L.is_marked(p))
-        L.restore_started(pages, request=r)
+        L.start_restore(pages, request=r)
         self.restoring[("request", r)] = list(pages)
         self.c["restores into requests"] += 1
 
     def complete_restores(self) -> None:
         for (into, target), pages in self.restoring.items():
-            self.L.restore_completed(pages, **{into: target})
+            self.L.complete_restore(pages, **{into: target})
         self.restoring.clear()
 
     def seal(self) -> None:
@@ -82,7 +82,7 @@ class Soak:
         self.c["cancelled" if cancel else "finished"] += 1
         pages = self.restoring.pop(("request", r), None)
         if pages is not None:  # cancelled mid-restore: the restore completes after the fact
-            self.L.restore_completed(pages, request=r)
+            self.L.complete_restore(pages, request=r)
 
     # ---------------------------------------------------------------- the workload
 
@@ -129,7 +129,7 @@ class Soak:
             return  # committed on a later advance, once the restore completes
         restoring = self.restoring.pop(("request", r), None)
         if restoring is not None:
-            L.restore_completed(restoring, request=r)
+            L.complete_restore(restoring, request=r)
         if rng.random() < 0.05 and len(reserved) > 1:  # speculative pages not needed after all
             L.return_reservation(r, reserved[-1:])
             self.c["returned"] += 1
@@ -166,7 +166,7 @@ class Soak:
             self.snapshots.append(s)
             self.c["snapshots"] += 1
             if rng.random() < 0.1:
-                L.restore_started(L.snapshot_pages(s), snapshot=s)
+                L.start_restore(L.snapshot_pages(s), snapshot=s)
                 self.restoring[("snapshot", s)] = list(L.snapshot_pages(s))
                 self.c["restores into snapshots"] += 1
         elif x < 0.5 and self.snapshots:
@@ -174,7 +174,7 @@ class Soak:
             self.release(s)  # possibly while its restore is still writing
             pages = self.restoring.pop(("snapshot", s), None)
             if pages is not None and rng.random() < 0.5:
-                L.restore_completed(pages, snapshot=s)
+                L.complete_restore(pages, snapshot=s)
             elif pages is not None:
                 self.restoring[("snapshot", s)] = pages  # completes after the release
 
@@ -200,7 +200,7 @@ class Soak:
                 key = rng.choice(list(self.restoring))
                 into, target = key
                 if into == "snapshot":
-                    self.L.restore_completed(self.restoring.pop(key), snapshot=target)
+                    self.L.complete_restore(self.restoring.pop(key), snapshot=target)
             n = self.c["lifecycles"]
             if n % COUNT_EVERY == 0 and n != checked:
                 checked = n

@@ -187,7 +187,7 @@ class Model:
             if not self.aliases[p]:
                 self.mark[p] = ALL
 
-    def restore_started(self, into, target, pages):
+    def start_restore(self, into, target, pages):
         for p in pages:
             self.restoring[p] = (into, target)
         if into == "request":
@@ -197,7 +197,7 @@ class Model:
                 self.mark[p] = None
                 self.restored_since_seal[p] = r.inc
 
-    def restore_completed(self, pages):
+    def complete_restore(self, pages):
         for p in pages:
             del self.restoring[p]
 
@@ -520,8 +520,8 @@ class LedgerMachine(RuleBasedStateMachine):
     def restore_into_request(self, data):
         r = data.draw(st.sampled_from(self._restorable_requests()))
         pages = self.draw_subset(data, [p for p in r.reserved if p not in self.m.restoring])
-        self.both(lambda L: L.restore_started(pages, request=r.rid))
-        self.m.restore_started("request", r.rid, pages)
+        self.both(lambda L: L.start_restore(pages, request=r.rid))
+        self.m.start_restore("request", r.rid, pages)
         self.b.restored_into_request(pages, r)
         self.stats["restores into requests"] += 1
 
@@ -533,18 +533,18 @@ class LedgerMachine(RuleBasedStateMachine):
     def restore_into_snapshot(self, data):
         sid = data.draw(st.sampled_from(self._restorable_snapshots()))
         pages = self.draw_subset(data, [p for p in self.m.snapshots[sid] if p not in self.m.restoring])
-        self.both(lambda L: L.restore_started(pages, snapshot=sid))
-        self.m.restore_started("snapshot", sid, pages)
+        self.both(lambda L: L.start_restore(pages, snapshot=sid))
+        self.m.start_restore("snapshot", sid, pages)
         self.b.aliased(pages)
         self.stats["restores into snapshots"] += 1
 
     @precondition(lambda self: self.m.restoring)
     @rule(data=st.data())
-    def restore_completed(self, data):
+    def complete_restore(self, data):
         into, target = data.draw(st.sampled_from(sorted(set(self.m.restoring.values()))))
         pages = self.draw_subset(data, [p for p, t in self.m.restoring.items() if t == (into, target)])
-        self.both(lambda L: L.restore_completed(pages, **{into: target}))
-        self.m.restore_completed(pages)
+        self.both(lambda L: L.complete_restore(pages, **{into: target}))
+        self.m.complete_restore(pages)
 
     # -- steps
 
@@ -562,15 +562,15 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.m.open_step > 0)
     @rule(data=st.data(), rank=st.integers(0, 2))
-    def step_completed(self, data, rank):
+    def complete_step(self, data, rank):
         step = data.draw(st.integers(0, self.m.open_step - 1))
-        self.both(lambda L: L.step_completed(step, rank))
+        self.both(lambda L: L.complete_step(step, rank))
 
     @precondition(lambda self: self.m.last_plan is not None)
     @rule()
-    def step_aborted(self):
+    def abort_step(self):
         step, plan = self.m.last_plan
-        self.both(lambda L: L.step_aborted(step, "rank failed"))
+        self.both(lambda L: L.abort_step(step, "rank failed"))
         self.m.abort(step)
         self.b.abort(step, plan)
         self.stats["steps aborted"] += 1
@@ -596,7 +596,7 @@ class LedgerMachine(RuleBasedStateMachine):
             elif p in m.restoring:
                 out.append((lambda L, p=p: L.alias_snapshot(0, pages=[p]), RestoringPageError))
             if p not in m.restoring:
-                out.append((lambda L, p=p: L.restore_completed([p], request=0), PageNotHeldError))
+                out.append((lambda L, p=p: L.complete_restore([p], request=0), PageNotHeldError))
         for rid in known:
             r = m.requests[rid]
             mine = set(r.reserved)
@@ -604,11 +604,11 @@ class LedgerMachine(RuleBasedStateMachine):
                 if p not in mine:
                     out.append((lambda L, rid=rid, p=p: L.commit(rid, m.open_step, pages=[p]), PageNotHeldError))
                     out.append((lambda L, rid=rid, p=p: L.return_reservation(rid, [p]), PageNotHeldError))
-                    out.append((lambda L, rid=rid, p=p: L.restore_started([p], request=rid), PageNotHeldError))
+                    out.append((lambda L, rid=rid, p=p: L.start_restore([p], request=rid), PageNotHeldError))
             for p in r.reserved:
                 if p in m.restoring:
                     out.append((lambda L, rid=rid, p=p: L.commit(rid, m.open_step, pages=[p]), RestoringPageError))
-                    out.append((lambda L, rid=rid, p=p: L.restore_started([p], request=rid), RestoringPageError))
+                    out.append((lambda L, rid=rid, p=p: L.start_restore([p], request=rid), RestoringPageError))
                 elif m.open_step > 0:
                     out.append((lambda L, rid=rid, p=p: L.commit(rid, m.open_step - 1, pages=[p]), StepOrderError))
             other = [t for t in TENANTS if t is not None and t != r.tenant]
@@ -618,11 +618,11 @@ class LedgerMachine(RuleBasedStateMachine):
             out.append((lambda L, rid=rid: L.cancel(rid), UnknownRequestError))
             out.append((lambda L, rid=rid: L.finish(rid), UnknownRequestError))
             out.append((lambda L, rid=rid: L.commit(rid, m.open_step, pages=[0]), UnknownRequestError))
-            out.append((lambda L, rid=rid: L.restore_started([0], request=rid), UnknownRequestError))
+            out.append((lambda L, rid=rid: L.start_restore([0], request=rid), UnknownRequestError))
         for sid in SNAPSHOT_IDS:
             if sid not in m.snapshots:
                 out.append((lambda L, sid=sid: L.release_snapshot(sid), UnknownSnapshotError))
-                out.append((lambda L, sid=sid: L.restore_started([0], snapshot=sid), UnknownSnapshotError))
+                out.append((lambda L, sid=sid: L.start_restore([0], snapshot=sid), UnknownSnapshotError))
             else:
                 mine = m.snapshots[sid]
                 for p in mine:
@@ -630,17 +630,17 @@ class LedgerMachine(RuleBasedStateMachine):
                         out.append((lambda L, sid=sid, p=p: L.alias_snapshot(sid, pages=[p]), DuplicatePageError))
                 for p in range(NUM_PAGES):
                     if p not in mine:
-                        out.append((lambda L, sid=sid, p=p: L.restore_started([p], snapshot=sid), PageNotHeldError))
+                        out.append((lambda L, sid=sid, p=p: L.start_restore([p], snapshot=sid), PageNotHeldError))
         out.append((lambda L: L.reserve(98, len(m.reservable()) + 1), OutOfPagesError))
         out.append((lambda L: L.alias_snapshot(0, len(m.reservable()) + 1), OutOfPagesError))
         out.append((lambda L: L.seal_step(m.open_step + 1), StepOrderError))
-        out.append((lambda L: L.step_completed(m.open_step, 0), StepOrderError))
+        out.append((lambda L: L.complete_step(m.open_step, 0), StepOrderError))
         last = m.last_plan[0] if m.last_plan else None
-        out.append((lambda L: L.step_aborted(m.open_step), StepOrderError))
+        out.append((lambda L: L.abort_step(m.open_step), StepOrderError))
         if m.open_step > 0:
             out.append((lambda L: L.seal_step(m.open_step - 1), StepOrderError))
             if last != m.open_step - 1:
-                out.append((lambda L: L.step_aborted(m.open_step - 1), StepOrderError))
+                out.append((lambda L: L.abort_step(m.open_step - 1), StepOrderError))
         out.append((lambda L: L.alias_snapshot(0, pages=[NUM_PAGES]), PageOutOfRangeError))
         out.append((lambda L: L.alias_snapshot(0, pages=[-1]), PageOutOfRangeError))
         out.append((lambda L: L.alias_snapshot(0, pages=[1, 1]), DuplicatePageError))
@@ -685,8 +685,8 @@ class LedgerMachine(RuleBasedStateMachine):
         # drain: every restore completes, every request and snapshot goes; all pages come back
         for (into, target) in sorted(set(self.m.restoring.values())):
             pages = [p for p, t in self.m.restoring.items() if t == (into, target)]
-            L.restore_completed(pages, **{into: target})
-            self.m.restore_completed(pages)
+            L.complete_restore(pages, **{into: target})
+            self.m.complete_restore(pages)
         for rid in sorted(self.m.requests):
             L.cancel(rid)
         for sid in sorted(self.m.snapshots):

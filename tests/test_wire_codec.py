@@ -26,7 +26,6 @@ from kvledger.wire.codec import (
     NO_RANK,
     Abort,
     FrameDecoder,
-    FrameError,
     FrameKind,
     Hello,
     Launch,
@@ -43,6 +42,7 @@ from kvledger.wire.codec import (
     pack_page_ids,
     page_ids_problem,
 )
+from kvledger.core.errors import FrameError
 
 HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
 G = Geometry(num_pages=1024, page_tokens=16)

@@ -47,7 +47,6 @@ from kvledger.wire.protocol import (
     Answered,
     ConnectionClosed,
     DropStep,
-    HandshakeRefused,
     Joined,
     Leader,
     LeaderLink,
@@ -57,6 +56,7 @@ from kvledger.wire.protocol import (
     PeerState,
     RunStep,
 )
+from kvledger.core.errors import HandshakeRefused
 
 HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
 SCALE = 20 if HEAVY else 1

@@ -65,7 +65,7 @@ from typing import Optional, Union
 
 import msgspec
 
-from kvledger.core.errors import InvalidArgumentError, WireProtocolError
+from ..core.errors import FrameError, InvalidArgumentError
 
 __all__ = [
     "MAGIC",
@@ -77,9 +77,6 @@ __all__ = [
     "DEFAULT_MAX_BODY",
     "FrameKind",
     "RejectCode",
-    "LocalProtocolError",
-    "RemoteProtocolError",
-    "FrameError",
     "Hello",
     "Prepare",
     "Ready",
@@ -166,31 +163,7 @@ def _kind_name(kind) -> str:
     return _KIND_NAMES.get(kind, "kind " + str(kind))
 
 
-class LocalProtocolError(WireProtocolError):
-    """This side broke the protocol (a send the state does not allow): ``remote=False``."""
 
-    def __init__(self, code: int, detail: str) -> None:
-        super().__init__(code, detail, remote=False)
-
-
-class RemoteProtocolError(WireProtocolError):
-    """The other side broke the protocol (a frame it should not have sent): ``remote=True``."""
-
-    def __init__(self, code: int, detail: str) -> None:
-        super().__init__(code, detail, remote=True)
-
-
-class FrameError(RemoteProtocolError):
-    """Bytes that are not a well-formed layout-7 frame (always ``remote=True``).
-
-    ``step`` and ``kind`` are what the header said, when the header was readable
-    (``None`` otherwise); a REJECT can then name the step the sender meant.
-    """
-
-    def __init__(self, code: int, detail: str, *, step: Optional[int] = None, kind: Optional[int] = None) -> None:
-        super().__init__(code, detail)
-        self.step = step
-        self.kind = kind
 
 
 # ---------------------------------------------------------------------------- frames

@@ -92,21 +92,27 @@ from typing import Optional, Union
 
 import msgspec
 
-from kvledger.core.errors import DuplicatePageError, InvalidArgumentError, PageOutOfRangeError, StepOrderError
+from ..core.errors import (
+    DuplicatePageError,
+    FrameError,
+    HandshakeRefused,
+    InvalidArgumentError,
+    LocalProtocolError,
+    PageOutOfRangeError,
+    RemoteProtocolError,
+    StepOrderError,
+)
 
 from .codec import (
     NO_RANK,
     Abort,
     FrameDecoder,
-    FrameError,
     Hello,
     Launch,
-    LocalProtocolError,
     Prepare,
     Ready,
     Reject,
     RejectCode,
-    RemoteProtocolError,
     encode,
     encode_prepare_raw,
     frame_checksum,
@@ -121,7 +127,6 @@ __all__ = [
     "NEED_DATA",
     "PeerState",
     "LeaderState",
-    "HandshakeRefused",
     "Joined",
     "PeerHello",
     "Answered",
@@ -145,9 +150,6 @@ class _NeedData:
 NEED_DATA = _NeedData()
 """``next_event`` returns this when it needs more bytes."""
 
-
-class HandshakeRefused(RemoteProtocolError):
-    """The other side answered our HELLO with REJECT (layout, geometry, world size, rank)."""
 
 
 # ---------------------------------------------------------------------------- events

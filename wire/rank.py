@@ -13,7 +13,7 @@ They move bytes between a transport and the pure state machines of
         d = await leader.run_step(plan, payload, timeout=0.5)
         d.launch: clear plan.clear_list locally,     run_peer(stream, geometry, rank=r, world_size=W,
                   run the step                                on_launch=clear_and_run)
-        else:     ledger.step_aborted(step)           on LAUNCH: on_launch(step, clear_pages, payload)
+        else:     ledger.abort_step(step)             on LAUNCH: on_launch(step, clear_pages, payload)
                                                        on ABORT:  on_drop(step, code, rank)  (nothing cleared)
 
 Per link the leader runs a reader task (frames in, votes to the decision rule)

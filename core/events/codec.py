@@ -63,7 +63,7 @@ from typing import Any
 
 import msgspec
 
-from ..errors import CorruptLogError, LogError
+from ..errors import CorruptLogError, LogError, LogVersionError
 from .events import CLEAR_POLICIES, Event, Geometry
 
 __all__ = [
@@ -81,12 +81,6 @@ __all__ = [
     "LogHeader",
     "RecordInfo",
     "Scan",
-    "LogVersionError",
-    "LogExistsError",
-    "LogLockedError",
-    "LogIOError",
-    "LogClosedError",
-    "RecordTooLargeError",
     "encode_header",
     "decode_header",
     "new_chain",
@@ -115,37 +109,10 @@ _PERSON = b"kvledger-log-v1"
 _U64_MAX = (1 << 64) - 1
 
 
-class LogVersionError(LogError):
-    """The file is a kvledger log of a format this version cannot read."""
 
 
-class LogExistsError(LogError):
-    """``EventLog.create`` on a path that already exists. Nothing was written."""
 
 
-class LogLockedError(LogError):
-    """Another writer (this process or another) has the log open."""
-
-
-class LogIOError(LogError):
-    """A write, fsync or truncate failed. The log refuses every later append until reopened.
-
-    ``op`` is the operation, ``errno`` the OS error number (or None).
-    """
-
-    def __init__(self, path, op: str, exc: BaseException | None, detail: str = "") -> None:
-        self.path = str(path)
-        self.op = op
-        self.errno = getattr(exc, "errno", None)
-        super().__init__(f"{op} failed on {self.path}: {exc}" + (f" ({detail})" if detail else ""))
-
-
-class LogClosedError(LogError):
-    """An append after ``close()``, or after a failure that closed the log to appends."""
-
-
-class RecordTooLargeError(LogError):
-    """An event or checkpoint exceeds the record size limit. Nothing was written."""
 
 
 class Checkpoint(msgspec.Struct, frozen=True, kw_only=True, gc=False):

@@ -23,6 +23,8 @@ import msgspec
 from ..errors import InvalidArgumentError
 
 __all__ = [
+    "MAX_ID",
+    "MAX_PAGES",
     "Geometry",
     "ClearPolicy",
     "CLEAR_POLICIES",
@@ -49,17 +51,19 @@ __all__ = [
 ClearPolicy = Literal["released_aliases", "cross_tenant", "all_reused"]
 CLEAR_POLICIES: tuple[str, ...] = ("released_aliases", "cross_tenant", "all_reused")
 
-# Request, snapshot, step and rank ids are non-negative 63-bit ints. The constraint is
-# checked whenever events are decoded (the log) or type-checked (``typed``);
-# constructing an event in Python does not check it.
-Id = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+MAX_ID = (1 << 63) - 1  # request, snapshot, step and rank ids are in [0, MAX_ID]
+MAX_PAGES = 1 << 32  # page ids travel as unsigned 32-bit integers on the wire
+
+# The id constraint is checked whenever events are decoded (the log) or type-checked
+# (``typed``); constructing an event in Python does not check it.
+Id = Annotated[int, msgspec.Meta(ge=0, le=MAX_ID)]
 PageIds = tuple[int, ...]  # ranges checked by the fold: PageOutOfRangeError names them
 
 
 class Geometry(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The page space shared by every rank: ``num_pages`` pages of ``page_tokens`` tokens."""
 
-    num_pages: Annotated[int, msgspec.Meta(ge=1, le=1 << 32)]
+    num_pages: Annotated[int, msgspec.Meta(ge=1, le=MAX_PAGES)]
     page_tokens: Annotated[int, msgspec.Meta(ge=1)]
 
 

@@ -24,7 +24,7 @@ import os
 import random
 from typing import Protocol
 
-from .codec import LogExistsError, LogLockedError
+from ..errors import LogExistsError, LogLockedError
 
 __all__ = ["FileHandle", "FileLayer", "OsFileLayer", "SimulatedDisk", "FaultInjector", "release_buffer"]
 

@@ -61,14 +61,8 @@ from .codec import (
     PREFIX_SIZE,
     RECORD_MAGIC,
     Checkpoint,
-    LogClosedError,
-    LogExistsError,
     LogHeader,
-    LogIOError,
-    LogLockedError,
-    LogVersionError,
     RecordInfo,
-    RecordTooLargeError,
     Scan,
     decode_checkpoint,
     decode_events,
@@ -80,6 +74,7 @@ from .codec import (
     scan,
     seal_record,
 )
+from ..errors import LogClosedError, LogIOError, RecordTooLargeError
 from .events import EVENT_TYPES, Geometry, StepSealed
 from .filelayer import OsFileLayer, SimulatedDisk, FaultInjector, release_buffer
 
@@ -93,12 +88,6 @@ __all__ = [
     "LogHeader",
     "RecordInfo",
     "Scan",
-    "LogClosedError",
-    "LogExistsError",
-    "LogIOError",
-    "LogLockedError",
-    "LogVersionError",
-    "RecordTooLargeError",
     "OsFileLayer",
     "SimulatedDisk",
     "FaultInjector",

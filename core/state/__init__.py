@@ -13,7 +13,6 @@ from .state import (
     RESERVED,
     LedgerState,
     RequestRecord,
-    validate_geometry,
 )
 
 __all__ = [
@@ -29,5 +28,4 @@ __all__ = [
     "LedgerState",
     "RequestRecord",
     "check_invariants",
-    "validate_geometry",
 ]

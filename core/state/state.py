@@ -48,12 +48,12 @@ from typing import Any, Callable, Optional
 
 import msgspec
 
+from .. import checks
 from ..errors import (
     ConfigurationError,
     DuplicatePageError,
     InvalidArgumentError,
     PageNotHeldError,
-    PageOutOfRangeError,
     ReplayMismatchError,
     RestoringPageError,
     StepOrderError,
@@ -63,6 +63,7 @@ from ..errors import (
 )
 from ..events.events import (
     CLEAR_POLICIES,
+    MAX_PAGES,
     CacheConfigured,
     ClearPages,
     Geometry,
@@ -94,24 +95,14 @@ __all__ = [
     "MAX_PAGES",
     "LedgerState",
     "RequestRecord",
-    "validate_geometry",
 ]
 
 FREE, RESERVED, KV, ALIAS = 0, 1, 2, 3  # holder codes (``LedgerState.holder``)
 HOLDER_NAMES = ("free", "reserved", "kv", "alias")
 OWNER_FREE, OWNER_ALIAS = -1, -2
 MARK_ALL, MARK_TENANT = 1, 2
-MAX_PAGES = 1 << 32  # page ids travel as unsigned 32-bit integers on the wire
 DIGEST_VERSION = 1
 _NO_EFFECTS: tuple = ()
-
-
-def validate_geometry(geometry: Geometry) -> None:
-    n, t = geometry.num_pages, geometry.page_tokens
-    if type(n) is not int or not 1 <= n <= MAX_PAGES:
-        raise ConfigurationError(f"num_pages must be an int in [1, {MAX_PAGES}], got {n!r}")
-    if type(t) is not int or t < 1:
-        raise ConfigurationError(f"page_tokens must be a positive int, got {t!r}")
 
 
 class RequestRecord(msgspec.Struct, gc=False):
@@ -291,14 +282,7 @@ class LedgerState:
     # ------------------------------------------------------------------ validation helpers
 
     def _check_pages(self, page_ids) -> None:
-        if not page_ids:
-            raise InvalidArgumentError("an event needs at least one page id")
-        n = self.num_pages
-        if min(page_ids) < 0 or max(page_ids) >= n:
-            raise PageOutOfRangeError([p for p in page_ids if not 0 <= p < n], n)
-        if len(set(page_ids)) != len(page_ids):
-            seen: set[int] = set()
-            raise DuplicatePageError(sorted({p for p in page_ids if p in seen or seen.add(p)}))
+        checks.page_ids(page_ids, self.num_pages, allow_empty=False)
 
     def _not_restoring(self, page_ids, what: str) -> None:
         targets = self.restore_targets
@@ -326,7 +310,7 @@ class LedgerState:
     def _v_configured(self, e: CacheConfigured) -> None:
         if self.geometry is not None:
             raise ConfigurationError("CacheConfigured may only be the first event")
-        validate_geometry(e.geometry)
+        checks.geometry(e.geometry)
         if e.policy not in CLEAR_POLICIES:
             raise ConfigurationError(f"unknown clear policy {e.policy!r}; one of {CLEAR_POLICIES}")
 

@@ -1,0 +1,245 @@
+"""Argument checks: the one implementation of every check on ids, page lists and geometry.
+
+The ledger's commands, the fold, the wire and the executors all check page ids
+the same way, here. Two forms:
+
+* raising (``page_ids``, ``geometry``, ``ident``, ``count``, ``tenant``): the
+  library's own error naming what was wrong; for API arguments.
+* reporting (``page_ids_problem``, ``u32_page_ids_problem``): ``None`` or a
+  ``Problem`` (what kind, which ids), for callers that answer with something
+  else than an exception (a wire peer answers REJECT with a code).
+
+All pure; nothing here allocates per id on the common path (distinct ids in
+range), and ``u32_page_ids_problem`` checks a strictly ascending list of raw
+little-endian u32 ids without building a Python int per id.
+"""
+
+from __future__ import annotations
+
+import array
+import operator
+import sys
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+from .errors import (
+    ConfigurationError,
+    DuplicatePageError,
+    InvalidArgumentError,
+    PageOutOfRangeError,
+)
+from .events.events import MAX_ID, MAX_PAGES, Geometry
+
+__all__ = [
+    "MAX_ID",
+    "MAX_PAGES",
+    "OUT_OF_RANGE",
+    "DUPLICATE",
+    "Problem",
+    "count",
+    "duplicates",
+    "geometry",
+    "ident",
+    "out_of_range",
+    "page_ids",
+    "page_ids_problem",
+    "raise_problem",
+    "tenant",
+    "u32_ids",
+    "u32_page_ids_problem",
+]
+
+OUT_OF_RANGE, DUPLICATE = "out_of_range", "duplicate"
+
+
+class Problem(NamedTuple):
+    """What is wrong with a page list: ``kind`` (``OUT_OF_RANGE`` or ``DUPLICATE``) and
+    the offending ids, sorted, each once."""
+
+    kind: str
+    page_ids: tuple[int, ...]
+
+
+# ---------------------------------------------------------------------- scalars
+
+
+def ident(value, what: str) -> int:
+    """A request, snapshot, step or rank id: an int in ``[0, 2**63)``."""
+    if type(value) is not int or not 0 <= value <= MAX_ID:
+        raise InvalidArgumentError(f"{what} id must be an int in [0, 2**63), got {value!r}")
+    return value
+
+
+def count(value, what: str) -> int:
+    """A positive int (a number of pages)."""
+    if type(value) is not int or value < 1:
+        raise InvalidArgumentError(f"{what} must be a positive int, got {value!r}")
+    return value
+
+
+def tenant(value) -> str | None:
+    """A tenant: a str or None."""
+    if value is not None and type(value) is not str:
+        raise InvalidArgumentError(f"tenant must be a str or None, got {value!r}")
+    return value
+
+
+def geometry(value) -> Geometry:
+    """A ``Geometry`` whose fields have their types and ranges (Python does not check
+    a Struct's annotations at construction). Raises ``ConfigurationError``."""
+    if not isinstance(value, Geometry):
+        raise ConfigurationError(f"geometry must be a Geometry, got {value!r}")
+    n, t = value.num_pages, value.page_tokens
+    if type(n) is not int or not 1 <= n <= MAX_PAGES:
+        raise ConfigurationError(f"num_pages must be an int in [1, {MAX_PAGES}], got {n!r}")
+    if type(t) is not int or t < 1:
+        raise ConfigurationError(f"page_tokens must be a positive int, got {t!r}")
+    return value
+
+
+# ---------------------------------------------------------------------- page lists
+
+
+def duplicates(ids: Iterable[int]) -> list[int]:
+    """The ids that occur more than once, sorted, each once."""
+    seen: set[int] = set()
+    twice: set[int] = set()
+    for p in ids:
+        if p in seen:
+            twice.add(p)
+        else:
+            seen.add(p)
+    return sorted(twice)
+
+
+def out_of_range(ids: Iterable[int], num_pages: int) -> list[int]:
+    """The ids outside ``[0, num_pages)``, sorted, each once."""
+    return sorted({p for p in ids if not 0 <= p < num_pages})
+
+
+def page_ids_problem(ids: Sequence[int], num_pages: int) -> Problem | None:
+    """``None`` if the ints in ``ids`` are all in ``[0, num_pages)`` and distinct."""
+    if not ids:
+        return None
+    if min(ids) < 0 or max(ids) >= num_pages:
+        return Problem(OUT_OF_RANGE, tuple(out_of_range(ids, num_pages)))
+    if len(set(ids)) != len(ids):
+        return Problem(DUPLICATE, tuple(duplicates(ids)))
+    return None
+
+
+def raise_problem(problem: Problem, num_pages: int) -> None:
+    """Raise the library's error for a ``Problem``."""
+    if problem.kind == OUT_OF_RANGE:
+        raise PageOutOfRangeError(problem.page_ids, num_pages)
+    raise DuplicatePageError(problem.page_ids)
+
+
+def page_ids(ids: Iterable[int], num_pages: int, *, allow_empty: bool = True) -> tuple[int, ...]:
+    """Check a page list and return it as a tuple of ints.
+
+    Accepts any iterable of integers (numpy / torch integer scalars are converted
+    with ``operator.index``; ``bool`` is refused). Raises ``InvalidArgumentError``
+    (not integers, or empty when ``allow_empty`` is false), ``PageOutOfRangeError``
+    naming every id outside ``[0, num_pages)``, ``DuplicatePageError`` naming every
+    repeated id.
+    """
+    if type(ids) is tuple:
+        out = ids
+    else:
+        try:
+            out = tuple(ids)
+        except TypeError:
+            raise InvalidArgumentError(f"page ids must be an iterable of ints, got {ids!r}") from None
+    if not out:
+        if allow_empty:
+            return out
+        raise InvalidArgumentError("at least one page id is needed")
+    for p in out:
+        if type(p) is not int:
+            out = _coerce_ints(out)
+            break
+    problem = page_ids_problem(out, num_pages)
+    if problem is not None:
+        raise_problem(problem, num_pages)
+    return out
+
+
+def _coerce_ints(ids: tuple) -> tuple[int, ...]:
+    out = []
+    for p in ids:
+        if type(p) is bool:
+            raise InvalidArgumentError(f"page ids must be ints, got {p!r}")
+        try:
+            out.append(operator.index(p))
+        except TypeError:
+            raise InvalidArgumentError(f"page ids must be ints, got {p!r}") from None
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------- raw u32 page lists
+
+_LITTLE = sys.byteorder == "little"
+_U32 = "I" if array.array("I").itemsize == 4 else "L"
+_SWAR_MIN = 48  # below this many ids, min/max + set() is cheaper than the lane trick
+_lane_cache: dict[int, tuple[int, int, int]] = {}
+
+
+def u32_ids(raw) -> Sequence[int]:
+    """A read-only sequence of ints over little-endian u32 bytes (zero-copy on LE hosts)."""
+    if type(raw) is memoryview and raw.format == _U32 and _LITTLE:
+        return raw
+    if _LITTLE:
+        return memoryview(raw).cast("B").cast(_U32)
+    arr = array.array(_U32, bytes(raw))
+    arr.byteswap()
+    return memoryview(arr.tobytes()).cast(_U32)
+
+
+def u32_page_ids_problem(raw, num_pages: int) -> Problem | None:
+    """``page_ids_problem`` for page ids as raw little-endian u32 bytes (a wire frame).
+
+    ``raw`` is any bytes-like, or a ``memoryview`` of format ``'I'`` over them. A
+    strictly ascending list (what a leader sends) is checked with whole-list
+    integer arithmetic: no Python int per id.
+    """
+    if type(raw) is memoryview and raw.format == _U32 and _LITTLE:
+        raw = raw.cast("B")
+    elif type(raw) is memoryview and raw.format != "B":
+        raw = raw.cast("B")
+    n = len(raw) >> 2
+    if n == 0:
+        return None
+    if n >= _SWAR_MIN and _strictly_ascending(raw, n):
+        if int.from_bytes(raw[-4:], "little") < num_pages:
+            return None
+    return page_ids_problem(u32_ids(raw), num_pages)
+
+
+def _lanes(n: int) -> tuple[int, int, int]:
+    c = _lane_cache.get(n)
+    if c is None:
+        if len(_lane_cache) >= 256:
+            _lane_cache.clear()
+        high = int.from_bytes(b"\x00\x00\x00\x80" * n, "little")
+        c = _lane_cache[n] = (high, high >> 31, 1 << (32 * n - 1))
+    return c
+
+
+def _strictly_ascending(raw, n: int) -> bool:
+    """True iff the n little-endian u32 in ``raw`` are strictly ascending.
+
+    X holds id i in bits [32i, 32i+32); B = X >> 32 puts id i+1 in lane i. Per
+    lane, with a = id i and b = id i+1 split into top bit (ah, bh) and low 31
+    bits (al, bl): (b | 2**31) - al - 1 stays inside its lane and has its top bit
+    set iff bl > al. Then a < b iff (ah != bh and bh) or (ah == bh and bl > al).
+    The last lane compares id n-1 with 0 and is forced true.
+    """
+    x = int.from_bytes(raw, "little")
+    high, one, top = _lanes(n)
+    b = x >> 32
+    ah = x & high
+    bh = b & high
+    gt = ((b | high) - (x ^ ah) - one) & high
+    lt = ((bh ^ gt) & (ah ^ bh)) ^ gt
+    return (lt | top) == high
