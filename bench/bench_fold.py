@@ -397,7 +397,7 @@ def shape_of_ledger(ledger: Ledger) -> tuple:
     st = ledger.state
     reqs = tuple(sorted((r, len(rec.reserved), len(rec.kv)) for r, rec in st.requests.items()))
     snaps = tuple(sorted((s, len(p)) for s, p in st.snapshots.items()))
-    aliased = bytes(st.holder).count(HOLDER_ALIAS)
+    aliased = bytes(st.holder_codes()).count(HOLDER_ALIAS)
     return ledger.free_count, reqs, snaps, aliased, ledger.open_step
 
 
@@ -408,7 +408,7 @@ def shape_of_pool(pool: PlainPool) -> tuple:
 
 
 def _holder_bits(st) -> int:
-    return int.from_bytes(bytes(st.holder), "little")
+    return int.from_bytes(bytes(st.holder_codes()), "little")
 
 
 def verify(trace: Trace, windows: tuple = VERIFY_WINDOWS) -> dict:

@@ -1,1 +1,9 @@
-"""The pure core: events, the fold and the command side. No I/O, no torch."""
+"""The core (``kvledger.core``): errors, checks, events, the fold, the command side, the log.
+
+    errors.py   every KVLedgerError subclass
+    checks.py   the one check of ids, page lists and geometry
+    events/     events, geometry and plan types
+    state/      the page table and the fold (pure: no I/O, no logging, no clock)
+    ledger.py   the command side: validate -> sink (the log) -> apply
+    log/        the durable event log: the only part of the core that does file I/O
+"""

@@ -72,7 +72,7 @@ from kvledger.core.errors import (
     UnknownRequestError,
     UnknownSnapshotError,
 )
-from kvledger.core.events.codec import KIND_EVENTS
+from kvledger.core.log.format import KIND_EVENTS
 from kvledger.core.events.events import (
     CacheConfigured,
     PagesCommitted,
@@ -88,9 +88,9 @@ from kvledger.core.events.events import (
     StepCompleted,
     StepSealed,
 )
-from kvledger.core.events.log import open_view
-from kvledger.core.state.state import KV, MARK_TENANT, OWNER_ALIAS, OWNER_FREE, LedgerState
-from kvledger.durable import _check_first, state_from_checkpoint
+from kvledger.core.log import open_view
+from kvledger.core.state.state import KV, MARK_TENANT, HOLDER_ALIAS, HOLDER_FREE, LedgerState
+from kvledger.core.log.fold import check_first_event, state_from_checkpoint
 
 __all__ = ["Finding", "Row", "Segment", "AuditReport", "audit_log", "main", "FAULT_KINDS"]
 
@@ -284,8 +284,8 @@ class _Auditor:
         for step, pages in st.clear_lists.items():
             lst = self.reads.setdefault(step, [])
             for p in pages:
-                if p in st.pending and st.owner[p] >= 0:
-                    lst.append((p, self.inc_of.get(st.owner[p], -1), None))
+                if p in st.pending and st.holder[p] >= 0:
+                    lst.append((p, self.inc_of.get(st.holder[p], -1), None))
                     content[p] = STALE  # listed: it was marked when its request committed it
         lp = st.last_plan
         if lp is not None and lp.clear_list:
@@ -295,8 +295,8 @@ class _Auditor:
                 after = self._content_of(p)
                 before = (STALE, None, None, None, 1)
                 saved.append((p, before, after))
-                if st.owner[p] >= 0 and st.holder_code(p) == KV:
-                    done.append((p, self.inc_of.get(st.owner[p], -1), None))
+                if st.holder[p] >= 0 and st.holder_code(p) == KV:
+                    done.append((p, self.inc_of.get(st.holder[p], -1), None))
             self.last_seal = (lp.step, saved, done)
         if st.completed:
             for rank in st.completed:
@@ -376,7 +376,7 @@ class _Auditor:
             self.step_seqs.append((seq, ev.step))
         elif t is SnapshotReleased and len(self.marked_pages) < 64:
             for p in pages:
-                if p in st.marks and st.owner[p] == OWNER_FREE:
+                if p in st.marks and st.holder[p] == HOLDER_FREE:
                     self.marked_pages[p] = None
         if rowed:
             self._rows(seq, ev, t, pages, before, effects, open_step)
@@ -448,8 +448,8 @@ class _Auditor:
             self.ended.add(r)
             self.inc_of.pop(r, None)
             held = self.shadow.pop(inc, set()) if inc is not None else set()
-            owner = st.owner
-            leaked = sorted(p for p in held if owner[p] != OWNER_FREE)
+            owner = st.holder
+            leaked = sorted(p for p in held if owner[p] != HOLDER_FREE)
             if leaked:
                 try:
                     held_as = st.holder_of(leaked[0])
@@ -490,7 +490,7 @@ class _Auditor:
             self._completed(seq, ev)
 
     def _seal(self, seq: int, ev) -> None:
-        content, owner, dirty = self.content, self.st.owner, self.dirty
+        content, owner, dirty = self.content, self.st.holder, self.dirty
         saved = []  # (page, content before, after) for an abort to undo
         released_only = self.policy == "released_aliases"
         for p in ev.clear_list:
@@ -616,7 +616,7 @@ class _Auditor:
                                detail=f"snapshot {s} aliases {len(pages)} pages"))
             if len(out) > 2 * MAX_FINDINGS:
                 break
-        free_marked = sorted(p for p in st.marks if st.owner[p] == OWNER_FREE)
+        free_marked = sorted(p for p in st.marks if st.holder[p] == HOLDER_FREE)
         if free_marked:
             out.append(Finding(kind="marked_free_pages", seq=None, step=step, page_ids=free_marked[:64],
                                detail=f"{len(free_marked)} free pages are marked: each is zeroed when a request "
@@ -722,10 +722,10 @@ class _Auditor:
             ids = list(getattr(ev, "page_ids", ()) or ())
             if t is SnapshotReleased:
                 ids = list(pages)
-                freed = [p for p in ids if p in st.marks and st.owner[p] == OWNER_FREE]
+                freed = [p for p in ids if p in st.marks and st.holder[p] == HOLDER_FREE]
                 for p in freed:
                     self.follow[p] = seq
-                kept = [p for p in ids if st.owner[p] == OWNER_ALIAS]
+                kept = [p for p in ids if st.holder[p] == HOLDER_ALIAS]
                 note = f"{len(freed)} page(s) freed and marked {freed[:16]}"
                 if kept:
                     note += f"; {len(kept)} still aliased by other snapshots"
@@ -754,7 +754,7 @@ class _Auditor:
             elif t is SnapshotAliased:
                 note = f"aliased again by snapshot {ev.snapshot} (mark kept)"
             elif t is SnapshotReleased:
-                if st.owner[p] == OWNER_FREE:
+                if st.holder[p] == HOLDER_FREE:
                     note = f"free again after snapshot {ev.snapshot}'s release (still marked)"
             elif t is PagesReserved:
                 note = f"reserved by request {ev.request} (mark kept)"
@@ -852,7 +852,7 @@ def audit_log(path, *, page: int | None = None, request: int | None = None, snap
                     if until is not None and seq > until:
                         break
                     if seq == 0:
-                        _check_first(ev, hdr, view.path, rec.offset)
+                        check_first_event(ev, hdr, view.path, rec.offset)
                         st.fold(ev)
                         aud = _Auditor(st, page=page, request=request, snapshot=snapshot, check=check,
                                        svg_pages=svg_pages, since=since)
@@ -1026,7 +1026,7 @@ def main(argv=None, *, prog: str = "kvledger audit") -> int:
     try:
         rep = audit_log(ns.log, **kw)
         if ns.svg:
-            from kvledger.core.events.log import open_view as _ov
+            from kvledger.core.log import open_view as _ov
 
             with _ov(ns.log) as v:
                 n = v.header.geometry.num_pages

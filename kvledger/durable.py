@@ -41,20 +41,18 @@ import structlog
 
 from kvledger.core.errors import (
     ConfigurationError,
-    CorruptLogError,
     InvalidArgumentError,
-    KVLedgerError,
     LogError,
 )
-from kvledger.core.events.codec import Checkpoint, LogHeader
-from kvledger.core.events.events import CLEAR_POLICIES, CacheConfigured, ClearPages, Geometry, StepSealed
-from kvledger.core.events.log import EventLog, LogView, _default_layer
+from kvledger.core.events.events import CLEAR_POLICIES, ClearPages, Geometry, StepSealed
+from kvledger.core.log import EventLog, LogView
+from kvledger.core.log.fold import rebuild_state
+from kvledger.core.log.files import default_layer
 from kvledger.core.ledger import Ledger
-from kvledger.core.state.invariants import check_invariants
 from kvledger.core import checks
 from kvledger.core.state.state import LedgerState
 
-__all__ = ["DurableLedger", "Recovery", "open_ledger", "state_from_checkpoint", "rebuild_state"]
+__all__ = ["DurableLedger", "Recovery", "open_ledger"]
 
 
 class Recovery(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -69,105 +67,6 @@ class Recovery(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     truncated_bytes: int
     closed_cleanly: bool  # the previous writer closed the log (no crash)
     seconds: float
-
-
-# ---------------------------------------------------------------------- checkpoints
-
-
-def _int_list(x, n: int | None, lo: int, hi: int) -> bool:
-    if type(x) is not list or (n is not None and len(x) != n):
-        return False
-    for v in x:
-        if type(v) is not int or not lo <= v < hi:
-            return False
-    return True
-
-
-def state_from_checkpoint(cp: Checkpoint, header: LogHeader, *, path: str = "<memory>", offset: int = 0) -> LedgerState:
-    """Rebuild and verify the state a checkpoint holds.
-
-    The state must decode, fit the header's geometry and policy, re-encode to
-    exactly the recorded bytes, reproduce the recorded digest and pass every
-    invariant; otherwise ``CorruptLogError`` names ``offset`` and the
-    checkpoint's seq. Only the layout ``LedgerState.canonical()`` writes is
-    accepted, whatever it is (this module does not duplicate it).
-    """
-    g = header.geometry
-    n = g.num_pages
-
-    def bad(detail: str) -> CorruptLogError:
-        return CorruptLogError(path, offset, cp.seq, "checkpoint " + detail)
-
-    try:
-        data = msgspec.msgpack.decode(cp.state)
-    except msgspec.DecodeError as exc:
-        raise bad(f"state does not decode: {exc}") from None
-    if type(data) is not dict or data.get("geometry") != [n, g.page_tokens] or data.get("policy") != header.policy \
-            or data.get("seq") != cp.seq:
-        raise bad(f"is not a state of this log's geometry ({n}, {g.page_tokens}), policy {header.policy!r} "
-                  f"and seq {cp.seq}")
-    try:
-        st = LedgerState.from_canonical(data)
-        if st.num_pages != n or not _int_list(st.owner, n, -2, 1 << 63) or not _int_list(st.alias_n, n, 0, 1 << 63) \
-                or not _int_list(st.free_stack, None, 0, n):
-            raise bad("page table does not match the geometry")
-        if st.canonical_bytes() != cp.state:
-            raise bad("state does not re-encode to the recorded bytes")
-        digest = st.digest()
-        if digest != cp.digest:
-            raise bad(f"state digest {digest[:16]}... differs from the recorded {cp.digest[:16]}...")
-        check_invariants(st)
-    except CorruptLogError:
-        raise
-    except (KVLedgerError, ValueError, TypeError, KeyError, IndexError, OverflowError, AttributeError) as exc:
-        raise bad(f"state is inconsistent: {type(exc).__name__}: {exc}") from None
-    return st
-
-
-def rebuild_state(view: LogView, *, from_checkpoint: bool = True, check: bool = False):
-    """Fold a verified log into a state: ``(state or None, checkpoint_seq, folded)``.
-
-    Starts from the last checkpoint unless ``from_checkpoint`` is false. ``None``
-    for a log with no events. Raises ``CorruptLogError`` for a payload that does
-    not decode, a bad checkpoint, or an event the fold rejects (naming its
-    record's offset and the event's seq).
-    """
-    header = view.header
-    if view.scan.next_seq == 0:
-        return None, None, 0
-    start, ck = 0, None
-    st = LedgerState()
-    if from_checkpoint:
-        i = view.last_checkpoint()
-        if i >= 0:
-            rec = view.records[i]
-            st = state_from_checkpoint(view.checkpoint(rec), header, path=view.path, offset=rec.offset)
-            start, ck = i + 1, rec.seq
-    folded = 0
-    fold = st.fold
-    for seq, ev, rec in view.iter_events(start):
-        if seq == 0:
-            _check_first(ev, header, view.path, rec.offset)
-        try:
-            fold(ev)
-        except KVLedgerError as exc:
-            raise CorruptLogError(view.path, rec.offset, seq,
-                                  f"{type(ev).__name__} at seq {seq} is rejected by the fold: {exc}") from exc
-        folded += 1
-    if st.seq != view.scan.next_seq:
-        raise CorruptLogError(view.path, view.scan.end, st.seq, f"state at seq {st.seq}, the log holds {view.scan.next_seq} events")
-    if check:
-        try:
-            check_invariants(st)
-        except KVLedgerError as exc:
-            raise CorruptLogError(view.path, view.scan.end, st.seq, f"state breaks an invariant: {exc}") from exc
-    return st, ck, folded
-
-
-def _check_first(ev, header: LogHeader, path: str, offset: int) -> None:
-    if type(ev) is not CacheConfigured or ev.geometry != header.geometry or ev.policy != header.policy:
-        raise CorruptLogError(path, offset, 0, f"first event {ev!r} does not configure the header's "
-                              f"{header.geometry} with policy {header.policy!r}")
 
 
 # ---------------------------------------------------------------------- the ledger
@@ -334,7 +233,7 @@ def open_ledger(path, geometry: Geometry | None = None, *, policy: str | None = 
     ``LogLockedError`` when another writer has the log open.
     """
     t0 = time.perf_counter()
-    lay = layer if layer is not None else _default_layer
+    lay = layer if layer is not None else default_layer
     path = os.fspath(path)
     base = logger if logger is not None else structlog.get_logger("kvledger")
     if policy is not None and policy not in CLEAR_POLICIES:

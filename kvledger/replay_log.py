@@ -42,7 +42,7 @@ from kvledger.core.errors import (
     LogError,
     ReplayMismatchError,
 )
-from kvledger.core.events.codec import KIND_CHECKPOINT, KIND_EVENTS
+from kvledger.core.log.format import KIND_CHECKPOINT, KIND_EVENTS
 from kvledger.core.events.events import (
     PagesCommitted,
     RequestCancelled,
@@ -54,10 +54,10 @@ from kvledger.core.events.events import (
     StepCompleted,
     StepSealed,
 )
-from kvledger.core.events.log import open_view
+from kvledger.core.log import open_view
 from kvledger.core.state.invariants import check_invariants
 from kvledger.core.state.state import LedgerState
-from kvledger.durable import _check_first, state_from_checkpoint
+from kvledger.core.log.fold import check_first_event, state_from_checkpoint
 
 __all__ = ["ReplayError", "ReplaySummary", "replay_log", "main", "EXIT_OK", "EXIT_MISMATCH", "EXIT_USAGE", "EXIT_CORRUPT"]
 
@@ -233,7 +233,7 @@ def _fold(view, st: LedgerState, s: ReplaySummary, start: int, until: int | None
                 if until is not None and seq + len(events) - 1 > until:
                     events = events[: until - seq + 1]
                 if seq == 0:
-                    _check_first(events[0], hdr, view.path, rec.offset)
+                    check_first_event(events[0], hdr, view.path, rec.offset)
                 counts.update(map(type, events))
                 for seq, ev in enumerate(events, rec.seq):
                     t = type(ev)

@@ -24,7 +24,7 @@ from kvledger.core.events.events import (
     StepCompleted,
     StepSealed,
 )
-from kvledger.core.events.log import EventLog, SimulatedDisk
+from kvledger.core.log import EventLog, SimulatedDisk
 from kvledger.durable import open_ledger
 
 from test_log_workload import GEOMETRY, drive
@@ -202,7 +202,7 @@ class _LeakyState(LedgerState):
         rec.kv = rec.kv[:-1]
         out = self.apply_request_gone(e)
         for p in kept:
-            self.owner[p] = -2  # the page still looks held (as an alias) after the request is gone
+            self.holder[p] = -2  # the page still looks held (as an alias) after the request is gone
         return out
 
 

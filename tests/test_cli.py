@@ -21,7 +21,7 @@ from kvledger.core.events.events import (
     SnapshotReleased,
     StepSealed,
 )
-from kvledger.core.events.log import EventLog
+from kvledger.core.log import EventLog
 from kvledger.durable import open_ledger
 
 from test_log_workload import GEOMETRY, drive

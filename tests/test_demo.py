@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 
 from kvledger import PageOutOfRangeError, replay  # noqa: E402
 from kvledger.core.events import SnapshotReleased  # noqa: E402
-from kvledger.core.events.log import open_view  # noqa: E402
+from kvledger.core.log import open_view  # noqa: E402
 from kvledger.demo import INVALID_SPECULATION, DemoConfig  # noqa: E402
 from kvledger.demo.cli import build_parser, main  # noqa: E402
 from kvledger.demo.model import FP8, HybridDecoder, ModelConfig, RankModel, fp8_nan_bytes  # noqa: E402

@@ -16,10 +16,11 @@ from kvledger import (
     PageNotHeldError,
     replay,
 )
-from kvledger.core.events.codec import KIND_CHECKPOINT, Checkpoint
-from kvledger.core.events.log import FaultInjector, SimulatedDisk, open_view
+from kvledger.core.log.format import KIND_CHECKPOINT, Checkpoint
+from kvledger.core.log import FaultInjector, SimulatedDisk, open_view
 from kvledger.core.errors import LogClosedError, LogIOError, LogLockedError
-from kvledger.durable import DurableLedger, open_ledger, state_from_checkpoint
+from kvledger.durable import DurableLedger, open_ledger
+from kvledger.core.log.fold import state_from_checkpoint
 
 from test_log_workload import GEOMETRY, drive
 

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from kvledger import CorruptLogError, Geometry, InvalidArgumentError, LogError, TornLogError
-from kvledger.core.events.codec import (
+from kvledger.core.log.format import (
     HEADER_SIZE,
     KIND_CHECKPOINT,
     KIND_CLOSE,
@@ -26,7 +26,7 @@ from kvledger.core.events.events import (
     StepAborted,
     StepSealed,
 )
-from kvledger.core.events.log import EventLog, FaultInjector, SimulatedDisk, open_view
+from kvledger.core.log import EventLog, FaultInjector, SimulatedDisk, open_view
 from kvledger.core.errors import (
     LogClosedError,
     LogExistsError,

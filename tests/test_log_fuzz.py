@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvledger import CLEAR_POLICIES, KVLedgerError, replay
-from kvledger.core.events.codec import HEADER_SIZE, KIND_CHECKPOINT, KIND_EVENTS, PREFIX, scan
-from kvledger.core.events.log import EventLog, LogView, SimulatedDisk, open_view
-from kvledger.durable import rebuild_state
+from kvledger.core.log.format import HEADER_SIZE, KIND_CHECKPOINT, KIND_EVENTS, PREFIX, scan
+from kvledger.core.log import EventLog, LogView, SimulatedDisk, open_view
+from kvledger.core.log.fold import rebuild_state
 
 from test_log_workload import GEOMETRY, drive, make_events
 

@@ -32,10 +32,12 @@ import pytest
 import structlog
 
 from kvledger import CLEAR_POLICIES, CorruptLogError, replay
-from kvledger.core.events.codec import HEADER_SIZE, KIND_CLOSE, KIND_EVENTS, PREFIX, scan
-from kvledger.core.events.log import FaultInjector, LogError, SimulatedDisk, open_view
+from kvledger.core.log.format import HEADER_SIZE, KIND_CLOSE, KIND_EVENTS, PREFIX, scan
+from kvledger import LogError
+from kvledger.core.log import FaultInjector, SimulatedDisk, open_view
 from kvledger.core.errors import LogIOError
-from kvledger.durable import open_ledger, rebuild_state, state_from_checkpoint
+from kvledger.durable import open_ledger
+from kvledger.core.log.fold import rebuild_state, state_from_checkpoint
 from kvledger.replay_log import replay_log
 
 from test_log_workload import GEOMETRY, drive, make_events

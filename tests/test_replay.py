@@ -8,7 +8,7 @@ import pytest
 import structlog
 
 from kvledger import Geometry, InvalidArgumentError, replay
-from kvledger.core.events.codec import KIND_CHECKPOINT
+from kvledger.core.log.format import KIND_CHECKPOINT
 from kvledger.core.events.events import (
     CacheConfigured,
     PagesCommitted,
@@ -18,7 +18,7 @@ from kvledger.core.events.events import (
     SnapshotReleased,
     StepSealed,
 )
-from kvledger.core.events.log import EventLog, SimulatedDisk, open_view
+from kvledger.core.log import EventLog, SimulatedDisk, open_view
 from kvledger.durable import open_ledger
 from kvledger.replay_log import exit_code, render, replay_log
 

@@ -1,6 +1,6 @@
-"""Events, geometry and plan types (``kvledger.core.events``); the durable log lives here too."""
+"""Events, geometry and plan types (``kvledger.core.events``): the values every layer shares."""
 
-from .events import *  # noqa: F401,F403
+from .events import *  # noqa: F403
 from .events import __all__ as _events_all
 
 __all__ = list(_events_all)

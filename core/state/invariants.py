@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ..errors import InvariantViolation
-from .state import ALIAS, FREE, KV, MARK_ALL, MARK_TENANT, OWNER_ALIAS, OWNER_FREE, RESERVED, LedgerState
+from .state import ALIAS, FREE, KV, MARK_ALL, MARK_TENANT, HOLDER_ALIAS, HOLDER_FREE, RESERVED, LedgerState
 
 __all__ = ["check_invariants"]
 
@@ -19,7 +19,7 @@ def check_invariants(st: LedgerState) -> None:
     if st.geometry is None:
         return
     n = st.num_pages
-    h, o, an = st.holder, st.owner, st.alias_n  # holder: derived from owner + request lists
+    h, o, an = st.holder_codes(), st.holder, st.alias_count  # holder: derived from the holder list + request lists
 
     # 1. holders partition the pages, and every index agrees with the arrays.
     where: dict[int, tuple[int, int]] = {}
@@ -40,15 +40,15 @@ def check_invariants(st: LedgerState) -> None:
         kind = h[p]
         if kind == FREE:
             free += 1
-            if o[p] != OWNER_FREE or an[p] or p in where:
-                raise InvariantViolation(1, f"free page {p} still has an owner or alias")
+            if o[p] != HOLDER_FREE or an[p] or p in where:
+                raise InvariantViolation(1, f"free page {p} still has a holder or alias")
         elif kind == RESERVED or kind == KV:
             if where.get(p) != (kind, o[p]):
                 raise InvariantViolation(1, f"page {p} holder {st.holder_of(p)} disagrees with request tables")
             if an[p]:
                 raise InvariantViolation(1, f"page {p} is both {st.holder_of(p)} and aliased")
         elif kind == ALIAS:
-            if o[p] != OWNER_ALIAS or an[p] < 1 or an[p] != alias_counts.get(p, 0) or p in where:
+            if o[p] != HOLDER_ALIAS or an[p] < 1 or an[p] != alias_counts.get(p, 0) or p in where:
                 raise InvariantViolation(1, f"alias page {p} count {an[p]} != snapshots {alias_counts.get(p, 0)}")
         else:
             raise InvariantViolation(1, f"page {p} has unknown holder code {kind}")

@@ -6,12 +6,12 @@ sparse maps, never an object per page. ``validate`` raises a specific
 never raises for one. Both are pure (no I/O, no logging, no clock).
 
 Per page:
-    owner[p]          the holder in one int: a request id r >= 0 (reserved(r) or
+    holder[p]         the holder in one int: a request id r >= 0 (reserved(r) or
                       kv(r): which one is told by r's ``reserved`` / ``kv`` lists),
-                      OWNER_FREE (-1) or OWNER_ALIAS (-2). One store per page per
+                      HOLDER_FREE (-1) or HOLDER_ALIAS (-2). One store per page per
                       transition; a commit moves pages between r's lists and
                       stores nothing per page.
-    alias_n[p]        number of live snapshots aliasing p (alias iff > 0)
+    alias_count[p]    number of live snapshots aliasing p (alias iff > 0)
 Sparse (a page is in the map only while the flag is set):
     marks[p]          the mark: MARK_ALL (zero before any request reads it) or
                       MARK_TENANT (cross_tenant policy: zero unless the reader is
@@ -87,8 +87,8 @@ __all__ = [
     "RESERVED",
     "KV",
     "ALIAS",
-    "OWNER_FREE",
-    "OWNER_ALIAS",
+    "HOLDER_FREE",
+    "HOLDER_ALIAS",
     "HOLDER_NAMES",
     "MARK_ALL",
     "MARK_TENANT",
@@ -97,9 +97,9 @@ __all__ = [
     "RequestRecord",
 ]
 
-FREE, RESERVED, KV, ALIAS = 0, 1, 2, 3  # holder codes (``LedgerState.holder``)
+FREE, RESERVED, KV, ALIAS = 0, 1, 2, 3  # holder codes (``LedgerState.holder_codes()``)
 HOLDER_NAMES = ("free", "reserved", "kv", "alias")
-OWNER_FREE, OWNER_ALIAS = -1, -2
+HOLDER_FREE, HOLDER_ALIAS = -1, -2
 MARK_ALL, MARK_TENANT = 1, 2
 DIGEST_VERSION = 1
 _NO_EFFECTS: tuple = ()
@@ -127,8 +127,8 @@ class LedgerState:
         self.policy = "released_aliases"
         self.seq = 0
         self.num_pages = 0
-        self.owner: list[int] = []
-        self.alias_n: list[int] = []
+        self.holder: list[int] = []
+        self.alias_count: list[int] = []
         self.marks: dict[int, int] = {}
         self.residue: dict[int, Optional[str]] = {}
         self.restore_targets: dict[int, tuple[str, int]] = {}
@@ -210,8 +210,8 @@ class LedgerState:
         """Free pages an allocation may take now (free and not restoring)."""
         if not self.restore_targets:
             return len(self.free_stack)
-        o = self.owner
-        return len(self.free_stack) - sum(1 for p in self.restore_targets if o[p] == OWNER_FREE)
+        o = self.holder
+        return len(self.free_stack) - sum(1 for p in self.restore_targets if o[p] == HOLDER_FREE)
 
     def pick_free(self, n: int) -> list[int] | None:
         """The ``n`` pages the allocator takes next (top of the free stack), or None. Pure."""
@@ -232,13 +232,12 @@ class LedgerState:
 
     def holder_code(self, page_id: int) -> int:
         """FREE, RESERVED, KV or ALIAS for one page (O(pages of its request))."""
-        x = self.owner[page_id]
+        x = self.holder[page_id]
         if x >= 0:
             return KV if page_id in self.requests[x].kv else RESERVED
-        return FREE if x == OWNER_FREE else ALIAS
+        return FREE if x == HOLDER_FREE else ALIAS
 
-    @property
-    def holder(self) -> bytearray:
+    def holder_codes(self) -> bytearray:
         """Holder codes of every page, derived (O(held pages)): for checks and tools, not loops."""
         h = bytearray(self.num_pages)
         for pages in self.snapshots.values():
@@ -251,16 +250,14 @@ class LedgerState:
                 h[p] = KV
         return h
 
-    @property
-    def stale(self) -> bytearray:
+    def mark_codes(self) -> bytearray:
         """Mark codes of every page (0, MARK_ALL, MARK_TENANT), derived: for tools."""
         out = bytearray(self.num_pages)
         for p, m in self.marks.items():
             out[p] = m
         return out
 
-    @property
-    def restoring(self) -> bytearray:
+    def restoring_flags(self) -> bytearray:
         """1 for every page an inbound restore is writing, derived: for tools."""
         out = bytearray(self.num_pages)
         for p in self.restore_targets:
@@ -271,7 +268,7 @@ class LedgerState:
         """Human-readable holder of a page: ``free``, ``reserved(r)``, ``kv(r)``, ``alias({s,...})``."""
         kind = self.holder_code(page_id)
         if kind == RESERVED or kind == KV:
-            return f"{HOLDER_NAMES[kind]}({self.owner[page_id]})"
+            return f"{HOLDER_NAMES[kind]}({self.holder[page_id]})"
         if kind == ALIAS:
             return "alias({" + ",".join(map(str, self.snapshot_ids_of(page_id))) + "})"
         return "free"
@@ -320,9 +317,9 @@ class LedgerState:
         rec = self.requests.get(e.request)
         if rec is not None and rec.tenant != e.tenant:
             raise TenantMismatchError(e.request, rec.tenant, e.tenant)
-        o = self.owner
+        o = self.holder
         for p in pages:
-            if o[p] != OWNER_FREE:
+            if o[p] != HOLDER_FREE:
                 raise PageNotHeldError(p, "free", self.holder_of(p))
         self._not_restoring(pages, "cannot reserve")
 
@@ -345,7 +342,7 @@ class LedgerState:
     def _v_aliased(self, e: SnapshotAliased) -> None:
         pages = e.page_ids
         self._check_pages(pages)
-        o = self.owner
+        o = self.holder
         for p in pages:
             if o[p] >= 0:
                 raise PageNotHeldError(p, "free or alias", self.holder_of(p))
@@ -417,8 +414,8 @@ class LedgerState:
         self.geometry = e.geometry
         self.policy = e.policy
         self.num_pages = n
-        self.owner = [OWNER_FREE] * n
-        self.alias_n = [0] * n
+        self.holder = [HOLDER_FREE] * n
+        self.alias_count = [0] * n
         # Lowest ids on top: the first reservation of a fresh cache takes pages 0, 1, ...
         self.free_stack = list(range(n - 1, -1, -1))
         self.seq += 1
@@ -440,7 +437,7 @@ class LedgerState:
         rec = self.requests.get(r)
         if rec is None:
             rec = self.requests[r] = RequestRecord(r, e.tenant, [], [])
-        o = self.owner
+        o = self.holder
         for p in pages:
             o[p] = r
         stack = self.free_stack
@@ -460,9 +457,9 @@ class LedgerState:
         ``dirty``: the pages among them that hold bytes the request wrote (its KV
         pages, reserved pages a restore wrote); only the non-default policies mark them.
         """
-        o = self.owner
+        o = self.holder
         for p in pages:
-            o[p] = OWNER_FREE
+            o[p] = HOLDER_FREE
         pend = self.pending
         if pend and not pend.keys().isdisjoint(pages):
             marks, residue = self.marks, self.residue
@@ -543,11 +540,11 @@ class LedgerState:
 
     def _a_aliased(self, e: SnapshotAliased) -> tuple:
         pages = e.page_ids
-        o, an = self.owner, self.alias_n
+        o, an = self.holder, self.alias_count
         newly = []
         for p in pages:
-            if o[p] == OWNER_FREE:
-                o[p] = OWNER_ALIAS
+            if o[p] == HOLDER_FREE:
+                o[p] = HOLDER_ALIAS
                 an[p] = 1
                 newly.append(p)
             else:
@@ -564,13 +561,13 @@ class LedgerState:
 
     def _a_released(self, e: SnapshotReleased) -> tuple:
         pages = self.snapshots.pop(e.snapshot)
-        o, an, marks, residue = self.owner, self.alias_n, self.marks, self.residue
+        o, an, marks, residue = self.holder, self.alias_count, self.marks, self.residue
         stack = self.free_stack
         for p in pages:
             c = an[p] - 1
             an[p] = c
             if c == 0:
-                o[p] = OWNER_FREE
+                o[p] = HOLDER_FREE
                 marks[p] = MARK_ALL
                 residue.pop(p, None)
                 stack.append(p)
@@ -669,8 +666,8 @@ class LedgerState:
             "policy": self.policy,
             "seq": self.seq,
             "open_step": self.open_step,
-            "owner": list(self.owner),
-            "alias_n": list(self.alias_n),
+            "owner": list(self.holder),
+            "alias_n": list(self.alias_count),
             "marks": sorted(self.marks.items()),
             "residue": sorted(self.residue.items()),
             "restore_targets": [[p, t[0], t[1]] for p, t in sorted(self.restore_targets.items())],
@@ -707,8 +704,8 @@ class LedgerState:
             st._a_configured(CacheConfigured(geometry=Geometry(num_pages=n, page_tokens=t), policy=data["policy"]))
         st.seq = data["seq"]
         st.open_step = data["open_step"]
-        st.owner = list(data["owner"])
-        st.alias_n = list(data["alias_n"])
+        st.holder = list(data["owner"])
+        st.alias_count = list(data["alias_n"])
         st.marks = {p: m for p, m in data["marks"]}
         st.residue = {p: t for p, t in data["residue"]}
         st.restore_targets = {p: (into, t) for p, into, t in data["restore_targets"]}

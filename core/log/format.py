@@ -64,7 +64,7 @@ from typing import Any
 import msgspec
 
 from ..errors import CorruptLogError, LogError, LogVersionError
-from .events import CLEAR_POLICIES, Event, Geometry
+from ..events.events import CLEAR_POLICIES, Event, Geometry
 
 __all__ = [
     "FILE_MAGIC",

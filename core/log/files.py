@@ -388,3 +388,7 @@ class FaultInjector:
 
     def read(self, path: str):
         return self.inner.read(path)
+
+
+default_layer = OsFileLayer()
+"""The file layer every log uses unless a caller passes another (fault injection in tests)."""
