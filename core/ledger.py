@@ -1,7 +1,9 @@
 """The command side: decide a command against state into one event, or reject it.
 
-    command ─► check arguments ─► build event ─► state.validate ─► sink(seq, event)
-            ─► state.apply ─► effects (ClearPages / StepPlan) ─► [check mode: invariants]
+    command ─► check argument types ─► decide the event (the allocator's pages,
+            a request's reserved pages) ─► _submit: validate (the event's
+            precondition) ─► sink(seq, event) ─► apply ─► effects
+            (ClearPages / StepPlan) ─► [check mode: every invariant]
 
 Every command is all-or-nothing: argument errors, precondition failures and a
 failing sink (the durable log, when one is attached) all raise before the fold,
@@ -18,7 +20,6 @@ from .errors import (
     ConfigurationError,
     InvalidArgumentError,
     OutOfPagesError,
-    TenantMismatchError,
     UnknownRequestError,
 )
 from .events.events import (
@@ -40,13 +41,16 @@ from .events.events import (
     typed,
 )
 from .state.invariants import check_invariants
+from .state.preconditions import same_tenant
 from .state.state import LedgerState
 
-__all__ = ["Ledger", "EventSink", "replay"]
+__all__ = ["Ledger", "EventObserver", "EventSink", "replay"]
 
 # A sink receives every accepted event with its sequence number before it is folded.
 # Raising refuses the event (the command fails, nothing changes).
 EventSink = Callable[[int, object], None]
+# An observer receives every folded event with its sequence number and its effects.
+EventObserver = Callable[[int, object, tuple], None]
 
 
 def _one_of(n, pages, what: str):
@@ -57,10 +61,20 @@ def _one_of(n, pages, what: str):
 class Ledger:
     """The KV-page ledger of one cache. Commands mirror SPEC's event table.
 
-    ``sink`` (optional) sees each accepted event with its sequence number before
-    the fold; the durable log plugs in here. ``record=True`` keeps the events in
-    ``self.events`` (tests, small tools). ``check=True`` runs every invariant after
-    every fold (O(num_pages) each: for tests and debugging).
+    Every command decides one event against the state and hands it to ``_submit``,
+    the one path every event takes: ``validate`` (the event's precondition, from
+    the transition table) -> ``sink`` (the durable log, when one is attached) ->
+    ``apply`` (the fold) -> in check mode, every invariant. Commands check only
+    their arguments' types themselves; every precondition lives in
+    ``core/state/preconditions.py``.
+
+    ``sink(seq, event)`` (optional) sees each accepted event before the fold;
+    raising refuses it (nothing changes). ``observer(seq, event, effects)``
+    (optional) sees it after the fold (metrics, debug logs, KV-event publishers);
+    it must not raise. ``record=True`` keeps the events in ``self.events`` (tests,
+    small tools). ``check=True`` runs every invariant after every fold
+    (O(num_pages) each: for tests and debugging). All are fixed when the ledger
+    is made.
     """
 
     def __init__(
@@ -72,10 +86,12 @@ class Ledger:
         sink: EventSink | None = None,
         record: bool = False,
         state: LedgerState | None = None,
+        observer: EventObserver | None = None,
     ) -> None:
         self.events: list | None = [] if record else None
         self._sink = sink
-        self.check = check  # also sets _plain
+        self._observer = observer
+        self._check = bool(check)
         if state is not None:
             if state.geometry != geometry:
                 raise ConfigurationError(f"state geometry {state.geometry} != {geometry}")
@@ -91,15 +107,8 @@ class Ledger:
 
     @property
     def check(self) -> bool:
-        """Check mode: validate every event, even those built from state, and run
-        every invariant after every fold."""
+        """Check mode: every invariant after every fold."""
         return self._check
-
-    @check.setter
-    def check(self, value: bool) -> None:
-        self._check = bool(value)
-        # Nothing to do around a fold but the fold itself: the hot commands skip a layer.
-        self._plain = not self._check and self.events is None and self._sink is None
 
     @property
     def geometry(self) -> Geometry:
@@ -114,32 +123,23 @@ class Ledger:
         return self.state.digest()
 
     def _submit(self, event) -> tuple:
-        """Validate, hand to the sink, fold, and in check mode verify every invariant."""
+        """validate -> sink -> [record] -> apply -> [check] -> [observe]: the one path of every event.
+
+        Raises the event's precondition error, or what the sink raises; either way
+        nothing changed. Returns the event's effects.
+        """
         st = self.state
         st.validate(event)
+        seq = st.seq
         if self._sink is not None:
-            self._sink(st.seq, event)
+            self._sink(seq, event)
         if self.events is not None:
             self.events.append(event)
         effects = st.apply(event)
         if self._check:
             check_invariants(st)
-        return effects
-
-    def _submit_built(self, event, fold) -> tuple:
-        """``_submit`` for an event the command built from state itself (valid by
-        construction; check mode still validates), folded by ``fold`` directly."""
-        st = self.state
-        check = self._check
-        if check:
-            st.validate(event)
-        if self._sink is not None:
-            self._sink(st.seq, event)
-        if self.events is not None:
-            self.events.append(event)
-        effects = fold(event)
-        if check:
-            check_invariants(st)
+        if self._observer is not None:
+            self._observer(seq, event, effects)
         return effects
 
     def submit(self, event) -> tuple:
@@ -190,35 +190,29 @@ class Ledger:
     def reserve(self, request: int, n: int, *, tenant: str | None = None) -> tuple[int, ...]:
         """Reserve ``n`` free pages for ``request`` (known or new). Returns the page ids.
 
-        Raises ``OutOfPagesError`` (nothing changed) when fewer than ``n`` are reservable,
-        ``TenantMismatchError`` when a known request names another tenant.
+        The allocator takes the top of the free stack (LIFO), skipping pages a restore
+        is still writing. A known request keeps its tenant (``tenant=None`` means the
+        same one). Raises ``OutOfPagesError`` (nothing changed) when fewer than ``n``
+        are reservable, ``TenantMismatchError`` when a known request names another tenant.
         """
         if type(request) is not int or not 0 <= request <= checks.MAX_ID:
             checks.ident(request, "request")
         if type(n) is not int or n < 1:
             checks.count(n, "n")
         st = self.state
-        if tenant is not None and type(tenant) is not str:
-            checks.tenant(tenant)
-        rec = st.requests.get(request)
-        if rec is not None:
-            if tenant is None:
+        if tenant is None:
+            rec = st.requests.get(request)
+            if rec is not None:
                 tenant = rec.tenant
-            elif tenant != rec.tenant:
-                raise TenantMismatchError(request, rec.tenant, tenant)
-        stack = st.free_stack
-        if n > len(stack):
-            raise OutOfPagesError(n, st.reservable_count, f"request {request}")
-        top = stack[: -n - 1 : -1]  # the allocator: LIFO, top of the free stack first
-        if st.restore_targets and not st.restore_targets.keys().isdisjoint(top):
-            top = st.pick_free(n)  # skip pages a restore is still writing
-            if top is None:
-                raise OutOfPagesError(n, st.reservable_count, f"request {request}")
-        ev = PagesReserved(request=request, page_ids=tuple(top), tenant=tenant)
-        if self._plain:  # hot path: no check mode, no sink, no recording
-            st.apply_reserved(ev)
         else:
-            self._submit_built(ev, st.apply_reserved)
+            if type(tenant) is not str:
+                checks.tenant(tenant)
+            same_tenant(st, request, tenant)
+        pages = st.pick_free(n)
+        if pages is None:
+            raise OutOfPagesError(n, st.reservable_count, f"request {request}")
+        ev = PagesReserved(request=request, page_ids=tuple(pages), tenant=tenant)
+        self._submit(ev)
         return ev.page_ids
 
     def return_reservation(self, request: int, pages: Iterable[int] | None = None) -> tuple[int, ...]:
@@ -237,35 +231,23 @@ class Ledger:
     def commit(
         self, request: int, step: int, n: int | None = None, *, pages: Iterable[int] | None = None
     ) -> tuple[int, ...]:
-        """Move reserved pages into the request's KV pages for ``step``.
+        """Move reserved pages into the request's KV pages (its block table) for ``step``.
 
         ``n`` takes the first ``n`` reserved pages; ``pages`` names them. Returns the
-        page ids that entered ``step``'s clear list (usually empty).
+        page ids this commit listed for ``step``'s clear list (usually none). That is
+        not yet the plan: a listed page whose request lets go of it before the seal
+        leaves the list again (and gets its mark back), and an aborted step's pages
+        are carried in. ``seal_step(step).clear_list`` is the authority on what every
+        rank zeroes.
         """
+        if type(request) is not int or type(step) is not int:
+            checks.ident(request, "request")
+            checks.ident(step, "step")
         st = self.state
-        if pages is None and type(n) is int and type(request) is int and type(step) is int:
-            # Hot path: the first n reserved pages are reserved(request) by construction;
-            # only the count, the step and in-flight restores remain to check.
-            rec = st.requests.get(request)
-            if (
-                rec is not None
-                and 0 < n <= len(rec.reserved)
-                and st.open_step <= step <= checks.MAX_ID
-                and (not st.restore_targets or st.restore_targets.keys().isdisjoint(rec.reserved[:n]))
-            ):
-                ev = PagesCommitted(request=request, step=step, page_ids=tuple(rec.reserved[:n]))
-                if self._plain:
-                    effects = st.apply_committed(ev)
-                else:
-                    effects = self._submit_built(ev, st.apply_committed)
-                return effects[0].page_ids if effects else ()
-        checks.ident(request, "request")
-        checks.ident(step, "step")
-        _one_of(n, pages, "commit")
-        if n is not None:
-            checks.count(n, "n")
+        if pages is None and type(n) is int and n > 0:
             rec = st.requests.get(request)
             if rec is None:
+                checks.ident(request, "request")
                 raise UnknownRequestError(request)
             if len(rec.reserved) < n:
                 raise InvalidArgumentError(
@@ -273,7 +255,13 @@ class Ledger:
                 )
             ids = tuple(rec.reserved[:n])
         else:
-            ids = checks.page_ids(pages, self.state.num_pages, allow_empty=False)
+            _one_of(n, pages, "commit")
+            if n is not None:
+                checks.count(n, "n")
+            ids = checks.page_ids(pages, st.num_pages, allow_empty=False)
+        if not 0 <= step <= checks.MAX_ID or not 0 <= request <= checks.MAX_ID:
+            checks.ident(request, "request")
+            checks.ident(step, "step")
         effects = self._submit(PagesCommitted(request=request, step=step, page_ids=ids))
         return effects[0].page_ids if effects else ()
 
@@ -286,14 +274,9 @@ class Ledger:
         self._request_gone(RequestFinished, request)
 
     def _request_gone(self, event_type, request: int) -> None:
-        st = self.state
-        if type(request) is not int or request not in st.requests:
+        if type(request) is not int or not 0 <= request <= checks.MAX_ID:
             checks.ident(request, "request")
-            raise UnknownRequestError(request)
-        if self._plain:
-            st.apply_request_gone(event_type(request=request))
-        else:
-            self._submit_built(event_type(request=request), st.apply_request_gone)
+        self._submit(event_type(request=request))
 
     def alias_snapshot(
         self, snapshot: int, n: int | None = None, *, pages: Iterable[int] | None = None
@@ -329,13 +312,16 @@ class Ledger:
     ) -> None:
         """An inbound host restore starts writing ``pages`` of a request or a snapshot."""
         into, target = self._restore_target(request, snapshot)
-        self._submit(RestoreStarted(into=into, target=target, page_ids=checks.page_ids(pages, self.state.num_pages, allow_empty=False)))
+        ids = checks.page_ids(pages, self.state.num_pages, allow_empty=False)
+        self._submit(RestoreStarted(into=into, target=target, page_ids=ids))
 
     def complete_restore(
         self, pages: Iterable[int], *, request: int | None = None, snapshot: int | None = None
     ) -> None:
+        """The restore into ``pages`` finished writing; they may be reserved and committed again."""
         into, target = self._restore_target(request, snapshot)
-        self._submit(RestoreCompleted(into=into, target=target, page_ids=checks.page_ids(pages, self.state.num_pages, allow_empty=False)))
+        ids = checks.page_ids(pages, self.state.num_pages, allow_empty=False)
+        self._submit(RestoreCompleted(into=into, target=target, page_ids=ids))
 
     def seal_step(self, step: int) -> StepPlan:
         """Close the open step and return its plan (the pages every rank must zero)."""
@@ -345,6 +331,7 @@ class Ledger:
         return plan
 
     def complete_step(self, step: int, rank: int) -> None:
+        """Rank ``rank`` ran step ``step``'s input copies, clears and graph."""
         self._submit(StepCompleted(step=checks.ident(step, "step"), rank=checks.ident(rank, "rank")))
 
     def abort_step(self, step: int, reason: str = "") -> None:

@@ -89,7 +89,7 @@ from kvledger.core.events.events import (
     StepSealed,
 )
 from kvledger.core.log import open_view
-from kvledger.core.state.state import KV, MARK_TENANT, HOLDER_ALIAS, HOLDER_FREE, LedgerState
+from kvledger.core.state import HOLDER_ALIAS, HOLDER_FREE, KV, MARK_TENANT, LedgerState
 from kvledger.core.log.fold import check_first_event, state_from_checkpoint
 
 __all__ = ["Finding", "Row", "Segment", "AuditReport", "audit_log", "main", "FAULT_KINDS"]

@@ -34,7 +34,6 @@ import hashlib
 import logging
 import os
 import time
-from typing import Optional
 
 import msgspec
 import structlog
@@ -50,7 +49,7 @@ from kvledger.core.log.fold import rebuild_state
 from kvledger.core.log.files import default_layer
 from kvledger.core.ledger import Ledger
 from kvledger.core import checks
-from kvledger.core.state.state import LedgerState
+from kvledger.core.state import LedgerState
 
 __all__ = ["DurableLedger", "Recovery", "open_ledger"]
 
@@ -61,9 +60,9 @@ class Recovery(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     path: str
     created: bool  # the log did not exist and was created
     events: int  # events in the log after open (= the ledger's seq)
-    checkpoint_seq: Optional[int]  # the state was loaded from the checkpoint at this seq
+    checkpoint_seq: int | None  # the state was loaded from the checkpoint at this seq
     folded: int  # events folded on top of it
-    truncated_at: Optional[int]  # offset of the torn tail that was cut off
+    truncated_at: int | None  # offset of the torn tail that was cut off
     truncated_bytes: int
     closed_cleanly: bool  # the previous writer closed the log (no crash)
     seconds: float
@@ -84,15 +83,16 @@ def _debug_enabled(logger) -> bool:
 
 
 class DurableLedger(Ledger):
-    """A ``Ledger`` whose events go through an ``EventLog`` before they are folded.
+    """A ``Ledger`` whose sink is an ``EventLog``: every event is appended before it is folded.
 
     Built by ``open_ledger``. ``log`` is the ``EventLog``, ``recovery`` what open
     found. ``close()`` (or leaving a ``with`` block) writes a final checkpoint,
     syncs and releases the file; commands afterwards raise ``LogClosedError``.
 
-    The log is the ledger's sink itself (no wrapper on the hot path); the log
-    takes the periodic checkpoints, in front of the event that would fold into
-    the checkpointed state, so a checkpoint never changes what a command did.
+    Checkpoints: before the event that would fold past ``checkpoint_every``
+    events since the last one, the sink appends a checkpoint of the state as it
+    is (so a checkpoint never changes what a command did). The ledger decides
+    when; the log only writes what it is given.
     """
 
     def __init__(self, log: EventLog, *, state: LedgerState | None = None, policy: str = "released_aliases",
@@ -108,29 +108,19 @@ class DurableLedger(Ledger):
         self._debug = _debug_enabled(self._logger)
         self._closed = False
         log.notify = self._notify
-        log.set_checkpoints(checkpoint_every, self._checkpoint_state)
         self._append_next = log.append_next
-        if self._debug:  # step and commit events, only when someone listens at debug level
-            self._submit = self._submit_logged
-            self._submit_built = self._submit_built_logged
-        super().__init__(log.header.geometry, policy=policy, check=check, sink=log.append, state=state)
+        start = log.seq if state is None else state.seq
+        self._next_checkpoint = start + checkpoint_every if checkpoint_every else 1 << 62
+        super().__init__(log.header.geometry, policy=policy, check=check, sink=self._append, state=state,
+                         observer=self._observe if self._debug else None)
         if self.state.seq != log.seq:
             raise ConfigurationError(f"state at seq {self.state.seq} for a log at seq {log.seq}")
 
-    def _set_check(self, value: bool) -> None:
-        Ledger.check.fset(self, value)
-        self._fast = not self.check and self.events is None
-
-    check = property(Ledger.check.fget, _set_check, doc=Ledger.check.__doc__)
-
-    def _submit_built(self, event, fold) -> tuple:
-        """The hot commands' path (reserve, commit, finish, cancel): the event is
-        built from state and valid by construction, so it goes straight to the log
-        and the fold. Check mode (and a ledger that records) takes the core's path."""
-        if not self._fast:
-            return Ledger._submit_built(self, event, fold)
+    def _append(self, seq: int, event) -> None:
+        """The sink: a checkpoint when one is due, then the event (durable per the fsync policy)."""
+        if seq >= self._next_checkpoint:
+            self.checkpoint()
         self._append_next(event)
-        return fold(event)
 
     @property
     def durable_seq(self) -> int:
@@ -146,27 +136,20 @@ class DurableLedger(Ledger):
     def _notify(self, name: str, fields: dict) -> None:
         if name == "write_failed":
             self._logger.error("log_write_failed", seq=self.state.seq, **fields)
-        elif name == "checkpoint_skipped":
-            self._logger.warning("checkpoint_skipped", **fields)
         elif self._debug:
             self._logger.debug(name, **fields)
 
-    def _submit_logged(self, event) -> tuple:
-        return self._logged(event, Ledger._submit(self, event))
-
-    def _submit_built_logged(self, event, fold) -> tuple:
-        return self._logged(event, DurableLedger._submit_built(self, event, fold))
-
-    def _logged(self, event, effects: tuple) -> tuple:
-        if effects:
-            eff = effects[0]
-            if type(eff) is ClearPages:
-                self._logger.debug("pages_committed", seq=self.state.seq - 1, request=event.request,
-                                   step=eff.step, listed=list(eff.page_ids))
-            elif type(event) is StepSealed:
-                self._logger.debug("step_sealed", seq=self.state.seq - 1, step=event.step,
-                                   cleared=len(event.clear_list), durable_seq=self.log.durable_seq)
-        return effects
+    def _observe(self, seq: int, event, effects: tuple) -> None:
+        """Debug events for commits that listed pages and for sealed steps (only when debug is on)."""
+        if not effects:
+            return
+        eff = effects[0]
+        if type(eff) is ClearPages:
+            self._logger.debug("pages_committed", seq=seq, request=event.request, step=eff.step,
+                               listed=list(eff.page_ids))
+        elif type(event) is StepSealed:
+            self._logger.debug("step_sealed", seq=seq, step=event.step, cleared=len(event.clear_list),
+                               durable_seq=self.log.durable_seq)
 
     def checkpoint(self) -> None:
         """Append a checkpoint of the current state now (durable at the next sync).
@@ -174,6 +157,8 @@ class DurableLedger(Ledger):
         Never fails the caller: skipped when the log is closed or failed (the
         next command reports why) or when the state is too large for a record.
         """
+        if self._every:
+            self._next_checkpoint = self.state.seq + self._every
         if self.log.failed or self.log.closed:
             return
         seq, digest, state = self._checkpoint_state()
@@ -208,7 +193,7 @@ class DurableLedger(Ledger):
         finally:
             self._logger.info("log_closed", events=self.state.seq, durable_seq=self.log.durable_seq)
 
-    def __enter__(self) -> "DurableLedger":
+    def __enter__(self) -> DurableLedger:
         return self
 
     def __exit__(self, *exc) -> None:

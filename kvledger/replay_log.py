@@ -56,7 +56,7 @@ from kvledger.core.events.events import (
 )
 from kvledger.core.log import open_view
 from kvledger.core.state.invariants import check_invariants
-from kvledger.core.state.state import LedgerState
+from kvledger.core.state import LedgerState
 from kvledger.core.log.fold import check_first_event, state_from_checkpoint
 
 __all__ = ["ReplayError", "ReplaySummary", "replay_log", "main", "EXIT_OK", "EXIT_MISMATCH", "EXIT_USAGE", "EXIT_CORRUPT"]

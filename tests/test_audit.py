@@ -8,6 +8,7 @@ import xml.etree.ElementTree as ET
 import pytest
 import structlog
 
+from kvledger.core.state import TRANSITIONS
 from kvledger import CLEAR_POLICIES, Geometry, LedgerState
 from kvledger.audit import audit_log, render
 from kvledger.audit_svg import COLORS, render_svg
@@ -189,21 +190,20 @@ def test_restores_and_steps_left_open():
     assert faults == {}
 
 
+def _leaky_finish(st, e):
+    rec = st.requests[e.request]
+    kept = rec.kv[-1:]
+    rec.kv = rec.kv[:-1]
+    out = TRANSITIONS[RequestFinished].apply(st, e)
+    for p in kept:
+        st.holder[p] = -2  # the page still looks held (as an alias) after the request is gone
+    return out
+
+
 class _LeakyState(LedgerState):
     """A broken fold: a finished request keeps its last KV page."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._appliers[RequestFinished] = self._leaky_finish
-
-    def _leaky_finish(self, e):
-        rec = self.requests[e.request]
-        kept = rec.kv[-1:]
-        rec.kv = rec.kv[:-1]
-        out = self.apply_request_gone(e)
-        for p in kept:
-            self.holder[p] = -2  # the page still looks held (as an alias) after the request is gone
-        return out
+    transitions = {**TRANSITIONS, RequestFinished: TRANSITIONS[RequestFinished]._replace(apply=_leaky_finish)}
 
 
 def test_leaks_are_caught_against_a_broken_fold():

@@ -205,20 +205,17 @@ def test_simulated_disk_layer_round_trip():
         assert again.digest() == digest
 
 
-def test_check_mode_can_be_switched_on_and_off(tmp_path):
-    led = open_ledger(tmp_path / "chk.kvlog", GEOMETRY, logger=QUIET)
-    led.reserve(1, 2)  # the lean path: straight to the log and the fold
-    led.check = True  # every invariant after every command, events validated even when built from state
-    assert led.check and not led._fast
-    led.commit(1, 0, 2)
-    led.seal_step(0)
-    led.check = False
-    assert led._fast
-    led.finish(1)
-    seq, digest = led.seq, led.digest()
-    led.close()
+def test_check_mode_runs_every_invariant_and_changes_no_digest(tmp_path):
+    with open_ledger(tmp_path / "plain.kvlog", GEOMETRY, logger=QUIET) as plain:
+        drive(plain, "chk", 6)
+        want = (plain.seq, plain.digest())
+    with open_ledger(tmp_path / "chk.kvlog", GEOMETRY, check=True, logger=QUIET) as led:
+        assert led.check
+        drive(led, "chk", 6)  # every invariant after every command
+        assert (led.seq, led.digest()) == want
     with open_ledger(tmp_path / "chk.kvlog", logger=QUIET) as again:
-        assert (again.seq, again.digest()) == (seq, digest)
+        assert (again.seq, again.digest()) == want
+        assert not again.check
 
 
 def test_checkpoint_digest_is_the_state_digest(tmp_path):

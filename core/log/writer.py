@@ -119,7 +119,7 @@ class EventLog:
         "_sync_types", "_handle", "_enc", "_encode_into", "_event_cap", "_record_cap", "_buf", "_batch_at",
         "_batch_seq", "_chain", "_end", "_size", "_synced_end", "_next_seq", "_start_seq", "_durable_seq", "_ok",
         "_failure", "_failed_op", "_reported", "_closed", "_records", "_bytes", "_syncs", "_checkpoints",
-        "_next_checkpoint", "_checkpoint_every", "_checkpoint_source", "_checkpoint_seq",
+        "_checkpoint_seq",
         "_q", "_thread", "_written_seq",
     )
 
@@ -154,9 +154,6 @@ class EventLog:
         self._reported = False
         self._closed = False
         self._records = self._bytes = self._syncs = self._checkpoints = 0
-        self._next_checkpoint = 1 << 62
-        self._checkpoint_every = 0
-        self._checkpoint_source = None
         self._checkpoint_seq = -1
         self.recovery: Scan | None = None
         self.loaded = None
@@ -321,8 +318,6 @@ class EventLog:
         if not self._ok:
             self._refuse()
         seq = self._next_seq
-        if seq >= self._next_checkpoint:
-            self._auto_checkpoint(seq)
         buf = self._buf
         if self._batch_at < 0:
             self._batch_at = len(buf)
@@ -355,33 +350,6 @@ class EventLog:
         self._finish_batch()
         if len(buf) > _FLUSH_BYTES:
             self._hand_off(False)
-
-    def set_checkpoints(self, every: int | None, source) -> None:
-        """Take a checkpoint before every ``every``-th event: ``source()`` returns
-        ``(seq, digest, state_bytes)`` of the state the next event folds into.
-
-        The checkpoint goes into the log in front of that event (no I/O of its
-        own); an oversized one is skipped (``notify("checkpoint_skipped", ...)``).
-        ``None`` turns checkpoints off.
-        """
-        if every is not None and (type(every) is not int or every < 1):
-            raise InvalidArgumentError(f"checkpoint interval must be a positive int or None, got {every!r}")
-        self._checkpoint_every = every or 0
-        self._checkpoint_source = source if every else None
-        base = max(self._checkpoint_seq, self._start_seq)
-        self._next_checkpoint = base + every if every else 1 << 62
-
-    def _auto_checkpoint(self, seq: int) -> None:
-        self._next_checkpoint = seq + self._checkpoint_every
-        cp_seq, digest, state = self._checkpoint_source()
-        try:
-            self.checkpoint(cp_seq, digest, state)
-        except RecordTooLargeError as exc:
-            if self.notify is not None:
-                self.notify("checkpoint_skipped", {"seq": cp_seq, "error": str(exc)})
-            return
-        if self.notify is not None:
-            self.notify("checkpoint_written", {"seq": cp_seq, "bytes": len(state)})
 
     @property
     def checkpoint_seq(self) -> int:

@@ -1,31 +1,43 @@
-"""Scheduler state, the fold and the invariant checker (``kvledger.core.state``)."""
+"""Scheduler state and the fold (``kvledger.core.state``): pure, no I/O.
+
+    table.py          holder and mark codes, a request's record
+    state.py          LedgerState: the page table, its queries, the allocator, dispatch
+    transitions.py    THE TABLE: every event's rule, its precondition and its applier
+    preconditions.py  one precondition per event (raises the specific error)
+    fold.py           one applier per event (returns the effects)
+    canonical.py      the canonical form: digest and checkpoints
+    invariants.py     SPEC invariants 1-4, checked over the whole state
+"""
 
 from .invariants import check_invariants
-from .state import (
+from .state import LedgerState
+from .table import (
     ALIAS,
     FREE,
+    HOLDER_ALIAS,
+    HOLDER_FREE,
     HOLDER_NAMES,
     KV,
     MARK_ALL,
     MARK_TENANT,
-    HOLDER_ALIAS,
-    HOLDER_FREE,
     RESERVED,
-    LedgerState,
     RequestRecord,
 )
+from .transitions import TRANSITIONS, Transition
 
 __all__ = [
     "ALIAS",
     "FREE",
+    "HOLDER_ALIAS",
+    "HOLDER_FREE",
     "HOLDER_NAMES",
     "KV",
     "MARK_ALL",
     "MARK_TENANT",
-    "HOLDER_ALIAS",
-    "HOLDER_FREE",
     "RESERVED",
+    "TRANSITIONS",
     "LedgerState",
     "RequestRecord",
+    "Transition",
     "check_invariants",
 ]

@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections import Counter
 
 from ..errors import InvariantViolation
-from .state import ALIAS, FREE, KV, MARK_ALL, MARK_TENANT, HOLDER_ALIAS, HOLDER_FREE, RESERVED, LedgerState
+from .state import LedgerState
+from .table import ALIAS, FREE, HOLDER_ALIAS, HOLDER_FREE, KV, MARK_ALL, MARK_TENANT, RESERVED
 
 __all__ = ["check_invariants"]
 
@@ -18,10 +19,15 @@ def check_invariants(st: LedgerState) -> None:
     """Raise ``InvariantViolation`` naming the first broken invariant and page. Pure."""
     if st.geometry is None:
         return
-    n = st.num_pages
-    h, o, an = st.holder_codes(), st.holder, st.alias_count  # holder: derived from the holder list + request lists
+    h = st.holder_codes()  # derived from the holder list and the request lists
+    _holders_partition(st, h)
+    _free_stack_agrees(st, h)
+    _marks_and_pending(st, h)
+    _clear_lists_and_restores(st, h)
 
-    # 1. holders partition the pages, and every index agrees with the arrays.
+
+def _request_index(st: LedgerState) -> dict[int, tuple[int, int]]:
+    """page -> (RESERVED or KV, request) from the request tables; a page twice is a violation."""
     where: dict[int, tuple[int, int]] = {}
     for r, rec in st.requests.items():
         for kind, pages in ((RESERVED, rec.reserved), (KV, rec.kv)):
@@ -29,17 +35,22 @@ def check_invariants(st: LedgerState) -> None:
                 if p in where:
                     raise InvariantViolation(1, f"page {p} listed twice in request tables")
                 where[p] = (kind, r)
+    return where
+
+
+def _holders_partition(st: LedgerState, h: bytearray) -> None:
+    """1. The holders partition the pages, and every index agrees with the arrays."""
+    o, an = st.holder, st.alias_count
+    where = _request_index(st)
     alias_counts = Counter(p for pages in st.snapshots.values() for p in pages)
     for s, pages in st.snapshots.items():
         if len(set(pages)) != len(pages):
             raise InvariantViolation(1, f"snapshot {s} lists a page twice")
         if not pages:
             raise InvariantViolation(1, f"snapshot {s} is live with no pages")
-    free = 0
-    for p in range(n):
+    for p in range(st.num_pages):
         kind = h[p]
         if kind == FREE:
-            free += 1
             if o[p] != HOLDER_FREE or an[p] or p in where:
                 raise InvariantViolation(1, f"free page {p} still has a holder or alias")
         elif kind == RESERVED or kind == KV:
@@ -54,16 +65,24 @@ def check_invariants(st: LedgerState) -> None:
             raise InvariantViolation(1, f"page {p} has unknown holder code {kind}")
         if kind != ALIAS and alias_counts.get(p):
             raise InvariantViolation(1, f"page {p} is in a snapshot but held as {st.holder_of(p)}")
+
+
+def _free_stack_agrees(st: LedgerState, h: bytearray) -> None:
+    """1. The free stack holds exactly the free pages, each once."""
+    free = h.count(FREE)
     if free != len(st.free_stack):
         raise InvariantViolation(1, f"free stack holds {len(st.free_stack)} pages, {free} are free")
     stack_counts = Counter(st.free_stack)
-    for p in range(n):
+    for p in range(st.num_pages):
         c = stack_counts.get(p, 0)
         if c != (h[p] == FREE):
             raise InvariantViolation(1, f"free stack holds page {p} {c} times, holder {st.holder_of(p)}")
 
-    # 2. no KV page carries a mark. 3. a mark is either set or pending, never both.
-    marks, pend, targets = st.marks, st.pending, st.restore_targets
+
+def _marks_and_pending(st: LedgerState, h: bytearray) -> None:
+    """2. No KV page carries a mark. 3. A mark is either set or pending, never both."""
+    n, o = st.num_pages, st.holder
+    marks, pend = st.marks, st.pending
     for step in st.clear_lists:
         if step < st.open_step:
             raise InvariantViolation(3, f"clear list of sealed step {step} was never planned")
@@ -84,7 +103,10 @@ def check_invariants(st: LedgerState) -> None:
         if p not in st.clear_lists.get(step, ()):
             raise InvariantViolation(3, f"page {p} pending a clear in step {step} but not in its clear list")
 
-    # 4. clear lists hold valid ids; the last plan's ids are distinct and none restoring.
+
+def _clear_lists_and_restores(st: LedgerState, h: bytearray) -> None:
+    """4. Clear lists hold valid ids; the last plan's ids are distinct and none restoring."""
+    n = st.num_pages
     for pages in st.clear_lists.values():
         for p in pages:
             if not 0 <= p < n:
@@ -93,8 +115,8 @@ def check_invariants(st: LedgerState) -> None:
         cl = st.last_plan.clear_list
         if len(set(cl)) != len(cl):
             raise InvariantViolation(4, f"plan of step {st.last_plan.step} lists a page twice")
-    for p, t in targets.items():
+    for p in st.restore_targets:
         if not 0 <= p < n:
             raise InvariantViolation(4, f"restoring page {p} out of range")
-        if h[p] == KV or p in pend:
+        if h[p] == KV or p in st.pending:
             raise InvariantViolation(4, f"restoring page {p} is {st.holder_of(p)} / pending a clear")

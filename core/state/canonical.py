@@ -1,0 +1,97 @@
+"""The canonical form of a state: its digest and its checkpoints.
+
+``canonical(st)`` is every field of the state in a form independent of hash seed
+and insertion order (copies, not views: later folds do not change it);
+``digest`` is BLAKE2b-256 of its MessagePack encoding, so equal states give
+equal digests in any process on any machine; ``from_canonical`` rebuilds a state
+from it (log checkpoints). The key names are part of the digest: ``owner`` and
+``alias_n`` are the historical names of ``holder`` and ``alias_count``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from ..errors import ConfigurationError
+from ..events.events import CacheConfigured, Geometry, StepPlan
+from .table import RequestRecord
+
+if TYPE_CHECKING:
+    from .state import LedgerState
+
+__all__ = ["DIGEST_VERSION", "canonical", "canonical_bytes", "digest", "from_canonical"]
+
+DIGEST_VERSION = 1
+
+
+def canonical(st: LedgerState) -> dict:
+    g = st.geometry
+    lp = st.last_plan
+    return {
+        "v": DIGEST_VERSION,
+        "geometry": None if g is None else [g.num_pages, g.page_tokens],
+        "policy": st.policy,
+        "seq": st.seq,
+        "open_step": st.open_step,
+        "owner": list(st.holder),
+        "alias_n": list(st.alias_count),
+        "marks": sorted(st.marks.items()),
+        "residue": sorted(st.residue.items()),
+        "restore_targets": [[p, t[0], t[1]] for p, t in sorted(st.restore_targets.items())],
+        "pending": sorted(st.pending.items()),
+        "restored_since_seal": sorted(st.restored_since_seal),
+        "free_stack": list(st.free_stack),
+        "requests": [
+            [r, rec.tenant, list(rec.reserved), list(rec.kv), sorted(rec.restored or ())]
+            for r, rec in sorted(st.requests.items())
+        ],
+        "snapshots": [[s, list(pages)] for s, pages in sorted(st.snapshots.items())],
+        "clear_lists": [[s, list(pages)] for s, pages in sorted(st.clear_lists.items())],
+        "last_plan": None if lp is None else [lp.step, list(lp.clear_list)],
+        "completed": sorted(st.completed.items()),
+    }
+
+
+def canonical_bytes(st: LedgerState) -> bytes:
+    return msgspec.msgpack.encode(canonical(st))
+
+
+def digest(st: LedgerState) -> str:
+    """BLAKE2b-256 of the canonical encoding, hex."""
+    return hashlib.blake2b(canonical_bytes(st), digest_size=32).hexdigest()
+
+
+def from_canonical(cls: type[LedgerState], data: dict) -> LedgerState:
+    """Rebuild a state of class ``cls`` from ``canonical()`` output (a checkpoint).
+
+    Raises ``ConfigurationError`` for another digest version; malformed data raises
+    what the Python operations raise (the log's checkpoint loader turns those into
+    ``CorruptLogError``).
+    """
+    st = cls()
+    if data.get("v") != DIGEST_VERSION:
+        raise ConfigurationError(f"unsupported checkpoint version {data.get('v')!r}")
+    if data["geometry"] is not None:
+        n, t = data["geometry"]
+        st.apply(CacheConfigured(geometry=Geometry(num_pages=n, page_tokens=t), policy=data["policy"]))
+    st.seq = data["seq"]
+    st.open_step = data["open_step"]
+    st.holder = list(data["owner"])
+    st.alias_count = list(data["alias_n"])
+    st.marks = dict(data["marks"])
+    st.residue = dict(data["residue"])
+    st.restore_targets = {p: (into, t) for p, into, t in data["restore_targets"]}
+    st.pending = dict(data["pending"])
+    st.restored_since_seal = set(data["restored_since_seal"])
+    st.free_stack = list(data["free_stack"])
+    for r, tenant, reserved, kv, restored in data["requests"]:
+        st.requests[r] = RequestRecord(r, tenant, list(reserved), list(kv), set(restored) or None)
+    st.snapshots = {s: list(pages) for s, pages in data["snapshots"]}
+    st.clear_lists = {s: list(pages) for s, pages in data["clear_lists"]}
+    lp = data["last_plan"]
+    st.last_plan = None if lp is None else StepPlan(step=lp[0], clear_list=tuple(lp[1]))
+    st.completed = {int(r): s for r, s in data["completed"]}
+    return st

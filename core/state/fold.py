@@ -1,0 +1,323 @@
+"""The fold: one applier per event, ``(state, event) -> effects``.
+
+An applier assumes its event passed its precondition (``preconditions.py``) and
+never raises for one. It advances ``state.seq`` and returns the event's effects:
+``(ClearPages,)`` for a commit that listed marked pages, ``(StepPlan,)`` for a
+seal, ``()`` otherwise. Pure: no I/O, no logging, no clock, no object per page.
+
+Marks and clear lists (the seed's rule, policy ``released_aliases``):
+    SnapshotReleased   sets the mark on every page whose last alias went away
+    PagesCommitted     takes the mark off each marked page and lists it for ``step``
+    RestoreStarted     into a request: takes the mark off (the restore overwrites
+                       the whole page), never lists it
+    StepSealed         the plan: the step's listed pages still held as KV, once each,
+                       in the order they were (last) listed
+    a listed page that leaves KV before its step is sealed gets its mark back:
+    nothing has zeroed it yet.
+The other policies also mark pages when a request lets go of bytes it wrote
+(``cross_tenant``: marked for other tenants only; ``all_reused``: for everyone).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..events.events import (
+    CacheConfigured,
+    ClearPages,
+    PagesCommitted,
+    PagesReserved,
+    ReservationReturned,
+    RestoreCompleted,
+    RestoreStarted,
+    SnapshotAliased,
+    SnapshotReleased,
+    StepAborted,
+    StepCompleted,
+    StepPlan,
+    StepSealed,
+)
+from .table import HOLDER_ALIAS, HOLDER_FREE, MARK_ALL, MARK_TENANT, RequestRecord
+
+if TYPE_CHECKING:
+    from .state import LedgerState
+
+__all__ = [
+    "cache_configured",
+    "pages_committed",
+    "pages_reserved",
+    "request_gone",
+    "reservation_returned",
+    "restore_completed",
+    "restore_started",
+    "snapshot_aliased",
+    "snapshot_released",
+    "step_aborted",
+    "step_completed",
+    "step_sealed",
+]
+
+_NO_EFFECTS: tuple = ()
+
+
+# ---------------------------------------------------------------------- shared pieces
+
+
+def _take_from_stack(st: LedgerState, pages) -> None:
+    """Remove ``pages`` (all free until now) from the free stack."""
+    stack = st.free_stack
+    k = len(pages)
+    if tuple(stack[: -k - 1 : -1]) == tuple(pages):  # the allocator's choice: the top
+        del stack[-k:]
+    else:
+        for p in pages:
+            stack.remove(p)
+
+
+def _remove(seq: list[int], pages) -> None:
+    """Remove ``pages`` from ``seq`` keeping order; fast when they are its prefix."""
+    k = len(pages)
+    if tuple(seq[:k]) == tuple(pages):
+        del seq[:k]
+        return
+    gone = set(pages)
+    seq[:] = [p for p in seq if p not in gone]
+
+
+def _free_pages(st: LedgerState, pages, tenant: str | None, dirty) -> None:
+    """Pages leave a request for the free stack; marks follow the policy.
+
+    ``dirty``: the pages among them that hold bytes the request wrote (its KV
+    pages, reserved pages a restore wrote); only the non-default policies mark them.
+    """
+    holder = st.holder
+    for p in pages:
+        holder[p] = HOLDER_FREE
+    pend = st.pending
+    if pend and not pend.keys().isdisjoint(pages):
+        marks, residue = st.marks, st.residue
+        for p in pages:
+            if p in pend:
+                # Listed for a step that has not been sealed: nothing zeroed it yet.
+                del pend[p]
+                marks[p] = MARK_ALL
+                residue.pop(p, None)
+    st.free_stack.extend(pages)
+    if dirty and st.policy != "released_aliases":
+        marks = st.marks
+        if st.policy == "all_reused":
+            for p in dirty:
+                marks[p] = MARK_ALL
+        else:
+            residue = st.residue
+            for p in dirty:
+                if marks.get(p) != MARK_ALL:
+                    marks[p] = MARK_TENANT
+                    residue[p] = tenant
+
+
+# ---------------------------------------------------------------------- one per event
+
+
+def cache_configured(st: LedgerState, e: CacheConfigured) -> tuple:
+    n = e.geometry.num_pages
+    st.geometry = e.geometry
+    st.policy = e.policy
+    st.num_pages = n
+    st.holder = [HOLDER_FREE] * n
+    st.alias_count = [0] * n
+    # Lowest ids on top: the first reservation of a fresh cache takes pages 0, 1, ...
+    st.free_stack = list(range(n - 1, -1, -1))
+    st.seq += 1
+    return _NO_EFFECTS
+
+
+def pages_reserved(st: LedgerState, e: PagesReserved) -> tuple:
+    pages = e.page_ids
+    r = e.request
+    rec = st.requests.get(r)
+    if rec is None:
+        rec = st.requests[r] = RequestRecord(r, e.tenant, [], [])
+    holder = st.holder
+    for p in pages:
+        holder[p] = r
+    _take_from_stack(st, pages)
+    rec.reserved.extend(pages)
+    st.seq += 1
+    return _NO_EFFECTS
+
+
+def reservation_returned(st: LedgerState, e: ReservationReturned) -> tuple:
+    rec = st.requests[e.request]
+    pages = e.page_ids
+    _remove(rec.reserved, pages)
+    dirty: tuple | list = ()
+    if rec.restored:
+        dirty = [p for p in pages if p in rec.restored]
+        rec.restored.difference_update(pages)
+    _free_pages(st, pages, rec.tenant, dirty)
+    st.seq += 1
+    return _NO_EFFECTS
+
+
+def pages_committed(st: LedgerState, e: PagesCommitted) -> tuple:
+    rec = st.requests[e.request]
+    pages = e.page_ids
+    marks = st.marks
+    listed = None
+    if marks and not marks.keys().isdisjoint(pages):
+        residue, pend = st.residue, st.pending
+        listed = []
+        for p in pages:
+            m = marks.pop(p, 0)
+            if m:
+                if m == MARK_TENANT and residue.pop(p) == rec.tenant:
+                    continue  # the committing tenant's own bytes
+                if p not in pend:
+                    pend[p] = e.step
+                    listed.append(p)
+    _remove(rec.reserved, pages)  # commits take the reservation in order: its head
+    if rec.restored:
+        rec.restored.difference_update(pages)
+    rec.kv.extend(pages)
+    st.seq += 1
+    if not listed:
+        return _NO_EFFECTS
+    cl = st.clear_lists.get(e.step)
+    if cl is None:
+        st.clear_lists[e.step] = listed
+    else:
+        cl.extend(listed)
+    return (ClearPages(step=e.step, page_ids=tuple(listed)),)
+
+
+def request_gone(st: LedgerState, e) -> tuple:
+    """RequestCancelled / RequestFinished: reserved and KV pages go free."""
+    rec = st.requests.pop(e.request)
+    dirty: tuple | list = ()
+    if st.policy != "released_aliases":
+        dirty = rec.kv + [p for p in rec.reserved if rec.restored and p in rec.restored]
+    _free_pages(st, rec.reserved + rec.kv, rec.tenant, dirty)
+    st.seq += 1
+    return _NO_EFFECTS
+
+
+def snapshot_aliased(st: LedgerState, e: SnapshotAliased) -> tuple:
+    pages = e.page_ids
+    holder, count = st.holder, st.alias_count
+    newly = []
+    for p in pages:
+        if holder[p] == HOLDER_FREE:
+            holder[p] = HOLDER_ALIAS
+            count[p] = 1
+            newly.append(p)
+        else:
+            count[p] += 1
+    if newly:
+        _take_from_stack(st, newly)
+    mine = st.snapshots.get(e.snapshot)
+    if mine is None:
+        st.snapshots[e.snapshot] = list(pages)
+    else:
+        mine.extend(pages)
+    st.seq += 1
+    return _NO_EFFECTS
+
+
+def snapshot_released(st: LedgerState, e: SnapshotReleased) -> tuple:
+    pages = st.snapshots.pop(e.snapshot)
+    holder, count, marks, residue = st.holder, st.alias_count, st.marks, st.residue
+    stack = st.free_stack
+    for p in pages:
+        c = count[p] - 1
+        count[p] = c
+        if c == 0:
+            holder[p] = HOLDER_FREE
+            marks[p] = MARK_ALL
+            residue.pop(p, None)
+            stack.append(p)
+    st.seq += 1
+    return _NO_EFFECTS
+
+
+def restore_started(st: LedgerState, e: RestoreStarted) -> tuple:
+    pages = e.page_ids
+    targets = st.restore_targets
+    t = (e.into, e.target)
+    for p in pages:
+        targets[p] = t
+    if e.into == "request":
+        marks, residue = st.marks, st.residue
+        for p in pages:
+            marks.pop(p, None)  # overwritten whole: the restore removes the mark
+            residue.pop(p, None)
+        st.restored_since_seal.update(pages)
+        if st.policy != "released_aliases":
+            rec = st.requests[e.target]
+            if rec.restored is None:
+                rec.restored = set()
+            rec.restored.update(pages)
+    st.seq += 1
+    return _NO_EFFECTS
+
+
+def restore_completed(st: LedgerState, e: RestoreCompleted) -> tuple:
+    targets = st.restore_targets
+    for p in e.page_ids:
+        del targets[p]
+    st.seq += 1
+    return _NO_EFFECTS
+
+
+def step_sealed(st: LedgerState, e: StepSealed) -> tuple:
+    clear_list = st.derive_clear_list(e.step)
+    st.clear_lists.pop(e.step, None)
+    pend = st.pending
+    for p in clear_list:
+        del pend[p]
+    st.restored_since_seal.clear()
+    st.open_step = e.step + 1
+    plan = StepPlan(step=e.step, clear_list=clear_list)
+    st.last_plan = plan
+    st.seq += 1
+    return (plan,)
+
+
+def step_completed(st: LedgerState, e: StepCompleted) -> tuple:
+    if e.step > st.completed.get(e.rank, -1):
+        st.completed[e.rank] = e.step
+    st.seq += 1
+    return _NO_EFFECTS
+
+
+def step_aborted(st: LedgerState, e: StepAborted) -> tuple:
+    """Nothing of the aborted step can be assumed zeroed: its KV pages are listed again
+    for the open step (first in its clear list), the others get their mark back."""
+    plan = st.last_plan
+    assert plan is not None  # the precondition
+    st.last_plan = None
+    marks, residue, pend = st.marks, st.residue, st.pending
+    carry: list[int] = []
+    step = st.open_step
+    overwritten = st.restored_since_seal
+    kv_of: dict[int, set[int]] = {}  # request -> its KV pages, built once per request
+    holder, requests = st.holder, st.requests
+    for p in plan.clear_list:
+        if p in overwritten:
+            continue  # a restore into a request rewrote it whole after the seal
+        r = holder[p]
+        if r >= 0:
+            kv = kv_of.get(r)
+            if kv is None:
+                kv = kv_of[r] = set(requests[r].kv)
+            if p in kv:
+                if p not in pend:
+                    pend[p] = step
+                    carry.append(p)
+                continue
+        marks[p] = MARK_ALL
+        residue.pop(p, None)
+    if carry:
+        st.clear_lists[step] = carry + st.clear_lists.get(step, [])
+    st.seq += 1
+    return _NO_EFFECTS

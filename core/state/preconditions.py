@@ -1,0 +1,245 @@
+"""Preconditions: one function per event, ``(state, event) -> None``, raising the specific error.
+
+Each function is the whole of its event's precondition (SPEC's table, column
+"precondition"): the command side decides events and calls these, replay calls
+these, nothing re-checks them elsewhere. Pure; nothing changes when one raises.
+
+Events the ledger decided from state itself (the allocator's pages, a request's
+first reserved pages) pass a cheap proof first — "these ids are exactly the top
+of the free stack" or "exactly the head of r's reservation", which implies they
+are valid, distinct and held as required — and fall back to the full per-page
+checks only when it fails, so the error raised is the same either way.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .. import checks
+from ..errors import (
+    ConfigurationError,
+    DuplicatePageError,
+    InvalidArgumentError,
+    PageNotHeldError,
+    ReplayMismatchError,
+    RestoringPageError,
+    StepOrderError,
+    TenantMismatchError,
+    UnknownRequestError,
+    UnknownSnapshotError,
+)
+from ..events.events import (
+    CLEAR_POLICIES,
+    CacheConfigured,
+    PagesCommitted,
+    PagesReserved,
+    ReservationReturned,
+    RestoreCompleted,
+    RestoreStarted,
+    SnapshotAliased,
+    SnapshotReleased,
+    StepAborted,
+    StepCompleted,
+    StepSealed,
+)
+from .table import HOLDER_FREE, RequestRecord
+
+if TYPE_CHECKING:
+    from .state import LedgerState
+
+__all__ = [
+    "same_tenant",
+    "cache_configured",
+    "pages_committed",
+    "pages_reserved",
+    "request_known",
+    "reservation_returned",
+    "restore_completed",
+    "restore_started",
+    "snapshot_aliased",
+    "snapshot_released",
+    "step_aborted",
+    "step_completed",
+    "step_sealed",
+]
+
+
+# ---------------------------------------------------------------------- shared pieces
+
+
+def _pages(st: LedgerState, page_ids) -> None:
+    checks.page_ids(page_ids, st.num_pages, allow_empty=False)
+
+
+def _not_restoring(st: LedgerState, page_ids, what: str) -> None:
+    targets = st.restore_targets
+    if targets and not targets.keys().isdisjoint(page_ids):
+        raise RestoringPageError([p for p in page_ids if p in targets], what)
+
+
+def _request(st: LedgerState, request: int) -> RequestRecord:
+    rec = st.requests.get(request)
+    if rec is None:
+        raise UnknownRequestError(request)
+    return rec
+
+
+def same_tenant(st: LedgerState, request: int, tenant: str | None) -> None:
+    """A known request keeps its tenant (``TenantMismatchError``). The command side calls
+    this before it allocates, so a mismatch is reported before a shortage."""
+    rec = st.requests.get(request)
+    if rec is not None and rec.tenant != tenant:
+        raise TenantMismatchError(request, rec.tenant, tenant)
+
+
+def _head_of(mine: list[int], page_ids) -> bool:
+    """``page_ids`` is exactly the head of ``mine`` (then they are valid and distinct)."""
+    k = len(page_ids)
+    return 0 < k <= len(mine) and tuple(mine[:k]) == page_ids
+
+
+def _held(st: LedgerState, request: int, page_ids, kind: str) -> None:
+    """Every page is in ``request``'s ``reserved`` (kind "reserved") or ``kv`` list."""
+    rec = _request(st, request)
+    mine = rec.reserved if kind == "reserved" else rec.kv
+    if _head_of(mine, page_ids):
+        return
+    have = set(mine)
+    for p in page_ids:
+        if p not in have:
+            raise PageNotHeldError(p, f"{kind}({request})", st.holder_of(p))
+
+
+# ---------------------------------------------------------------------- one per event
+
+
+def cache_configured(st: LedgerState, e: CacheConfigured) -> None:
+    if st.geometry is not None:
+        raise ConfigurationError("CacheConfigured may only be the first event")
+    checks.geometry(e.geometry)
+    if e.policy not in CLEAR_POLICIES:
+        raise ConfigurationError(f"unknown clear policy {e.policy!r}; one of {CLEAR_POLICIES}")
+
+
+def pages_reserved(st: LedgerState, e: PagesReserved) -> None:
+    """Each page free and not restoring; a known request keeps its tenant."""
+    pages = e.page_ids
+    stack, k = st.free_stack, len(pages)
+    # the allocator's choice, the top of the free stack, needs no per-page check
+    top = 0 < k <= len(stack) and tuple(stack[: -k - 1 : -1]) == pages and not st.restore_targets
+    if not top:
+        _pages(st, pages)
+    same_tenant(st, e.request, e.tenant)
+    if top:
+        return
+    holder = st.holder
+    for p in pages:
+        if holder[p] != HOLDER_FREE:
+            raise PageNotHeldError(p, "free", st.holder_of(p))
+    _not_restoring(st, pages, "cannot reserve")
+
+
+def reservation_returned(st: LedgerState, e: ReservationReturned) -> None:
+    """Each page reserved(r)."""
+    rec = st.requests.get(e.request)
+    if rec is None or not _head_of(rec.reserved, e.page_ids):
+        _pages(st, e.page_ids)
+    _held(st, e.request, e.page_ids, "reserved")
+
+
+def pages_committed(st: LedgerState, e: PagesCommitted) -> None:
+    """Each page reserved(r), not restoring; the step not older than the open step."""
+    pages = e.page_ids
+    rec = st.requests.get(e.request)
+    if rec is None or not _head_of(rec.reserved, pages):
+        _pages(st, pages)
+    if e.step < st.open_step:
+        raise StepOrderError(e.step, st.open_step, "commit into a sealed step")
+    _held(st, e.request, pages, "reserved")
+    _not_restoring(st, pages, "cannot commit")
+
+
+def request_known(st: LedgerState, e) -> None:
+    """RequestCancelled / RequestFinished: r known."""
+    _request(st, e.request)
+
+
+def snapshot_aliased(st: LedgerState, e: SnapshotAliased) -> None:
+    """Each page free or alias(S) with s not in S, not restoring."""
+    pages = e.page_ids
+    _pages(st, pages)
+    holder = st.holder
+    for p in pages:
+        if holder[p] >= 0:
+            raise PageNotHeldError(p, "free or alias", st.holder_of(p))
+    _not_restoring(st, pages, "cannot alias")
+    mine = st.snapshots.get(e.snapshot)
+    if mine is not None:
+        again = set(mine).intersection(pages)
+        if again:
+            raise DuplicatePageError(sorted(again))
+
+
+def snapshot_released(st: LedgerState, e: SnapshotReleased) -> None:
+    """s live."""
+    if e.snapshot not in st.snapshots:
+        raise UnknownSnapshotError(e.snapshot, "release of a snapshot that is not live")
+
+
+def restore_started(st: LedgerState, e: RestoreStarted) -> None:
+    """Into r: each page reserved(r); into s: each page in alias(S ∋ s). None restoring."""
+    pages = e.page_ids
+    _pages(st, pages)
+    if e.into == "request":
+        _held(st, e.target, pages, "reserved")
+    elif e.into == "snapshot":
+        mine = st.snapshots.get(e.target)
+        if mine is None:
+            raise UnknownSnapshotError(e.target, "restore into a snapshot that is not live")
+        mine_set = set(mine)
+        for p in pages:
+            if p not in mine_set:
+                raise PageNotHeldError(p, f"aliased by snapshot {e.target}", st.holder_of(p))
+    else:
+        raise InvalidArgumentError(f"restore target must be 'request' or 'snapshot', not {e.into!r}")
+    _not_restoring(st, pages, "a restore is already writing them")
+
+
+def restore_completed(st: LedgerState, e: RestoreCompleted) -> None:
+    """Each page restoring, into the same target."""
+    pages = e.page_ids
+    _pages(st, pages)
+    want = (e.into, e.target)
+    targets = st.restore_targets
+    for p in pages:
+        got = targets.get(p)
+        if got != want:
+            detail = "no restore in flight" if got is None else f"restore in flight into {got[0]} {got[1]}"
+            raise PageNotHeldError(p, f"restoring into {e.into} {e.target}", detail)
+
+
+def step_sealed(st: LedgerState, e: StepSealed) -> None:
+    """The step is open, and its recorded clear list is the one the fold derives."""
+    if e.step != st.open_step:
+        raise StepOrderError(e.step, st.open_step, "only the open step can be sealed")
+    derived = st.derive_clear_list(e.step)
+    if tuple(e.clear_list) != derived:
+        raise ReplayMismatchError(
+            st.seq,
+            f"step {e.step} recorded clear list {list(e.clear_list)[:16]} but the fold derives {list(derived)[:16]}",
+        )
+
+
+def step_completed(st: LedgerState, e: StepCompleted) -> None:
+    """The step was sealed."""
+    if not 0 <= e.step < st.open_step:
+        raise StepOrderError(e.step, st.open_step, "completion of a step that was never sealed")
+    if e.rank < 0:
+        raise InvalidArgumentError(f"rank must be >= 0, got {e.rank}")
+
+
+def step_aborted(st: LedgerState, e: StepAborted) -> None:
+    """The step is the last one sealed and not yet aborted."""
+    last = st.last_plan
+    if last is None or last.step != e.step:
+        raise StepOrderError(e.step, st.open_step, "only the last sealed step can be aborted")

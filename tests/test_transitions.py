@@ -1,0 +1,114 @@
+"""The transition table (core/state/transitions.py) against SPEC's event table.
+
+Pins three things: every row of SPEC's table has a row in ``TRANSITIONS`` with
+SPEC's words; every event type has exactly one row; and the table is what runs
+(``LedgerState`` dispatches through it and nothing else: a row replaced in one
+state's table changes that state's fold, and an event with no row is refused
+naming its type). What each row does is pinned case by case in
+tests/test_event_table.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kvledger import Geometry, InvalidArgumentError, Ledger, LedgerState
+from kvledger.core.events import EVENT_TYPES, CacheConfigured, PagesReserved, RequestFinished
+from kvledger.core.state import TRANSITIONS
+
+# SPEC.md, "Events and their rules", copied verbatim (update both together).
+SPEC_TABLE = """
+| `CacheConfigured(geometry)` | first event of a log | all `free` | none | — |
+| `PagesReserved(r, pages)` | each page `free`, not `restoring` | → `reserved(r)` | kept | — |
+| `ReservationReturned(r, pages)` | each page `reserved(r)` | → `free` | kept | — |
+| `PagesCommitted(r, step, pages)` | each page `reserved(r)`, not `restoring`; step not older than the open step | → `kv(r)`, appended in order | cleared | the page ids that were marked, in commit order: the clear list of `step` |
+| `RequestCancelled(r)` / `RequestFinished(r)` | r known | reserved and kv pages → `free` | kept | — |
+| `SnapshotAliased(s, pages)` | each page `free` or `alias(S)`, not `restoring` | → `alias(S ∪ {s})` | kept (snapshot reuse keeps the mark) | — |
+| `SnapshotReleased(s)` | s live | s leaves each page's S; a page whose S becomes empty → `free` | **set** on every page whose last alias was released | — |
+| `RestoreStarted(target, pages)` | target is r with pages `reserved(r)`, or s with pages in `alias(S∋s)` | unchanged | into a request: cleared (overwritten whole); into a snapshot: unchanged | `restoring` set |
+| `RestoreCompleted(target, pages)` | pages `restoring` | unchanged (a page may be `free` now if its snapshot was released mid-restore) | unchanged | `restoring` cleared |
+| `StepSealed(step)` | step open | — | — | the step plan: the union of that step's clear lists, each id once |
+"""  # noqa: E501
+
+BY_NAME = {t.__name__: t for t in EVENT_TYPES}
+
+
+def _plain(cell: str) -> str:
+    return re.sub(r"\s+", " ", cell.replace("`", "").replace("**", "")).strip()
+
+
+def spec_rows():
+    for line in SPEC_TABLE.strip().splitlines():
+        cells = [_plain(c) for c in line.strip().strip("|").split("|")]
+        event_cell, rule = cells[0], cells[1:]
+        for name in re.findall(r"([A-Za-z]+)\(", event_cell):
+            yield name, rule
+
+
+@pytest.mark.parametrize(("name", "rule"), list(spec_rows()), ids=lambda x: x if isinstance(x, str) else "")
+def test_every_spec_row_is_a_table_row_in_specs_words(name, rule):
+    row = TRANSITIONS[BY_NAME[name]]
+    assert [row.precondition, row.pages, row.mark, row.effect] == rule
+
+
+def test_every_event_type_has_one_row_and_every_row_an_event_type():
+    assert set(TRANSITIONS) == set(EVENT_TYPES)
+    assert {name for name, _ in spec_rows()} <= {t.__name__ for t in TRANSITIONS}
+
+
+def test_the_state_folds_through_its_table_and_nothing_else():
+    seen = []
+
+    def recorded(row):
+        def validate(st, e):
+            seen.append(("validate", type(e).__name__))
+            return row.validate(st, e)
+
+        def apply(st, e):
+            seen.append(("apply", type(e).__name__))
+            return row.apply(st, e)
+
+        return row._replace(validate=validate, apply=apply)
+
+    class Recorded(LedgerState):
+        transitions = {t: recorded(row) for t, row in TRANSITIONS.items()}
+
+    g = Geometry(num_pages=8, page_tokens=4)
+    st = Recorded()
+    st.fold(CacheConfigured(geometry=g))
+    L = Ledger(g, state=st)
+    L.reserve(1, 2)
+    L.commit(1, 0, 1)
+    L.seal_step(0)
+    L.finish(1)
+    names = ["CacheConfigured", "PagesReserved", "PagesCommitted", "StepSealed", "RequestFinished"]
+    assert seen == [(k, n) for n in names for k in ("validate", "apply")]
+
+
+def test_a_broken_row_breaks_only_its_state():
+    def leave_pages_reserved(st, e):  # a RequestFinished that forgets the request's pages
+        st.requests.pop(e.request)
+        st.seq += 1
+        return ()
+
+    class Broken(LedgerState):
+        transitions = {**TRANSITIONS, RequestFinished: TRANSITIONS[RequestFinished]._replace(apply=leave_pages_reserved)}
+
+    g = Geometry(num_pages=4, page_tokens=4)
+    good, bad = LedgerState(), Broken()
+    for st in (good, bad):
+        st.fold(CacheConfigured(geometry=g))
+        st.fold(PagesReserved(request=1, page_ids=(0, 1)))
+        st.fold(RequestFinished(request=1))
+    assert good.free_count == 4 and bad.free_count == 2
+
+
+def test_an_event_without_a_row_is_refused_by_name():
+    class NotAnEvent:
+        pass
+
+    st = LedgerState()
+    with pytest.raises(InvalidArgumentError, match="NotAnEvent"):
+        st.validate(NotAnEvent())
