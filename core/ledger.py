@@ -91,6 +91,8 @@ class Ledger:
         self.events: list | None = [] if record else None
         self._sink = sink
         self._observer = observer
+        # nothing around the fold but the fold: _submit's fast branch
+        self._plain = not check and sink is None and not record and observer is None
         self._check = bool(check)
         if state is not None:
             if state.geometry != geometry:
@@ -101,7 +103,9 @@ class Ledger:
             raise InvalidArgumentError(f"geometry must be a Geometry, got {geometry!r}")
         checks.geometry(geometry)
         self.state = LedgerState()
-        self._submit(CacheConfigured(geometry=geometry, policy=policy))
+        first = CacheConfigured(geometry=geometry, policy=policy)
+        self.state.validate(first)
+        self._submit(first)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -129,13 +133,16 @@ class Ledger:
         nothing changed. Returns the event's effects.
         """
         st = self.state
-        st.validate(event)
+        row = st.transitions[type(event)]  # a Ledger's state is configured from its first event on
+        row.validate(st, event)
+        if self._plain:
+            return row.apply(st, event)
         seq = st.seq
         if self._sink is not None:
             self._sink(seq, event)
         if self.events is not None:
             self.events.append(event)
-        effects = st.apply(event)
+        effects = row.apply(st, event)
         if self._check:
             check_invariants(st)
         if self._observer is not None:
@@ -267,16 +274,15 @@ class Ledger:
 
     def cancel(self, request: int) -> None:
         """The request is aborted: its reserved and KV pages go back to the free list."""
-        self._request_gone(RequestCancelled, request)
+        if type(request) is not int or not 0 <= request <= checks.MAX_ID:
+            checks.ident(request, "request")
+        self._submit(RequestCancelled(request=request))
 
     def finish(self, request: int) -> None:
         """The request completed: its reserved and KV pages go back to the free list."""
-        self._request_gone(RequestFinished, request)
-
-    def _request_gone(self, event_type, request: int) -> None:
         if type(request) is not int or not 0 <= request <= checks.MAX_ID:
             checks.ident(request, "request")
-        self._submit(event_type(request=request))
+        self._submit(RequestFinished(request=request))
 
     def alias_snapshot(
         self, snapshot: int, n: int | None = None, *, pages: Iterable[int] | None = None

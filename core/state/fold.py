@@ -141,7 +141,11 @@ def pages_reserved(st: LedgerState, e: PagesReserved) -> tuple:
     holder = st.holder
     for p in pages:
         holder[p] = r
-    _take_from_stack(st, pages)
+    stack, k = st.free_stack, len(pages)
+    if tuple(stack[: -k - 1 : -1]) == pages:  # the allocator's choice: the top
+        del stack[-k:]
+    else:
+        _take_from_stack(st, pages)
     rec.reserved.extend(pages)
     st.seq += 1
     return _NO_EFFECTS
@@ -176,7 +180,11 @@ def pages_committed(st: LedgerState, e: PagesCommitted) -> tuple:
                 if p not in pend:
                     pend[p] = e.step
                     listed.append(p)
-    _remove(rec.reserved, pages)  # commits take the reservation in order: its head
+    reserved, k = rec.reserved, len(pages)
+    if tuple(reserved[:k]) == pages:  # commits take the reservation in order: its head
+        del reserved[:k]
+    else:
+        _remove(reserved, pages)
     if rec.restored:
         rec.restored.difference_update(pages)
     rec.kv.extend(pages)

@@ -129,7 +129,9 @@ def pages_reserved(st: LedgerState, e: PagesReserved) -> None:
     top = 0 < k <= len(stack) and tuple(stack[: -k - 1 : -1]) == pages and not st.restore_targets
     if not top:
         _pages(st, pages)
-    same_tenant(st, e.request, e.tenant)
+    rec = st.requests.get(e.request)
+    if rec is not None and rec.tenant != e.tenant:
+        same_tenant(st, e.request, e.tenant)
     if top:
         return
     holder = st.holder
@@ -151,17 +153,23 @@ def pages_committed(st: LedgerState, e: PagesCommitted) -> None:
     """Each page reserved(r), not restoring; the step not older than the open step."""
     pages = e.page_ids
     rec = st.requests.get(e.request)
-    if rec is None or not _head_of(rec.reserved, pages):
+    k = len(pages)
+    # the usual commit, the head of r's reservation, needs no per-page check
+    head = rec is not None and 0 < k <= len(rec.reserved) and tuple(rec.reserved[:k]) == pages
+    if not head:
         _pages(st, pages)
     if e.step < st.open_step:
         raise StepOrderError(e.step, st.open_step, "commit into a sealed step")
-    _held(st, e.request, pages, "reserved")
-    _not_restoring(st, pages, "cannot commit")
+    if not head:
+        _held(st, e.request, pages, "reserved")
+    if st.restore_targets:
+        _not_restoring(st, pages, "cannot commit")
 
 
 def request_known(st: LedgerState, e) -> None:
     """RequestCancelled / RequestFinished: r known."""
-    _request(st, e.request)
+    if e.request not in st.requests:
+        raise UnknownRequestError(e.request)
 
 
 def snapshot_aliased(st: LedgerState, e: SnapshotAliased) -> None:
