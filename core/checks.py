@@ -50,6 +50,7 @@ __all__ = [
 ]
 
 OUT_OF_RANGE, DUPLICATE = "out_of_range", "duplicate"
+_INT_ONLY = {int}
 
 
 class Problem(NamedTuple):
@@ -155,10 +156,8 @@ def page_ids(ids: Iterable[int], num_pages: int, *, allow_empty: bool = True) ->
         if allow_empty:
             return out
         raise InvalidArgumentError("at least one page id is needed")
-    for p in out:
-        if type(p) is not int:
-            out = _coerce_ints(out)
-            break
+    if set(map(type, out)) != _INT_ONLY:
+        out = _coerce_ints(out)
     problem = page_ids_problem(out, num_pages)
     if problem is not None:
         raise_problem(problem, num_pages)

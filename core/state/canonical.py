@@ -43,7 +43,7 @@ def canonical(st: LedgerState) -> dict:
         "restore_targets": [[p, t[0], t[1]] for p, t in sorted(st.restore_targets.items())],
         "pending": sorted(st.pending.items()),
         "restored_since_seal": sorted(st.restored_since_seal),
-        "free_stack": list(st.free_stack),
+        "free_stack": st.live_free_stack(),
         "requests": [
             [r, rec.tenant, list(rec.reserved), list(rec.kv), sorted(rec.restored or ())]
             for r, rec in sorted(st.requests.items())

@@ -64,14 +64,31 @@ _NO_EFFECTS: tuple = ()
 
 
 def _take_from_stack(st: LedgerState, pages) -> None:
-    """Remove ``pages`` (all free until now) from the free stack."""
-    stack = st.free_stack
+    """Pages that were free (their holder already changed) leave the free stack.
+
+    The top is deleted in place; so is a region near the top that holds all of
+    them (the allocator skipping pages a restore is writing). Pages deeper down
+    leave stale entries (O(1) each); stale entries on the top are then popped so
+    the top stays live, and the stack is compacted when more than half is stale.
+    """
+    stack, holder = st.free_stack, st.holder
     k = len(pages)
-    if tuple(stack[: -k - 1 : -1]) == tuple(pages):  # the allocator's choice: the top
-        del stack[-k:]
-    else:
-        for p in pages:
-            stack.remove(p)
+    if not st.stale_entries:
+        if tuple(stack[: -k - 1 : -1]) == tuple(pages):
+            del stack[-k:]  # the allocator's choice: the top
+            return
+        m = k + len(st.restore_targets)
+        if m <= len(stack):
+            kept = [p for p in stack[-m:] if holder[p] == HOLDER_FREE]
+            if len(kept) == m - k:  # every taken page lay in the top m entries
+                stack[-m:] = kept
+                return
+    st.stale_entries += k
+    while stack and holder[stack[-1]] != HOLDER_FREE:
+        stack.pop()
+        st.stale_entries -= 1
+    if st.stale_entries > 64 and 2 * st.stale_entries > len(stack):
+        st.compact_free_stack()
 
 
 def _remove(seq: list[int], pages) -> None:
@@ -141,11 +158,7 @@ def pages_reserved(st: LedgerState, e: PagesReserved) -> tuple:
     holder = st.holder
     for p in pages:
         holder[p] = r
-    stack, k = st.free_stack, len(pages)
-    if tuple(stack[: -k - 1 : -1]) == pages:  # the allocator's choice: the top
-        del stack[-k:]
-    else:
-        _take_from_stack(st, pages)
+    _take_from_stack(st, pages)
     rec.reserved.extend(pages)
     st.seq += 1
     return _NO_EFFECTS

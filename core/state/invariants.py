@@ -70,9 +70,13 @@ def _holders_partition(st: LedgerState, h: bytearray) -> None:
 def _free_stack_agrees(st: LedgerState, h: bytearray) -> None:
     """1. The free stack holds exactly the free pages, each once."""
     free = h.count(FREE)
-    if free != len(st.free_stack):
-        raise InvariantViolation(1, f"free stack holds {len(st.free_stack)} pages, {free} are free")
-    stack_counts = Counter(st.free_stack)
+    live = st.live_free_stack()
+    if free != len(live) or len(st.free_stack) - st.stale_entries != free:
+        raise InvariantViolation(1, f"free stack holds {len(live)} live pages ({len(st.free_stack)} entries, "
+                                 f"{st.stale_entries} counted stale), {free} are free")
+    if st.free_stack and h[st.free_stack[-1]] != FREE:
+        raise InvariantViolation(1, f"the top of the free stack, page {st.free_stack[-1]}, is not free")
+    stack_counts = Counter(live)
     for p in range(st.num_pages):
         c = stack_counts.get(p, 0)
         if c != (h[p] == FREE):

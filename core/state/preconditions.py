@@ -126,7 +126,8 @@ def pages_reserved(st: LedgerState, e: PagesReserved) -> None:
     pages = e.page_ids
     stack, k = st.free_stack, len(pages)
     # the allocator's choice, the top of the free stack, needs no per-page check
-    top = 0 < k <= len(stack) and tuple(stack[: -k - 1 : -1]) == pages and not st.restore_targets
+    top = (0 < k <= len(stack) and not st.stale_entries and not st.restore_targets
+           and tuple(stack[: -k - 1 : -1]) == pages)
     if not top:
         _pages(st, pages)
     rec = st.requests.get(e.request)
@@ -135,9 +136,9 @@ def pages_reserved(st: LedgerState, e: PagesReserved) -> None:
     if top:
         return
     holder = st.holder
-    for p in pages:
-        if holder[p] != HOLDER_FREE:
-            raise PageNotHeldError(p, "free", st.holder_of(p))
+    taken = [p for p in pages if holder[p] != HOLDER_FREE]
+    if taken:
+        raise PageNotHeldError(taken[0], "free", st.holder_of(taken[0]))
     _not_restoring(st, pages, "cannot reserve")
 
 

@@ -21,9 +21,17 @@ Sparse (a page is in the map only while the flag is set):
                       left KV before the seal stays in the list, no longer pending;
                       ``derive_clear_list`` skips it)
 
-The free stack holds exactly the free pages; the allocator takes from its top
-(LIFO), freed pages are pushed in event order. The stack is derived from the
-event sequence alone, so replay reproduces the allocator's future choices.
+The free stack: the allocator takes from its top (LIFO), freed pages are pushed
+in event order. Taking a page from anywhere but the top (a snapshot aliasing
+named free pages, the allocator skipping a page a restore is still writing)
+leaves its entry in place as a stale entry (lazy deletion, O(1)): an entry is
+live iff its page is free and no entry of the same page lies above it (a page
+freed again is pushed above its stale entries). ``stale_entries`` counts them,
+the top is kept live, and the stack is compacted once more than half of it is
+stale. ``live_free_stack()`` is the free pages in stack order (what the digest
+and checkpoints hold), the same order as if pages were removed in place. The
+stack is derived from the event sequence alone, so replay reproduces the
+allocator's future choices.
 
 ``validate(event)`` raises a specific ``KVLedgerError`` and changes nothing;
 ``apply(event)`` folds a validated event and returns its effects. Both go through
@@ -63,6 +71,7 @@ class LedgerState:
         self.pending: dict[int, int] = {}
         self.restored_since_seal: set[int] = set()
         self.free_stack: list[int] = []
+        self.stale_entries = 0  # stale entries in free_stack (see the module docstring)
         self.requests: dict[int, RequestRecord] = {}
         self.snapshots: dict[int, list[int]] = {}
         self.open_step = 0
@@ -96,33 +105,64 @@ class LedgerState:
 
     @property
     def free_count(self) -> int:
-        return len(self.free_stack)
+        return len(self.free_stack) - self.stale_entries
 
     @property
     def reservable_count(self) -> int:
         """Free pages an allocation may take now (free and not restoring)."""
+        n = len(self.free_stack) - self.stale_entries
         if not self.restore_targets:
-            return len(self.free_stack)
+            return n
         holder = self.holder
-        return len(self.free_stack) - sum(1 for p in self.restore_targets if holder[p] == HOLDER_FREE)
+        return n - sum(1 for p in self.restore_targets if holder[p] == HOLDER_FREE)
 
     def pick_free(self, n: int) -> list[int] | None:
         """The ``n`` pages the allocator takes next (top of the free stack first, skipping
         pages a restore is still writing), or None when there are too few. Pure."""
         stack, targets = self.free_stack, self.restore_targets
-        if n > len(stack):
+        if n > len(stack) - self.stale_entries:
             return None
-        top = stack[: -n - 1 : -1]  # pop order: the top of the stack first
-        if not targets or targets.keys().isdisjoint(top):
-            return top
+        if not self.stale_entries:
+            top = stack[: -n - 1 : -1]  # pop order: the top of the stack first
+            if not targets or targets.keys().isdisjoint(top):
+                return top
+            # at most len(targets) restoring pages to skip: they all lie within the top n + len(targets)
+            near = stack[: -n - len(targets) - 1 : -1]
+            top = [p for p in near if p not in targets][:n]
+            return top if len(top) == n else None
         picked: list[int] = []
+        holder, seen = self.holder, set()
         for i in range(len(stack) - 1, -1, -1):
             p = stack[i]
+            if p in seen or holder[p] != HOLDER_FREE:
+                continue  # a stale entry
+            seen.add(p)
             if p not in targets:
                 picked.append(p)
                 if len(picked) == n:
                     return picked
         return None
+
+    def live_free_stack(self) -> list[int]:
+        """The free pages in stack order, bottom to top (stale entries left out). O(stack)."""
+        stack = self.free_stack
+        if not self.stale_entries:
+            return list(stack)
+        holder, seen = self.holder, set()
+        live = []
+        for i in range(len(stack) - 1, -1, -1):
+            p = stack[i]
+            if p not in seen and holder[p] == HOLDER_FREE:
+                seen.add(p)
+                live.append(p)
+        live.reverse()
+        return live
+
+    def compact_free_stack(self) -> None:
+        """Drop the stale entries (the allocator's order is unchanged)."""
+        if self.stale_entries:
+            self.free_stack = self.live_free_stack()
+            self.stale_entries = 0
 
     def derive_clear_list(self, step: int) -> tuple[int, ...]:
         """The plan's clear list for ``step``: its listed pages still pending for it, each
