@@ -83,10 +83,10 @@ def _device_cases(torch, TorchClearBackend, device: str, pages: int, repeats: in
                 flat = torch.ones(nbytes, dtype=torch.uint8, device=device)
                 cases = {"zero_": _batch_timer(flat.zero_, sync, target_s)}
                 for s, b in backends.items():
-                    cases[s] = _batch_timer(lambda b=b: b.clear(ids), sync, target_s)
+                    cases[s] = _batch_timer(lambda b=b, ids=ids: b.clear(ids), sync, target_s)
                 t = interleaved(cases, repeats)
                 base = t["zero_"].best
-                key = "%s_p%d_n%d_%s_" % (device, page_bytes, k, kind[:4])
+                key = f"{device}_p{page_bytes}_n{k}_{kind[:4]}_"
                 best_fixed = min(t["runs"].best, t["index"].best)
                 for s in STRATEGIES:
                     figures[key + s + "_bytes_per_s"] = nbytes / t[s].best
@@ -94,14 +94,14 @@ def _device_cases(torch, TorchClearBackend, device: str, pages: int, repeats: in
                 figures[key + "zero_bytes_per_s"] = nbytes / base
                 figures[key + "auto_vs_best"] = best_fixed / t["auto"].best
                 rows.append((
-                    "%s %d B x %d %s" % (device, page_bytes, k, kind),
+                    f"{device} {page_bytes} B x {k} {kind}",
                     fmt_rate(nbytes / base, "B/s"),
                     fmt_rate(nbytes / t["runs"].best, "B/s"),
                     fmt_rate(nbytes / t["index"].best, "B/s"),
                     fmt_rate(nbytes / t["auto"].best, "B/s"),
-                    "%.2f" % (base / t["auto"].best),
-                    "%.2f" % (best_fixed / t["auto"].best),
-                    "%.1f us" % (t["auto"].best * 1e6),
+                    f"{base / t['auto'].best:.2f}",
+                    f"{best_fixed / t['auto'].best:.2f}",
+                    f"{t['auto'].best * 1e6:.1f} us",
                 ))
         del planes, backends
     return rows
@@ -138,8 +138,8 @@ def run(quick: bool) -> dict:
                if k.startswith(device + "_") and k.endswith("_auto_ratio") and "_n1024_" in k]
         figures[device + "_auto_ratio_1024_pages_min"] = min(big)
     print_table(
-        "torch clear backend: 2 planes x %d pages, %d torch thread(s); ratio = auto / zero_() of the same bytes;"
-        " auto/best = the faster fixed strategy's time / auto's" % (pages, threads),
+        f"torch clear backend: 2 planes x {pages} pages, {threads} torch thread(s); ratio = auto / zero_() of the "
+        "same bytes; auto/best = the faster fixed strategy's time / auto's",
         ["list (device, page bytes x pages)", "zero_()", "runs", "index", "auto", "ratio", "auto/best", "auto time"],
         rows,
     )

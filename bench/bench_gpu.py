@@ -41,6 +41,8 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -139,14 +141,14 @@ def _verify(torch, clear, planes, ids, stream) -> int:
 
 def _host_breakdown(planes, stream, ids, reps: int = 200) -> dict:
     """Median host cost of each part of the triton paths for ``ids`` (validation, list copy, launch, replay)."""
-    from kvledger.executors.backend import check_page_ids
+    from kvledger.core import checks
     from kvledger.executors.triton_backend import TritonClearBackend
 
     tb = TritonClearBackend(planes, stream=stream)
     tb.clear(ids)
     tb.graph_clear(ids)
     parts = {
-        "validate": lambda: check_page_ids(ids, NUM_PAGES),
+        "validate": lambda: checks.page_ids(ids, NUM_PAGES),
         "stage": lambda: tb.stage(ids),
         "clear": lambda: tb.clear(ids),
         "graph_clear": lambda: tb.graph_clear(ids),
@@ -171,9 +173,10 @@ def _lists(rng: random.Random, n: int) -> dict:
     }
 
 
-def _backends(torch, planes, stream) -> tuple[dict, dict]:
-    out = {}
-    notes = {}
+def _backends(torch, planes, stream) -> tuple[dict[str, Callable[[list[int]], None]], dict[str, Any]]:
+    """The clear callables to time, by name, and notes: why one is missing, the graph backend."""
+    out: dict[str, Callable[[list[int]], None]] = {}
+    notes: dict[str, Any] = {}
     try:
         from kvledger.executors.triton_backend import TritonClearBackend
 
@@ -199,7 +202,7 @@ def _backends(torch, planes, stream) -> tuple[dict, dict]:
     except ImportError as exc:
         notes["torch_missing"] = str(exc)
     except Exception as exc:  # noqa: BLE001 - another helper's backend: report, keep measuring the rest
-        notes["torch_error"] = "%s: %s" % (type(exc).__name__, exc)
+        notes["torch_error"] = f"{type(exc).__name__}: {exc}"
     return out, notes
 
 
@@ -230,28 +233,21 @@ def _tune(torch, planes, stream, timer, ceiling, reps, res, rows) -> None:
         for pps in (4, 8, 16, 32):
             b = TritonClearBackend(planes, stream=stream, programs_per_sm=pps)
             for mode, fn in (("eager", b.clear), ("graph", b.graph_clear)):
-                dev, host = timer(lambda: fn(ids), reps)
+                dev, host = timer(lambda fn=fn, ids=ids: fn(ids), reps)
                 frac = nbytes / dev / ceiling
-                tag = "tune_p%d_n%d_pps%d_%s" % (P, n, pps, mode)
+                tag = f"tune_p{P}_n{n}_pps{pps}_{mode}"
                 res[tag + "_device_us"] = dev * 1e6
                 res[tag + "_ceiling"] = frac
-                rows.append(["p%d n%d programs/SM=%d %s" % (P, n, pps, mode),
-                             "%.1f" % (dev * 1e6), "%.1f%%" % (100 * frac)])
+                rows.append([f"p{P} n{n} programs/SM={pps} {mode}", f"{dev * 1e6:.1f}", f"{100 * frac:.1f}%"])
 
 
-def run(quick: bool = False, tune: bool = False) -> dict:
-    try:
-        import torch
-    except ImportError:
-        return {"skipped": "no torch"}
-    if not torch.cuda.is_available():
-        return {"skipped": "no CUDA"}
-    reps = 5 if quick else 15
+def _environment(torch) -> dict:
+    """The card, the date and the versions the figures belong to."""
     props = torch.cuda.get_device_properties(0)
     res: dict = {
         "card": props.name,
         "sms": props.multi_processor_count,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
         "torch": torch.__version__,
         "page_bytes": PAGE_BYTES,
         "num_pages": NUM_PAGES,
@@ -268,115 +264,162 @@ def run(quick: bool = False, tune: bool = False) -> dict:
         res["cuda_bindings"] = cuda.bindings.__version__
     except ImportError:
         res["cuda_bindings"] = "missing"
-    stream = torch.cuda.Stream()
-    timer = _Timer(torch, stream)
-    ceiling, memset_ref = _ceiling(torch, timer, reps)
-    res["ceiling_bytes_per_s"] = ceiling
-    if memset_ref is not None:
-        res["memset_2gib_bytes_per_s"] = memset_ref
-    bad_bytes = 0
-    verified = 0
-    rng = random.Random(2026)
-    rows = []
-    tune_rows: list = []
-    cuda_vs_seed = []
-    for P in PLANE_COUNTS:
+    return res
+
+
+class _Run:
+    """What one run accumulates: figures, table rows, verification counts."""
+
+    def __init__(self, torch, res: dict, reps: int) -> None:
+        self.torch = torch
+        self.res = res
+        self.reps = reps
+        self.stream = torch.cuda.Stream()
+        self.timer = _Timer(torch, self.stream)
+        self.ceiling, self.memset_ref = _ceiling(torch, self.timer, reps)
+        res["ceiling_bytes_per_s"] = self.ceiling
+        if self.memset_ref is not None:
+            res["memset_2gib_bytes_per_s"] = self.memset_ref
+        self.rng = random.Random(2026)
+        self.rows: list = []
+        self.tune_rows: list = []
+        self.cuda_vs_seed: list[float] = []
+        self.verified = 0
+        self.bad_bytes = 0
+
+    def case(self, backends: dict, planes, tag: str, ids: list[int], nbytes: int) -> dict:
+        """Time every backend on one list (and verify it); returns ``{name: (device s, host s)}``."""
+        timings = {}
+        for name, clear in backends.items():
+            big_loop = name in ("seed", "cuda") and len(ids) * len(planes) >= 16384
+            r = max(2, self.reps // 5) if big_loop else self.reps
+            timings[name] = self.timer(lambda clear=clear: clear(ids), r)
+            if not big_loop:  # the long loops are checked by the tests
+                bad = _verify(self.torch, clear, planes, ids, self.stream)
+                self.res[f"{tag}_{_key(name)}_verify_nonzero_bytes"] = bad
+                self.bad_bytes += bad
+                self.verified += 1
+        seed_dev, seed_host = timings.get("seed", (float("nan"), float("nan")))
+        for name, (dev, host) in timings.items():
+            self._figures(f"{tag}_{_key(name)}", nbytes, dev, host, seed_dev, seed_host)
+            self.rows.append(self._row(tag, name, nbytes, dev, host, seed_dev, seed_host))
+        return timings
+
+    def _figures(self, key: str, nbytes: int, dev: float, host: float, seed_dev: float, seed_host: float) -> None:
+        res = self.res
+        res[key + "_device_us"] = dev * 1e6
+        res[key + "_host_us"] = host * 1e6
+        res[key + "_bytes_per_s"] = nbytes / dev
+        res[key + "_ceiling"] = nbytes / dev / self.ceiling
+        if self.memset_ref:
+            res[key + "_memset_frac"] = nbytes / dev / self.memset_ref
+        res[key + "_x_seed"] = seed_dev / dev
+        res[key + "_x_seed_host"] = seed_host / host
+
+    def _row(self, tag: str, name: str, nbytes: int, dev: float, host: float, seed_dev: float,
+             seed_host: float) -> list[str]:
+        memset = f"{100 * nbytes / dev / self.memset_ref:.0f}%" if self.memset_ref else "n/a"
+        return [tag, name, f"{nbytes / 1e6:.1f}", f"{dev * 1e6:.1f}", f"{host * 1e6:.1f}",
+                f"{nbytes / dev / 1e9:.1f}", f"{100 * nbytes / dev / self.ceiling:.1f}%", memset,
+                f"{seed_dev / dev:.1f}", f"{seed_host / host:.1f}"]
+
+    def graph_evidence(self, gb, eager) -> None:
+        """Host kernel launches of 10 stage + replay steps, and what the profiler saw."""
+        torch, stream, res = self.torch, self.stream, self.res
+        ids = _lists(self.rng, 16)["sc"]
+        before = gb.statistics()["kernel_launches"]
+        for _ in range(10):
+            gb.graph_clear(ids)
+        stream.synchronize()
+        res["graph_host_kernel_launches"] = gb.statistics()["kernel_launches"] - before
+        prof_graph = _profile_launches(torch, lambda: gb.graph_clear(ids), stream)
+        prof_eager = _profile_launches(torch, lambda: eager(ids), stream)
+        if prof_graph is not None and prof_eager is not None and prof_eager[0] >= 1:
+            res["profiler_eager_kernel_launches"] = prof_eager[0]
+            res["profiler_graph_kernel_launches"] = prof_graph[0]
+            res["profiler_graph_launches"] = prof_graph[1]
+        else:
+            res["profiler_graph_kernel_launches"] = "n/a"
+
+    def plane_count(self, num_planes: int, tune: bool) -> None:
+        """Every list size and pattern over ``num_planes`` planes, then the graph and host figures."""
+        torch, res = self.torch, self.res
         planes = [torch.randint(0, 256, (NUM_PAGES, PAGE_BYTES), dtype=torch.uint8, device="cuda")
-                  for _ in range(P)]
+                  for _ in range(num_planes)]
         torch.cuda.synchronize()
-        backends, notes = _backends(torch, planes, stream)
+        backends, notes = _backends(torch, planes, self.stream)
         for k, v in notes.items():
             if isinstance(v, str):
-                res["p%d_%s" % (P, k)] = v
+                res[f"p{num_planes}_{k}"] = v
         for n in LIST_SIZES:
-            for pattern, ids in _lists(rng, n).items():
-                tag = "p%d_n%d_%s" % (P, n, pattern)
-                nbytes = n * P * PAGE_BYTES
-                timings = {}
-                for name, clear in backends.items():
-                    big_loop = name in ("seed", "cuda") and n * P >= 16384
-                    r = max(2, reps // 5) if big_loop else reps
-                    dev, host = timer(lambda: clear(ids), r)
-                    timings[name] = (dev, host)
-                    if not big_loop:  # the long loops are checked by the tests
-                        bad = _verify(torch, clear, planes, ids, stream)
-                        res["%s_%s_verify_nonzero_bytes" % (tag, _key(name))] = bad
-                        bad_bytes += bad
-                        verified += 1
-                seed_dev, seed_host = timings.get("seed", (float("nan"), float("nan")))
-                for name, (dev, host) in timings.items():
-                    key = "%s_%s" % (tag, _key(name))
-                    frac = nbytes / dev / ceiling
-                    res[key + "_device_us"] = dev * 1e6
-                    res[key + "_host_us"] = host * 1e6
-                    res[key + "_bytes_per_s"] = nbytes / dev
-                    res[key + "_ceiling"] = frac
-                    if memset_ref:
-                        res[key + "_memset_frac"] = nbytes / dev / memset_ref
-                    res[key + "_x_seed"] = seed_dev / dev
-                    res[key + "_x_seed_host"] = seed_host / host
-                    rows.append([tag, name, "%.1f" % (nbytes / 1e6), "%.1f" % (dev * 1e6), "%.1f" % (host * 1e6),
-                                 "%.1f" % (nbytes / dev / 1e9), "%.1f%%" % (100 * frac),
-                                 "%.0f%%" % (100 * nbytes / dev / memset_ref) if memset_ref else "n/a",
-                                 "%.1f" % (seed_dev / dev), "%.1f" % (seed_host / host)])
+            for pattern, ids in _lists(self.rng, n).items():
+                timings = self.case(backends, planes, f"p{num_planes}_n{n}_{pattern}", ids,
+                                    n * num_planes * PAGE_BYTES)
                 if pattern == "adj" and "cuda" in timings and "seed" in timings:
-                    cuda_vs_seed.append(seed_dev / timings["cuda"][0])
+                    self.cuda_vs_seed.append(timings["seed"][0] / timings["cuda"][0])
+        first = num_planes == PLANE_COUNTS[0]
         gb = notes.get("triton-graph")
-        if gb is not None and P == PLANE_COUNTS[0]:
-            ids = _lists(rng, 16)["sc"]
-            before = gb.statistics()["kernel_launches"]
-            for _ in range(10):
-                gb.graph_clear(ids)
-            stream.synchronize()
-            res["graph_host_kernel_launches"] = gb.statistics()["kernel_launches"] - before
-            prof_graph = _profile_launches(torch, lambda: gb.graph_clear(ids), stream)
-            prof_eager = _profile_launches(torch, lambda: backends["triton"](ids), stream)
-            if prof_graph is not None and prof_eager is not None and prof_eager[0] >= 1:
-                res["profiler_eager_kernel_launches"] = prof_eager[0]
-                res["profiler_graph_kernel_launches"] = prof_graph[0]
-                res["profiler_graph_launches"] = prof_graph[1]
-            else:
-                res["profiler_graph_kernel_launches"] = "n/a"
-        if P == PLANE_COUNTS[0] and "triton" in backends:
-            ids = _lists(rng, 16)["sc"]
-            for name, sec in _host_breakdown(planes, stream, ids).items():
-                res["host_p%d_n16_%s_us" % (P, name)] = sec * 1e6
+        if gb is not None and first:
+            self.graph_evidence(gb, backends["triton"])
+        if first and "triton" in backends:
+            ids = _lists(self.rng, 16)["sc"]
+            for name, sec in _host_breakdown(planes, self.stream, ids).items():
+                res[f"host_p{num_planes}_n16_{name}_us"] = sec * 1e6
         if tune and "triton" in backends:
-            _tune(torch, planes, stream, timer, ceiling, reps, res, tune_rows)
-        backends = notes = planes = gb = None  # free the planes before the next case
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-    if cuda_vs_seed:
-        res["cuda_adjacent_min_x_seed"] = min(cuda_vs_seed)
-    res["verified_cases"] = verified
-    res["verified_nonzero_bytes"] = bad_bytes
+            _tune(torch, planes, self.stream, self.timer, self.ceiling, self.reps, res, self.tune_rows)
+
+
+def _report(run: _Run) -> None:
+    """Print the tables, the graph and host figures, and each target's PASS / MISS."""
+    res, ceiling, memset_ref = run.res, run.ceiling, run.memset_ref
+    memset = f"{memset_ref / 1e12:.2f} TB/s" if memset_ref else "n/a"
     print_table(
-        "GPU clear backends on %s, %s (ceiling: zero_() of 2 GiB = %.2f TB/s; cuMemsetD8Async of 2 GiB = %s; "
-        "16 KiB per plane page)" % (res["card"], res["date"], ceiling / 1e12,
-                                    "%.2f TB/s" % (memset_ref / 1e12) if memset_ref else "n/a"),
+        f"GPU clear backends on {res['card']}, {res['date']} (ceiling: zero_() of 2 GiB = {ceiling / 1e12:.2f} TB/s; "
+        f"cuMemsetD8Async of 2 GiB = {memset}; 16 KiB per plane page)",
         ["case", "backend", "MB", "device us", "host us", "GB/s", "% ceiling", "% memset", "x seed dev",
          "x seed host"],
-        rows,
+        run.rows,
     )
     if "graph_host_kernel_launches" in res:
-        print("triton in a captured graph: %s host kernel launches over 10 stage+replay steps; profiler: "
-              "eager clear %s kernel launches, stage+replay %s kernel launches and %s graph launches"
-              % (res["graph_host_kernel_launches"], res.get("profiler_eager_kernel_launches", "n/a"),
-                 res.get("profiler_graph_kernel_launches", "n/a"), res.get("profiler_graph_launches", "n/a")))
-    print("verified after timing: %d cases, %d listed bytes not zero" % (verified, bad_bytes))
+        print(f"triton in a captured graph: {res['graph_host_kernel_launches']} host kernel launches over 10 "
+              f"stage+replay steps; profiler: eager clear {res.get('profiler_eager_kernel_launches', 'n/a')} "
+              f"kernel launches, stage+replay {res.get('profiler_graph_kernel_launches', 'n/a')} kernel launches "
+              f"and {res.get('profiler_graph_launches', 'n/a')} graph launches")
+    print(f"verified after timing: {run.verified} cases, {run.bad_bytes} listed bytes not zero")
     if "host_p3_n16_clear_us" in res:
-        print("triton host cost, 16 pages x 3 planes (median of 200): validate %.1f us, list copy %.1f us, "
-              "clear (copy + launch) %.1f us, graph_clear (copy + replay) %.1f us"
-              % tuple(res["host_p3_n16_%s_us" % k] for k in ("validate", "stage", "clear", "graph_clear")))
-    if tune_rows:
+        validate, stage, clear, graph_clear = (res[f"host_p3_n16_{k}_us"]
+                                               for k in ("validate", "stage", "clear", "graph_clear"))
+        print(f"triton host cost, 16 pages x 3 planes (median of 200): validate {validate:.1f} us, list copy "
+              f"{stage:.1f} us, clear (copy + launch) {clear:.1f} us, graph_clear (copy + replay) {graph_clear:.1f} us")
+    if run.tune_rows:
         print_table("triton tuning (scattered ids; eager clear and stage + graph replay)",
-                    ["variant", "device us", "% ceiling"], tune_rows)
+                    ["variant", "device us", "% ceiling"], run.tune_rows)
     for name, (op, want) in TARGETS.items():
         got = res.get(name)
         ok = isinstance(got, (int, float)) and {"<=": got <= want, ">=": got >= want, "==": got == want,
                                                  ">": got > want}[op]
-        print("target %-34s %s %-6s got %-12s %s" % (name, op, want, "%.4g" % got if isinstance(got, float) else got,
-                                                      "PASS" if ok else "MISS"))
+        shown = f"{got:.4g}" if isinstance(got, float) else str(got)
+        print(f"target {name:<34} {op} {want!s:<6} got {shown:<12} {'PASS' if ok else 'MISS'}")
+
+
+def run(quick: bool = False, tune: bool = False) -> dict:
+    try:
+        import torch
+    except ImportError:
+        return {"skipped": "no torch"}
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA"}
+    res = _environment(torch)
+    state = _Run(torch, res, reps=5 if quick else 15)
+    for num_planes in PLANE_COUNTS:
+        state.plane_count(num_planes, tune)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the planes of this count are gone: free them before the next
+    if state.cuda_vs_seed:
+        res["cuda_adjacent_min_x_seed"] = min(state.cuda_vs_seed)
+    res["verified_cases"] = state.verified
+    res["verified_nonzero_bytes"] = state.bad_bytes
+    _report(state)
     return res
 
 
@@ -388,7 +431,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     res = run(quick=args.quick, tune=args.tune)
     if "skipped" in res:
-        print("bench_gpu skipped: %s" % res["skipped"])
+        print(f"bench_gpu skipped: {res['skipped']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1, sort_keys=True)

@@ -1,11 +1,18 @@
 """kvledger.executors: per-rank executors and the clear backends they drive.
 
-    backend.py        the ClearBackend protocol, the lazy registry (make_backend:
-                      "torch", "cuda", "triton"), check_page_ids
-    executor.py       RankExecutor: per step plan, on the rank's model stream,
-                      input copies -> clears -> the step graph; one answer per plan
-    torch_backend.py  the torch backend: any torch device, the CPU by default
+    backend.py         the ClearBackend protocol and the lazy registry (make_backend:
+                       "torch", "cuda", "triton"); coalesce_runs
+    executor.py        RankExecutor: per step plan, on the rank's model stream,
+                       input copies -> clears -> the step graph; one answer per plan
+    torch_backend.py   the torch backend: any torch device, the CPU by default
+    cuda_backend.py    the cuda backend: cuMemsetD8Async per run of adjacent pages
+    triton_backend.py  the triton backend: one kernel launch for all pages and planes,
+                       capturable in a CUDA graph
+    cuda_driver.py     the one adapter to the CUDA driver API (checks every result)
+    vmm.py             cache planes on CUDA virtual memory, with aliasing snapshot rows
 
-Importing this package imports neither torch, triton nor CUDA: backends are
-imported when one is made.
+Page ids are checked by ``kvledger.core.checks.page_ids``; plans are
+``kvledger.core.events.StepPlan``. Importing this package, ``backend`` or
+``executor`` imports neither torch, triton nor CUDA: backends are imported when
+one is made.
 """

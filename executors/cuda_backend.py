@@ -18,20 +18,21 @@ All driver calls go through :mod:`kvledger.executors.cuda_driver`. This module
 imports torch at import time; ``import kvledger`` never imports it (the backend
 registry loads it by name).
 
-:func:`describe_planes` is shared with the Triton backend; page ids are checked
-by :func:`kvledger.executors.backend.check_page_ids` before anything is enqueued.
+The page ids are checked by ``kvledger.core.checks.page_ids`` before anything is
+enqueued; :func:`describe_planes` is shared with the Triton backend.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
-from kvledger.core.errors import ConfigurationError
-
+from ..core import checks
+from ..core.errors import ConfigurationError
 from . import cuda_driver
-from .backend import check_page_ids, coalesce_runs
+from .backend import coalesce_runs
 
 __all__ = ["CudaClearBackend", "PlaneLayout", "describe_planes", "stream_handle"]
 
@@ -56,41 +57,44 @@ def describe_planes(planes: Sequence[torch.Tensor]) -> PlaneLayout:
     try:
         planes = tuple(planes)
     except TypeError:
-        raise ConfigurationError("planes must be a sequence of CUDA tensors, got %r" % (planes,)) from None
+        raise ConfigurationError(f"planes must be a sequence of CUDA tensors, got {planes!r}") from None
     if not planes:
         raise ConfigurationError("at least one cache plane is needed")
-    device = None
-    num_pages = None
+    device, num_pages = _check_plane(0, planes[0])
     ptrs = []
     page_bytes = []
     for i, t in enumerate(planes):
-        if not isinstance(t, torch.Tensor):
-            raise ConfigurationError("plane %d is a %s, not a torch.Tensor" % (i, type(t).__name__))
-        if t.device.type != "cuda":
-            raise ConfigurationError("plane %d is on %s; the cuda and triton backends need CUDA planes"
-                                     % (i, t.device))
-        if t.dim() < 1 or t.shape[0] < 1:
-            raise ConfigurationError("plane %d has shape %s; expected [num_pages, ...] with num_pages >= 1"
-                                     % (i, tuple(t.shape)))
-        if not t.is_contiguous():
-            raise ConfigurationError("plane %d is not contiguous (strides %s)" % (i, t.stride()))
-        if device is None:
-            device, num_pages = t.device.index, int(t.shape[0])
-        elif t.device.index != device:
-            raise ConfigurationError("plane %d is on cuda:%s, plane 0 on cuda:%s" % (i, t.device.index, device))
-        elif int(t.shape[0]) != num_pages:
-            raise ConfigurationError("plane %d has %d pages, plane 0 has %d" % (i, t.shape[0], num_pages))
+        dev, n = _check_plane(i, t)
+        if dev != device:
+            raise ConfigurationError(f"plane {i} is on cuda:{dev}, plane 0 on cuda:{device}")
+        if n != num_pages:
+            raise ConfigurationError(f"plane {i} has {n} pages, plane 0 has {num_pages}")
         pb = t[0].numel() * t.element_size()
         if pb < 1:
-            raise ConfigurationError("plane %d has zero bytes per page (shape %s)" % (i, tuple(t.shape)))
+            raise ConfigurationError(f"plane {i} has zero bytes per page (shape {tuple(t.shape)})")
         ptrs.append(int(t.data_ptr()))
         page_bytes.append(int(pb))
     if num_pages >= 1 << 31:
-        raise ConfigurationError("num_pages %d does not fit a 32-bit page id" % num_pages)
+        raise ConfigurationError(f"num_pages {num_pages} does not fit a 32-bit page id")
     return PlaneLayout(device, num_pages, tuple(ptrs), tuple(page_bytes))
 
 
-def stream_handle(stream) -> int:
+def _check_plane(i: int, t: Any) -> tuple[int, int]:
+    """``(device ordinal, num_pages)`` of plane ``i``: a contiguous CUDA tensor ``[num_pages >= 1, ...]``."""
+    if not isinstance(t, torch.Tensor):
+        raise ConfigurationError(f"plane {i} is a {type(t).__name__}, not a torch.Tensor")
+    if t.device.type != "cuda":
+        raise ConfigurationError(f"plane {i} is on {t.device}; the cuda and triton backends need CUDA planes")
+    if t.dim() < 1 or t.shape[0] < 1:
+        raise ConfigurationError(
+            f"plane {i} has shape {tuple(t.shape)}; expected [num_pages, ...] with num_pages >= 1"
+        )
+    if not t.is_contiguous():
+        raise ConfigurationError(f"plane {i} is not contiguous (strides {t.stride()})")
+    return int(t.device.index or 0), int(t.shape[0])
+
+
+def stream_handle(stream: Any) -> int:
     """The raw CUstream handle (int) of a torch stream, a ``__cuda_stream__`` object, a CUstream or an int."""
     if isinstance(stream, torch.cuda.Stream):
         return int(stream.cuda_stream)
@@ -102,8 +106,9 @@ def stream_handle(stream) -> int:
     try:
         return int(stream)  # cuda.bindings CUstream
     except (TypeError, ValueError):
-        raise ConfigurationError("stream must be a torch.cuda.Stream, a CUstream or a raw handle, got %r"
-                                 % (stream,)) from None
+        raise ConfigurationError(
+            f"stream must be a torch.cuda.Stream, a CUstream or a raw handle, got {stream!r}"
+        ) from None
 
 
 class CudaClearBackend:
@@ -123,9 +128,9 @@ class CudaClearBackend:
 
     MODES = ("coalesced", "per_page")
 
-    def __init__(self, planes: Sequence[torch.Tensor], stream=None, *, mode: str = "coalesced") -> None:
+    def __init__(self, planes: Sequence[torch.Tensor], stream: Any = None, *, mode: str = "coalesced") -> None:
         if mode not in self.MODES:
-            raise ConfigurationError("mode must be one of %s, got %r" % (self.MODES, mode))
+            raise ConfigurationError(f"mode must be one of {self.MODES}, got {mode!r}")
         self.layout = describe_planes(planes)
         self.planes = tuple(planes)  # keep the tensors (and their memory) alive
         self.mode = mode
@@ -133,13 +138,13 @@ class CudaClearBackend:
         self.num_pages = self.layout.num_pages
         cuda_driver.driver()
         self._device = self.layout.device
-        self._pairs = tuple(zip(self.layout.ptrs, self.layout.page_bytes))
+        self._pairs = tuple(zip(self.layout.ptrs, self.layout.page_bytes, strict=True))
         self._stream = None if stream is None else cuda_driver.as_custream(stream_handle(stream))
         self._clears = 0
         self._pages = 0
         self._calls = 0
 
-    def _current_stream(self):
+    def _current_stream(self) -> Any:
         return cuda_driver.as_custream(torch.cuda.current_stream(self._device).cuda_stream)
 
     def clear(self, page_ids: Sequence[int]) -> None:
@@ -150,7 +155,7 @@ class CudaClearBackend:
         the earlier memsets of this clear enqueued (the list must then be
         cleared again; zeroing twice is harmless).
         """
-        ids = check_page_ids(page_ids, self.num_pages)
+        ids = checks.page_ids(page_ids, self.num_pages)
         if not ids:
             return
         stream = self._stream if self._stream is not None else self._current_stream()
@@ -178,10 +183,9 @@ class CudaClearBackend:
         self._pages += len(ids)
         self._calls += calls
 
-    def statistics(self) -> dict:
+    def statistics(self) -> dict[str, int]:
         """Counters since construction: clears, pages listed, driver memset calls."""
         return {"clears": self._clears, "pages": self._pages, "driver_calls": self._calls}
 
     def __repr__(self) -> str:
-        return "CudaClearBackend(planes=%d, num_pages=%d, mode=%r)" % (
-            len(self._pairs), self.num_pages, self.mode)
+        return f"CudaClearBackend(planes={len(self._pairs)}, num_pages={self.num_pages}, mode={self.mode!r})"

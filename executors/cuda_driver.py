@@ -24,6 +24,8 @@ next checked call with their own code.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from ..core.errors import CudaDriverError, CudaUnavailableError
 
@@ -46,15 +48,12 @@ __all__ = [
     "stream_synchronize",
 ]
 
-
-
-
-_D = None  # the cuda.bindings.driver module, once loaded
+_D: Any = None  # the cuda.bindings.driver module, once loaded
 _INIT_LOCK = threading.Lock()
 _initialised = False
 
 
-def driver():
+def driver() -> Any:
     """The ``cuda.bindings.driver`` module, loaded (and ``cuInit`` called) once.
 
     Raises CudaUnavailableError without cuda-python, CudaDriverError when
@@ -74,7 +73,7 @@ def driver():
             except ImportError as exc:
                 raise CudaUnavailableError(
                     "import cuda.bindings.driver", None, "ImportError",
-                    "install cuda-python (pip install 'kvledger[cuda]'): %s" % exc,
+                    f"install cuda-python (pip install 'kvledger[cuda]'): {exc}",
                 ) from None
         _call_checked(mod, "cuInit", mod.cuInit, 0)
         _D = mod
@@ -82,7 +81,7 @@ def driver():
         return _D
 
 
-def _fail(call: str, err, detail: str):
+def _fail(call: str, err: Any, detail: str) -> CudaDriverError:
     try:
         name = err.name
     except AttributeError:
@@ -90,7 +89,7 @@ def _fail(call: str, err, detail: str):
     return CudaDriverError(call, int(err), name, detail)
 
 
-def _call_checked(mod, call: str, fn, *args, detail: str = ""):
+def _call_checked(mod: Any, call: str, fn: Callable[..., Any], *args: Any, detail: str = "") -> Any:
     """Call ``fn(*args)``; check its CUresult; return the remaining outputs.
 
     One output -> that value; none -> None; several -> a tuple.
@@ -110,14 +109,14 @@ def _call_checked(mod, call: str, fn, *args, detail: str = ""):
     return res[1:]
 
 
-def _checked(call: str, *args, detail: str = ""):
+def _checked(call: str, *args: Any, detail: str = "") -> Any:
     d = _D if _initialised else driver()
     return _call_checked(d, call, getattr(d, call), *args, detail=detail)
 
 
 # --------------------------------------------------------------------------- streams, contexts
 
-def as_custream(handle: int):
+def as_custream(handle: int) -> Any:
     """A ``CUstream`` for a raw stream handle (an int such as ``torch.cuda.Stream.cuda_stream``)."""
     d = _D if _initialised else driver()
     return d.CUstream(int(handle))
@@ -143,9 +142,9 @@ def push_primary_context(device: int) -> None:
     The primary context is the one PyTorch and the runtime API use; retaining it
     here keeps it alive for the process (it is never released by kvledger).
     """
-    dev = _checked("cuDeviceGet", int(device), detail="ordinal=%d" % device)
-    ctx = _checked("cuDevicePrimaryCtxRetain", dev, detail="device=%d" % device)
-    _checked("cuCtxPushCurrent", ctx, detail="device=%d" % device)
+    dev = _checked("cuDeviceGet", int(device), detail=f"ordinal={device}")
+    ctx = _checked("cuDevicePrimaryCtxRetain", dev, detail=f"device={device}")
+    _checked("cuCtxPushCurrent", ctx, detail=f"device={device}")
 
 
 def pop_context() -> None:
@@ -153,14 +152,14 @@ def pop_context() -> None:
     _checked("cuCtxPopCurrent")
 
 
-def stream_synchronize(stream) -> None:
+def stream_synchronize(stream: Any) -> None:
     """Block until every operation enqueued on ``stream`` (a CUstream) has finished."""
     _checked("cuStreamSynchronize", stream)
 
 
 # --------------------------------------------------------------------------- memory operations
 
-def memset_d8_async(dptr: int, value: int, nbytes: int, stream) -> None:
+def memset_d8_async(dptr: int, value: int, nbytes: int, stream: Any) -> None:
     """Enqueue ``cuMemsetD8Async(dptr, value, nbytes, stream)``; raise CudaDriverError on failure.
 
     Hot path: no argument checks beyond the driver's own. ``stream`` should be a
@@ -172,10 +171,10 @@ def memset_d8_async(dptr: int, value: int, nbytes: int, stream) -> None:
     except RuntimeError as exc:
         raise CudaDriverError("cuMemsetD8Async", None, "RuntimeError", str(exc)) from None
     if err:
-        raise _fail("cuMemsetD8Async", err, "dptr=0x%x nbytes=%d" % (dptr, nbytes))
+        raise _fail("cuMemsetD8Async", err, f"dptr=0x{dptr:x} nbytes={nbytes}")
 
 
-def memcpy_htod_async(dptr: int, host_ptr: int, nbytes: int, stream) -> None:
+def memcpy_htod_async(dptr: int, host_ptr: int, nbytes: int, stream: Any) -> None:
     """Enqueue a host-to-device copy of ``nbytes`` from ``host_ptr`` (pinned for true asynchrony)."""
     d = _D if _initialised else driver()
     try:
@@ -183,12 +182,12 @@ def memcpy_htod_async(dptr: int, host_ptr: int, nbytes: int, stream) -> None:
     except RuntimeError as exc:
         raise CudaDriverError("cuMemcpyHtoDAsync", None, "RuntimeError", str(exc)) from None
     if err:
-        raise _fail("cuMemcpyHtoDAsync", err, "dptr=0x%x nbytes=%d" % (dptr, nbytes))
+        raise _fail("cuMemcpyHtoDAsync", err, f"dptr=0x{dptr:x} nbytes={nbytes}")
 
 
 # --------------------------------------------------------------------------- virtual memory management
 
-def _device_prop(device: int):
+def _device_prop(device: int) -> Any:
     d = _D if _initialised else driver()
     prop = d.CUmemAllocationProp()
     prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -203,20 +202,20 @@ def allocation_granularity(device: int) -> int:
     d = _D if _initialised else driver()
     flag = d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
     return int(_checked("cuMemGetAllocationGranularity", _device_prop(device), flag,
-                        detail="device=%d" % device))
+                        detail=f"device={device}"))
 
 
-def mem_create(size: int, device: int):
+def mem_create(size: int, device: int) -> Any:
     """Create ``size`` bytes of physical memory on ``device``; returns the allocation handle.
 
     ``size`` must be a multiple of :func:`allocation_granularity` (the driver says
     CUDA_ERROR_INVALID_VALUE otherwise). Release it with :func:`mem_release`.
     """
     return _checked("cuMemCreate", int(size), _device_prop(device), 0,
-                    detail="size=%d device=%d" % (size, device))
+                    detail=f"size={size} device={device}")
 
 
-def mem_release(handle) -> None:
+def mem_release(handle: Any) -> None:
     """Release a handle from :func:`mem_create` (memory is freed once its last mapping goes)."""
     _checked("cuMemRelease", handle)
 
@@ -224,24 +223,24 @@ def mem_release(handle) -> None:
 def address_reserve(size: int, alignment: int = 0) -> int:
     """Reserve ``size`` bytes of device virtual address space; returns the base address."""
     ptr = _checked("cuMemAddressReserve", int(size), int(alignment), 0, 0,
-                   detail="size=%d alignment=%d" % (size, alignment))
+                   detail=f"size={size} alignment={alignment}")
     return int(ptr)
 
 
 def address_free(ptr: int, size: int) -> None:
     """Give back a reservation made by :func:`address_reserve` (it must be unmapped)."""
-    _checked("cuMemAddressFree", int(ptr), int(size), detail="ptr=0x%x size=%d" % (ptr, size))
+    _checked("cuMemAddressFree", int(ptr), int(size), detail=f"ptr=0x{ptr:x} size={size}")
 
 
-def mem_map(ptr: int, size: int, offset: int, handle) -> None:
+def mem_map(ptr: int, size: int, offset: int, handle: Any) -> None:
     """Map ``size`` bytes of ``handle`` starting at ``offset`` at virtual address ``ptr``."""
     _checked("cuMemMap", int(ptr), int(size), int(offset), handle, 0,
-             detail="ptr=0x%x size=%d offset=%d" % (ptr, size, offset))
+             detail=f"ptr=0x{ptr:x} size={size} offset={offset}")
 
 
 def mem_unmap(ptr: int, size: int) -> None:
     """Unmap ``size`` bytes at ``ptr`` (a whole range mapped by :func:`mem_map` calls)."""
-    _checked("cuMemUnmap", int(ptr), int(size), detail="ptr=0x%x size=%d" % (ptr, size))
+    _checked("cuMemUnmap", int(ptr), int(size), detail=f"ptr=0x{ptr:x} size={size}")
 
 
 def set_access(ptr: int, size: int, device: int) -> None:
@@ -252,4 +251,4 @@ def set_access(ptr: int, size: int, device: int) -> None:
     desc.location.id = int(device)
     desc.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
     _checked("cuMemSetAccess", int(ptr), int(size), [desc], 1,
-             detail="ptr=0x%x size=%d device=%d" % (ptr, size, device))
+             detail=f"ptr=0x{ptr:x} size={size} device={device}")

@@ -25,15 +25,17 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import anyio
 import msgspec
 from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream
 
-from kvledger.core.errors import ConfigurationError, InvalidArgumentError
-
-from .backend import check_page_ids
+from ..core import checks
+from ..core.errors import ConfigurationError, InvalidArgumentError
+from ..core.events import StepPlan
 
 __all__ = [
     "RankContext",
@@ -61,7 +63,7 @@ class StepInputs:
     Raises ``InvalidArgumentError`` when ``copies`` is not a sequence of pairs.
     """
 
-    copies: tuple = ()
+    copies: Sequence[tuple[Any, Any]] = ()
     data: Any = None
 
     def __post_init__(self) -> None:
@@ -91,7 +93,7 @@ class RankContext:
     world_size: int
     device: Any
     stream: Any
-    planes: tuple
+    planes: tuple[Any, ...]
     backend: Any
 
 
@@ -116,8 +118,8 @@ class RankOutcome(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     rank: int
     step: int
     status: str
-    timing: Optional[RankTiming] = None
-    error: Optional[BaseException] = None
+    timing: RankTiming | None = None
+    error: BaseException | None = None
 
 
 class StepReplies:
@@ -133,7 +135,7 @@ class StepReplies:
         self.event = anyio.Event()
         self.closed = False
 
-    def send_nowait(self, outcome: "RankOutcome") -> None:
+    def send_nowait(self, outcome: RankOutcome) -> None:
         if self.closed:
             return
         self.outcomes.append(outcome)
@@ -156,7 +158,7 @@ class StepJob:
 
     __slots__ = ("plan", "inputs", "scope", "reply")
 
-    def __init__(self, plan, inputs: StepInputs, scope: anyio.CancelScope, reply) -> None:
+    def __init__(self, plan: StepPlan, inputs: StepInputs, scope: anyio.CancelScope, reply: StepReplies) -> None:
         self.plan = plan
         self.inputs = inputs
         self.scope = scope
@@ -181,7 +183,7 @@ class RankExecutor:
         *,
         num_pages: int,
         backend: Any = None,
-        graph: Optional[Callable] = None,
+        graph: Callable[..., Any] | None = None,
         planes: Sequence[Any] = (),
         device: Any = None,
         stream: Any = None,
@@ -195,7 +197,7 @@ class RankExecutor:
         self.num_pages = num_pages
         self.backend = backend
         self.graph = graph
-        self._torch = None
+        self._torch: Any = None  # the torch module, for CUDA ranks
         self._cuda = device is not None and getattr(device, "type", None) == "cuda"
         if self._cuda:
             import torch
@@ -218,7 +220,7 @@ class RankExecutor:
         }
 
     async def serve(
-        self, jobs: "anyio.abc.ObjectReceiveStream[StepJob]", *, task_status: TaskStatus = anyio.TASK_STATUS_IGNORED
+        self, jobs: MemoryObjectReceiveStream[StepJob], *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         """Consume jobs until ``jobs`` is closed by the sender. Start it with ``tg.start``.
 
@@ -246,7 +248,8 @@ class RankExecutor:
         if scope.cancel_called:
             return self._answer(job, RankOutcome(rank=self.rank, step=step, status="cancelled"))
         t0 = time.perf_counter()
-        timing = error = None
+        timing: RankTiming | None = None
+        error: Exception | None = None
         try:
             with scope:
                 try:
@@ -275,7 +278,7 @@ class RankExecutor:
 
     # ------------------------------------------------------------------ one plan
 
-    async def _execute(self, plan, inputs: StepInputs, t0: float) -> RankTiming:
+    async def _execute(self, plan: StepPlan, inputs: StepInputs, t0: float) -> RankTiming:
         if self._cuda:
             return await self._execute_cuda(plan, inputs, t0)
         clear_list = plan.clear_list
@@ -292,15 +295,15 @@ class RankExecutor:
         t3 = time.perf_counter()
         return RankTiming(rank=self.rank, copies_s=t1 - t0, clear_s=t2 - t1, graph_s=t3 - t2, total_s=t3 - t0)
 
-    def _clear(self, clear_list) -> None:
+    def _clear(self, clear_list: Sequence[int]) -> None:
         backend = self.backend
         if backend is not None:
             if clear_list:
                 backend.clear(clear_list)
         elif clear_list:
-            check_page_ids(clear_list, self.num_pages)
+            checks.page_ids(clear_list, self.num_pages)
 
-    async def _execute_cuda(self, plan, inputs: StepInputs, t0: float) -> RankTiming:
+    async def _execute_cuda(self, plan: StepPlan, inputs: StepInputs, t0: float) -> RankTiming:
         torch = self._torch
         stream = self.context.stream
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
@@ -328,7 +331,7 @@ class RankExecutor:
         )
 
 
-async def wait_cuda_event(event, spin_s: float = _SPIN_S) -> None:
+async def wait_cuda_event(event: Any, spin_s: float = _SPIN_S) -> None:
     """Wait until a recorded CUDA event has completed without blocking the event loop.
 
     Polls ``event.query()`` between loop iterations for ``spin_s``, then waits in a

@@ -28,14 +28,15 @@ current stream when ``None``) and ``clear`` returns without waiting for it.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from operator import sub as _sub
-from typing import Any, Sequence
+from typing import Any, NamedTuple
 
-from kvledger.core.errors import ConfigurationError
+from ..core import checks
+from ..core.errors import ConfigurationError
+from .backend import coalesce_runs
 
-from .backend import check_page_ids, coalesce_runs
-
-__all__ = ["TorchClearBackend", "STRATEGIES"]
+__all__ = ["STRATEGIES", "TorchClearBackend"]
 
 STRATEGIES: tuple[str, ...] = ("auto", "runs", "index")
 
@@ -57,6 +58,15 @@ _COST = {
 _WIDE = ((8, "int64"), (4, "int32"), (2, "int16"))
 
 
+class _PageRows(NamedTuple):
+    """The planes seen as raw page rows: what ``clear`` zeroes."""
+
+    num_pages: int
+    device: Any  # torch.device
+    rows: list[Any]  # per non-empty plane, [num_pages, row elements] of its widest integer type
+    page_bytes: list[int]  # per non-empty plane, bytes of one page
+
+
 class TorchClearBackend:
     """Zeroes pages of torch-tensor planes. ``TorchClearBackend(planes, stream=None)``.
 
@@ -74,52 +84,22 @@ class TorchClearBackend:
         if strategy not in STRATEGIES:
             raise ConfigurationError(f"unknown clear strategy {strategy!r}; one of {STRATEGIES}")
         planes = tuple(planes)
-        if not planes:
-            raise ConfigurationError("a clear backend needs at least one plane")
-        num_pages = device = None
-        rows: list = []
-        page_bytes: list[int] = []
-        for i, plane in enumerate(planes):
-            if not isinstance(plane, torch.Tensor):
-                raise ConfigurationError(f"plane {i} is not a torch.Tensor: {type(plane).__name__}")
-            if plane.dim() < 1:
-                raise ConfigurationError(f"plane {i} needs a page dimension first, got a 0-d tensor")
-            if not plane.is_contiguous():
-                raise ConfigurationError(f"plane {i} (shape {tuple(plane.shape)}) is not contiguous")
-            if plane.requires_grad:
-                raise ConfigurationError(f"plane {i} requires grad; cache planes must not")
-            if num_pages is None:
-                num_pages, device = plane.shape[0], plane.device
-            elif plane.shape[0] != num_pages:
-                raise ConfigurationError(
-                    f"plane {i} has {plane.shape[0]} pages, plane 0 has {num_pages}: "
-                    "page ids are global, every plane of a rank needs the same number of pages"
-                )
-            elif plane.device != device:
-                raise ConfigurationError(f"plane {i} is on {plane.device}, plane 0 on {device}")
-            if num_pages == 0:
-                raise ConfigurationError("planes have no pages")
-            nbytes = plane.numel() * plane.element_size()
-            if nbytes == 0:
-                continue  # nothing to zero in a zero-width plane
-            u8 = plane.reshape(num_pages, -1).view(torch.uint8)
-            rows.append(_widest(torch, u8))
-            page_bytes.append(nbytes // num_pages)
+        layout = _page_rows(torch, planes)
         self.planes = planes
-        self.num_pages: int = int(num_pages)
-        self.device = device
-        self.plane_page_bytes: tuple[int, ...] = tuple(page_bytes)
-        self._page_bytes_total = sum(page_bytes)
+        self.num_pages: int = layout.num_pages
+        self.device = layout.device
+        self.plane_page_bytes: tuple[int, ...] = tuple(layout.page_bytes)
+        self._page_bytes_total = sum(layout.page_bytes)
         self.strategy = strategy
-        self._rows = rows
+        self._rows = layout.rows
         self._torch = torch
-        self._cuda = device.type == "cuda"
+        self._cuda = layout.device.type == "cuda"
         if stream is not None and not self._cuda:
-            raise ConfigurationError(f"a stream was given but the planes are on {device}, not CUDA")
+            raise ConfigurationError(f"a stream was given but the planes are on {layout.device}, not CUDA")
         self.stream = stream
         fixed, per_row, per_byte = _COST["cuda" if self._cuda else "cpu"]
         self._fixed = fixed
-        self._per_page = tuple(per_row + pb * per_byte for pb in page_bytes)
+        self._per_page = tuple(per_row + pb * per_byte for pb in layout.page_bytes)
         self._calls = self._pages = self._bytes = self._slice_fills = self._index_fills = 0
 
     # ------------------------------------------------------------------ the hot path
@@ -130,7 +110,7 @@ class TorchClearBackend:
         Raises ``PageOutOfRangeError`` / ``DuplicatePageError`` / ``InvalidArgumentError``
         before touching any plane. An empty list does nothing.
         """
-        ids = check_page_ids(page_ids, self.num_pages)
+        ids = checks.page_ids(page_ids, self.num_pages)
         if not ids:
             return
         if self.stream is not None:  # CUDA planes with a named model stream
@@ -148,7 +128,7 @@ class TorchClearBackend:
         fixed = self._fixed
         runs = index = None
         slices = fills = 0
-        for rows, per_page in zip(self._rows, self._per_page):
+        for rows, per_page in zip(self._rows, self._per_page, strict=True):
             if strategy == "runs" or (strategy == "auto" and nruns <= fixed + k * per_page):
                 if runs is None:
                     runs = coalesce_runs(srt)
@@ -166,7 +146,7 @@ class TorchClearBackend:
         self._slice_fills += slices
         self._index_fills += fills
 
-    def _index(self, srt: list[int]):
+    def _index(self, srt: list[int]) -> Any:
         torch = self._torch
         host = torch.frombuffer(array("q", srt), dtype=torch.int64)  # no per-id Python objects
         if not self._cuda:
@@ -188,16 +168,56 @@ class TorchClearBackend:
         }
 
     def __repr__(self) -> str:
-        return "TorchClearBackend(planes=%d, num_pages=%d, device=%s, page_bytes=%r, strategy=%s)" % (
-            len(self.planes),
-            self.num_pages,
-            self.device,
-            self.plane_page_bytes,
-            self.strategy,
+        return (
+            f"TorchClearBackend(planes={len(self.planes)}, num_pages={self.num_pages}, device={self.device}, "
+            f"page_bytes={self.plane_page_bytes!r}, strategy={self.strategy})"
         )
 
 
-def _widest(torch, u8):
+def _page_rows(torch: Any, planes: tuple[Any, ...]) -> _PageRows:
+    """Check ``planes`` and view each non-empty one as ``[num_pages, page]`` rows (no copy).
+
+    Raises ``ConfigurationError`` naming the first bad plane; nothing is kept.
+    """
+    if not planes:
+        raise ConfigurationError("a clear backend needs at least one plane")
+    num_pages, device = _plane_shape(torch, planes[0], 0)
+    if num_pages == 0:
+        raise ConfigurationError("planes have no pages")
+    rows: list[Any] = []
+    page_bytes: list[int] = []
+    for i, plane in enumerate(planes):
+        n, dev = _plane_shape(torch, plane, i)
+        if n != num_pages:
+            raise ConfigurationError(
+                f"plane {i} has {n} pages, plane 0 has {num_pages}: "
+                "page ids are global, every plane of a rank needs the same number of pages"
+            )
+        if dev != device:
+            raise ConfigurationError(f"plane {i} is on {dev}, plane 0 on {device}")
+        nbytes = plane.numel() * plane.element_size()
+        if nbytes == 0:
+            continue  # nothing to zero in a zero-width plane
+        u8 = plane.reshape(num_pages, -1).view(torch.uint8)
+        rows.append(_widest(torch, u8))
+        page_bytes.append(nbytes // num_pages)
+    return _PageRows(num_pages, device, rows, page_bytes)
+
+
+def _plane_shape(torch: Any, plane: Any, i: int) -> tuple[int, Any]:
+    """``(num_pages, device)`` of one usable plane; ``ConfigurationError`` naming plane ``i`` otherwise."""
+    if not isinstance(plane, torch.Tensor):
+        raise ConfigurationError(f"plane {i} is not a torch.Tensor: {type(plane).__name__}")
+    if plane.dim() < 1:
+        raise ConfigurationError(f"plane {i} needs a page dimension first, got a 0-d tensor")
+    if not plane.is_contiguous():
+        raise ConfigurationError(f"plane {i} (shape {tuple(plane.shape)}) is not contiguous")
+    if plane.requires_grad:
+        raise ConfigurationError(f"plane {i} requires grad; cache planes must not")
+    return int(plane.shape[0]), plane.device
+
+
+def _widest(torch: Any, u8: Any) -> Any:
     """The page rows as the widest integer dtype that divides a page (faster fills)."""
     width = u8.shape[1]
     for size, dtype_name in _WIDE:

@@ -35,16 +35,16 @@ by name only when the "triton" backend is asked for.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from kvledger.core.errors import ConfigurationError
-
+from ..core import checks
+from ..core.errors import ConfigurationError
 from . import cuda_driver
-from .backend import check_page_ids
 from .cuda_backend import describe_planes, stream_handle
 
 __all__ = ["StagedClear", "TritonClearBackend", "launch_zero_pages", "plane_tables", "zero_pages_kernel"]
@@ -101,7 +101,8 @@ class PlaneTables:
 
     __slots__ = ("unit", "dtype", "epu", "block", "even", "deltas", "strides", "lengths")
 
-    def __init__(self, unit, dtype, epu, block, even, deltas, strides, lengths):
+    def __init__(self, unit: int, dtype: Any, epu: int, block: int, even: bool,
+                 deltas: list[int], strides: list[int], lengths: list[int]) -> None:
         self.unit, self.dtype, self.epu, self.block, self.even = unit, dtype, epu, block, even
         self.deltas, self.strides, self.lengths = deltas, strides, lengths
 
@@ -131,7 +132,7 @@ def plane_tables(anchor: int, ptrs: Sequence[int], strides: Sequence[int], lengt
 
 
 def launch_zero_pages(anchor: torch.Tensor, meta: torch.Tensor, deltas: torch.Tensor, strides: torch.Tensor,
-                      lengths: torch.Tensor, tables: PlaneTables, grid: int, num_warps: int = 4):
+                      lengths: torch.Tensor, tables: PlaneTables, grid: int, num_warps: int = 4) -> Any:
     """Launch ``zero_pages_kernel`` once on torch's current stream with ``grid`` programs; return the kernel.
 
     ``anchor``: the tensor whose address ``tables`` was built against;
@@ -146,7 +147,7 @@ def launch_zero_pages(anchor: torch.Tensor, meta: torch.Tensor, deltas: torch.Te
     )
 
 
-def compiled_launcher(kernel):
+def compiled_launcher(kernel: Any) -> Any:
     """The compiled kernel's direct launcher (``kernel[grid](*all_args, stream=handle)``), or None.
 
     Triton's JIT path binds and specializes the arguments on every launch; a
@@ -189,12 +190,12 @@ class TritonClearBackend:
     name = "triton"
     RING = 8  # pinned staging rows in flight before a copy waits for the oldest one
 
-    def __init__(self, planes: Sequence[torch.Tensor], stream=None, *,
+    def __init__(self, planes: Sequence[torch.Tensor], stream: Any = None, *,
                  programs_per_sm: int = 4, num_warps: int = 4, fast_launch: bool = True) -> None:
         if type(programs_per_sm) is not int or programs_per_sm < 1:
-            raise ConfigurationError("programs_per_sm must be a positive int, got %r" % (programs_per_sm,))
+            raise ConfigurationError(f"programs_per_sm must be a positive int, got {programs_per_sm!r}")
         if num_warps not in (1, 2, 4, 8, 16):
-            raise ConfigurationError("num_warps must be 1, 2, 4, 8 or 16, got %r" % (num_warps,))
+            raise ConfigurationError(f"num_warps must be 1, 2, 4, 8 or 16, got {num_warps!r}")
         layout = describe_planes(planes)
         self.layout = layout
         self.planes = tuple(planes)  # keep the tensors (and their memory) alive
@@ -228,15 +229,15 @@ class TritonClearBackend:
         self._host_np = self._host.numpy()
         self._host_ptr = int(self._host.data_ptr())
         self._row_bytes = 4 * (1 + self.capacity)
-        self._events = [None] * self.RING
+        self._events: list[torch.cuda.Event | None] = [None] * self.RING
         self._slot = 0
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self._max_programs = sms * programs_per_sm
         self._graph_programs = min(self.capacity * self.num_planes, self._max_programs)
         torch.cuda.synchronize(dev)  # the tables are on the device before any stream reads them
-        self._graph = None
+        self._graph: torch.cuda.CUDAGraph | None = None
         self._fast = bool(fast_launch)
-        self._compiled = None  # the compiled kernel, for direct launches
+        self._compiled: Any = None  # the compiled kernel, for direct launches
         self._index = layout.device
         self._clears = 0
         self._pages = 0
@@ -253,7 +254,7 @@ class TritonClearBackend:
     def _torch_stream(self) -> torch.cuda.Stream:
         return self._stream if self._stream is not None else torch.cuda.current_stream(self._device)
 
-    def _copy_list(self, ids: tuple, dst: torch.Tensor, stream) -> None:
+    def _copy_list(self, ids: tuple[int, ...], dst: torch.Tensor, stream: torch.cuda.Stream) -> None:
         """Enqueue the copy of ``[len(ids), *ids]`` into ``dst`` on ``stream`` from a pinned ring row."""
         n = len(ids)
         slot = self._slot
@@ -298,7 +299,7 @@ class TritonClearBackend:
         Raises InvalidArgumentError / PageOutOfRangeError / DuplicatePageError
         before anything is enqueued. An empty list enqueues nothing.
         """
-        ids = check_page_ids(page_ids, self.num_pages)
+        ids = checks.page_ids(page_ids, self.num_pages)
         if not ids:
             return
         n = len(ids)
@@ -331,7 +332,7 @@ class TritonClearBackend:
         InvalidArgumentError / PageOutOfRangeError / DuplicatePageError before
         anything is copied.
         """
-        ids = check_page_ids(page_ids, self.num_pages)
+        ids = checks.page_ids(page_ids, self.num_pages)
         stream = self._torch_stream()
         if torch.cuda.current_device() == self._index:
             self._copy_list(ids, self._graph_list, stream)
@@ -346,7 +347,7 @@ class TritonClearBackend:
         with torch.cuda.device(self._device), torch.cuda.stream(stream):
             self._launch(self._empty, self._graph_programs)
 
-    def capture(self, step: Callable[[], None] | None = None, *, pool=None) -> torch.cuda.CUDAGraph:
+    def capture(self, step: Callable[[], None] | None = None, *, pool: Any = None) -> torch.cuda.CUDAGraph:
         """Capture ``[clear kernel over the graph list] -> step() -> list count := 0`` into a CUDA graph.
 
         The kernel is warmed up first (over an empty list: nothing is zeroed);
@@ -358,12 +359,11 @@ class TritonClearBackend:
         self.warmup()
         torch.cuda.current_stream(self._device).wait_stream(self._torch_stream())
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.device(self._device):
-            with torch.cuda.graph(g, pool=pool):
-                self._launch(self._graph_list, self._graph_programs)
-                if step is not None:
-                    step()
-                self._graph_list[:1].zero_()  # consumed: a replay with nothing staged zeroes nothing
+        with torch.cuda.device(self._device), torch.cuda.graph(g, pool=pool):
+            self._launch(self._graph_list, self._graph_programs)
+            if step is not None:
+                step()
+            self._graph_list[:1].zero_()  # consumed: a replay with nothing staged zeroes nothing
         return g
 
     def graph_clear(self, page_ids: Sequence[int]) -> None:
@@ -383,18 +383,20 @@ class TritonClearBackend:
         self._clears += 1
         self._pages += n
 
-    def staged(self) -> "StagedClear":
+    def staged(self) -> StagedClear:
         """A ``ClearBackend`` whose ``clear`` only stages: for an executor whose graph came from :meth:`capture`."""
         return StagedClear(self)
 
-    def statistics(self) -> dict:
+    def statistics(self) -> dict[str, int]:
         """Counters since construction: clears, pages listed, kernel launches, list copies."""
         return {"clears": self._clears, "pages": self._pages, "kernel_launches": self._launches,
                 "list_copies": self._copies}
 
     def __repr__(self) -> str:
-        return "TritonClearBackend(planes=%d, num_pages=%d, unit=%d, block=%d)" % (
-            self.num_planes, self.num_pages, self.tables.unit, self.tables.block)
+        return (
+            f"TritonClearBackend(planes={self.num_planes}, num_pages={self.num_pages}, "
+            f"unit={self.tables.unit}, block={self.tables.block})"
+        )
 
 
 class StagedClear:

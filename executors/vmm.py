@@ -26,12 +26,11 @@ unmapped ranges must not be used afterwards (as after ``cudaFree``).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from kvledger.core.errors import ConfigurationError, InvalidArgumentError
-
+from ..core.errors import ConfigurationError, InvalidArgumentError
 from . import cuda_driver
 
 __all__ = ["AliasRows", "DeviceRange", "VmmCachePlanes"]
@@ -54,11 +53,11 @@ class DeviceRange:
         """A uint8 tensor over the range (shares memory; keeps this object alive)."""
         t = torch.as_tensor(self, device=device)
         if t.data_ptr() != self.ptr or t.numel() != self.nbytes:
-            raise ConfigurationError("torch did not wrap device range 0x%x (+%d) in place" % (self.ptr, self.nbytes))
+            raise ConfigurationError(f"torch did not wrap device range 0x{self.ptr:x} (+{self.nbytes}) in place")
         return t
 
     def __repr__(self) -> str:
-        return "DeviceRange(0x%x, %d)" % (self.ptr, self.nbytes)
+        return f"DeviceRange(0x{self.ptr:x}, {self.nbytes})"
 
 
 class _Mapping:
@@ -81,7 +80,8 @@ class AliasRows:
 
     __slots__ = ("first_page", "num_pages", "ptrs", "tensors", "_mappings", "live")
 
-    def __init__(self, first_page, num_pages, mappings, tensors) -> None:
+    def __init__(self, first_page: int, num_pages: int, mappings: list[_Mapping],
+                 tensors: Sequence[torch.Tensor]) -> None:
         self.first_page = first_page
         self.num_pages = num_pages
         self._mappings = mappings
@@ -94,8 +94,8 @@ class AliasRows:
         return range(self.first_page, self.first_page + self.num_pages)
 
     def __repr__(self) -> str:
-        return "AliasRows(pages %d..%d, planes=%d, live=%s)" % (
-            self.first_page, self.first_page + self.num_pages - 1, len(self.ptrs), self.live)
+        last = self.first_page + self.num_pages - 1
+        return f"AliasRows(pages {self.first_page}..{last}, planes={len(self.ptrs)}, live={self.live})"
 
 
 class VmmCachePlanes:
@@ -111,23 +111,22 @@ class VmmCachePlanes:
     everything mapped or created so far is unmapped and released again.
     """
 
-    def __init__(self, num_pages: int, page_bytes: Sequence[int], *, dtypes=torch.uint8,
-                 device: int | None = None) -> None:
+    def __init__(self, num_pages: int, page_bytes: Sequence[int], *,
+                 dtypes: torch.dtype | Sequence[torch.dtype] = torch.uint8, device: int | None = None) -> None:
         if type(num_pages) is not int or num_pages < 1:
-            raise ConfigurationError("num_pages must be a positive int, got %r" % (num_pages,))
+            raise ConfigurationError(f"num_pages must be a positive int, got {num_pages!r}")
         page_bytes = tuple(page_bytes)
         if not page_bytes or any(type(b) is not int or b < 1 for b in page_bytes):
-            raise ConfigurationError("page_bytes must be positive ints, one per plane, got %r" % (page_bytes,))
+            raise ConfigurationError(f"page_bytes must be positive ints, one per plane, got {page_bytes!r}")
         if isinstance(dtypes, torch.dtype):
             dtypes = (dtypes,) * len(page_bytes)
         dtypes = tuple(dtypes)
         if len(dtypes) != len(page_bytes):
-            raise ConfigurationError("%d dtypes for %d planes" % (len(dtypes), len(page_bytes)))
-        for k, (pb, dt) in enumerate(zip(page_bytes, dtypes)):
+            raise ConfigurationError(f"{len(dtypes)} dtypes for {len(page_bytes)} planes")
+        for k, (pb, dt) in enumerate(zip(page_bytes, dtypes, strict=True)):
             size = torch.empty((), dtype=dt).element_size()
             if pb % size:
-                raise ConfigurationError("plane %d: %d bytes per page is not a whole number of %s"
-                                         % (k, pb, dt))
+                raise ConfigurationError(f"plane {k}: {pb} bytes per page is not a whole number of {dt}")
         if device is None:
             device = torch.cuda.current_device()
         self.device = torch.device("cuda", int(device))
@@ -148,7 +147,7 @@ class VmmCachePlanes:
         tensors = []
         try:
             with torch.cuda.device(self.device):
-                for pb, dt in zip(page_bytes, dtypes):
+                for pb, dt in zip(page_bytes, dtypes, strict=True):
                     size = num_pages * pb
                     chunks = -(-size // g)
                     handles: list = []
@@ -200,21 +199,22 @@ class VmmCachePlanes:
             raise InvalidArgumentError("these cache planes are closed")
         for v, what in ((first_page, "first_page"), (num_pages, "num_pages")):
             if type(v) is not int or v < 0:
-                raise InvalidArgumentError("%s must be a non-negative int, got %r" % (what, v))
+                raise InvalidArgumentError(f"{what} must be a non-negative int, got {v!r}")
         if num_pages < 1 or first_page + num_pages > self.num_pages:
-            raise InvalidArgumentError("rows over pages [%d, %d) do not fit %d pages"
-                                       % (first_page, first_page + num_pages, self.num_pages))
+            raise InvalidArgumentError(
+                f"rows over pages [{first_page}, {first_page + num_pages}) do not fit {self.num_pages} pages"
+            )
         if first_page % self.row_pages or num_pages % self.row_pages:
             raise InvalidArgumentError(
-                "rows must start and end on multiples of %d pages (%d-byte chunks; page bytes %s), "
-                "got pages [%d, %d)" % (self.row_pages, self.granularity, self.page_bytes,
-                                        first_page, first_page + num_pages))
+                f"rows must start and end on multiples of {self.row_pages} pages ({self.granularity}-byte chunks; "
+                f"page bytes {self.page_bytes}), got pages [{first_page}, {first_page + num_pages})"
+            )
         g = self.granularity
         mappings: list[_Mapping] = []
         tensors = []
         try:
             with torch.cuda.device(self.device):
-                for k, (pb, dt) in enumerate(zip(self.page_bytes, self.dtypes)):
+                for k, (pb, dt) in enumerate(zip(self.page_bytes, self.dtypes, strict=True)):
                     c0 = first_page * pb // g
                     nchunks = num_pages * pb // g
                     m = _Mapping(cuda_driver.address_reserve(nchunks * g, g), nchunks * g)
@@ -238,7 +238,7 @@ class VmmCachePlanes:
         if rows not in self._rows:
             if isinstance(rows, AliasRows) and not rows.live:
                 return
-            raise InvalidArgumentError("%r are not rows of these cache planes" % (rows,))
+            raise InvalidArgumentError(f"{rows!r} are not rows of these cache planes")
         torch.cuda.synchronize(self.device)
         with torch.cuda.device(self.device):
             for m in rows._mappings:
@@ -281,12 +281,14 @@ class VmmCachePlanes:
         """Physical bytes held (whole chunks)."""
         return sum(len(h) for h in self._handles) * self.granularity
 
-    def __enter__(self) -> "VmmCachePlanes":
+    def __enter__(self) -> VmmCachePlanes:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
-        return "VmmCachePlanes(num_pages=%d, page_bytes=%s, granularity=%d, closed=%s)" % (
-            self.num_pages, self.page_bytes, self.granularity, self._closed)
+        return (
+            f"VmmCachePlanes(num_pages={self.num_pages}, page_bytes={self.page_bytes}, "
+            f"granularity={self.granularity}, closed={self._closed})"
+        )

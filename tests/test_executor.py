@@ -3,19 +3,21 @@ the job, the executor keeps serving; on CUDA the model stream carries all three 
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvledger import ConfigurationError, PageOutOfRangeError, StepPlan  # noqa: E402
-from kvledger.executors.executor import (  # noqa: E402
+from kvledger import ConfigurationError, PageOutOfRangeError, StepPlan
+from kvledger.executors.executor import (
     RankExecutor,
     StepInputs,
     StepJob,
     StepReplies,
 )
-from kvledger.executors.torch_backend import TorchClearBackend  # noqa: E402
+from kvledger.executors.torch_backend import TorchClearBackend
 
 NUM_PAGES = 8
 
@@ -39,7 +41,7 @@ def job(step, clear_list=(), inputs=None, scope=None):
 async def test_jobs_run_in_order_and_each_gets_one_answer():
     calls = []
     ex, planes = executor(graph=lambda ctx, step, inputs: calls.append((step, inputs.data)))
-    send, recv = anyio.create_memory_object_stream(2)
+    send, recv = anyio.create_memory_object_stream[StepJob](2)
     jobs = [job(s, [s], StepInputs(data=s * 10)) for s in range(4)]
     async with anyio.create_task_group() as tg:
         await tg.start(ex.serve, recv)
@@ -106,7 +108,7 @@ async def test_cancelling_a_job_mid_graph_and_cancelling_the_executor_task():
 
     # cancelling the executor's own task: the job in hand is answered, the cancel re-raised
     entered = anyio.Event()
-    send, recv = anyio.create_memory_object_stream(1)
+    send, recv = anyio.create_memory_object_stream[StepJob](1)
     j2, replies2 = job(1)
     with anyio.move_on_after(5) as outer:
         async with anyio.create_task_group() as tg:
@@ -123,8 +125,9 @@ async def test_cancelling_a_job_mid_graph_and_cancelling_the_executor_task():
 def test_rank_must_fit_the_world():
     with pytest.raises(ConfigurationError):
         RankExecutor(2, num_pages=4, world_size=2)
+    not_callable: Any = "not callable"
     with pytest.raises(ConfigurationError):
-        RankExecutor(0, num_pages=4, graph="not callable")
+        RankExecutor(0, num_pages=4, graph=not_callable)
 
 
 @pytest.mark.gpu
@@ -159,6 +162,7 @@ async def test_cuda_rank_runs_copies_clears_graph_on_its_stream():
         outcome = await ex.run_job(job(0, [3, 4], StepInputs(copies=[(host, dev)]))[0])
         tg.cancel_scope.cancel()
     assert outcome.status == "ok", outcome.error
+    assert outcome.timing is not None
     assert ticks > 1  # the loop kept running while the GPU worked
     assert float(seen["sum"]) == float(host.sum()) and int(seen["page"]) == 0
     assert outcome.timing.graph_s > 0 and outcome.timing.total_s >= outcome.timing.graph_s

@@ -23,7 +23,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-from kvledger import (  # noqa: E402
+from kvledger import (
     ConfigurationError,
     DuplicatePageError,
     InvalidArgumentError,
@@ -96,10 +96,10 @@ def reference(planes, ids):
 
 
 def assert_planes_equal(planes, expected):
-    for k, (p, e) in enumerate(zip(planes, expected)):
+    for k, (p, e) in enumerate(zip(planes, expected, strict=True)):
         got = as_bytes(p).cpu()
         diff = (got != e).nonzero()
-        assert diff.numel() == 0, "plane %d differs at (page, byte) %s" % (k, diff[:8].tolist())
+        assert diff.numel() == 0, f"plane {k} differs at (page, byte) {diff[:8].tolist()}"
 
 
 LAYOUTS = {
@@ -132,7 +132,7 @@ def id_lists(num_pages, rng):
 @pytest.mark.parametrize("name", BACKENDS)
 def test_clear_matches_torch_reference_on_random_data(name, layout):
     num_pages, specs, offset = LAYOUTS[layout]
-    rng = random.Random("%s/%s" % (name, layout))
+    rng = random.Random(f"{name}/{layout}")
     torch.manual_seed(rng.randrange(1 << 30))
     planes = random_planes(specs, num_pages, offset=offset)
     backend = make_backend(name, planes)
@@ -151,14 +151,15 @@ def test_bad_page_ids_raise_before_anything_is_touched(name):
     planes = random_planes([(torch.uint8, (4096,)), (torch.bfloat16, (512,))], num_pages)
     backend = make_backend(name, planes)
     before = reference(planes, [])
-    cases = [
+    cases = [  # every backend checks its ids with kvledger.core.checks.page_ids
         ([1, 2, num_pages], PageOutOfRangeError),
         ([-1, 3], PageOutOfRangeError),
         ([5, 6, 5], DuplicatePageError),
+        ([1, "2"], InvalidArgumentError),
+        ([1, 2.0], InvalidArgumentError),
+        ([True, 3], InvalidArgumentError),
+        (5, InvalidArgumentError),
     ]
-    if name != "torch":  # non-int ids: the torch backend's type checks are its owner's business
-        cases += [([1, "2"], InvalidArgumentError), ([1, 2.0], InvalidArgumentError),
-                  ([True, 3], InvalidArgumentError), (5, InvalidArgumentError)]
     for ids, err in cases:
         with pytest.raises(err):
             backend.clear(ids)
@@ -167,19 +168,24 @@ def test_bad_page_ids_raise_before_anything_is_touched(name):
     with pytest.raises(PageOutOfRangeError) as info:
         backend.clear([0, num_pages + 5, 1])
     assert num_pages + 5 in info.value.page_ids
-    with pytest.raises(DuplicatePageError) as info:
+    with pytest.raises(DuplicatePageError) as twice:
         backend.clear([9, 9])
-    assert info.value.page_ids == (9,)
+    assert twice.value.page_ids == (9,)
 
 
 @pytest.mark.parametrize("cls_name", ["cuda", "triton"])
 def test_bad_planes_are_configuration_errors(cls_name):
     pytest.importorskip("cuda.bindings")
+    cls: type
     if cls_name == "triton":
         pytest.importorskip("triton")
-        from kvledger.executors.triton_backend import TritonClearBackend as Cls
+        from kvledger.executors.triton_backend import TritonClearBackend
+
+        cls = TritonClearBackend
     else:
-        from kvledger.executors.cuda_backend import CudaClearBackend as Cls
+        from kvledger.executors.cuda_backend import CudaClearBackend
+
+        cls = CudaClearBackend
     good = torch.zeros(8, 64, dtype=torch.uint8, device="cuda")
     bad = [
         [],
@@ -191,7 +197,7 @@ def test_bad_planes_are_configuration_errors(cls_name):
     ]
     for planes in bad:
         with pytest.raises(ConfigurationError):
-            Cls(planes)
+            cls(planes)
 
 
 def _stream_arg(kind, s):
@@ -211,7 +217,7 @@ def test_stream_order_input_copies_then_clear_then_graph(name, stream_kind):
     land, and the check sees 0x7F.
     """
     if name == "torch" and stream_kind == "raw":
-        pytest.skip("the torch backend is the engine helper's; raw handles are tested on cuda/triton")
+        pytest.skip("the torch backend takes torch streams; raw handles are tested on cuda/triton")
     num_pages = 96
     planes = random_planes([(torch.float8_e4m3fn, (8, 256)), (torch.uint8, (1024,)),
                             (torch.bfloat16, (4, 512))], num_pages)
@@ -236,8 +242,36 @@ def test_stream_order_input_copies_then_clear_then_graph(name, stream_kind):
         flag[0] = zero.to(torch.int32)  # the step's kernel: reads the pages and the inputs
         flag[1] = (dev_in == want_in).all().to(torch.int32)
     s.synchronize()
-    assert flag.tolist() == [1, 1], "pages zero / inputs present: %s" % flag.tolist()
+    assert flag.tolist() == [1, 1], f"pages zero / inputs present: {flag.tolist()}"
     assert_planes_equal(planes, before)
+
+
+def _graph_step(planes, page_list, capacity, dev_in, seen, flag):
+    """The step graph: pages in ``page_list`` must read zero; it copies out what inputs it saw."""
+    slots = torch.arange(capacity, device="cuda")
+
+    def step():
+        valid = slots < page_list[0]
+        ids = torch.where(valid, page_list[1:].long(), 0)
+        ok = torch.ones((), dtype=torch.bool, device="cuda")
+        for p in planes:
+            rows_zero = (as_bytes(p).index_select(0, ids) == 0).all(dim=1)
+            ok = ok & (rows_zero | ~valid).all()
+        flag.copy_(ok.to(torch.int32).reshape(1))
+        seen.copy_(dev_in)
+
+    return step
+
+
+def _fresh_bytes_row_bytes_listed(planes, ids):
+    """Random non-zero bytes in every page, row bytes (0x7F) in the listed ones; the expected planes."""
+    for p in planes:
+        as_bytes(p).copy_(torch.randint(1, 256, as_bytes(p).shape, dtype=torch.uint8, device="cuda"))
+    if ids:
+        idx = torch.tensor(ids, device="cuda")
+        for p in planes:
+            as_bytes(p).index_fill_(0, idx, 0x7F)
+    return reference(planes, ids)
 
 
 def test_triton_graph_clears_whatever_the_step_lists_without_host_launches():
@@ -250,24 +284,11 @@ def test_triton_graph_clears_whatever_the_step_lists_without_host_launches():
                             (torch.bfloat16, (8, 128))], num_pages)
     s = torch.cuda.Stream()
     backend = TritonClearBackend(planes, stream=s)
-    cap = backend.capacity
     meta = backend.page_list
     dev_in = torch.zeros(1024, dtype=torch.int64, device="cuda")
     seen = torch.zeros_like(dev_in)
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-    slots = torch.arange(cap, device="cuda")
-
-    def step():
-        """The step graph: listed pages must read zero; it copies out what inputs it saw."""
-        valid = slots < meta[0]
-        ids = torch.where(valid, meta[1:].long(), 0)
-        ok = torch.ones((), dtype=torch.bool, device="cuda")
-        for p in planes:
-            rows_zero = (as_bytes(p).index_select(0, ids) == 0).all(dim=1)
-            ok = ok & (rows_zero | ~valid).all()
-        flag.copy_(ok.to(torch.int32).reshape(1))
-        seen.copy_(dev_in)
-
+    step = _graph_step(planes, meta, backend.capacity, dev_in, seen, flag)
     with torch.cuda.stream(s):
         step()  # warm-up outside the graph
     s.synchronize()
@@ -278,13 +299,7 @@ def test_triton_graph_clears_whatever_the_step_lists_without_host_launches():
              rng.sample(range(num_pages), 50)]
     for ids in lists:
         host_in = torch.randint(0, 1 << 40, (1024,), dtype=torch.int64).pin_memory()
-        for p in planes:
-            as_bytes(p).copy_(torch.randint(1, 256, as_bytes(p).shape, dtype=torch.uint8, device="cuda"))
-        if ids:
-            idx = torch.tensor(ids, device="cuda")
-            for p in planes:
-                as_bytes(p).index_fill_(0, idx, 0x7F)
-        expected = reference(planes, ids)
+        expected = _fresh_bytes_row_bytes_listed(planes, ids)
         flag.zero_()
         torch.cuda.synchronize()
         with torch.cuda.stream(s):
@@ -294,7 +309,7 @@ def test_triton_graph_clears_whatever_the_step_lists_without_host_launches():
         with torch.cuda.stream(s):
             graph.replay()
         s.synchronize()
-        assert flag.item() == 1, "the step graph saw a listed page that was not zero (ids %s)" % ids[:8]
+        assert flag.item() == 1, f"the step graph saw a listed page that was not zero (ids {ids[:8]})"
         assert torch.equal(seen.cpu(), host_in)
         assert_planes_equal(planes, expected)
     # every replay cleared its own list; the backend launched no kernel from the host

@@ -24,7 +24,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-from kvledger import CudaDriverError, Geometry, InvalidArgumentError, KVLedgerError, Ledger  # noqa: E402
+from kvledger import CudaDriverError, Geometry, InvalidArgumentError, KVLedgerError, Ledger
 
 BACKENDS = ["torch", "cuda", "cuda-per-page", "triton", "triton-graph"]
 PAGE_BYTES = (16384, 8192, 32768)
@@ -103,8 +103,8 @@ def test_rows_alias_the_plane_pages_both_ways(vmm):
     fill_finite(vmm.planes, gen)
     before = [as_bytes(p).clone() for p in vmm.planes]
     rows = vmm.map_rows(rp, rp)
-    assert all(ptr != p.data_ptr() for ptr, p in zip(rows.ptrs, vmm.planes))
-    for k, (row, plane) in enumerate(zip(rows.tensors, vmm.planes)):
+    assert all(ptr != p.data_ptr() for ptr, p in zip(rows.ptrs, vmm.planes, strict=True))
+    for k, (row, plane) in enumerate(zip(rows.tensors, vmm.planes, strict=True)):
         # the row reads the plane's bytes ...
         assert torch.equal(as_bytes(row), as_bytes(plane)[rp:2 * rp])
         # ... and a write through the row shows up in the plane, only inside its pages
@@ -165,12 +165,74 @@ def test_driver_errors_name_the_call():
     err = info.value
     assert isinstance(err, KVLedgerError)
     assert err.call == "cuMemCreate" and err.code and err.name.startswith("CUDA_ERROR_")
-    assert "cuMemCreate" in str(err) and "size=%d" % (g + 1) in str(err)
+    assert "cuMemCreate" in str(err) and f"size={g + 1}" in str(err)
     with pytest.raises(CudaDriverError) as info:
         cuda_driver.address_free(0x1000, g)
     assert info.value.call == "cuMemAddressFree"
     # the context is still healthy: a normal allocation works
     assert int(torch.ones(4, device="cuda").sum().item()) == 4
+
+
+def _write_through_rows(planes, rows_1, rows_2, released, live, gen):
+    """Snapshot 1 writes FP8 NaN bytes through its rows, snapshot 2 random bytes through its.
+
+    Returns snapshot 2's bytes per plane and the bytes that landed outside the rows'
+    pages (compared through the planes' own addresses; must be 0).
+    """
+    before_rows = [as_bytes(p).clone() for p in planes]
+    live_bytes = []
+    for t in rows_1.tensors:
+        as_bytes(t).fill_(0x7F)  # FP8 e4m3 NaN
+    for t in rows_2.tensors:
+        b = torch.randint(0, 256, as_bytes(t).shape, dtype=torch.uint8, device="cuda", generator=gen)
+        as_bytes(t).copy_(b)
+        live_bytes.append(b)
+    torch.cuda.synchronize()
+    # the row bytes land in the KV pages (plane addresses) and stay inside the rows' ranges
+    rel = torch.tensor(released, device="cuda")
+    liv = torch.tensor(live, device="cuda")
+    alias_stray = 0
+    for k, p in enumerate(planes):
+        want = before_rows[k].clone()
+        want[rel] = 0x7F
+        want[liv] = live_bytes[k]
+        alias_stray += int((as_bytes(p) != want).sum().item())
+    return live_bytes, alias_stray
+
+
+def _commit_under_pressure(ledger, rp):
+    """Request 7 reserves 300 pages (LIFO: the released ones first) and commits 150 released
+    and 20 fresh ones at step 0; returns step 0's clear list and the committed pages."""
+    got = ledger.reserve(7, 300)
+    stale = [p for p in got if ledger.is_marked(p)]
+    fresh = [p for p in got if not ledger.is_marked(p)]
+    assert len(stale) == rp and len(fresh) == 300 - rp  # LIFO hands the released pages out first
+    commit = stale[:150] + fresh[:20]
+    listed_now = ledger.commit(7, 0, pages=commit)
+    ledger.return_reservation(7)
+    clear_list = ledger.seal_step(0).clear_list
+    assert tuple(listed_now) == tuple(stale[:150]) and sorted(clear_list) == sorted(stale[:150])
+    return clear_list, commit
+
+
+def _after_clear(planes, before, clear_list, rows_2, live_bytes, ledger, released):
+    """What the clear did, counted on the device: bytes left in listed pages, bytes changed
+    elsewhere, live-row bytes changed, NaN in request 7's pages; and the marked pages left
+    unlisted, with whether they still hold the NaN bytes."""
+    num_pages = planes[0].shape[0]
+    idx = torch.tensor(clear_list, device="cuda")
+    others = torch.ones(num_pages, dtype=torch.bool, device="cuda")
+    others[idx] = False
+    kv = torch.tensor(ledger.kv_pages(7), device="cuda")
+    still_marked = [p for p in released if ledger.is_marked(p)]
+    return {
+        "listed_nonzero_bytes": sum(int(as_bytes(p)[idx].count_nonzero().item()) for p in planes),
+        "stray_bytes": sum(int((as_bytes(p)[others] != before[k][others]).sum().item())
+                           for k, p in enumerate(planes)),
+        "live_row_diff_bytes": sum(int((as_bytes(t) != live_bytes[k]).sum().item())
+                                   for k, t in enumerate(rows_2.tensors)),
+        "nan_in_request_pages_after": sum(int(decode(p, kv).isnan().sum().item()) for p in planes),
+    }, still_marked, bool((as_bytes(planes[0])[torch.tensor(still_marked, device="cuda")] == 0x7F).all())
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -187,28 +249,9 @@ def test_r15_released_row_nan_bytes_are_cleared_exactly(vmm, name):
     ledger.alias_snapshot(2, pages=live)
     rows_1 = vmm.map_rows(rp, rp)
     rows_2 = vmm.map_rows(2 * rp, rp)
-    before_rows = [as_bytes(p).clone() for p in planes]
-
-    # the snapshots write their state through their rows
-    live_bytes = []
-    for t in rows_1.tensors:
-        as_bytes(t).fill_(0x7F)  # FP8 e4m3 NaN
-    for t in rows_2.tensors:
-        b = torch.randint(0, 256, as_bytes(t).shape, dtype=torch.uint8, device="cuda", generator=gen)
-        as_bytes(t).copy_(b)
-        live_bytes.append(b)
-    torch.cuda.synchronize()
-
-    # the row bytes land in the KV pages (plane addresses) and stay inside the rows' ranges
-    rel = torch.tensor(released, device="cuda")
-    liv = torch.tensor(live, device="cuda")
-    alias_stray = 0
-    for k, p in enumerate(planes):
-        want = before_rows[k].clone()
-        want[rel] = 0x7F
-        want[liv] = live_bytes[k]
-        alias_stray += int((as_bytes(p) != want).sum().item())
+    live_bytes, alias_stray = _write_through_rows(planes, rows_1, rows_2, released, live, gen)
     assert alias_stray == 0
+    rel = torch.tensor(released, device="cuda")
     assert bool(decode(planes[0], rel).isnan().all())
 
     # release snapshot 1: its pages are free and marked; the row goes, the bytes stay
@@ -217,17 +260,7 @@ def test_r15_released_row_nan_bytes_are_cleared_exactly(vmm, name):
     assert all(ledger.is_marked(p) for p in released)
     assert bool((as_bytes(planes[1])[rel] == 0x7F).all())
 
-    # request 7 takes pages under KV pressure and commits a mix of released and fresh ones
-    got = ledger.reserve(7, 300)
-    stale = [p for p in got if ledger.is_marked(p)]
-    fresh = [p for p in got if not ledger.is_marked(p)]
-    assert len(stale) == rp and len(fresh) == 300 - rp  # LIFO hands the released pages out first
-    commit = stale[:150] + fresh[:20]
-    listed_now = ledger.commit(7, 0, pages=commit)
-    ledger.return_reservation(7)
-    plan = ledger.seal_step(0)
-    clear_list = plan.clear_list
-    assert tuple(listed_now) == tuple(stale[:150]) and sorted(clear_list) == sorted(stale[:150])
+    clear_list, commit = _commit_under_pressure(ledger, rp)
     nan_before = int(decode(planes[0], torch.tensor(commit, device="cuda")).isnan().sum().item())
     assert nan_before > 0  # without the clear the request's pages decode as NaN
 
@@ -235,30 +268,18 @@ def test_r15_released_row_nan_bytes_are_cleared_exactly(vmm, name):
     backend = make_backend(name, planes)
     backend.clear(clear_list)
     torch.cuda.synchronize()
-
-    idx = torch.tensor(clear_list, device="cuda")
-    others = torch.ones(num_pages, dtype=torch.bool, device="cuda")
-    others[idx] = False
-    listed_nonzero = sum(int(as_bytes(p)[idx].count_nonzero().item()) for p in planes)
-    stray = sum(int((as_bytes(p)[others] != before[k][others]).sum().item()) for k, p in enumerate(planes))
-    live_diff = sum(int((as_bytes(t) != live_bytes[k]).sum().item()) for k, t in enumerate(rows_2.tensors))
-    kv = torch.tensor(ledger.kv_pages(7), device="cuda")
-    nan_after = sum(int(decode(p, kv).isnan().sum().item()) for p in planes)
-    still_marked = [p for p in released if ledger.is_marked(p)]
-    unlisted_nan = bool((as_bytes(planes[0])[torch.tensor(still_marked, device="cuda")] == 0x7F).all())
+    counts, still_marked, unlisted_nan = _after_clear(planes, before, clear_list, rows_2, live_bytes, ledger,
+                                                      released)
     vmm.unmap_rows(rows_2)
-    record = {
+    report({
         "test": "R15", "backend": name, "granularity": vmm.granularity, "planes": len(planes),
         "pages_listed": len(clear_list), "page_planes_zero_checked": len(clear_list) * len(planes),
         "other_page_planes_checked": (num_pages - len(clear_list)) * len(planes),
-        "listed_nonzero_bytes": listed_nonzero, "stray_bytes": stray,
         "live_row_bytes_checked": sum(t.numel() * t.element_size() for t in rows_2.tensors),
-        "live_row_diff_bytes": live_diff, "nan_in_request_pages_before": nan_before,
-        "nan_in_request_pages_after": nan_after, "alias_stray_bytes": alias_stray,
-    }
-    report(record)
-    assert listed_nonzero == 0
-    assert stray == 0
-    assert live_diff == 0
-    assert nan_after == 0
+        "nan_in_request_pages_before": nan_before, "alias_stray_bytes": alias_stray, **counts,
+    })
+    assert counts["listed_nonzero_bytes"] == 0
+    assert counts["stray_bytes"] == 0
+    assert counts["live_row_diff_bytes"] == 0
+    assert counts["nan_in_request_pages_after"] == 0
     assert len(still_marked) == rp - 150 and unlisted_nan  # unlisted marked pages keep their bytes

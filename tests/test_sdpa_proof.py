@@ -17,8 +17,8 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-from kvledger import Geometry  # noqa: E402
-from kvledger.engine import RankSpec, StepInputs, open_engine  # noqa: E402
+from kvledger import Geometry
+from kvledger.engine import RankSpec, StepInputs, open_engine
 
 G = Geometry(num_pages=8, page_tokens=4)
 HEADS, DIM = 2, 16  # per rank (heads are sharded across the two ranks)
@@ -89,7 +89,8 @@ async def test_released_row_bytes_poison_masked_attention_unless_cleared(cast):
             assert not torch.isfinite(poisoned).all(), "0x7F tail bytes must poison masked attention"
 
         # Through the engine: input copies -> the executor's clear -> the graph.
-        inputs = [StepInputs(copies=list(zip(host[r], dev[r])), data=block_table) for r in range(len(ranks))]
+        inputs = [StepInputs(copies=list(zip(host[r], dev[r], strict=True)), data=block_table)
+                  for r in range(len(ranks))]
         result = await engine.run_step(0, inputs)
         assert sorted(result.clear_list) == sorted(rows)
         for rank, planes in enumerate(ranks):

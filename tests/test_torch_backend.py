@@ -6,28 +6,28 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from hypothesis import given, strategies as st  # noqa: E402
+from hypothesis import given, strategies as st
 
-from kvledger import (  # noqa: E402
+from kvledger import (
     ConfigurationError,
     DuplicatePageError,
     InvalidArgumentError,
     PageOutOfRangeError,
 )
-from kvledger.executors.backend import (  # noqa: E402
+from kvledger.executors.backend import (
     BACKENDS,
     ClearBackend,
     backend_class,
-    check_page_ids,
     coalesce_runs,
     make_backend,
 )
-from kvledger.executors.torch_backend import STRATEGIES, TorchClearBackend  # noqa: E402
+from kvledger.executors.torch_backend import STRATEGIES, TorchClearBackend
 
 NUM_PAGES = 32
 
@@ -54,7 +54,7 @@ def page_bytes(plane, p):
 
 def assert_cleared_exactly(planes, before, listed):
     listed = set(listed)
-    for plane, old in zip(planes, before):
+    for plane, old in zip(planes, before, strict=True):
         for p in range(plane.shape[0]):
             got = page_bytes(plane, p)
             if p in listed:
@@ -125,7 +125,7 @@ def test_bad_ids_touch_nothing(ids, error):
     backend = TorchClearBackend(planes)
     with pytest.raises(error) as info:
         backend.clear(ids)
-    for plane, old in zip(planes, before):
+    for plane, old in zip(planes, before, strict=True):
         assert torch.equal(plane.view(torch.uint8), old.view(torch.uint8))
     if error is PageOutOfRangeError:
         assert info.value.page_ids == tuple(p for p in ids if not 0 <= p < NUM_PAGES)
@@ -144,12 +144,22 @@ class IntLike:
         return self.v
 
 
-def test_check_page_ids_accepts_integer_scalars():
-    assert check_page_ids([IntLike(3), torch.tensor(4).item(), 5], 8) == (3, 4, 5)
+def test_integer_scalars_are_page_ids():
+    planes = filled_planes()
+    before = [p.clone() for p in planes]
+    backend = TorchClearBackend(planes)
+    twice: list[Any] = [IntLike(3), 3]
     with pytest.raises(DuplicatePageError):
-        check_page_ids([IntLike(3), 3], 8)
-    assert check_page_ids((), 8) == ()
+        backend.clear(twice)
+    int_likes: list[Any] = [IntLike(3), torch.tensor(4).item(), torch.tensor(5)]
+    backend.clear(int_likes)
+    assert_cleared_exactly(planes, before, [3, 4, 5])
+    assert backend.statistics()["pages"] == 3
+
+
+def test_coalesce_runs():
     assert coalesce_runs([]) == []
+    assert coalesce_runs([7]) == [(7, 8)]
     assert coalesce_runs([3, 4, 5, 9, 11, 12]) == [(3, 6), (9, 10), (11, 13)]
 
 
