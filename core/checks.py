@@ -20,7 +20,7 @@ import array
 import operator
 import sys
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from .errors import (
     ConfigurationError,
@@ -179,7 +179,7 @@ def _coerce_ints(ids: tuple) -> tuple[int, ...]:
 # ---------------------------------------------------------------------- raw u32 page lists
 
 _LITTLE = sys.byteorder == "little"
-_U32 = "I" if array.array("I").itemsize == 4 else "L"
+_U32: Literal["I", "L"] = "I" if array.array("I").itemsize == 4 else "L"
 _SWAR_MIN = 48  # below this many ids, min/max + set() is cheaper than the lane trick
 _lane_cache: dict[int, tuple[int, int, int]] = {}
 
@@ -202,16 +202,13 @@ def u32_page_ids_problem(raw, num_pages: int) -> Problem | None:
     strictly ascending list (what a leader sends) is checked with whole-list
     integer arithmetic: no Python int per id.
     """
-    if type(raw) is memoryview and raw.format == _U32 and _LITTLE:
-        raw = raw.cast("B")
-    elif type(raw) is memoryview and raw.format != "B":
+    if type(raw) is memoryview and raw.format != "B":
         raw = raw.cast("B")
     n = len(raw) >> 2
     if n == 0:
         return None
-    if n >= _SWAR_MIN and _strictly_ascending(raw, n):
-        if int.from_bytes(raw[-4:], "little") < num_pages:
-            return None
+    if n >= _SWAR_MIN and _strictly_ascending(raw, n) and int.from_bytes(raw[-4:], "little") < num_pages:
+        return None  # ascending (so distinct) and the largest is in range
     return page_ids_problem(u32_ids(raw), num_pages)
 
 

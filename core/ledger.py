@@ -13,7 +13,8 @@ so state and effects are exactly as before. Running out of pages is an ordinary
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Literal
 
 from . import checks
 from .errors import (
@@ -263,8 +264,9 @@ class Ledger:
             ids = tuple(rec.reserved[:n])
         else:
             _one_of(n, pages, "commit")
-            if n is not None:
-                checks.count(n, "n")
+            if pages is None:
+                checks.count(n, "n")  # not a positive int (the branch above took those)
+                raise AssertionError("unreachable")
             ids = checks.page_ids(pages, st.num_pages, allow_empty=False)
         if not 0 <= step <= checks.MAX_ID or not 0 <= request <= checks.MAX_ID:
             checks.ident(request, "request")
@@ -291,11 +293,11 @@ class Ledger:
         free/aliased pages (snapshot reuse). Returns the page ids."""
         checks.ident(snapshot, "snapshot")
         _one_of(n, pages, "alias_snapshot")
-        if n is not None:
-            checks.count(n, "n")
-            got = self.state.pick_free(n)
+        if pages is None:
+            k = checks.count(n, "n")
+            got = self.state.pick_free(k)
             if got is None:
-                raise OutOfPagesError(n, self.state.reservable_count, f"snapshot {snapshot}")
+                raise OutOfPagesError(k, self.state.reservable_count, f"snapshot {snapshot}")
             ids = tuple(got)
         else:
             ids = checks.page_ids(pages, self.state.num_pages, allow_empty=False)
@@ -306,7 +308,7 @@ class Ledger:
         """The snapshot is gone; pages it was the last alias of become free and marked."""
         self._submit(SnapshotReleased(snapshot=checks.ident(snapshot, "snapshot")))
 
-    def _restore_target(self, request, snapshot) -> tuple[str, int]:
+    def _restore_target(self, request, snapshot) -> tuple[Literal["request", "snapshot"], int]:
         if (request is None) == (snapshot is None):
             raise InvalidArgumentError("restore: give exactly one of request= or snapshot=")
         if request is not None:

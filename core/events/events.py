@@ -16,7 +16,7 @@ Page lifecycle (holders), with the mark (``*``) and where it is set and cleared:
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -71,27 +71,27 @@ class _Event(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag_field="typ
     pass
 
 
-class CacheConfigured(_Event, tag="cache_configured"):
+class CacheConfigured(_Event, frozen=True, kw_only=True, tag="cache_configured"):
     """First event of every log: the geometry and the clear policy the fold uses."""
 
     geometry: Geometry
     policy: str = "released_aliases"
 
 
-class PagesReserved(_Event, tag="pages_reserved"):
+class PagesReserved(_Event, frozen=True, kw_only=True, tag="pages_reserved"):
     """Pages (chosen by the ledger's allocator) become ``reserved(request)``."""
 
     request: Id
     page_ids: PageIds
-    tenant: Optional[str] = None
+    tenant: str | None = None
 
 
-class ReservationReturned(_Event, tag="reservation_returned"):
+class ReservationReturned(_Event, frozen=True, kw_only=True, tag="reservation_returned"):
     request: Id
     page_ids: PageIds
 
 
-class PagesCommitted(_Event, tag="pages_committed"):
+class PagesCommitted(_Event, frozen=True, kw_only=True, tag="pages_committed"):
     """Reserved pages join ``request``'s KV pages in order; marked ones form a clear list."""
 
     request: Id
@@ -99,24 +99,24 @@ class PagesCommitted(_Event, tag="pages_committed"):
     page_ids: PageIds
 
 
-class RequestCancelled(_Event, tag="request_cancelled"):
+class RequestCancelled(_Event, frozen=True, kw_only=True, tag="request_cancelled"):
     request: Id
 
 
-class RequestFinished(_Event, tag="request_finished"):
+class RequestFinished(_Event, frozen=True, kw_only=True, tag="request_finished"):
     request: Id
 
 
-class SnapshotAliased(_Event, tag="snapshot_aliased"):
+class SnapshotAliased(_Event, frozen=True, kw_only=True, tag="snapshot_aliased"):
     snapshot: Id
     page_ids: PageIds
 
 
-class SnapshotReleased(_Event, tag="snapshot_released"):
+class SnapshotReleased(_Event, frozen=True, kw_only=True, tag="snapshot_released"):
     snapshot: Id
 
 
-class RestoreStarted(_Event, tag="restore_started"):
+class RestoreStarted(_Event, frozen=True, kw_only=True, tag="restore_started"):
     """An inbound host restore starts writing ``page_ids`` of a request or a snapshot."""
 
     into: Literal["request", "snapshot"]
@@ -124,50 +124,50 @@ class RestoreStarted(_Event, tag="restore_started"):
     page_ids: PageIds
 
 
-class RestoreCompleted(_Event, tag="restore_completed"):
+class RestoreCompleted(_Event, frozen=True, kw_only=True, tag="restore_completed"):
     into: Literal["request", "snapshot"]
     target: Id
     page_ids: PageIds
 
 
-class StepSealed(_Event, tag="step_sealed"):
+class StepSealed(_Event, frozen=True, kw_only=True, tag="step_sealed"):
     """Closes ``step``. The fold derives its plan; ``clear_list`` records what the live run derived."""
 
     step: Id
     clear_list: PageIds = ()
 
 
-class StepCompleted(_Event, tag="step_completed"):
+class StepCompleted(_Event, frozen=True, kw_only=True, tag="step_completed"):
     """Rank ``rank`` ran the step's input copies, clears and graph."""
 
     step: Id
     rank: Id
 
 
-class StepAborted(_Event, tag="step_aborted"):
+class StepAborted(_Event, frozen=True, kw_only=True, tag="step_aborted"):
     """The step did not complete on every rank (a rank failed, rejected or timed out)."""
 
     step: Id
     reason: str = ""
 
 
-Event = Union[
-    CacheConfigured,
-    PagesReserved,
-    ReservationReturned,
-    PagesCommitted,
-    RequestCancelled,
-    RequestFinished,
-    SnapshotAliased,
-    SnapshotReleased,
-    RestoreStarted,
-    RestoreCompleted,
-    StepSealed,
-    StepCompleted,
-    StepAborted,
-]
+Event = (
+    CacheConfigured
+    | PagesReserved
+    | ReservationReturned
+    | PagesCommitted
+    | RequestCancelled
+    | RequestFinished
+    | SnapshotAliased
+    | SnapshotReleased
+    | RestoreStarted
+    | RestoreCompleted
+    | StepSealed
+    | StepCompleted
+    | StepAborted
+)
 
-EVENT_TYPES: tuple[type, ...] = Event.__args__  # type: ignore[attr-defined]
+EVENT_TYPES: tuple[type, ...] = Event.__args__
 
 
 class StepPlan(msgspec.Struct, frozen=True, kw_only=True, gc=False):

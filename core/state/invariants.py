@@ -53,7 +53,7 @@ def _holders_partition(st: LedgerState, h: bytearray) -> None:
         if kind == FREE:
             if o[p] != HOLDER_FREE or an[p] or p in where:
                 raise InvariantViolation(1, f"free page {p} still has a holder or alias")
-        elif kind == RESERVED or kind == KV:
+        elif kind in (RESERVED, KV):
             if where.get(p) != (kind, o[p]):
                 raise InvariantViolation(1, f"page {p} holder {st.holder_of(p)} disagrees with request tables")
             if an[p]:

@@ -205,7 +205,7 @@ class LedgerState:
     def holder_of(self, page_id: int) -> str:
         """Human-readable holder of a page: ``free``, ``reserved(r)``, ``kv(r)``, ``alias({s,...})``."""
         kind = self.holder_code(page_id)
-        if kind == RESERVED or kind == KV:
+        if kind in (RESERVED, KV):
             return f"{HOLDER_NAMES[kind]}({self.holder[page_id]})"
         if kind == ALIAS:
             return "alias({" + ",".join(map(str, self.snapshot_ids_of(page_id))) + "})"
