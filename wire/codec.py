@@ -46,11 +46,10 @@ with ``remote=True`` and a ``RejectCode``) and leaves the decoder broken: a byte
 stream whose framing cannot be trusted is not resynchronised, it is closed.
 Nothing else escapes the decoder, whatever the bytes.
 
-Page-id checks (``page_ids_problem``) take the raw little-endian id bytes. A
-strictly ascending list (what the leader sends: order does not matter for
-zeroing) is recognised with a handful of big-integer operations over 32-bit
-lanes, which proves the ids distinct and makes the last id the maximum; any
-other order falls back to ``max`` and ``set``.
+Page-id checks (``page_ids_problem``) take the raw little-endian id bytes and
+answer with a ``RejectCode`` and a REJECT detail; the check itself is
+``kvledger.core.checks.u32_page_ids_problem`` (a strictly ascending list, what
+the leader sends, is proven distinct and in range without a Python int per id).
 """
 
 from __future__ import annotations
@@ -65,6 +64,7 @@ from typing import Optional, Union
 
 import msgspec
 
+from ..core import checks
 from ..core.errors import FrameError, InvalidArgumentError
 
 __all__ = [
@@ -89,12 +89,12 @@ __all__ = [
     "encode_prepare",
     "encode_prepare_raw",
     "pack_page_ids",
-    "unpack_page_ids",
     "decode",
     "frame_checksum",
     "FrameDecoder",
     "geometry_digest",
     "page_ids_problem",
+    "reject_for",
     "max_body_for",
 ]
 
@@ -412,89 +412,33 @@ def max_body_for(num_pages: int, max_payload: int = 1 << 20) -> int:
 
 # ---------------------------------------------------------------------------- page-id checks
 
-_SWAR_MIN = 48  # below this many ids, max() + set() is cheaper than the lane trick
-_lane_cache: dict[int, tuple[int, int, int]] = {}
 
-
-def _lanes(n: int) -> tuple[int, int, int]:
-    c = _lane_cache.get(n)
-    if c is None:
-        if len(_lane_cache) >= 256:
-            _lane_cache.clear()
-        high = int.from_bytes(b"\x00\x00\x00\x80" * n, "little")
-        c = _lane_cache[n] = (high, high >> 31, 1 << (32 * n - 1))
-    return c
-
-
-def _strictly_ascending(raw, n: int) -> bool:
-    """True iff the n little-endian u32 in ``raw`` are strictly ascending.
-
-    X holds id i in bits [32i, 32i+32); B = X >> 32 puts id i+1 in lane i. Per
-    lane, with a = id i and b = id i+1 split into top bit (ah, bh) and low 31
-    bits (al, bl): (b | 2**31) - al - 1 stays inside its lane and has its top bit
-    set iff bl > al. Then a < b iff (ah != bh and bh) or (ah == bh and bl > al).
-    The last lane compares id n-1 with 0 and is forced true.
-    """
-    x = int.from_bytes(raw, "little")
-    high, one, top = _lanes(n)
-    b = x >> 32
-    ah = x & high
-    bh = b & high
-    gt = ((b | high) - (x ^ ah) - one) & high
-    lt = ((bh ^ gt) & (ah ^ bh)) ^ gt
-    return (lt | top) == high
-
-
-def page_ids_problem(raw, num_pages: int) -> Optional[tuple[int, str]]:
+def page_ids_problem(raw, num_pages: int) -> tuple[RejectCode, str] | None:
     """``None`` if the u32 ids in ``raw`` are all ``< num_pages`` and distinct.
 
-    Otherwise ``(RejectCode, detail)`` naming the offending ids. ``raw`` is the
-    little-endian u32 bytes (any bytes-like) or a decoded ``Prepare.clear_pages``
-    (a ``memoryview`` of format ``'I'``); the check allocates nothing per id on
-    the ascending path. Pure.
+    Otherwise ``(RejectCode, detail)``: PAGE_OUT_OF_RANGE or DUPLICATE_PAGE and a
+    REJECT detail naming the offending ids. ``raw`` is the little-endian u32
+    bytes (any bytes-like) or a decoded ``Prepare.clear_pages`` (a ``memoryview``
+    of format ``'I'``). The check itself is ``core.checks.u32_page_ids_problem``
+    (no Python int per id on the ascending path). Pure.
     """
-    if type(raw) is memoryview and raw.format == _ID_CODE and _LITTLE:
-        ids = raw  # a decoded clear list: already the ids, little-endian in memory
-        n = len(ids)
-    else:
-        if type(raw) is memoryview and raw.format != "B":
-            raw = raw.cast("B")
-        n = len(raw) >> 2
-        ids = None
-    if n == 0:
+    problem = checks.u32_page_ids_problem(raw, num_pages)
+    if problem is None:
         return None
-    if n >= _SWAR_MIN and _strictly_ascending(raw, n):
-        if int.from_bytes(raw[-4:] if ids is None else raw[-1:], "little") < num_pages:
-            return None
-        return _range_problem(raw, num_pages)
-    if ids is None:
-        ids = unpack_page_ids(raw)
-    if max(ids) >= num_pages:
-        return _range_problem(raw, num_pages)
-    if len(set(ids)) != n:
-        seen: set[int] = set()
-        dups = sorted({p for p in ids if p in seen or seen.add(p)})
-        return RejectCode.DUPLICATE_PAGE, "page ids " + _few(dups) + " listed more than once"
-    return None
+    return reject_for(problem, num_pages)
 
 
-def _range_problem(raw, num_pages: int) -> tuple[int, str]:
-    bad = [p for p in unpack_page_ids(raw) if p >= num_pages]
-    return RejectCode.PAGE_OUT_OF_RANGE, "page ids " + _few(bad) + " out of range [0, " + str(num_pages) + ")"
+def reject_for(problem: checks.Problem, num_pages: int) -> tuple[RejectCode, str]:
+    """The REJECT code and detail for a page-list ``Problem``."""
+    if problem.kind == checks.OUT_OF_RANGE:
+        return RejectCode.PAGE_OUT_OF_RANGE, f"page ids {_few(problem.page_ids)} out of range [0, {num_pages})"
+    return RejectCode.DUPLICATE_PAGE, f"page ids {_few(problem.page_ids)} listed more than once"
 
 
 def _few(ids, limit: int = 8) -> str:
     head = ", ".join(str(i) for i in ids[:limit])
-    return "[" + head + (", ... (" + str(len(ids)) + " in all)" if len(ids) > limit else "") + "]"
-
-
-def unpack_page_ids(raw):
-    """A read-only sequence of ints over little-endian u32 bytes (zero-copy on LE hosts)."""
-    if _LITTLE:
-        return memoryview(raw).cast("B").cast(_ID_CODE)
-    arr = array.array(_ID_CODE, bytes(raw))
-    arr.byteswap()
-    return memoryview(arr.tobytes()).cast(_ID_CODE)
+    more = f", ... ({len(ids)} in all)" if len(ids) > limit else ""
+    return f"[{head}{more}]"
 
 
 # ---------------------------------------------------------------------------- decoding
@@ -524,7 +468,7 @@ def _dec_prepare(step, body, layout, crc):
             step=step, kind=FrameKind.PREPARE,
         )
     end = 8 + 4 * n
-    ids = unpack_page_ids(memoryview(body)[8:end])
+    ids = checks.u32_ids(memoryview(body)[8:end])
     return Prepare(step=step, clear_pages=ids, payload=body[end:], checksum=crc)
 
 

@@ -92,13 +92,12 @@ from typing import Optional, Union
 
 import msgspec
 
+from ..core import checks
 from ..core.errors import (
-    DuplicatePageError,
     FrameError,
     HandshakeRefused,
     InvalidArgumentError,
     LocalProtocolError,
-    PageOutOfRangeError,
     RemoteProtocolError,
     StepOrderError,
 )
@@ -120,7 +119,6 @@ from .codec import (
     max_body_for,
     pack_page_ids,
     page_ids_problem,
-    unpack_page_ids,
 )
 
 __all__ = [
@@ -246,14 +244,6 @@ class _Decided:
         return self._by_step.get(step)
 
 
-def _check_geometry(geometry):
-    n = getattr(geometry, "num_pages", None)
-    t = getattr(geometry, "page_tokens", None)
-    if type(n) is not int or type(t) is not int or not 1 <= n <= 1 << 32 or t < 1:
-        raise InvalidArgumentError("geometry must be a kvledger Geometry, got " + repr(geometry))
-    return n
-
-
 def _check_world(rank: int, world_size: int, *, leader: bool) -> None:
     if type(world_size) is not int or world_size < 1 or world_size > 0xFFFFFFFF:
         raise InvalidArgumentError("world_size must be an int >= 1, got " + repr(world_size))
@@ -268,7 +258,7 @@ class _Link:
     """What both ends share: the decoder, the outbox and counters."""
 
     def __init__(self, geometry, world_size: int, max_payload: int) -> None:
-        self.num_pages = _check_geometry(geometry)
+        self.num_pages = checks.geometry(geometry).num_pages
         self.geometry = geometry
         self.world_size = world_size
         self.digest = geometry_digest(geometry)
@@ -890,7 +880,7 @@ class Leader:
 
     def __init__(self, geometry, *, world_size: int, next_step: int = 0) -> None:
         _check_world(0, world_size, leader=True)
-        self.num_pages = _check_geometry(geometry)
+        self.num_pages = checks.geometry(geometry).num_pages
         self.geometry = geometry
         self.world_size = world_size
         if type(next_step) is not int or next_step < 0:
@@ -932,17 +922,10 @@ class Leader:
             raise StepOrderError(step, self.step, "a step is still in flight")
         if step != self.next_step:
             raise StepOrderError(step, self.next_step, "the leader's next step is " + str(self.next_step))
-        ids = plan.clear_list
-        if sort:
-            ids = sorted(ids)
-        raw = pack_page_ids(ids)
-        problem = page_ids_problem(raw, self.num_pages)
+        raw = pack_page_ids(sorted(plan.clear_list) if sort else plan.clear_list)
+        problem = checks.u32_page_ids_problem(raw, self.num_pages)
         if problem is not None:
-            vals = list(unpack_page_ids(raw))
-            if problem[0] == RejectCode.PAGE_OUT_OF_RANGE:
-                raise PageOutOfRangeError([p for p in vals if p >= self.num_pages], self.num_pages)
-            seen: set[int] = set()
-            raise DuplicatePageError(sorted({p for p in vals if p in seen or seen.add(p)}))
+            checks.raise_problem(problem, self.num_pages)
         data = encode_prepare_raw(step, raw, payload)
         self.step = step
         self.checksum = frame_checksum(data)
