@@ -66,7 +66,8 @@ def _batch(fn, n: int):
 
 
 def _codec(quick: bool) -> tuple[dict, list]:
-    from kvledger.wire.codec import FrameDecoder, decode, encode_prepare, page_ids_problem
+    from kvledger.wire.codec import encode_prepare
+    from kvledger.wire.decoder import FrameDecoder, decode, page_ids_problem
 
     rng = random.Random(SEED)
     figures, rows = {}, []

@@ -25,7 +25,6 @@ from kvledger.wire.codec import (
     MAGIC,
     NO_RANK,
     Abort,
-    FrameDecoder,
     FrameKind,
     Hello,
     Launch,
@@ -33,15 +32,14 @@ from kvledger.wire.codec import (
     Ready,
     Reject,
     RejectCode,
-    decode,
     encode,
     encode_frame,
     encode_prepare,
     frame_checksum,
     geometry_digest,
     pack_page_ids,
-    page_ids_problem,
 )
+from kvledger.wire.decoder import FrameDecoder, decode, page_ids_problem
 from kvledger.core.errors import FrameError
 
 HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"

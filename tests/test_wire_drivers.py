@@ -17,7 +17,8 @@ import torch
 
 from kvledger import DuplicatePageError, Geometry, StepOrderError, StepPlan, WireProtocolError
 from kvledger.executors.backend import make_backend
-from kvledger.wire.codec import HEADER_SIZE, FrameKind, Hello, RejectCode, decode, encode, geometry_digest
+from kvledger.wire.codec import HEADER_SIZE, FrameKind, Hello, RejectCode, encode, geometry_digest
+from kvledger.wire.decoder import decode
 from kvledger.core.errors import HandshakeRefused
 from kvledger.wire.rank import open_leader, run_peer
 from kvledger.wire.transport import connect_tcp, memory_pipe

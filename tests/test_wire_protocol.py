@@ -392,7 +392,7 @@ def test_peer_refuses_a_leader_with_another_geometry():
         peer.next_event()
     assert info.value.code == RejectCode.GEOMETRY_MISMATCH
     (reject,) = split_frames(peer.data_to_send())
-    from kvledger.wire.codec import decode
+    from kvledger.wire.decoder import decode
 
     assert decode(reject).code == RejectCode.GEOMETRY_MISMATCH
 
@@ -521,7 +521,7 @@ def _feed(peer, *frames):
 
 
 def _dec(b):
-    from kvledger.wire.codec import decode
+    from kvledger.wire.decoder import decode
 
     return decode(b)
 

@@ -13,7 +13,6 @@ from .codec import (
     LAYOUT,
     NO_RANK,
     Abort,
-    FrameDecoder,
     FrameKind,
     Hello,
     Launch,
@@ -21,12 +20,11 @@ from .codec import (
     Ready,
     Reject,
     RejectCode,
-    decode,
     encode,
     encode_prepare,
     geometry_digest,
-    page_ids_problem,
 )
+from .decoder import FrameDecoder, decode, page_ids_problem
 from .protocol import (
     NEED_DATA,
     Answered,

@@ -105,7 +105,6 @@ from ..core.errors import (
 from .codec import (
     NO_RANK,
     Abort,
-    FrameDecoder,
     Hello,
     Launch,
     Prepare,
@@ -118,8 +117,8 @@ from .codec import (
     geometry_digest,
     max_body_for,
     pack_page_ids,
-    page_ids_problem,
 )
+from .decoder import FrameDecoder, page_ids_problem
 
 __all__ = [
     "NEED_DATA",
