@@ -42,7 +42,7 @@ from kvledger.wire.codec import (
     frame_checksum,
     geometry_digest,
 )
-from kvledger.wire.protocol import (
+from kvledger.wire import (
     NEED_DATA,
     Answered,
     ConnectionClosed,
@@ -923,7 +923,6 @@ def _r13_schedule(seed: int, fault: str, phase: str) -> dict:
             if step == fstep and not faulted and phase == "after_decision" and step in sim.decisions:
                 apply_fault()
         # survivors reach the decision without another deadline passing
-        t = sim.tick
         sim.run_fifo(skip=(f,) if faulted else ())
         for r in survivors:
             if r in sim.perr:

@@ -25,6 +25,9 @@ from .codec import (
     geometry_digest,
 )
 from .decoder import FrameDecoder, decode, page_ids_problem
+from .decision import Leader
+from .leader import LeaderLink, LeaderState
+from .peer import PeerLink, PeerState
 from .protocol import (
     NEED_DATA,
     Answered,
@@ -32,12 +35,7 @@ from .protocol import (
     Decision,
     DropStep,
     Joined,
-    Leader,
-    LeaderLink,
-    LeaderState,
     PeerHello,
-    PeerLink,
-    PeerState,
     RunStep,
 )
 from .rank import WireLeader, open_leader, run_peer

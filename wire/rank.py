@@ -41,6 +41,9 @@ from kvledger.core.errors import InvalidArgumentError, WireProtocolError
 
 from .codec import RejectCode
 from .transport import listen_tcp, listener_address
+from .decision import Leader
+from .leader import LeaderLink, LeaderState
+from .peer import PeerLink
 from .protocol import (
     NEED_DATA,
     Answered,
@@ -48,11 +51,7 @@ from .protocol import (
     Decision,
     DropStep,
     Joined,
-    Leader,
-    LeaderLink,
-    LeaderState,
     PeerHello,
-    PeerLink,
     RunStep,
 )
 
