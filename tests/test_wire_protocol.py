@@ -594,6 +594,26 @@ def test_peer_breaks_on_contradictions_and_launches_nothing(frames, code):
     assert [e.step for e in runs if type(e) is RunStep] == ([5] if frames[:2] == (P5, L5) else [])
 
 
+def test_max_payload_caps_the_payload_not_the_body():
+    """A peer's ``max_payload`` is the largest PREPARE payload it READYs: one byte more is
+    REJECT FRAME_TOO_LARGE for that step (the link stays up), even though the frame's body
+    is far under the decoder's cap (which leaves room for every page id)."""
+    peer = PeerLink(G, rank=1, world_size=2, max_payload=100)
+    peer.start()
+    peer.data_to_send()
+    peer.receive_data(encode(Hello(step=0, rank=0, world_size=2, geometry_digest=geometry_digest(G))))
+    assert type(peer.next_event()) is Joined
+    evs, sent = _feed(peer, Prepare(step=0, clear_pages=[1], payload=bytes(101)))
+    assert sent == ["Reject"] and peer.state is PeerState.REJECTED
+    assert evs[0].code == RejectCode.FRAME_TOO_LARGE and "101 bytes" in evs[0].detail
+    evs, sent = _feed(peer, Abort(step=0, code=RejectCode.FRAME_TOO_LARGE, rank=1))
+    assert [type(e) for e in evs] == [DropStep]
+    evs, sent = _feed(peer, Prepare(step=1, clear_pages=[1], payload=bytes(100)))
+    assert sent == ["Ready"] and peer.state is PeerState.READY
+    with pytest.raises(InvalidArgumentError):
+        PeerLink(G, rank=1, world_size=2, max_payload=-1)
+
+
 def test_leader_link_votes():
     link = LeaderLink(G, world_size=2)
     link.receive_data(encode(Hello(step=0, rank=1, world_size=2, geometry_digest=geometry_digest(G))))

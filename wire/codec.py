@@ -131,7 +131,7 @@ class RejectCode(IntEnum):
     BAD_LAYOUT = 2  # layout byte is not 7 (e.g. a layout-6 rank)
     BAD_KIND = 3  # unknown frame kind
     BAD_FLAGS = 4  # reserved flag bits set
-    FRAME_TOO_LARGE = 5  # body_len over the receiver's cap
+    FRAME_TOO_LARGE = 5  # body_len, or a PREPARE's payload, over the receiver's cap
     BAD_LENGTH = 6  # body_len or a length inside the body is inconsistent
     BAD_CHECKSUM = 7  # CRC32 mismatch
     TRUNCATED = 8  # the stream ended inside a frame

@@ -81,9 +81,12 @@ class PeerLink(Link):
     when the leader broke the protocol, after queueing a REJECT; flush
     ``data_to_send`` and close. ``step`` is the link's current step.
 
-    ``max_payload`` sizes the decoder's body cap (``max_body_for``: every page
-    listed plus ``max_payload``). Raises ``InvalidArgumentError`` for a bad rank,
-    world size or ``max_payload``, ``ConfigurationError`` for a bad geometry.
+    ``max_payload`` is the largest PREPARE payload this rank accepts: a PREPARE
+    with a larger one is answered REJECT FRAME_TOO_LARGE (the step aborts, the
+    link stays). The decoder's body cap follows from it (``max_body_for``: every
+    page listed plus ``max_payload``), so a larger frame breaks the link from its
+    header. Raises ``InvalidArgumentError`` for a bad rank, world size,
+    ``max_payload`` or limit, ``ConfigurationError`` for a bad geometry.
     """
 
     def __init__(
@@ -266,6 +269,9 @@ class PeerLink(Link):
 
     def _prepare(self, f: Prepare) -> None:
         s = f.step
+        if len(f.payload) > self.max_payload:
+            detail = f"PREPARE step {s}: payload of {len(f.payload)} bytes over this rank's cap of {self.max_payload}"
+            return self._reject_current(RejectCode.FRAME_TOO_LARGE, detail)
         problem = page_ids_problem(f.clear_pages, self.num_pages)
         if problem is None:
             self._prepared = f

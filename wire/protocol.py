@@ -29,7 +29,7 @@ PREPARE checksum; that single rule is what the R11-R13 tests hammer.
                         ─────► PREPARE(s, ids, payload)
                                                            validate: step, lengths,
                                                            checksum, ids < num_pages,
-                                                           no duplicates
+                                                           no duplicates, payload size
                        ◄────── READY(s, r, crc)   or   REJECT(s, r, code, detail)
     all READY (same crc) ─────► LAUNCH(s, crc)             clear ids, run the step
     any REJECT, timeout,

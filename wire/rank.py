@@ -39,7 +39,7 @@ import structlog
 
 from kvledger.core.errors import InvalidArgumentError, WireProtocolError
 
-from .codec import RejectCode
+from .codec import DEFAULT_MAX_PAYLOAD, RejectCode
 from .transport import listen_tcp, listener_address
 from .decision import Leader
 from .leader import LeaderLink, LeaderState
@@ -437,7 +437,7 @@ async def run_peer(
     on_drop: Optional[OnDrop] = None,
     on_answer: Optional[Callable[[Answered], None]] = None,
     hello_timeout: float = 30.0,
-    max_payload: int = 1 << 20,
+    max_payload: int = DEFAULT_MAX_PAYLOAD,
     logger=None,
 ) -> dict:
     """Run peer ``rank`` over ``stream`` until the leader closes it; return the link's counters.
@@ -446,7 +446,9 @@ async def run_peer(
     otherwise). Then every PREPARE is validated and answered READY or REJECT by
     the link, ``on_launch(step, clear_pages, payload)`` runs for each LAUNCH (may
     be async; it clears the pages and runs the step) and ``on_drop(step, code,
-    rank)`` for each ABORT (nothing to clear). Raises ``WireProtocolError`` when
+    rank)`` for each ABORT (nothing to clear). A PREPARE whose payload is over
+    ``max_payload`` bytes is answered REJECT FRAME_TOO_LARGE (the step aborts on
+    every rank). Raises ``WireProtocolError`` when
     the leader breaks the protocol (after telling it why) or refuses us
     (``HandshakeRefused``); whatever ``on_launch`` raises propagates (this rank
     failed mid-step; the leader sees the link close). Closes ``stream`` on exit.
