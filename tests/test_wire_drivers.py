@@ -15,13 +15,21 @@ import anyio
 import pytest
 import torch
 
-from kvledger import DuplicatePageError, Geometry, StepOrderError, StepPlan, WireProtocolError
+from kvledger import DuplicatePageError, Geometry, HandshakeRefused, StepOrderError, StepPlan, WireProtocolError
 from kvledger.executors.backend import make_backend
-from kvledger.wire.codec import HEADER_SIZE, FrameKind, Hello, RejectCode, encode, geometry_digest
-from kvledger.wire.decoder import decode
-from kvledger.core.errors import HandshakeRefused
-from kvledger.wire.rank import open_leader, run_peer
-from kvledger.wire.transport import connect_tcp, memory_pipe
+from kvledger.wire import (
+    FrameKind,
+    Hello,
+    RejectCode,
+    connect_tcp,
+    decode,
+    encode,
+    geometry_digest,
+    memory_pipe,
+    open_leader,
+    run_peer,
+)
+from kvledger.wire.codec import HEADER_SIZE
 
 G = Geometry(num_pages=128, page_tokens=16)
 TIMEOUT = 0.3

@@ -185,7 +185,8 @@ class PeerLink(Link):
         handler = _PEER_TABLE.get((self.state, kind))
         if handler is None:
             raise RemoteProtocolError(
-                RejectCode.UNEXPECTED_FRAME, f"a peer in state {self.state.value} does not accept {kind.__name__.upper()}"
+                RejectCode.UNEXPECTED_FRAME,
+                f"a peer in state {self.state.value} does not accept {kind.__name__.upper()}",
             )
         return handler(self, f)
 
@@ -337,9 +338,8 @@ class PeerLink(Link):
         if (kind is Launch) == known:
             self._stats["duplicates"] += 1
             return None
-        raise RemoteProtocolError(
-            RejectCode.CONFLICT, f"{kind.__name__.upper()} of step {s} which this rank {'launched' if known else 'aborted'}"
-        )
+        done = "launched" if known else "aborted"
+        raise RemoteProtocolError(RejectCode.CONFLICT, f"{kind.__name__.upper()} of step {s} which this rank {done}")
 
     def _advance(self, launched: bool) -> None:
         """Step ``k`` is decided: move to ``k + 1``, then apply a veto or held ABORT waiting there."""
@@ -385,7 +385,8 @@ _PEER_STEP: dict[tuple[PeerState, type], _Handler] = {
     (_P.READY, Abort): PeerLink._abort,
     (_P.REJECTED, Abort): PeerLink._abort,
 }
-_PEER_STEP_MISS: dict[tuple[PeerState, type], int] = {(_P.REJECTED, Launch): RejectCode.CONFLICT}  # else UNEXPECTED_FRAME
+# The code for a lookup miss when it is not UNEXPECTED_FRAME.
+_PEER_STEP_MISS: dict[tuple[PeerState, type], int] = {(_P.REJECTED, Launch): RejectCode.CONFLICT}
 
 # Every other frame a peer may get: the leader's HELLO, a refusal, a repeated HELLO.
 _PEER_TABLE: dict[tuple[PeerState, type], _Handler] = {

@@ -1,7 +1,7 @@
 """Async drivers: the leader and the peer loop over any byte stream (memory or TCP).
 
-They move bytes between a transport and the pure state machines of
-``kvledger.wire.protocol`` and own every clock: the leader's vote deadline
+They move bytes between a transport and the pure state machines (``PeerLink``,
+``LeaderLink``, the ``Leader`` decision rule) and own every clock: the leader's vote deadline
 (``run_step(..., timeout=)``), a peer's join deadline (``hello_timeout``).
 
     leader process / task                          peer r (one per remote rank)
@@ -31,36 +31,28 @@ nothing here configures output.
 from __future__ import annotations
 
 import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
+from typing import Any
 
 import anyio
 import structlog
 
-from kvledger.core.errors import InvalidArgumentError, WireProtocolError
-
+from ..core.errors import InvalidArgumentError, WireProtocolError
 from .codec import DEFAULT_MAX_PAYLOAD, RejectCode
-from .transport import listen_tcp, listener_address
 from .decision import Leader
 from .leader import LeaderLink, LeaderState
 from .peer import PeerLink
-from .protocol import (
-    NEED_DATA,
-    Answered,
-    ConnectionClosed,
-    Decision,
-    DropStep,
-    Joined,
-    PeerHello,
-    RunStep,
-)
+from .protocol import NEED_DATA, Answered, ConnectionClosed, Decision, DropStep, Joined, PeerHello, RunStep
+from .transport import accept, listen_tcp, listener_address
 
 __all__ = ["WireLeader", "open_leader", "run_peer", "OnLaunch", "OnDrop"]
 
-OnLaunch = Callable[[int, Any, bytes], Union[None, Awaitable[None]]]
-OnDrop = Callable[[int, int, int], Union[None, Awaitable[None]]]
+OnLaunch = Callable[[int, Any, bytes], None | Awaitable[None]]
+OnDrop = Callable[[int, int, int], None | Awaitable[None]]
 
 _CLOSED = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
+_DECIDABLE = (LeaderState.IDLE, LeaderState.AWAITING, LeaderState.VOTED)  # a link that can take LAUNCH / ABORT
 
 
 def _logger(logger):
@@ -74,8 +66,8 @@ class _Conn:
         self.link = link
         self.stream = stream
         self.out_send, self.out_recv = anyio.create_memory_object_stream[bytes](outbox)
-        self.rank: Optional[int] = None
-        self.cancel: Optional[anyio.CancelScope] = None
+        self.rank: int | None = None
+        self.cancel: anyio.CancelScope | None = None
         self.alive = True
         self.writer_done = anyio.Event()
 
@@ -103,7 +95,7 @@ class WireLeader:
         self._outbox = outbox_frames
         self._close_grace = close_grace
         self._log = _logger(logger)
-        self._tg: Optional[anyio.abc.TaskGroup] = None
+        self._tg: anyio.abc.TaskGroup | None = None
         self._conns: dict[int, _Conn] = {}
         self._all: set[_Conn] = set()
         self._joined_changed = anyio.Event()
@@ -137,7 +129,7 @@ class WireLeader:
             task_status.started()
             while True:
                 try:
-                    stream = await _accept(listener)
+                    stream = await accept(listener)
                 except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                     return
                 if self._closing:
@@ -272,7 +264,7 @@ class WireLeader:
             r = ev.rank
             old = self._conns.get(r)
             if old is not None and old.alive:
-                conn.link.refuse(RejectCode.BAD_RANK, "rank " + str(r) + " is already connected")
+                conn.link.refuse(RejectCode.BAD_RANK, f"rank {r} is already connected")
                 return False
             rule = self._rule
             rule.join(r)
@@ -300,7 +292,7 @@ class WireLeader:
         cancelled meanwhile (the decision goes out shielded).
         """
         if not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise InvalidArgumentError("timeout must be a positive number of seconds, got " + repr(timeout))
+            raise InvalidArgumentError(f"timeout must be a positive number of seconds, got {timeout!r}")
         async with self._step_lock:
             rule = self._rule
             data, crc = rule.begin(plan, payload)
@@ -308,36 +300,45 @@ class WireLeader:
             try:
                 # (acquiring the step lock was a checkpoint: the writers got to send the last decision)
                 if rule.decision is None:
-                    deadline = anyio.current_time() + timeout
-                    out = []
-                    for conn in list(self._conns.values()):
-                        if conn.alive and conn.link.state is LeaderState.IDLE:
-                            conn.link.prepare(plan.step, data, crc)
-                            out.append(conn)
-                    await self._flush_all(out, timeout)
-                    if rule.decision is None:
-                        with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
-                            await self._decided.wait()
+                    await self._prepare_all(plan.step, data, crc, timeout)
             finally:
                 with anyio.CancelScope(shield=True):
-                    decision = rule.decision if rule.decision is not None else rule.expire()
-                    out = []
-                    for conn in list(self._conns.values()):
-                        link = conn.link
-                        if conn.alive and link.step == decision.step and link.state in (
-                            LeaderState.IDLE,
-                            LeaderState.AWAITING,
-                            LeaderState.VOTED,
-                        ):
-                            link.decide(decision)
-                            out.append(conn)
-                    rule.finish()
-                    await self._flush_all(out, timeout)
+                    decision = await self._decide_all(timeout)
             if not decision.launch:
                 self._log.warning(
-                    "wire.abort", step=decision.step, code=int(decision.code), rank=decision.rank, detail=decision.detail
+                    "wire.abort",
+                    step=decision.step,
+                    code=int(decision.code),
+                    rank=decision.rank,
+                    detail=decision.detail,
                 )
             return decision
+
+    async def _prepare_all(self, step: int, data: bytes, crc: int, timeout: float) -> None:
+        """Queue the PREPARE on every idle live link, then wait up to ``timeout`` s for the decision."""
+        deadline = anyio.current_time() + timeout
+        out = [c for c in list(self._conns.values()) if c.alive and c.link.state is LeaderState.IDLE]
+        for conn in out:
+            conn.link.prepare(step, data, crc)
+        await self._flush_all(out, timeout)
+        if self._rule.decision is None:
+            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                await self._decided.wait()
+
+    async def _decide_all(self, timeout: float) -> Decision:
+        """The decision (ABORT TIMEOUT if none yet) on every live link at its step; finish the step."""
+        rule = self._rule
+        decision = rule.decision if rule.decision is not None else rule.expire()
+        out = [
+            c
+            for c in list(self._conns.values())
+            if c.alive and c.link.step == decision.step and c.link.state in _DECIDABLE
+        ]
+        for conn in out:
+            conn.link.decide(decision)
+        rule.finish()
+        await self._flush_all(out, timeout)
+        return decision
 
     @property
     def next_step(self) -> int:
@@ -348,7 +349,7 @@ class WireLeader:
         out: dict = dict(self._rule.statistics())
         for r, c in sorted(self._conns.items()):
             for k, v in c.link.statistics().items():
-                out["rank" + str(r) + "." + k] = v
+                out[f"rank{r}.{k}"] = v
         return out
 
     async def _shutdown(self) -> None:
@@ -358,13 +359,6 @@ class WireLeader:
         with anyio.move_on_after(self._close_grace, shield=True):
             for conn in list(self._all):
                 await conn.writer_done.wait()
-
-
-async def _accept(listener):
-    inner = getattr(listener, "listeners", None)
-    if inner:  # anyio MultiListener: one socket per address family
-        return await inner[0].accept()
-    return await listener.accept()
 
 
 @asynccontextmanager
@@ -426,6 +420,21 @@ class _PeerIO:
             await self.flush()
             return ev
 
+    async def join(self, timeout: float, log) -> None:
+        """Send HELLO and wait up to ``timeout`` s to be accepted. Raises ``TimeoutError``,
+        or ``WireProtocolError`` when the leader refuses this rank or closes the link first."""
+        link = self.link
+        link.start()
+        await self.flush()
+        with anyio.fail_after(timeout):
+            ev = await self.next_event()
+        if type(ev) is ConnectionClosed:
+            detail = f"the leader closed the link before accepting rank {link.rank}"
+            raise WireProtocolError(RejectCode.PEER_LOST, detail, remote=True)
+        if type(ev) is not Joined:  # the link allows nothing else first; kept as a real check
+            raise WireProtocolError(RejectCode.UNEXPECTED_FRAME, f"expected to join, got {ev!r}", remote=True)
+        log.info("wire.joined", rank=link.rank, step=ev.step)
+
 
 async def run_peer(
     stream,
@@ -434,8 +443,8 @@ async def run_peer(
     rank: int,
     world_size: int,
     on_launch: OnLaunch,
-    on_drop: Optional[OnDrop] = None,
-    on_answer: Optional[Callable[[Answered], None]] = None,
+    on_drop: OnDrop | None = None,
+    on_answer: Callable[[Answered], None] | None = None,
     hello_timeout: float = 30.0,
     max_payload: int = DEFAULT_MAX_PAYLOAD,
     logger=None,
@@ -448,24 +457,16 @@ async def run_peer(
     be async; it clears the pages and runs the step) and ``on_drop(step, code,
     rank)`` for each ABORT (nothing to clear). A PREPARE whose payload is over
     ``max_payload`` bytes is answered REJECT FRAME_TOO_LARGE (the step aborts on
-    every rank). Raises ``WireProtocolError`` when
-    the leader breaks the protocol (after telling it why) or refuses us
-    (``HandshakeRefused``); whatever ``on_launch`` raises propagates (this rank
-    failed mid-step; the leader sees the link close). Closes ``stream`` on exit.
+    every rank). Raises ``WireProtocolError`` when the leader breaks the protocol
+    (after telling it why) or refuses us (``HandshakeRefused``); whatever
+    ``on_launch`` raises propagates (this rank failed mid-step; the leader sees
+    the link close). Closes ``stream`` on exit.
     """
     log = _logger(logger)
     link = PeerLink(geometry, rank=rank, world_size=world_size, max_payload=max_payload)
     io = _PeerIO(link, stream)
     try:
-        link.start()
-        await io.flush()
-        with anyio.fail_after(hello_timeout):
-            ev = await io.next_event()
-        if type(ev) is ConnectionClosed:
-            raise WireProtocolError(RejectCode.PEER_LOST, "the leader closed the link before accepting rank " + str(rank), remote=True)
-        if type(ev) is not Joined:  # the link allows nothing else first; kept as a real check
-            raise WireProtocolError(RejectCode.UNEXPECTED_FRAME, "expected to join, got " + repr(ev), remote=True)
-        log.info("wire.joined", rank=rank, step=ev.step)
+        await io.join(hello_timeout, log)
         while True:
             ev = await io.next_event()
             t = type(ev)

@@ -22,14 +22,12 @@ here.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import anyio
 from anyio.abc import ByteStream, SocketAttribute
 
-from kvledger.core.errors import InvalidArgumentError
+from ..core.errors import InvalidArgumentError
 
-__all__ = ["MemoryByteStream", "memory_pipe", "listen_tcp", "listener_address", "connect_tcp"]
+__all__ = ["MemoryByteStream", "memory_pipe", "listen_tcp", "accept", "listener_address", "connect_tcp"]
 
 
 class MemoryByteStream(ByteStream):
@@ -44,7 +42,7 @@ class MemoryByteStream(ByteStream):
     def __init__(self, send_stream, receive_stream) -> None:
         self._send = send_stream
         self._receive = receive_stream
-        self._leftover: Optional[bytes] = None
+        self._leftover: bytes | None = None
 
     async def receive(self, max_bytes: int = 65536) -> bytes:
         if self._leftover is not None:
@@ -73,7 +71,11 @@ class MemoryByteStream(ByteStream):
 
     def statistics(self) -> dict:
         s, r = self._send.statistics(), self._receive.statistics()
-        return {"queued_out": s.current_buffer_used, "queued_in": r.current_buffer_used, "max_chunks": s.max_buffer_size}
+        return {
+            "queued_out": s.current_buffer_used,
+            "queued_in": r.current_buffer_used,
+            "max_chunks": s.max_buffer_size,
+        }
 
 
 def memory_pipe(max_chunks: int = 64) -> tuple[MemoryByteStream, MemoryByteStream]:
@@ -83,7 +85,7 @@ def memory_pipe(max_chunks: int = 64) -> tuple[MemoryByteStream, MemoryByteStrea
     ``InvalidArgumentError`` for ``max_chunks < 1``.
     """
     if type(max_chunks) is not int or max_chunks < 1:
-        raise InvalidArgumentError("max_chunks must be an int >= 1, got " + repr(max_chunks))
+        raise InvalidArgumentError(f"max_chunks must be an int >= 1, got {max_chunks!r}")
     a_send, b_recv = anyio.create_memory_object_stream[bytes](max_chunks)
     b_send, a_recv = anyio.create_memory_object_stream[bytes](max_chunks)
     return MemoryByteStream(a_send, a_recv), MemoryByteStream(b_send, b_recv)
@@ -92,6 +94,15 @@ def memory_pipe(max_chunks: int = 64) -> tuple[MemoryByteStream, MemoryByteStrea
 async def listen_tcp(host: str = "127.0.0.1", port: int = 0):
     """A TCP listener on ``host:port`` (port 0: any free port; read it with ``listener_address``)."""
     return await anyio.create_tcp_listener(local_host=host, local_port=port)
+
+
+async def accept(listener):
+    """The next stream a listener from ``listen_tcp`` accepts (on its first socket when anyio
+    bound one per address family). Raises what the listener raises once it is closed."""
+    inner = getattr(listener, "listeners", None)
+    if inner:  # anyio MultiListener: one socket per address family
+        return await inner[0].accept()
+    return await listener.accept()
 
 
 def listener_address(listener) -> tuple[str, int]:
