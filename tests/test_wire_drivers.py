@@ -159,9 +159,9 @@ async def _steps(leader, ranks, n, first=0, ids_for=None):
         ids = ids_for(step) if ids_for else tuple(sorted({(step * 7 + i * 13) % G.num_pages for i in range(9)}))
         plan = StepPlan(step=step, clear_list=ids)
         t0 = anyio.current_time()
-        d = await leader.run_step(plan, b"payload-" + str(step).encode(), timeout=TIMEOUT)
+        d = await leader.run_step(plan, f"payload-{step}".encode(), timeout=TIMEOUT)
         if d.launch:
-            ranks[0].on_launch(step, memoryview(struct.pack("<" + str(len(ids)) + "I", *sorted(ids))).cast("I"), b"")
+            ranks[0].on_launch(step, memoryview(struct.pack(f"<{len(ids)}I", *sorted(ids))).cast("I"), b"")
         decisions.append((d, t0, ids))
     return decisions
 
@@ -359,7 +359,7 @@ async def test_r13_async_fault_at_each_phase(fault, phase):
     if fault != "kill":
         assert ranks[f].ran == launched
     print("R13 async", fault, phase, "decisions", [(d.step, d.launch, int(d.code)) for d, _, _ in decisions],
-          "slowest ABORT after PREPARE %.3f s (deadline %.1f s)" % (worst, TIMEOUT))
+          f"slowest ABORT after PREPARE {worst:.3f} s (deadline {TIMEOUT:.1f} s)")
 
 
 @pytest.mark.asyncio

@@ -153,7 +153,7 @@ def _read(path: Path) -> list[dict]:
 async def _schedule(tmp: Path, fault: str, phase: str, *, world=3, steps=3, fstep=1):
     faulty = world - 1
     heal = tmp / "heal"
-    logs = {r: tmp / ("rank" + str(r) + ".jsonl") for r in range(1, world)}
+    logs = {r: tmp / f"rank{r}.jsonl" for r in range(1, world)}
     procs = {}
     decisions = []
     try:
