@@ -52,8 +52,9 @@ import hashlib
 import struct
 import sys
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from enum import IntEnum
+from typing import Any
 
 import msgspec
 
@@ -264,7 +265,7 @@ def encode_frame(kind: int, step: int, body: bytes, *, layout: int = LAYOUT, fla
     return head[:20] + crc.to_bytes(4, "little") + bytes(body)
 
 
-def pack_page_ids(page_ids) -> bytes:
+def pack_page_ids(page_ids: Iterable[int]) -> bytes:
     """Page ids as little-endian u32 bytes. Takes any sequence of ints.
 
     ``array('I')`` and ``memoryview`` of format ``'I'`` take a copy-only fast path.
@@ -289,14 +290,14 @@ def pack_page_ids(page_ids) -> bytes:
     return arr.tobytes()
 
 
-def _iter_or_empty(obj) -> list:
+def _iter_or_empty(obj: Any) -> list[Any]:
     try:
         return list(obj)
     except TypeError:
         return []
 
 
-def encode_prepare(step: int, page_ids, payload: bytes = b"") -> bytes:
+def encode_prepare(step: int, page_ids: Iterable[int], payload: bytes = b"") -> bytes:
     """PREPARE frame bytes for ``step`` without building a ``Prepare`` first (the hot path)."""
     return encode_prepare_raw(step, pack_page_ids(page_ids), payload)
 
@@ -373,7 +374,7 @@ def encode(frame: Frame) -> bytes:
     return enc(frame)
 
 
-def frame_checksum(data) -> int:
+def frame_checksum(data: bytes | bytearray | memoryview) -> int:
     """The CRC32 stored in an encoded frame's header (what READY and LAUNCH echo)."""
     return int.from_bytes(bytes(data[20:24]), "little")
 

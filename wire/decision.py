@@ -65,7 +65,7 @@ class Leader:
         self._stats = {"launched": 0, "aborted": 0}
 
     @property
-    def peers(self) -> frozenset:
+    def peers(self) -> frozenset[int]:
         return frozenset(range(1, self.world_size))
 
     def join(self, rank: int) -> None:
@@ -171,5 +171,5 @@ class Leader:
         self.step = None
         return d
 
-    def statistics(self) -> dict:
+    def statistics(self) -> dict[str, int]:
         return dict(self._stats, next_step=self.next_step, joined=len(self.joined), lost=len(self.lost))

@@ -24,7 +24,7 @@ the leader sends, is proven distinct and in range without a Python int per id).
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ..core import checks
 from ..core.errors import FrameError, InvalidArgumentError
@@ -69,7 +69,7 @@ def _kind_name(kind: int) -> str:
 # ---------------------------------------------------------------------------- page-id checks
 
 
-def page_ids_problem(raw, num_pages: int) -> tuple[RejectCode, str] | None:
+def page_ids_problem(raw: bytes | bytearray | memoryview, num_pages: int) -> tuple[RejectCode, str] | None:
     """``None`` if the u32 ids in ``raw`` are all ``< num_pages`` and distinct.
 
     Otherwise ``(RejectCode, detail)``: PAGE_OUT_OF_RANGE or DUPLICATE_PAGE and a
@@ -91,7 +91,7 @@ def reject_for(problem: checks.Problem, num_pages: int) -> tuple[RejectCode, str
     return RejectCode.DUPLICATE_PAGE, f"page ids {_few(problem.page_ids)} listed more than once"
 
 
-def _few(ids, limit: int = 8) -> str:
+def _few(ids: Sequence[int], limit: int = 8) -> str:
     head = ", ".join(str(i) for i in ids[:limit])
     more = f", ... ({len(ids)} in all)" if len(ids) > limit else ""
     return f"[{head}{more}]"
@@ -213,7 +213,7 @@ class FrameDecoder:
     def at_eof(self) -> bool:
         return self._eof
 
-    def feed(self, data) -> None:
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Append received bytes. Raises ``InvalidArgumentError`` after ``feed_eof``."""
         if self._eof:
             raise InvalidArgumentError("feed() after feed_eof()")
@@ -319,7 +319,7 @@ class FrameDecoder:
         return decoder
 
 
-def decode(data) -> Frame:
+def decode(data: bytes | bytearray | memoryview) -> Frame:
     """Exactly one whole frame from ``data``. Raises ``FrameError`` otherwise (also for extra bytes)."""
     dec = FrameDecoder(max_body=max(64, len(data)))
     dec.feed(data)

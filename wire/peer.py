@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from enum import Enum
-from typing import Any
+from typing import Any, cast
 
 from ..core import checks
 from ..core.errors import FrameError, HandshakeRefused, InvalidArgumentError, LocalProtocolError, RemoteProtocolError
@@ -85,8 +85,8 @@ class PeerLink(Link):
     with a larger one is answered REJECT FRAME_TOO_LARGE (the step aborts, the
     link stays). The decoder's body cap follows from it (``max_body_for``: every
     page listed plus ``max_payload``), so a larger frame breaks the link from its
-    header. Raises ``InvalidArgumentError`` for a bad rank, world size,
-    ``max_payload`` or limit, ``ConfigurationError`` for a bad geometry.
+    header. Raises ``InvalidArgumentError`` for a bad rank, world size or
+    ``max_payload``, ``ConfigurationError`` for a bad geometry.
     """
 
     def __init__(
@@ -115,7 +115,7 @@ class PeerLink(Link):
         self._held_aborts: dict[int, Abort] = {}
         self._vetoed: dict[int, bytes] = {}
         self._held_limit = held_limit
-        self._events: deque = deque()
+        self._events: deque[Any] = deque()
         self._stats.update(ready=0, rejected=0, launched=0, aborted=0, held=0)
 
     # -- local actions
@@ -271,9 +271,10 @@ class PeerLink(Link):
     def _prepare(self, f: Prepare) -> None:
         s = f.step
         if len(f.payload) > self.max_payload:
-            detail = f"PREPARE step {s}: payload of {len(f.payload)} bytes over this rank's cap of {self.max_payload}"
+            detail = f"PREPARE step {s}: payload of {len(f.payload)} bytes, this rank's cap is {self.max_payload}"
             return self._reject_current(RejectCode.FRAME_TOO_LARGE, detail)
-        problem = page_ids_problem(f.clear_pages, self.num_pages)
+        # a decoded PREPARE carries its ids as a memoryview of format 'I' over the frame
+        problem = page_ids_problem(cast(memoryview, f.clear_pages), self.num_pages)
         if problem is None:
             self._prepared = f
             self._answer = encode(Ready(step=s, rank=self.rank, prepare_checksum=f.checksum))

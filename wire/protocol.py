@@ -248,7 +248,7 @@ class Link:
         """Received bytes not yet consumed as frames."""
         return self._decoder.buffered
 
-    def statistics(self) -> dict:
+    def statistics(self) -> dict[str, int]:
         """Counters: frames and bytes in/out, duplicates and stale frames absorbed, and more."""
         return dict(self._stats)
 

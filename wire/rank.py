@@ -31,14 +31,16 @@ nothing here configures output.
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 import structlog
+from anyio.abc import ByteStream, TaskStatus
 
 from ..core.errors import InvalidArgumentError, WireProtocolError
+from ..core.events import Geometry, StepPlan
 from .codec import DEFAULT_MAX_PAYLOAD, RejectCode
 from .decision import Leader
 from .leader import LeaderLink, LeaderState
@@ -55,14 +57,14 @@ _CLOSED = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceErr
 _DECIDABLE = (LeaderState.IDLE, LeaderState.AWAITING, LeaderState.VOTED)  # a link that can take LAUNCH / ABORT
 
 
-def _logger(logger):
+def _logger(logger: Any) -> Any:
     return logger if logger is not None else structlog.get_logger("kvledger.wire")
 
 
 class _Conn:
     __slots__ = ("link", "stream", "out_send", "out_recv", "rank", "cancel", "alive", "writer_done")
 
-    def __init__(self, link: LeaderLink, stream, outbox: int) -> None:
+    def __init__(self, link: LeaderLink, stream: ByteStream, outbox: int) -> None:
         self.link = link
         self.stream = stream
         self.out_send, self.out_recv = anyio.create_memory_object_stream[bytes](outbox)
@@ -81,13 +83,13 @@ class WireLeader:
 
     def __init__(
         self,
-        geometry,
+        geometry: Geometry,
         *,
         world_size: int,
         next_step: int = 0,
         outbox_frames: int = 32,
         close_grace: float = 1.0,
-        logger=None,
+        logger: Any = None,
     ) -> None:
         self.geometry = geometry
         self.world_size = world_size
@@ -105,7 +107,7 @@ class WireLeader:
 
     # ------------------------------------------------------------------ links
 
-    def attach(self, stream) -> None:
+    def attach(self, stream: ByteStream) -> None:
         """Serve one peer over ``stream`` (any anyio byte stream); returns at once."""
         if self._tg is None or self._closing:
             raise InvalidArgumentError("attach() outside open_leader() or after it closed")
@@ -113,7 +115,7 @@ class WireLeader:
         self._all.add(conn)
         self._tg.start_soon(self._run_conn, conn)
 
-    async def listen(self, listener) -> tuple[str, int]:
+    async def listen(self, listener: Any) -> tuple[str, int]:
         """Accept peers on ``listener`` (from ``listen_tcp``) until the leader closes; returns its address."""
         if self._tg is None or self._closing:
             raise InvalidArgumentError("listen() outside open_leader() or after it closed")
@@ -124,7 +126,9 @@ class WireLeader:
         """Listen for peers on ``host:port`` (0: any free port); returns ``(host, port)`` to publish."""
         return await self.listen(await listen_tcp(host, port))
 
-    async def _serve(self, listener, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+    async def _serve(
+        self, listener: Any, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
         async with listener:
             task_status.started()
             while True:
@@ -138,11 +142,11 @@ class WireLeader:
                 self.attach(stream)
 
     @property
-    def ranks(self) -> frozenset:
+    def ranks(self) -> frozenset[int]:
         """Peer ranks with a live, joined link."""
         return frozenset(r for r, c in self._conns.items() if c.alive)
 
-    async def wait_joined(self, ranks=None) -> None:
+    async def wait_joined(self, ranks: Iterable[int] | None = None) -> None:
         """Wait until every peer rank (or those in ``ranks``) has a live link. Put a deadline around it."""
         want = set(range(1, self.world_size)) if ranks is None else set(ranks)
         while not want <= self.ranks:
@@ -166,7 +170,7 @@ class WireLeader:
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             self._drop(conn)
 
-    async def _flush_all(self, conns: list, seconds: float) -> None:
+    async def _flush_all(self, conns: list[_Conn], seconds: float) -> None:
         """Queue what each link wants sent: first to every link with outbox room, without
         waiting; then, for links whose outbox is full, wait up to ``seconds`` in all for
         room, and drop the ones still full. A stalled peer never delays the others."""
@@ -259,7 +263,7 @@ class WireLeader:
                     return
             self._flush(conn)
 
-    def _on_event(self, conn: _Conn, ev) -> bool:
+    def _on_event(self, conn: _Conn, ev: Any) -> bool:
         if type(ev) is PeerHello:
             r = ev.rank
             old = self._conns.get(r)
@@ -281,7 +285,7 @@ class WireLeader:
 
     # ------------------------------------------------------------------ steps
 
-    async def run_step(self, plan, payload: bytes = b"", *, timeout: float) -> Decision:
+    async def run_step(self, plan: StepPlan, payload: bytes = b"", *, timeout: float) -> Decision:
         """PREPARE ``plan`` on every peer, wait up to ``timeout`` s for the votes, LAUNCH or ABORT.
 
         Returns the ``Decision``; the caller clears and runs the step locally only
@@ -344,9 +348,9 @@ class WireLeader:
     def next_step(self) -> int:
         return self._rule.next_step
 
-    def statistics(self) -> dict:
+    def statistics(self) -> dict[str, int]:
         """The decision rule's counters and, per live rank, its link's."""
-        out: dict = dict(self._rule.statistics())
+        out = dict(self._rule.statistics())
         for r, c in sorted(self._conns.items()):
             for k, v in c.link.statistics().items():
                 out[f"rank{r}.{k}"] = v
@@ -362,7 +366,9 @@ class WireLeader:
 
 
 @asynccontextmanager
-async def open_leader(geometry, *, world_size: int, next_step: int = 0, **kwargs) -> AsyncIterator[WireLeader]:
+async def open_leader(
+    geometry: Geometry, *, world_size: int, next_step: int = 0, **kwargs: Any
+) -> AsyncIterator[WireLeader]:
     """The leader of a ``world_size``-rank group (this process is rank 0).
 
         async with open_leader(geometry, world_size=4) as leader:
@@ -388,7 +394,7 @@ class _PeerIO:
 
     __slots__ = ("link", "stream", "open")
 
-    def __init__(self, link: PeerLink, stream) -> None:
+    def __init__(self, link: PeerLink, stream: ByteStream) -> None:
         self.link = link
         self.stream = stream
         self.open = True
@@ -401,7 +407,7 @@ class _PeerIO:
             except _CLOSED:
                 self.open = False
 
-    async def next_event(self):
+    async def next_event(self) -> Any:
         link = self.link
         while True:
             try:
@@ -420,7 +426,7 @@ class _PeerIO:
             await self.flush()
             return ev
 
-    async def join(self, timeout: float, log) -> None:
+    async def join(self, timeout: float, log: Any) -> None:
         """Send HELLO and wait up to ``timeout`` s to be accepted. Raises ``TimeoutError``,
         or ``WireProtocolError`` when the leader refuses this rank or closes the link first."""
         link = self.link
@@ -437,8 +443,8 @@ class _PeerIO:
 
 
 async def run_peer(
-    stream,
-    geometry,
+    stream: ByteStream,
+    geometry: Geometry,
     *,
     rank: int,
     world_size: int,
@@ -447,8 +453,8 @@ async def run_peer(
     on_answer: Callable[[Answered], None] | None = None,
     hello_timeout: float = 30.0,
     max_payload: int = DEFAULT_MAX_PAYLOAD,
-    logger=None,
-) -> dict:
+    logger: Any = None,
+) -> dict[str, int]:
     """Run peer ``rank`` over ``stream`` until the leader closes it; return the link's counters.
 
     Sends HELLO and waits up to ``hello_timeout`` s to be accepted (``TimeoutError``
