@@ -230,7 +230,11 @@ class FrameDecoder:
         return err
 
     def next_frame(self) -> Frame | None:
-        """The next complete frame, or ``None`` if more bytes are needed (or the stream ended cleanly)."""
+        """The next complete frame, or ``None`` if more bytes are needed (or the stream ended cleanly).
+
+        Raises ``FrameError`` for bytes that are not a well-formed layout-7 frame,
+        and the same error on every later call (the stream must be closed).
+        """
         if self.error is not None:
             raise self.error
         buf, pos = self._buf, self._pos
