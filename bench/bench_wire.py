@@ -66,7 +66,7 @@ def _batch(fn, n: int):
 
 
 def _codec(quick: bool) -> tuple[dict, list]:
-    from kvledger.wire.codec import FrameDecoder, decode, encode_prepare, page_ids_problem
+    from kvledger.wire import FrameDecoder, decode, encode_prepare, page_ids_problem
 
     rng = random.Random(SEED)
     figures, rows = {}, []
@@ -110,19 +110,19 @@ def _codec(quick: bool) -> tuple[dict, list]:
         )
         e, d_, v, b, u = (t[k].best for k in ("encode", "decode", "validate", "baseline", "unsorted"))
         figures.update({
-            "encode_" + str(n) + "_us": e * 1e6,
-            "decode_" + str(n) + "_us": d_ * 1e6,
-            "validate_" + str(n) + "_us": v * 1e6,
-            "validate_unsorted_" + str(n) + "_us": u * 1e6,
-            "baseline_" + str(n) + "_us": b * 1e6,
-            "validate_" + str(n) + "_ratio": b / v,
-            "validate_" + str(n) + "_ids_per_s": n / v,
-            "codec_" + str(n) + "_ids_per_s": n / (e + d_ + v),
+            f"encode_{n}_us": e * 1e6,
+            f"decode_{n}_us": d_ * 1e6,
+            f"validate_{n}_us": v * 1e6,
+            f"validate_unsorted_{n}_us": u * 1e6,
+            f"baseline_{n}_us": b * 1e6,
+            f"validate_{n}_ratio": b / v,
+            f"validate_{n}_ids_per_s": n / v,
+            f"codec_{n}_ids_per_s": n / (e + d_ + v),
         })
         rows.append([
-            n, "%.2f" % (e * 1e6), "%.2f" % (d_ * 1e6), "%.2f" % (v * 1e6), "%.2f" % (u * 1e6), "%.2f" % (b * 1e6),
-            "%.2fx" % (b / v), fmt_rate(n / v, " ids/s"), fmt_rate(n / (e + d_ + v), " ids/s"),
-            "%.0f%%" % (100 * t["validate"].spread),
+            n, f"{e * 1e6:.2f}", f"{d_ * 1e6:.2f}", f"{v * 1e6:.2f}", f"{u * 1e6:.2f}", f"{b * 1e6:.2f}",
+            f"{b / v:.2f}x", fmt_rate(n / v, " ids/s"), fmt_rate(n / (e + d_ + v), " ids/s"),
+            f"{100 * t['validate'].spread:.0f}%",
         ])
     return figures, rows
 
@@ -136,8 +136,7 @@ async def _peer(port: int, rank: int, world: int, echo: bool, size: int) -> None
     import anyio
 
     from kvledger import Geometry
-    from kvledger.wire.rank import run_peer
-    from kvledger.wire.transport import connect_tcp
+    from kvledger.wire import connect_tcp, run_peer
 
     stream = await connect_tcp("127.0.0.1", port)
     if not echo:
@@ -166,9 +165,7 @@ async def _round_trips(world: int, rounds: int, batch: int) -> dict:
     import anyio
 
     from kvledger import Geometry, StepPlan
-    from kvledger.wire.codec import encode_prepare
-    from kvledger.wire.rank import open_leader
-    from kvledger.wire.transport import listen_tcp, listener_address
+    from kvledger.wire import encode_prepare, listen_tcp, listener_address, open_leader
 
     g = Geometry(num_pages=_GEOMETRY[0], page_tokens=_GEOMETRY[1])
     rng = random.Random(SEED + world)
@@ -212,7 +209,7 @@ async def _round_trips(world: int, rounds: int, batch: int) -> dict:
                 hs.append(time.perf_counter() - t0)
                 step += 1
                 if not d.launch:
-                    raise RuntimeError("bench step aborted: " + d.detail)
+                    raise RuntimeError(f"bench step aborted: {d.detail}")
                 await anyio.sleep(SETTLE)  # untimed: LAUNCH goes out, peers run the step
             for _ in range(batch):
                 echo.append(await one_echo())
@@ -251,18 +248,18 @@ def run(quick: bool) -> dict:
         r = anyio.run(_round_trips, world, rounds, 50)
         h50, h99 = _pct(r["handshake"], 0.5), _pct(r["handshake"], 0.99)
         e50, e99 = _pct(r["echo"], 0.5), _pct(r["echo"], 0.99)
-        w = str(world)
+        w = world
         figures.update({
-            "rtt_handshake_p50_us_" + w: h50 * 1e6, "rtt_handshake_p99_us_" + w: h99 * 1e6,
-            "rtt_echo_p50_us_" + w: e50 * 1e6, "rtt_echo_p99_us_" + w: e99 * 1e6,
-            "rtt_ratio_" + w: h50 / e50, "rtt_ratio_p99_" + w: h99 / e99,
+            f"rtt_handshake_p50_us_{w}": h50 * 1e6, f"rtt_handshake_p99_us_{w}": h99 * 1e6,
+            f"rtt_echo_p50_us_{w}": e50 * 1e6, f"rtt_echo_p99_us_{w}": e99 * 1e6,
+            f"rtt_ratio_{w}": h50 / e50, f"rtt_ratio_p99_{w}": h99 / e99,
         })
-        rrows.append([world, r["bytes"], len(r["handshake"]), "%.0f" % (h50 * 1e6), "%.0f" % (h99 * 1e6),
-                      "%.0f" % (e50 * 1e6), "%.0f" % (e99 * 1e6), "%.2fx" % (h50 / e50), "%.2fx" % (h99 / e99)])
+        rrows.append([world, r["bytes"], len(r["handshake"]), f"{h50 * 1e6:.0f}", f"{h99 * 1e6:.0f}",
+                      f"{e50 * 1e6:.0f}", f"{e99 * 1e6:.0f}", f"{h50 / e50:.2f}x", f"{h99 / e99:.2f}x"])
     figures["rtt_ids"] = RTT_IDS
     figures["rtt_ranks"] = "processes (leader in the bench process, one OS process per peer), loopback TCP"
     print_table(
-        "PREPARE -> READY from all over loopback TCP (" + str(RTT_IDS) + " ids; peers are OS processes)",
+        f"PREPARE -> READY from all over loopback TCP ({RTT_IDS} ids; peers are OS processes)",
         ["ranks", "frame B", "steps", "handshake p50 us", "p99 us", "echo p50 us", "p99 us", "p50 ratio", "p99 ratio"],
         rrows,
     )
@@ -290,7 +287,7 @@ def _main() -> None:
         return
     figs = run(a.quick)
     for k, (op, v) in TARGETS.items():
-        print(k, op, v, "measured", "%.3f" % figs[k])
+        print(k, op, v, "measured", f"{figs[k]:.3f}")
 
 
 if __name__ == "__main__":

@@ -54,8 +54,7 @@ import msgspec
 import structlog
 
 from kvledger import Geometry, Ledger, OutOfPagesError
-from kvledger.wire.rank import open_leader, run_peer
-from kvledger.wire.transport import connect_tcp
+from kvledger.wire import connect_tcp, open_leader, run_peer
 
 NAN = 0x7F  # float8_e4m3fn NaN (so is 0xFF)
 KEY = "kvledger/wire/"

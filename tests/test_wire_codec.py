@@ -11,6 +11,8 @@ import array
 import os
 import random
 import struct
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -25,7 +27,6 @@ from kvledger.wire.codec import (
     MAGIC,
     NO_RANK,
     Abort,
-    FrameDecoder,
     FrameKind,
     Hello,
     Launch,
@@ -33,15 +34,14 @@ from kvledger.wire.codec import (
     Ready,
     Reject,
     RejectCode,
-    decode,
     encode,
     encode_frame,
     encode_prepare,
     frame_checksum,
     geometry_digest,
     pack_page_ids,
-    page_ids_problem,
 )
+from kvledger.wire.decoder import FrameDecoder, decode, page_ids_problem
 from kvledger.core.errors import FrameError
 
 HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
@@ -505,3 +505,20 @@ def test_r7_oversized_declarations_never_buffer_past_the_cap():
 
 def test_no_rank_constant():
     assert NO_RANK == 2**32 - 1
+
+
+# ---------------------------------------------------------------------------- the package face
+
+
+def test_import_wire_is_sans_io_and_every_name_resolves():
+    """``import kvledger.wire`` loads the codec and the state machines without anyio or
+    structlog (the drivers and transports load on first use), and every name in
+    ``kvledger.wire.__all__`` resolves, the lazy ones pulling their module in then."""
+    code = (
+        "import sys, kvledger.wire as w\n"
+        "early = sorted(m for m in ('anyio', 'structlog', 'torch') if m in sys.modules)\n"
+        "missing = [n for n in w.__all__ if getattr(w, n, None) is None]\n"
+        "print(early, missing, 'anyio' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["[]", "[]", "True"], out

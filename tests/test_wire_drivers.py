@@ -15,12 +15,21 @@ import anyio
 import pytest
 import torch
 
-from kvledger import DuplicatePageError, Geometry, StepOrderError, StepPlan, WireProtocolError
+from kvledger import DuplicatePageError, Geometry, HandshakeRefused, StepOrderError, StepPlan, WireProtocolError
 from kvledger.executors.backend import make_backend
-from kvledger.wire.codec import HEADER_SIZE, FrameKind, Hello, RejectCode, decode, encode, geometry_digest
-from kvledger.core.errors import HandshakeRefused
-from kvledger.wire.rank import open_leader, run_peer
-from kvledger.wire.transport import connect_tcp, memory_pipe
+from kvledger.wire import (
+    FrameKind,
+    Hello,
+    RejectCode,
+    connect_tcp,
+    decode,
+    encode,
+    geometry_digest,
+    memory_pipe,
+    open_leader,
+    run_peer,
+)
+from kvledger.wire.codec import HEADER_SIZE
 
 G = Geometry(num_pages=128, page_tokens=16)
 TIMEOUT = 0.3
@@ -150,9 +159,9 @@ async def _steps(leader, ranks, n, first=0, ids_for=None):
         ids = ids_for(step) if ids_for else tuple(sorted({(step * 7 + i * 13) % G.num_pages for i in range(9)}))
         plan = StepPlan(step=step, clear_list=ids)
         t0 = anyio.current_time()
-        d = await leader.run_step(plan, b"payload-" + str(step).encode(), timeout=TIMEOUT)
+        d = await leader.run_step(plan, f"payload-{step}".encode(), timeout=TIMEOUT)
         if d.launch:
-            ranks[0].on_launch(step, memoryview(struct.pack("<" + str(len(ids)) + "I", *sorted(ids))).cast("I"), b"")
+            ranks[0].on_launch(step, memoryview(struct.pack(f"<{len(ids)}I", *sorted(ids))).cast("I"), b"")
         decisions.append((d, t0, ids))
     return decisions
 
@@ -350,7 +359,7 @@ async def test_r13_async_fault_at_each_phase(fault, phase):
     if fault != "kill":
         assert ranks[f].ran == launched
     print("R13 async", fault, phase, "decisions", [(d.step, d.launch, int(d.code)) for d, _, _ in decisions],
-          "slowest ABORT after PREPARE %.3f s (deadline %.1f s)" % (worst, TIMEOUT))
+          f"slowest ABORT after PREPARE {worst:.3f} s (deadline {TIMEOUT:.1f} s)")
 
 
 @pytest.mark.asyncio

@@ -99,8 +99,7 @@ class FaultyStream:
 
 
 def peer_main(argv) -> int:
-    from kvledger.wire.rank import run_peer
-    from kvledger.wire.transport import connect_tcp
+    from kvledger.wire import connect_tcp, run_peer
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int)
@@ -140,7 +139,7 @@ def peer_main(argv) -> int:
 
 import pytest  # noqa: E402  (the peer script above does not need it)
 
-from kvledger.wire.rank import open_leader  # noqa: E402
+from kvledger.wire import open_leader  # noqa: E402
 
 PHASES = ["before_prepare", "after_prepare", "after_ready", "after_decision"]
 
@@ -154,7 +153,7 @@ def _read(path: Path) -> list[dict]:
 async def _schedule(tmp: Path, fault: str, phase: str, *, world=3, steps=3, fstep=1):
     faulty = world - 1
     heal = tmp / "heal"
-    logs = {r: tmp / ("rank" + str(r) + ".jsonl") for r in range(1, world)}
+    logs = {r: tmp / f"rank{r}.jsonl" for r in range(1, world)}
     procs = {}
     decisions = []
     try:

@@ -42,7 +42,7 @@ from kvledger.wire.codec import (
     frame_checksum,
     geometry_digest,
 )
-from kvledger.wire.protocol import (
+from kvledger.wire import (
     NEED_DATA,
     Answered,
     ConnectionClosed,
@@ -392,7 +392,7 @@ def test_peer_refuses_a_leader_with_another_geometry():
         peer.next_event()
     assert info.value.code == RejectCode.GEOMETRY_MISMATCH
     (reject,) = split_frames(peer.data_to_send())
-    from kvledger.wire.codec import decode
+    from kvledger.wire.decoder import decode
 
     assert decode(reject).code == RejectCode.GEOMETRY_MISMATCH
 
@@ -521,7 +521,7 @@ def _feed(peer, *frames):
 
 
 def _dec(b):
-    from kvledger.wire.codec import decode
+    from kvledger.wire.decoder import decode
 
     return decode(b)
 
@@ -592,6 +592,26 @@ def test_peer_breaks_on_contradictions_and_launches_nothing(frames, code):
     assert type(last) is Reject and last.code == code
     # only a LAUNCH that matched before the bad frame ran
     assert [e.step for e in runs if type(e) is RunStep] == ([5] if frames[:2] == (P5, L5) else [])
+
+
+def test_max_payload_caps_the_payload_not_the_body():
+    """A peer's ``max_payload`` is the largest PREPARE payload it READYs: one byte more is
+    REJECT FRAME_TOO_LARGE for that step (the link stays up), even though the frame's body
+    is far under the decoder's cap (which leaves room for every page id)."""
+    peer = PeerLink(G, rank=1, world_size=2, max_payload=100)
+    peer.start()
+    peer.data_to_send()
+    peer.receive_data(encode(Hello(step=0, rank=0, world_size=2, geometry_digest=geometry_digest(G))))
+    assert type(peer.next_event()) is Joined
+    evs, sent = _feed(peer, Prepare(step=0, clear_pages=[1], payload=bytes(101)))
+    assert sent == ["Reject"] and peer.state is PeerState.REJECTED
+    assert evs[0].code == RejectCode.FRAME_TOO_LARGE and "101 bytes" in evs[0].detail
+    evs, sent = _feed(peer, Abort(step=0, code=RejectCode.FRAME_TOO_LARGE, rank=1))
+    assert [type(e) for e in evs] == [DropStep]
+    evs, sent = _feed(peer, Prepare(step=1, clear_pages=[1], payload=bytes(100)))
+    assert sent == ["Ready"] and peer.state is PeerState.READY
+    with pytest.raises(InvalidArgumentError):
+        PeerLink(G, rank=1, world_size=2, max_payload=-1)
 
 
 def test_leader_link_votes():
@@ -923,7 +943,6 @@ def _r13_schedule(seed: int, fault: str, phase: str) -> dict:
             if step == fstep and not faulted and phase == "after_decision" and step in sim.decisions:
                 apply_fault()
         # survivors reach the decision without another deadline passing
-        t = sim.tick
         sim.run_fifo(skip=(f,) if faulted else ())
         for r in survivors:
             if r in sim.perr:

@@ -1,19 +1,26 @@
 """kvledger.wire: tensor-parallel PREPARE/READY/LAUNCH over layout-7 frames.
 
-    codec      frames <-> bytes (sans-I/O, ``struct`` layout, CRC32, golden bytes)
-    protocol   per-link state machines (PeerLink, LeaderLink) and the leader's
-               decision rule (Leader); pure, no I/O, no clock
-    transport  in-process memory pipes and anyio TCP streams
-    rank       async drivers: open_leader / WireLeader.run_step, run_peer
+    codec      the frames, their byte layout and the encoders (``struct``, CRC32,
+               golden bytes)
+    decoder    bytes -> frames (incremental, checked) and the PREPARE page-id check
+    protocol   the handshake's overview, the events links hand out, the link base
+    peer       PeerLink: a peer's end of its link (pure state machine)
+    leader     LeaderLink: the leader's end of one link (pure state machine)
+    decision   Leader: the leader's decision rule over all links (pure)
+    transport  in-process memory pipes and anyio TCP streams       (loaded on first use)
+    rank       async drivers: open_leader / WireLeader.run_step, run_peer  (same)
 
-Importing this package pulls in anyio and msgspec, never torch, triton or CUDA.
+Importing this package loads only the sans-I/O half (msgspec, no anyio, no
+clock): the transports and the drivers, which need anyio and structlog, load
+when one of their names is first used. Never torch, triton or CUDA.
 """
+
+from typing import TYPE_CHECKING
 
 from .codec import (
     LAYOUT,
     NO_RANK,
     Abort,
-    FrameDecoder,
     FrameKind,
     Hello,
     Launch,
@@ -21,12 +28,14 @@ from .codec import (
     Ready,
     Reject,
     RejectCode,
-    decode,
     encode,
     encode_prepare,
     geometry_digest,
-    page_ids_problem,
 )
+from .decision import Leader
+from .decoder import FrameDecoder, decode, page_ids_problem
+from .leader import LeaderLink, LeaderState
+from .peer import PeerLink, PeerState
 from .protocol import (
     NEED_DATA,
     Answered,
@@ -34,16 +43,41 @@ from .protocol import (
     Decision,
     DropStep,
     Joined,
-    Leader,
-    LeaderLink,
-    LeaderState,
     PeerHello,
-    PeerLink,
-    PeerState,
     RunStep,
 )
-from .rank import WireLeader, open_leader, run_peer
-from .transport import MemoryByteStream, connect_tcp, listen_tcp, listener_address, memory_pipe
+
+if TYPE_CHECKING:
+    from .rank import WireLeader, open_leader, run_peer
+    from .transport import MemoryByteStream, connect_tcp, listen_tcp, listener_address, memory_pipe
+
+# Loaded on first use (they import anyio): name -> submodule.
+_LAZY = {
+    "WireLeader": "rank",
+    "open_leader": "rank",
+    "run_peer": "rank",
+    "MemoryByteStream": "transport",
+    "connect_tcp": "transport",
+    "listen_tcp": "transport",
+    "listener_address": "transport",
+    "memory_pipe": "transport",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "LAYOUT",

@@ -1,4 +1,4 @@
-"""The wire codec, layout 7: frames in, bytes out, bytes in, frames out. No I/O.
+"""The wire codec, layout 7: the frames, their byte layout, and the encoders. No I/O.
 
 Every frame is a fixed 24-byte header followed by ``body_len`` bytes of body.
 All integers are little-endian; page ids are unsigned 32-bit.
@@ -39,18 +39,10 @@ Bodies (``<`` little-endian ``struct`` formats):
 LAUNCH is the commit frame this layout adds to SPEC's five (see
 ``kvledger.wire.protocol`` for why a READY alone cannot be the commit point).
 
-The decoder (``FrameDecoder``) is incremental: ``feed`` bytes as they come,
-``next_frame`` returns a frame or ``None`` (need more bytes). Anything that is
-not a well-formed layout-7 frame raises ``FrameError`` (a ``WireProtocolError``
-with ``remote=True`` and a ``RejectCode``) and leaves the decoder broken: a byte
-stream whose framing cannot be trusted is not resynchronised, it is closed.
-Nothing else escapes the decoder, whatever the bytes.
-
-Page-id checks (``page_ids_problem``) take the raw little-endian id bytes. A
-strictly ascending list (what the leader sends: order does not matter for
-zeroing) is recognised with a handful of big-integer operations over 32-bit
-lanes, which proves the ids distinct and makes the last id the maximum; any
-other order falls back to ``max`` and ``set``.
+This module holds the frame values (small frozen msgspec Structs), the codes,
+and everything that turns frames or page ids into bytes (``encode``,
+``encode_prepare``, ``pack_page_ids``). Bytes back into frames, and the checks
+a receiver makes, are in ``kvledger.wire.decoder``.
 """
 
 from __future__ import annotations
@@ -60,12 +52,14 @@ import hashlib
 import struct
 import sys
 import zlib
+from collections.abc import Callable, Iterable, Sequence
 from enum import IntEnum
-from typing import Optional, Union
+from typing import Any
 
 import msgspec
 
-from ..core.errors import FrameError, InvalidArgumentError
+from ..core.errors import InvalidArgumentError
+from ..core.events import Geometry
 
 __all__ = [
     "MAGIC",
@@ -75,6 +69,7 @@ __all__ = [
     "NO_RANK",
     "MAX_DETAIL_BYTES",
     "DEFAULT_MAX_BODY",
+    "DEFAULT_MAX_PAYLOAD",
     "FrameKind",
     "RejectCode",
     "Hello",
@@ -89,12 +84,8 @@ __all__ = [
     "encode_prepare",
     "encode_prepare_raw",
     "pack_page_ids",
-    "unpack_page_ids",
-    "decode",
     "frame_checksum",
-    "FrameDecoder",
     "geometry_digest",
-    "page_ids_problem",
     "max_body_for",
 ]
 
@@ -105,15 +96,19 @@ HEADER_SIZE = HEADER.size  # 24
 NO_RANK = 0xFFFFFFFF
 MAX_DETAIL_BYTES = 1024
 DEFAULT_MAX_BODY = 8 << 20  # 8 MiB: two million page ids
+DEFAULT_MAX_PAYLOAD = 1 << 20  # what a peer accepts in one PREPARE's payload unless told otherwise
 
+# Body layouts, shared with decoder.py.
+HELLO_BODY = struct.Struct("<II32s")
+PREPARE_COUNTS = struct.Struct("<II")
+READY_BODY = struct.Struct("<II")
+REJECT_BODY = struct.Struct("<IHH")
+ABORT_BODY = struct.Struct("<IHH")
+LAUNCH_BODY = struct.Struct("<I")
+
+_U16 = 0xFFFF
 _U32 = 0xFFFFFFFF
 _U64 = (1 << 64) - 1
-_HELLO = struct.Struct("<II32s")
-_COUNTS = struct.Struct("<II")
-_READY = struct.Struct("<II")
-_REJECT = struct.Struct("<IHH")
-_ABORT = struct.Struct("<IHH")
-_LAUNCH = struct.Struct("<I")
 _crc32 = zlib.crc32
 
 # array typecode holding unsigned 32-bit ints here ('I' on every mainstream ABI).
@@ -137,7 +132,7 @@ class RejectCode(IntEnum):
     BAD_LAYOUT = 2  # layout byte is not 7 (e.g. a layout-6 rank)
     BAD_KIND = 3  # unknown frame kind
     BAD_FLAGS = 4  # reserved flag bits set
-    FRAME_TOO_LARGE = 5  # body_len over the receiver's cap
+    FRAME_TOO_LARGE = 5  # body_len, or a PREPARE's payload, over the receiver's cap
     BAD_LENGTH = 6  # body_len or a length inside the body is inconsistent
     BAD_CHECKSUM = 7  # CRC32 mismatch
     TRUNCATED = 8  # the stream ended inside a frame
@@ -156,16 +151,6 @@ class RejectCode(IntEnum):
     PEER_FAILED = 21  # a rank refused for a local reason (its executor, ...)
 
 
-_KIND_NAMES = {k.value: k.name for k in FrameKind}
-
-
-def _kind_name(kind) -> str:
-    return _KIND_NAMES.get(kind, "kind " + str(kind))
-
-
-
-
-
 # ---------------------------------------------------------------------------- frames
 
 
@@ -173,7 +158,7 @@ class _Frame(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     pass
 
 
-class Hello(_Frame):
+class Hello(_Frame, frozen=True):
     """Who is on this link: ``rank`` of ``world_size``, over the geometry ``geometry_digest``.
 
     ``step``: the leader's HELLO names the first step it will PREPARE; a peer's
@@ -187,7 +172,7 @@ class Hello(_Frame):
     layout: int = LAYOUT
 
 
-class Prepare(_Frame):
+class Prepare(_Frame, frozen=True):
     """The step plan: zero ``clear_pages`` (distinct u32 page ids), run with ``payload``.
 
     Decoded frames carry ``clear_pages`` as a read-only ``memoryview`` of format
@@ -197,7 +182,7 @@ class Prepare(_Frame):
     """
 
     step: int
-    clear_pages: object = ()
+    clear_pages: Sequence[int] = ()
     payload: bytes = b""
     checksum: int = 0
 
@@ -206,13 +191,12 @@ class Prepare(_Frame):
         head = list(ids[:8]) if len(ids) else []
         more = ", ..." if len(ids) > 8 else ""
         return (
-            "Prepare(step=" + str(self.step) + ", clear_pages=" + str(head)[:-1] + more + "] ("
-            + str(len(ids)) + " ids), payload=" + str(len(self.payload)) + " bytes, checksum="
-            + hex(self.checksum) + ")"
+            f"Prepare(step={self.step}, clear_pages={str(head)[:-1]}{more}] ({len(ids)} ids), "
+            f"payload={len(self.payload)} bytes, checksum={self.checksum:#x})"
         )
 
 
-class Ready(_Frame):
+class Ready(_Frame, frozen=True):
     """Rank ``rank`` validated the PREPARE of ``step`` whose frame checksum was ``prepare_checksum``."""
 
     step: int
@@ -220,7 +204,7 @@ class Ready(_Frame):
     prepare_checksum: int
 
 
-class Reject(_Frame):
+class Reject(_Frame, frozen=True):
     """Rank ``rank`` refuses ``step`` (or the link): ``code`` is a ``RejectCode``."""
 
     step: int
@@ -229,7 +213,7 @@ class Reject(_Frame):
     detail: str = ""
 
 
-class Abort(_Frame):
+class Abort(_Frame, frozen=True):
     """The leader aborts ``step`` on every rank: nothing of it is cleared or launched.
 
     ``code`` says why (the REJECT code, TIMEOUT or PEER_LOST); ``rank`` names the
@@ -241,25 +225,25 @@ class Abort(_Frame):
     rank: int = NO_RANK
 
 
-class Launch(_Frame):
+class Launch(_Frame, frozen=True):
     """The leader commits ``step``: every rank answered READY for ``prepare_checksum``."""
 
     step: int
     prepare_checksum: int
 
 
-Frame = Union[Hello, Prepare, Ready, Reject, Abort, Launch]
+Frame = Hello | Prepare | Ready | Reject | Abort | Launch
 
 
 # ---------------------------------------------------------------------------- encoding
 
 
-def _bad(what: str, value) -> InvalidArgumentError:
-    return InvalidArgumentError(what + " must fit its wire field, got " + repr(value))
+def _bad(what: str, value: object) -> InvalidArgumentError:
+    return InvalidArgumentError(f"{what} must fit its wire field, got {value!r}")
 
 
-def _u32(value, what: str) -> int:
-    if not isinstance(value, int) or not 0 <= value <= _U32:
+def _uint(value: object, limit: int, what: str) -> int:
+    if not isinstance(value, int) or not 0 <= value <= limit:
         raise _bad(what, value)
     return int(value)
 
@@ -276,12 +260,12 @@ def encode_frame(kind: int, step: int, body: bytes, *, layout: int = LAYOUT, fla
     try:
         head = HEADER.pack(MAGIC, layout, kind, flags, len(body), step, 0)
     except struct.error as exc:
-        raise InvalidArgumentError("frame header field out of range: " + str(exc)) from None
+        raise InvalidArgumentError(f"frame header field out of range: {exc}") from None
     crc = _crc32(body, _crc32(memoryview(head)[:20]))
     return head[:20] + crc.to_bytes(4, "little") + bytes(body)
 
 
-def pack_page_ids(page_ids) -> bytes:
+def pack_page_ids(page_ids: Iterable[int]) -> bytes:
     """Page ids as little-endian u32 bytes. Takes any sequence of ints.
 
     ``array('I')`` and ``memoryview`` of format ``'I'`` take a copy-only fast path.
@@ -298,9 +282,7 @@ def pack_page_ids(page_ids) -> bytes:
             arr = array.array(_ID_CODE, page_ids)
         except (OverflowError, TypeError, ValueError):
             bad = [p for p in _iter_or_empty(page_ids) if not (isinstance(p, int) and 0 <= p <= _U32)]
-            raise InvalidArgumentError(
-                "page ids must be ints in [0, 2**32), got " + repr(bad[:8] or page_ids)
-            ) from None
+            raise InvalidArgumentError(f"page ids must be ints in [0, 2**32), got {bad[:8] or page_ids!r}") from None
     if _LITTLE:
         return arr.tobytes()
     arr = array.array(_ID_CODE, arr)
@@ -308,14 +290,14 @@ def pack_page_ids(page_ids) -> bytes:
     return arr.tobytes()
 
 
-def _iter_or_empty(obj):
+def _iter_or_empty(obj: Any) -> list[Any]:
     try:
         return list(obj)
     except TypeError:
         return []
 
 
-def encode_prepare(step: int, page_ids, payload: bytes = b"") -> bytes:
+def encode_prepare(step: int, page_ids: Iterable[int], payload: bytes = b"") -> bytes:
     """PREPARE frame bytes for ``step`` without building a ``Prepare`` first (the hot path)."""
     return encode_prepare_raw(step, pack_page_ids(page_ids), payload)
 
@@ -323,15 +305,16 @@ def encode_prepare(step: int, page_ids, payload: bytes = b"") -> bytes:
 def encode_prepare_raw(step: int, raw: bytes, payload: bytes = b"") -> bytes:
     """PREPARE frame bytes from ids already packed by ``pack_page_ids``."""
     if not isinstance(payload, (bytes, bytearray, memoryview)):
-        raise InvalidArgumentError("payload must be bytes, got " + type(payload).__name__)
+        raise InvalidArgumentError(f"payload must be bytes, got {type(payload).__name__}")
     if len(raw) & 3:
-        raise InvalidArgumentError("packed page ids must be a multiple of 4 bytes, got " + str(len(raw)))
-    return encode_frame(FrameKind.PREPARE, step, _COUNTS.pack(len(raw) >> 2, len(payload)) + bytes(raw) + bytes(payload))
+        raise InvalidArgumentError(f"packed page ids must be a multiple of 4 bytes, got {len(raw)}")
+    body = PREPARE_COUNTS.pack(len(raw) >> 2, len(payload)) + bytes(raw) + bytes(payload)
+    return encode_frame(FrameKind.PREPARE, step, body)
 
 
 def _detail_bytes(detail: str) -> bytes:
     if type(detail) is not str:
-        raise InvalidArgumentError("detail must be a str, got " + repr(detail))
+        raise InvalidArgumentError(f"detail must be a str, got {detail!r}")
     raw = detail.encode("utf-8", "replace")
     if len(raw) > MAX_DETAIL_BYTES:
         raw = raw[:MAX_DETAIL_BYTES].decode("utf-8", "ignore").encode("utf-8")
@@ -341,11 +324,9 @@ def _detail_bytes(detail: str) -> bytes:
 def _enc_hello(f: Hello) -> bytes:
     digest = f.geometry_digest
     if type(digest) is not bytes or len(digest) != 32:
-        raise InvalidArgumentError("geometry_digest must be 32 bytes, got " + repr(digest))
-    body = _HELLO.pack(_u32(f.rank, "rank"), _u32(f.world_size, "world_size"), digest)
-    if not isinstance(f.layout, int) or not 0 <= f.layout <= 255:
-        raise _bad("layout", f.layout)
-    return encode_frame(FrameKind.HELLO, f.step, body, layout=f.layout)
+        raise InvalidArgumentError(f"geometry_digest must be 32 bytes, got {digest!r}")
+    body = HELLO_BODY.pack(_uint(f.rank, _U32, "rank"), _uint(f.world_size, _U32, "world_size"), digest)
+    return encode_frame(FrameKind.HELLO, f.step, body, layout=_uint(f.layout, 0xFF, "layout"))
 
 
 def _enc_prepare(f: Prepare) -> bytes:
@@ -353,30 +334,29 @@ def _enc_prepare(f: Prepare) -> bytes:
 
 
 def _enc_ready(f: Ready) -> bytes:
-    body = _READY.pack(_u32(f.rank, "rank"), _u32(f.prepare_checksum, "prepare_checksum"))
+    body = READY_BODY.pack(_uint(f.rank, _U32, "rank"), _uint(f.prepare_checksum, _U32, "prepare_checksum"))
     return encode_frame(FrameKind.READY, f.step, body)
 
 
 def _enc_reject(f: Reject) -> bytes:
     raw = _detail_bytes(f.detail)
-    code = f.code
-    if not isinstance(code, int) or not 0 <= code <= 0xFFFF:
-        raise _bad("code", code)
-    return encode_frame(FrameKind.REJECT, f.step, _REJECT.pack(_u32(f.rank, "rank"), code, len(raw)) + raw)
+    code = _uint(f.code, _U16, "code")
+    body = REJECT_BODY.pack(_uint(f.rank, _U32, "rank"), code, len(raw)) + raw
+    return encode_frame(FrameKind.REJECT, f.step, body)
 
 
 def _enc_abort(f: Abort) -> bytes:
-    code = f.code
-    if not isinstance(code, int) or not 0 <= code <= 0xFFFF:
-        raise _bad("code", code)
-    return encode_frame(FrameKind.ABORT, f.step, _ABORT.pack(_u32(f.rank, "rank"), code, 0))
+    code = _uint(f.code, _U16, "code")
+    body = ABORT_BODY.pack(_uint(f.rank, _U32, "rank"), code, 0)
+    return encode_frame(FrameKind.ABORT, f.step, body)
 
 
 def _enc_launch(f: Launch) -> bytes:
-    return encode_frame(FrameKind.LAUNCH, f.step, _LAUNCH.pack(_u32(f.prepare_checksum, "prepare_checksum")))
+    body = LAUNCH_BODY.pack(_uint(f.prepare_checksum, _U32, "prepare_checksum"))
+    return encode_frame(FrameKind.LAUNCH, f.step, body)
 
 
-_ENCODERS = {
+_ENCODERS: dict[type, Callable[..., bytes]] = {
     Hello: _enc_hello,
     Prepare: _enc_prepare,
     Ready: _enc_ready,
@@ -390,333 +370,22 @@ def encode(frame: Frame) -> bytes:
     """The bytes of one frame. Raises ``InvalidArgumentError`` for a field that does not fit."""
     enc = _ENCODERS.get(type(frame))
     if enc is None:
-        raise InvalidArgumentError("not a wire frame: " + repr(frame))
+        raise InvalidArgumentError(f"not a wire frame: {frame!r}")
     return enc(frame)
 
 
-def frame_checksum(data) -> int:
+def frame_checksum(data: bytes | bytearray | memoryview) -> int:
     """The CRC32 stored in an encoded frame's header (what READY and LAUNCH echo)."""
     return int.from_bytes(bytes(data[20:24]), "little")
 
 
-def geometry_digest(geometry) -> bytes:
+def geometry_digest(geometry: Geometry) -> bytes:
     """BLAKE2b-256 of the page geometry as every rank must share it (HELLO checks it)."""
     n, t = geometry.num_pages, geometry.page_tokens
     return hashlib.blake2b(b"kvledger.wire.geometry/1" + struct.pack("<QQ", n, t), digest_size=32).digest()
 
 
-def max_body_for(num_pages: int, max_payload: int = 1 << 20) -> int:
-    """The largest legal body for a geometry: a PREPARE listing every page plus ``max_payload``."""
-    return _COUNTS.size + 4 * num_pages + max_payload
-
-
-# ---------------------------------------------------------------------------- page-id checks
-
-_SWAR_MIN = 48  # below this many ids, max() + set() is cheaper than the lane trick
-_lane_cache: dict[int, tuple[int, int, int]] = {}
-
-
-def _lanes(n: int) -> tuple[int, int, int]:
-    c = _lane_cache.get(n)
-    if c is None:
-        if len(_lane_cache) >= 256:
-            _lane_cache.clear()
-        high = int.from_bytes(b"\x00\x00\x00\x80" * n, "little")
-        c = _lane_cache[n] = (high, high >> 31, 1 << (32 * n - 1))
-    return c
-
-
-def _strictly_ascending(raw, n: int) -> bool:
-    """True iff the n little-endian u32 in ``raw`` are strictly ascending.
-
-    X holds id i in bits [32i, 32i+32); B = X >> 32 puts id i+1 in lane i. Per
-    lane, with a = id i and b = id i+1 split into top bit (ah, bh) and low 31
-    bits (al, bl): (b | 2**31) - al - 1 stays inside its lane and has its top bit
-    set iff bl > al. Then a < b iff (ah != bh and bh) or (ah == bh and bl > al).
-    The last lane compares id n-1 with 0 and is forced true.
-    """
-    x = int.from_bytes(raw, "little")
-    high, one, top = _lanes(n)
-    b = x >> 32
-    ah = x & high
-    bh = b & high
-    gt = ((b | high) - (x ^ ah) - one) & high
-    lt = ((bh ^ gt) & (ah ^ bh)) ^ gt
-    return (lt | top) == high
-
-
-def page_ids_problem(raw, num_pages: int) -> Optional[tuple[int, str]]:
-    """``None`` if the u32 ids in ``raw`` are all ``< num_pages`` and distinct.
-
-    Otherwise ``(RejectCode, detail)`` naming the offending ids. ``raw`` is the
-    little-endian u32 bytes (any bytes-like) or a decoded ``Prepare.clear_pages``
-    (a ``memoryview`` of format ``'I'``); the check allocates nothing per id on
-    the ascending path. Pure.
-    """
-    if type(raw) is memoryview and raw.format == _ID_CODE and _LITTLE:
-        ids = raw  # a decoded clear list: already the ids, little-endian in memory
-        n = len(ids)
-    else:
-        if type(raw) is memoryview and raw.format != "B":
-            raw = raw.cast("B")
-        n = len(raw) >> 2
-        ids = None
-    if n == 0:
-        return None
-    if n >= _SWAR_MIN and _strictly_ascending(raw, n):
-        if int.from_bytes(raw[-4:] if ids is None else raw[-1:], "little") < num_pages:
-            return None
-        return _range_problem(raw, num_pages)
-    if ids is None:
-        ids = unpack_page_ids(raw)
-    if max(ids) >= num_pages:
-        return _range_problem(raw, num_pages)
-    if len(set(ids)) != n:
-        seen: set[int] = set()
-        dups = sorted({p for p in ids if p in seen or seen.add(p)})
-        return RejectCode.DUPLICATE_PAGE, "page ids " + _few(dups) + " listed more than once"
-    return None
-
-
-def _range_problem(raw, num_pages: int) -> tuple[int, str]:
-    bad = [p for p in unpack_page_ids(raw) if p >= num_pages]
-    return RejectCode.PAGE_OUT_OF_RANGE, "page ids " + _few(bad) + " out of range [0, " + str(num_pages) + ")"
-
-
-def _few(ids, limit: int = 8) -> str:
-    head = ", ".join(str(i) for i in ids[:limit])
-    return "[" + head + (", ... (" + str(len(ids)) + " in all)" if len(ids) > limit else "") + "]"
-
-
-def unpack_page_ids(raw):
-    """A read-only sequence of ints over little-endian u32 bytes (zero-copy on LE hosts)."""
-    if _LITTLE:
-        return memoryview(raw).cast("B").cast(_ID_CODE)
-    arr = array.array(_ID_CODE, bytes(raw))
-    arr.byteswap()
-    return memoryview(arr.tobytes()).cast(_ID_CODE)
-
-
-# ---------------------------------------------------------------------------- decoding
-
-# Exact body size per kind (None: variable, at least _MIN_BODY).
-_FIXED_BODY = {
-    FrameKind.HELLO: _HELLO.size,
-    FrameKind.READY: _READY.size,
-    FrameKind.ABORT: _ABORT.size,
-    FrameKind.LAUNCH: _LAUNCH.size,
-}
-_MIN_BODY = {FrameKind.PREPARE: _COUNTS.size, FrameKind.REJECT: _REJECT.size}
-
-
-def _dec_hello(step, body, layout, crc):
-    rank, world, digest = _HELLO.unpack(body)
-    return Hello(step=step, rank=rank, world_size=world, geometry_digest=digest, layout=layout)
-
-
-def _dec_prepare(step, body, layout, crc):
-    n, plen = _COUNTS.unpack_from(body, 0)
-    if 8 + 4 * n + plen != len(body):
-        raise FrameError(
-            RejectCode.BAD_LENGTH,
-            "PREPARE lists " + str(n) + " ids and " + str(plen) + " payload bytes, which is "
-            + str(8 + 4 * n + plen) + " body bytes, but body_len is " + str(len(body)),
-            step=step, kind=FrameKind.PREPARE,
-        )
-    end = 8 + 4 * n
-    ids = unpack_page_ids(memoryview(body)[8:end])
-    return Prepare(step=step, clear_pages=ids, payload=body[end:], checksum=crc)
-
-
-def _dec_ready(step, body, layout, crc):
-    rank, checksum = _READY.unpack(body)
-    return Ready(step=step, rank=rank, prepare_checksum=checksum)
-
-
-def _dec_reject(step, body, layout, crc):
-    rank, code, dlen = _REJECT.unpack_from(body, 0)
-    if 8 + dlen != len(body):
-        raise FrameError(
-            RejectCode.BAD_LENGTH,
-            "REJECT detail_len " + str(dlen) + " does not match body_len " + str(len(body)),
-            step=step, kind=FrameKind.REJECT,
-        )
-    try:
-        detail = body[8:].decode("utf-8")
-    except UnicodeDecodeError:
-        raise FrameError(RejectCode.BAD_BODY, "REJECT detail is not UTF-8", step=step, kind=FrameKind.REJECT) from None
-    return Reject(step=step, rank=rank, code=code, detail=detail)
-
-
-def _dec_abort(step, body, layout, crc):
-    rank, code, reserved = _ABORT.unpack(body)
-    if reserved:
-        raise FrameError(RejectCode.BAD_BODY, "ABORT reserved field is " + str(reserved), step=step, kind=FrameKind.ABORT)
-    return Abort(step=step, code=code, rank=rank)
-
-
-def _dec_launch(step, body, layout, crc):
-    (checksum,) = _LAUNCH.unpack(body)
-    return Launch(step=step, prepare_checksum=checksum)
-
-
-_DECODERS = {
-    FrameKind.HELLO: _dec_hello,
-    FrameKind.PREPARE: _dec_prepare,
-    FrameKind.READY: _dec_ready,
-    FrameKind.REJECT: _dec_reject,
-    FrameKind.ABORT: _dec_abort,
-    FrameKind.LAUNCH: _dec_launch,
-}
-
-
-class FrameDecoder:
-    """Incremental frame decoder for one byte stream.
-
-        feed(bytes) ──► [buffer] ──► next_frame() ─► Frame | None (need more bytes)
-        feed_eof()  ──► next_frame() ─► None at a frame boundary, FrameError(TRUNCATED) inside one
-
-    The header is checked as soon as its 24 bytes are in: magic, layout, kind,
-    flags, then ``body_len`` against ``max_body`` and the kind's size, so an
-    oversized or misdeclared frame fails before its body is buffered. Memory is
-    bounded by what the caller feeds between ``next_frame`` calls plus one frame
-    (<= ``HEADER_SIZE + max_body``): feed a chunk, drain, feed the next.
-
-    Raises ``FrameError`` only; after one, the decoder is broken and every later
-    ``next_frame`` raises the same error (``error`` holds it).
-    """
-
-    __slots__ = ("max_body", "_buf", "_pos", "_eof", "error", "frames")
-
-    def __init__(self, *, max_body: int = DEFAULT_MAX_BODY) -> None:
-        if type(max_body) is not int or max_body < 64:
-            raise InvalidArgumentError("max_body must be an int >= 64, got " + repr(max_body))
-        self.max_body = max_body
-        self._buf = bytearray()
-        self._pos = 0
-        self._eof = False
-        self.error: Optional[FrameError] = None
-        self.frames = 0
-
-    @property
-    def buffered(self) -> int:
-        """Bytes fed and not yet consumed by a frame."""
-        return len(self._buf) - self._pos
-
-    @property
-    def at_eof(self) -> bool:
-        return self._eof
-
-    def feed(self, data) -> None:
-        """Append received bytes. Raises ``InvalidArgumentError`` after ``feed_eof``."""
-        if self._eof:
-            raise InvalidArgumentError("feed() after feed_eof()")
-        if data:
-            self._buf += data
-
-    def feed_eof(self) -> None:
-        """The stream ended; a partial frame left in the buffer becomes a TRUNCATED error."""
-        self._eof = True
-
-    def _fail(self, code: int, detail: str, step=None, kind=None) -> FrameError:
-        err = FrameError(code, detail, step=step, kind=kind)
-        self.error = err
-        return err
-
-    def next_frame(self) -> Optional[Frame]:
-        """The next complete frame, or ``None`` if more bytes are needed (or the stream ended cleanly)."""
-        if self.error is not None:
-            raise self.error
-        buf, pos = self._buf, self._pos
-        avail = len(buf) - pos
-        if avail < HEADER_SIZE:
-            if avail and buf[pos : pos + 4] != MAGIC[: min(avail, 4)]:
-                raise self._fail(RejectCode.BAD_MAGIC, "bad magic " + bytes(buf[pos : pos + 4]).hex())
-            if self._eof and avail:
-                raise self._fail(
-                    RejectCode.TRUNCATED, "stream ended " + str(avail) + " bytes into a frame header"
-                )
-            if not avail and pos:
-                buf.clear()
-                self._pos = 0
-            return None
-        magic, layout, kind, flags, body_len, step, crc = HEADER.unpack_from(buf, pos)
-        if magic != MAGIC:
-            raise self._fail(RejectCode.BAD_MAGIC, "bad magic " + magic.hex() + ", expected " + MAGIC.hex())
-        if layout != LAYOUT:
-            raise self._fail(
-                RejectCode.BAD_LAYOUT,
-                _kind_name(kind) + " frame of layout " + str(layout) + "; this rank speaks layout "
-                + str(LAYOUT) + (" (a layout-6 rank has no clear list and cannot join)" if layout == 6 else ""),
-                step, kind,
-            )
-        decoder = _DECODERS.get(kind)
-        if decoder is None:
-            raise self._fail(RejectCode.BAD_KIND, "unknown frame kind " + str(kind), step, kind)
-        name = _KIND_NAMES[kind]
-        if flags:
-            raise self._fail(RejectCode.BAD_FLAGS, name + " flags " + hex(flags) + " (reserved, must be 0)", step, kind)
-        if body_len > self.max_body:
-            raise self._fail(
-                RejectCode.FRAME_TOO_LARGE,
-                name + " body_len " + str(body_len) + " over the cap of " + str(self.max_body) + " bytes",
-                step, kind,
-            )
-        fixed = _FIXED_BODY.get(kind)
-        if fixed is not None:
-            if body_len != fixed:
-                raise self._fail(
-                    RejectCode.BAD_LENGTH, name + " body_len " + str(body_len) + ", must be " + str(fixed), step, kind
-                )
-        elif body_len < _MIN_BODY[kind]:
-            raise self._fail(
-                RejectCode.BAD_LENGTH,
-                name + " body_len " + str(body_len) + ", must be at least " + str(_MIN_BODY[kind]),
-                step, kind,
-            )
-        end = pos + HEADER_SIZE + body_len
-        if len(buf) < end:
-            if self._eof:
-                raise self._fail(
-                    RejectCode.TRUNCATED,
-                    "stream ended " + str(avail) + " bytes into a " + str(HEADER_SIZE + body_len) + "-byte "
-                    + name + " frame",
-                    step, kind,
-                )
-            return None
-        body = bytes(buf[pos + HEADER_SIZE : end])
-        got = _crc32(body, _crc32(memoryview(buf)[pos : pos + 20]))
-        if got != crc:
-            raise self._fail(
-                RejectCode.BAD_CHECKSUM,
-                name + " checksum " + format(crc, "08x") + " but the frame hashes to " + format(got, "08x"),
-                step, kind,
-            )
-        try:
-            frame = decoder(step, body, layout, crc)
-        except FrameError as exc:
-            self.error = exc
-            raise
-        if end == len(buf):
-            buf.clear()
-            self._pos = 0
-        elif end > 65536 and end > (len(buf) >> 1):
-            del buf[:end]
-            self._pos = 0
-        else:
-            self._pos = end
-        self.frames += 1
-        return frame
-
-
-def decode(data) -> Frame:
-    """Exactly one whole frame from ``data``. Raises ``FrameError`` otherwise (also for extra bytes)."""
-    dec = FrameDecoder(max_body=max(64, len(data)))
-    dec.feed(data)
-    dec.feed_eof()
-    frame = dec.next_frame()
-    if frame is None:
-        raise FrameError(RejectCode.TRUNCATED, "no frame in " + str(len(data)) + " bytes")
-    if dec.buffered:
-        raise FrameError(RejectCode.BAD_LENGTH, str(dec.buffered) + " bytes after the frame")
-    return frame
+def max_body_for(num_pages: int, max_payload: int = DEFAULT_MAX_PAYLOAD) -> int:
+    """The largest legal PREPARE body for a geometry: every page listed, plus ``max_payload``
+    payload bytes. A receiver's decoder cap (``FrameDecoder(max_body=...)``)."""
+    return PREPARE_COUNTS.size + 4 * num_pages + max_payload

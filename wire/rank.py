@@ -1,7 +1,7 @@
 """Async drivers: the leader and the peer loop over any byte stream (memory or TCP).
 
-They move bytes between a transport and the pure state machines of
-``kvledger.wire.protocol`` and own every clock: the leader's vote deadline
+They move bytes between a transport and the pure state machines (``PeerLink``,
+``LeaderLink``, the ``Leader`` decision rule) and own every clock: the leader's vote deadline
 (``run_step(..., timeout=)``), a peer's join deadline (``hello_timeout``).
 
     leader process / task                          peer r (one per remote rank)
@@ -31,52 +31,45 @@ nothing here configures output.
 from __future__ import annotations
 
 import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
+from typing import Any
 
 import anyio
 import structlog
+from anyio.abc import ByteStream, TaskStatus
 
-from kvledger.core.errors import InvalidArgumentError, WireProtocolError
-
-from .codec import RejectCode
-from .transport import listen_tcp, listener_address
-from .protocol import (
-    NEED_DATA,
-    Answered,
-    ConnectionClosed,
-    Decision,
-    DropStep,
-    Joined,
-    Leader,
-    LeaderLink,
-    LeaderState,
-    PeerHello,
-    PeerLink,
-    RunStep,
-)
+from ..core.errors import InvalidArgumentError, WireProtocolError
+from ..core.events import Geometry, StepPlan
+from .codec import DEFAULT_MAX_PAYLOAD, RejectCode
+from .decision import Leader
+from .leader import LeaderLink, LeaderState
+from .peer import PeerLink
+from .protocol import NEED_DATA, Answered, ConnectionClosed, Decision, DropStep, Joined, PeerHello, RunStep
+from .transport import accept, listen_tcp, listener_address
 
 __all__ = ["WireLeader", "open_leader", "run_peer", "OnLaunch", "OnDrop"]
 
-OnLaunch = Callable[[int, Any, bytes], Union[None, Awaitable[None]]]
-OnDrop = Callable[[int, int, int], Union[None, Awaitable[None]]]
+OnLaunch = Callable[[int, Any, bytes], None | Awaitable[None]]
+OnDrop = Callable[[int, int, int], None | Awaitable[None]]
 
 _CLOSED = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
+_DECIDABLE = (LeaderState.IDLE, LeaderState.AWAITING, LeaderState.VOTED)  # a link that can take LAUNCH / ABORT
 
 
-def _logger(logger):
+def _logger(logger: Any) -> Any:
     return logger if logger is not None else structlog.get_logger("kvledger.wire")
 
 
 class _Conn:
     __slots__ = ("link", "stream", "out_send", "out_recv", "rank", "cancel", "alive", "writer_done")
 
-    def __init__(self, link: LeaderLink, stream, outbox: int) -> None:
+    def __init__(self, link: LeaderLink, stream: ByteStream, outbox: int) -> None:
         self.link = link
         self.stream = stream
         self.out_send, self.out_recv = anyio.create_memory_object_stream[bytes](outbox)
-        self.rank: Optional[int] = None
-        self.cancel: Optional[anyio.CancelScope] = None
+        self.rank: int | None = None
+        self.cancel: anyio.CancelScope | None = None
         self.alive = True
         self.writer_done = anyio.Event()
 
@@ -90,13 +83,13 @@ class WireLeader:
 
     def __init__(
         self,
-        geometry,
+        geometry: Geometry,
         *,
         world_size: int,
         next_step: int = 0,
         outbox_frames: int = 32,
         close_grace: float = 1.0,
-        logger=None,
+        logger: Any = None,
     ) -> None:
         self.geometry = geometry
         self.world_size = world_size
@@ -104,7 +97,7 @@ class WireLeader:
         self._outbox = outbox_frames
         self._close_grace = close_grace
         self._log = _logger(logger)
-        self._tg: Optional[anyio.abc.TaskGroup] = None
+        self._tg: anyio.abc.TaskGroup | None = None
         self._conns: dict[int, _Conn] = {}
         self._all: set[_Conn] = set()
         self._joined_changed = anyio.Event()
@@ -114,7 +107,7 @@ class WireLeader:
 
     # ------------------------------------------------------------------ links
 
-    def attach(self, stream) -> None:
+    def attach(self, stream: ByteStream) -> None:
         """Serve one peer over ``stream`` (any anyio byte stream); returns at once."""
         if self._tg is None or self._closing:
             raise InvalidArgumentError("attach() outside open_leader() or after it closed")
@@ -122,7 +115,7 @@ class WireLeader:
         self._all.add(conn)
         self._tg.start_soon(self._run_conn, conn)
 
-    async def listen(self, listener) -> tuple[str, int]:
+    async def listen(self, listener: Any) -> tuple[str, int]:
         """Accept peers on ``listener`` (from ``listen_tcp``) until the leader closes; returns its address."""
         if self._tg is None or self._closing:
             raise InvalidArgumentError("listen() outside open_leader() or after it closed")
@@ -133,12 +126,14 @@ class WireLeader:
         """Listen for peers on ``host:port`` (0: any free port); returns ``(host, port)`` to publish."""
         return await self.listen(await listen_tcp(host, port))
 
-    async def _serve(self, listener, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+    async def _serve(
+        self, listener: Any, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
         async with listener:
             task_status.started()
             while True:
                 try:
-                    stream = await _accept(listener)
+                    stream = await accept(listener)
                 except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                     return
                 if self._closing:
@@ -147,11 +142,11 @@ class WireLeader:
                 self.attach(stream)
 
     @property
-    def ranks(self) -> frozenset:
+    def ranks(self) -> frozenset[int]:
         """Peer ranks with a live, joined link."""
         return frozenset(r for r, c in self._conns.items() if c.alive)
 
-    async def wait_joined(self, ranks=None) -> None:
+    async def wait_joined(self, ranks: Iterable[int] | None = None) -> None:
         """Wait until every peer rank (or those in ``ranks``) has a live link. Put a deadline around it."""
         want = set(range(1, self.world_size)) if ranks is None else set(ranks)
         while not want <= self.ranks:
@@ -175,7 +170,7 @@ class WireLeader:
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             self._drop(conn)
 
-    async def _flush_all(self, conns: list, seconds: float) -> None:
+    async def _flush_all(self, conns: list[_Conn], seconds: float) -> None:
         """Queue what each link wants sent: first to every link with outbox room, without
         waiting; then, for links whose outbox is full, wait up to ``seconds`` in all for
         room, and drop the ones still full. A stalled peer never delays the others."""
@@ -268,12 +263,12 @@ class WireLeader:
                     return
             self._flush(conn)
 
-    def _on_event(self, conn: _Conn, ev) -> bool:
+    def _on_event(self, conn: _Conn, ev: Any) -> bool:
         if type(ev) is PeerHello:
             r = ev.rank
             old = self._conns.get(r)
             if old is not None and old.alive:
-                conn.link.refuse(RejectCode.BAD_RANK, "rank " + str(r) + " is already connected")
+                conn.link.refuse(RejectCode.BAD_RANK, f"rank {r} is already connected")
                 return False
             rule = self._rule
             rule.join(r)
@@ -290,7 +285,7 @@ class WireLeader:
 
     # ------------------------------------------------------------------ steps
 
-    async def run_step(self, plan, payload: bytes = b"", *, timeout: float) -> Decision:
+    async def run_step(self, plan: StepPlan, payload: bytes = b"", *, timeout: float) -> Decision:
         """PREPARE ``plan`` on every peer, wait up to ``timeout`` s for the votes, LAUNCH or ABORT.
 
         Returns the ``Decision``; the caller clears and runs the step locally only
@@ -301,7 +296,7 @@ class WireLeader:
         cancelled meanwhile (the decision goes out shielded).
         """
         if not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise InvalidArgumentError("timeout must be a positive number of seconds, got " + repr(timeout))
+            raise InvalidArgumentError(f"timeout must be a positive number of seconds, got {timeout!r}")
         async with self._step_lock:
             rule = self._rule
             data, crc = rule.begin(plan, payload)
@@ -309,47 +304,56 @@ class WireLeader:
             try:
                 # (acquiring the step lock was a checkpoint: the writers got to send the last decision)
                 if rule.decision is None:
-                    deadline = anyio.current_time() + timeout
-                    out = []
-                    for conn in list(self._conns.values()):
-                        if conn.alive and conn.link.state is LeaderState.IDLE:
-                            conn.link.prepare(plan.step, data, crc)
-                            out.append(conn)
-                    await self._flush_all(out, timeout)
-                    if rule.decision is None:
-                        with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
-                            await self._decided.wait()
+                    await self._prepare_all(plan.step, data, crc, timeout)
             finally:
                 with anyio.CancelScope(shield=True):
-                    decision = rule.decision if rule.decision is not None else rule.expire()
-                    out = []
-                    for conn in list(self._conns.values()):
-                        link = conn.link
-                        if conn.alive and link.step == decision.step and link.state in (
-                            LeaderState.IDLE,
-                            LeaderState.AWAITING,
-                            LeaderState.VOTED,
-                        ):
-                            link.decide(decision)
-                            out.append(conn)
-                    rule.finish()
-                    await self._flush_all(out, timeout)
+                    decision = await self._decide_all(timeout)
             if not decision.launch:
                 self._log.warning(
-                    "wire.abort", step=decision.step, code=int(decision.code), rank=decision.rank, detail=decision.detail
+                    "wire.abort",
+                    step=decision.step,
+                    code=int(decision.code),
+                    rank=decision.rank,
+                    detail=decision.detail,
                 )
             return decision
+
+    async def _prepare_all(self, step: int, data: bytes, crc: int, timeout: float) -> None:
+        """Queue the PREPARE on every idle live link, then wait up to ``timeout`` s for the decision."""
+        deadline = anyio.current_time() + timeout
+        out = [c for c in list(self._conns.values()) if c.alive and c.link.state is LeaderState.IDLE]
+        for conn in out:
+            conn.link.prepare(step, data, crc)
+        await self._flush_all(out, timeout)
+        if self._rule.decision is None:
+            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                await self._decided.wait()
+
+    async def _decide_all(self, timeout: float) -> Decision:
+        """The decision (ABORT TIMEOUT if none yet) on every live link at its step; finish the step."""
+        rule = self._rule
+        decision = rule.decision if rule.decision is not None else rule.expire()
+        out = [
+            c
+            for c in list(self._conns.values())
+            if c.alive and c.link.step == decision.step and c.link.state in _DECIDABLE
+        ]
+        for conn in out:
+            conn.link.decide(decision)
+        rule.finish()
+        await self._flush_all(out, timeout)
+        return decision
 
     @property
     def next_step(self) -> int:
         return self._rule.next_step
 
-    def statistics(self) -> dict:
+    def statistics(self) -> dict[str, int]:
         """The decision rule's counters and, per live rank, its link's."""
-        out: dict = dict(self._rule.statistics())
+        out = dict(self._rule.statistics())
         for r, c in sorted(self._conns.items()):
             for k, v in c.link.statistics().items():
-                out["rank" + str(r) + "." + k] = v
+                out[f"rank{r}.{k}"] = v
         return out
 
     async def _shutdown(self) -> None:
@@ -361,15 +365,10 @@ class WireLeader:
                 await conn.writer_done.wait()
 
 
-async def _accept(listener):
-    inner = getattr(listener, "listeners", None)
-    if inner:  # anyio MultiListener: one socket per address family
-        return await inner[0].accept()
-    return await listener.accept()
-
-
 @asynccontextmanager
-async def open_leader(geometry, *, world_size: int, next_step: int = 0, **kwargs) -> AsyncIterator[WireLeader]:
+async def open_leader(
+    geometry: Geometry, *, world_size: int, next_step: int = 0, **kwargs: Any
+) -> AsyncIterator[WireLeader]:
     """The leader of a ``world_size``-rank group (this process is rank 0).
 
         async with open_leader(geometry, world_size=4) as leader:
@@ -395,7 +394,7 @@ class _PeerIO:
 
     __slots__ = ("link", "stream", "open")
 
-    def __init__(self, link: PeerLink, stream) -> None:
+    def __init__(self, link: PeerLink, stream: ByteStream) -> None:
         self.link = link
         self.stream = stream
         self.open = True
@@ -408,7 +407,7 @@ class _PeerIO:
             except _CLOSED:
                 self.open = False
 
-    async def next_event(self):
+    async def next_event(self) -> Any:
         link = self.link
         while True:
             try:
@@ -427,44 +426,53 @@ class _PeerIO:
             await self.flush()
             return ev
 
+    async def join(self, timeout: float, log: Any) -> None:
+        """Send HELLO and wait up to ``timeout`` s to be accepted. Raises ``TimeoutError``,
+        or ``WireProtocolError`` when the leader refuses this rank or closes the link first."""
+        link = self.link
+        link.start()
+        await self.flush()
+        with anyio.fail_after(timeout):
+            ev = await self.next_event()
+        if type(ev) is ConnectionClosed:
+            detail = f"the leader closed the link before accepting rank {link.rank}"
+            raise WireProtocolError(RejectCode.PEER_LOST, detail, remote=True)
+        if type(ev) is not Joined:  # the link allows nothing else first; kept as a real check
+            raise WireProtocolError(RejectCode.UNEXPECTED_FRAME, f"expected to join, got {ev!r}", remote=True)
+        log.info("wire.joined", rank=link.rank, step=ev.step)
+
 
 async def run_peer(
-    stream,
-    geometry,
+    stream: ByteStream,
+    geometry: Geometry,
     *,
     rank: int,
     world_size: int,
     on_launch: OnLaunch,
-    on_drop: Optional[OnDrop] = None,
-    on_answer: Optional[Callable[[Answered], None]] = None,
+    on_drop: OnDrop | None = None,
+    on_answer: Callable[[Answered], None] | None = None,
     hello_timeout: float = 30.0,
-    max_payload: int = 1 << 20,
-    logger=None,
-) -> dict:
+    max_payload: int = DEFAULT_MAX_PAYLOAD,
+    logger: Any = None,
+) -> dict[str, int]:
     """Run peer ``rank`` over ``stream`` until the leader closes it; return the link's counters.
 
     Sends HELLO and waits up to ``hello_timeout`` s to be accepted (``TimeoutError``
     otherwise). Then every PREPARE is validated and answered READY or REJECT by
     the link, ``on_launch(step, clear_pages, payload)`` runs for each LAUNCH (may
     be async; it clears the pages and runs the step) and ``on_drop(step, code,
-    rank)`` for each ABORT (nothing to clear). Raises ``WireProtocolError`` when
-    the leader breaks the protocol (after telling it why) or refuses us
-    (``HandshakeRefused``); whatever ``on_launch`` raises propagates (this rank
-    failed mid-step; the leader sees the link close). Closes ``stream`` on exit.
+    rank)`` for each ABORT (nothing to clear). A PREPARE whose payload is over
+    ``max_payload`` bytes is answered REJECT FRAME_TOO_LARGE (the step aborts on
+    every rank). Raises ``WireProtocolError`` when the leader breaks the protocol
+    (after telling it why) or refuses us (``HandshakeRefused``); whatever
+    ``on_launch`` raises propagates (this rank failed mid-step; the leader sees
+    the link close). Closes ``stream`` on exit.
     """
     log = _logger(logger)
     link = PeerLink(geometry, rank=rank, world_size=world_size, max_payload=max_payload)
     io = _PeerIO(link, stream)
     try:
-        link.start()
-        await io.flush()
-        with anyio.fail_after(hello_timeout):
-            ev = await io.next_event()
-        if type(ev) is ConnectionClosed:
-            raise WireProtocolError(RejectCode.PEER_LOST, "the leader closed the link before accepting rank " + str(rank), remote=True)
-        if type(ev) is not Joined:  # the link allows nothing else first; kept as a real check
-            raise WireProtocolError(RejectCode.UNEXPECTED_FRAME, "expected to join, got " + repr(ev), remote=True)
-        log.info("wire.joined", rank=rank, step=ev.step)
+        await io.join(hello_timeout, log)
         while True:
             ev = await io.next_event()
             t = type(ev)

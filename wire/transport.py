@@ -22,14 +22,17 @@ here.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any
 
 import anyio
-from anyio.abc import ByteStream, SocketAttribute
+from anyio import TypedAttributeProvider
+from anyio.abc import ByteStream, SocketAttribute, SocketStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.stapled import MultiListener
 
-from kvledger.core.errors import InvalidArgumentError
+from ..core.errors import InvalidArgumentError
 
-__all__ = ["MemoryByteStream", "memory_pipe", "listen_tcp", "listener_address", "connect_tcp"]
+__all__ = ["MemoryByteStream", "memory_pipe", "listen_tcp", "accept", "listener_address", "connect_tcp"]
 
 
 class MemoryByteStream(ByteStream):
@@ -41,10 +44,12 @@ class MemoryByteStream(ByteStream):
     smaller, in which case the rest is kept for the next ``receive``.
     """
 
-    def __init__(self, send_stream, receive_stream) -> None:
+    def __init__(
+        self, send_stream: MemoryObjectSendStream[bytes], receive_stream: MemoryObjectReceiveStream[bytes]
+    ) -> None:
         self._send = send_stream
         self._receive = receive_stream
-        self._leftover: Optional[bytes] = None
+        self._leftover: bytes | None = None
 
     async def receive(self, max_bytes: int = 65536) -> bytes:
         if self._leftover is not None:
@@ -71,9 +76,13 @@ class MemoryByteStream(ByteStream):
         await self._send.aclose()
         await self._receive.aclose()
 
-    def statistics(self) -> dict:
+    def statistics(self) -> dict[str, float]:
         s, r = self._send.statistics(), self._receive.statistics()
-        return {"queued_out": s.current_buffer_used, "queued_in": r.current_buffer_used, "max_chunks": s.max_buffer_size}
+        return {
+            "queued_out": s.current_buffer_used,
+            "queued_in": r.current_buffer_used,
+            "max_chunks": s.max_buffer_size,
+        }
 
 
 def memory_pipe(max_chunks: int = 64) -> tuple[MemoryByteStream, MemoryByteStream]:
@@ -83,18 +92,26 @@ def memory_pipe(max_chunks: int = 64) -> tuple[MemoryByteStream, MemoryByteStrea
     ``InvalidArgumentError`` for ``max_chunks < 1``.
     """
     if type(max_chunks) is not int or max_chunks < 1:
-        raise InvalidArgumentError("max_chunks must be an int >= 1, got " + repr(max_chunks))
+        raise InvalidArgumentError(f"max_chunks must be an int >= 1, got {max_chunks!r}")
     a_send, b_recv = anyio.create_memory_object_stream[bytes](max_chunks)
     b_send, a_recv = anyio.create_memory_object_stream[bytes](max_chunks)
     return MemoryByteStream(a_send, a_recv), MemoryByteStream(b_send, b_recv)
 
 
-async def listen_tcp(host: str = "127.0.0.1", port: int = 0):
+async def listen_tcp(host: str = "127.0.0.1", port: int = 0) -> MultiListener[SocketStream]:
     """A TCP listener on ``host:port`` (port 0: any free port; read it with ``listener_address``)."""
     return await anyio.create_tcp_listener(local_host=host, local_port=port)
 
 
-def listener_address(listener) -> tuple[str, int]:
+async def accept(listener: Any) -> SocketStream:
+    """The next stream a listener from ``listen_tcp`` accepts (on its first socket when anyio
+    bound one per address family). Raises what the listener raises once it is closed."""
+    inner = getattr(listener, "listeners", None)
+    stream: SocketStream = await (inner[0] if inner else listener).accept()  # MultiListener: one per family
+    return stream
+
+
+def listener_address(listener: TypedAttributeProvider) -> tuple[str, int]:
     """``(host, port)`` a listener from ``listen_tcp`` is bound to."""
     host = listener.extra(SocketAttribute.local_address)
     port = listener.extra(SocketAttribute.local_port)
@@ -103,6 +120,6 @@ def listener_address(listener) -> tuple[str, int]:
     return str(host), int(port)
 
 
-async def connect_tcp(host: str, port: int):
+async def connect_tcp(host: str, port: int) -> SocketStream:
     """A TCP stream to ``host:port``. Put ``anyio.fail_after`` around it; raises ``OSError`` on refusal."""
     return await anyio.connect_tcp(host, port)

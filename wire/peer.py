@@ -1,0 +1,398 @@
+"""A peer's end of its link to the leader: a pure state machine (see ``protocol``).
+
+Peer link states (``PeerState``); ``k`` is the link's current step:
+
+    CONNECTING ─start()─► HELLO_SENT ─HELLO ok─► IDLE(k)
+    IDLE(k)     ─PREPARE(k) valid──► READY(k)      (READY sent)
+    IDLE(k)     ─PREPARE(k) bad────► REJECTED(k)   (REJECT sent)
+    READY(k)    ─LAUNCH(k, crc)────► IDLE(k+1)     event RunStep
+    any of them ─ABORT(k)──────────► IDLE(k+1)     event DropStep
+    any         ─broken frame──────► ERROR         (REJECT sent, link must close)
+    any         ─end of stream─────► CLOSED
+
+The transitions for frames about step ``k`` are ``_PEER_STEP``; the others
+(HELLO, a refusal) are ``_PEER_TABLE``. Frames about other steps are settled by
+step number:
+
+    frame at the peer      step < k (decided)          step == k              step > k
+    PREPARE                REJECT STALE_STEP           same crc: READY again   REJECT BAD_STEP and
+                                                       other crc: REJECT        veto that step
+                                                       CONFLICT (state kept)    (never READY it)
+    LAUNCH                 launched: ignored;          only in READY(k) with   broken (a LAUNCH
+                           aborted: broken (CONFLICT)  the same crc            cannot precede READY)
+    ABORT                  aborted: ignored;           DropStep                held until step k
+                           launched: broken (CONFLICT)                          reaches it
+    HELLO                  identical: ignored; different: broken
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from enum import Enum
+from typing import Any, cast
+
+from ..core import checks
+from ..core.errors import FrameError, HandshakeRefused, InvalidArgumentError, LocalProtocolError, RemoteProtocolError
+from ..core.events import Geometry
+from .codec import DEFAULT_MAX_PAYLOAD, Abort, Hello, Launch, Prepare, Ready, Reject, RejectCode, encode, max_body_for
+from .decoder import page_ids_problem
+from .protocol import (
+    NEED_DATA,
+    Answered,
+    ConnectionClosed,
+    Decided,
+    DropStep,
+    Joined,
+    Link,
+    RunStep,
+    check_world,
+)
+
+__all__ = ["PeerState", "PeerLink"]
+
+
+class PeerState(Enum):
+    CONNECTING = "connecting"
+    HELLO_SENT = "hello_sent"
+    IDLE = "idle"
+    READY = "ready"
+    REJECTED = "rejected"
+    CLOSED = "closed"
+    ERROR = "error"
+
+
+_P = PeerState
+
+
+class PeerLink(Link):
+    """A peer's end of its link to the leader (rank ``rank`` of ``world_size``).
+
+        link = PeerLink(geometry, rank=1, world_size=4)
+        link.start()                          # queues HELLO
+        send(link.data_to_send())
+        link.receive_data(recv())
+        while (ev := link.next_event()) is not NEED_DATA:
+            RunStep -> clear ev.clear_pages, run ev.step     DropStep -> nothing
+        send(link.data_to_send())             # READY / REJECT answers
+
+    READY and REJECT are answered by the link itself: validation is protocol, not
+    policy. ``next_event`` raises ``RemoteProtocolError`` (or ``HandshakeRefused``)
+    when the leader broke the protocol, after queueing a REJECT; flush
+    ``data_to_send`` and close. ``step`` is the link's current step.
+
+    ``max_payload`` is the largest PREPARE payload this rank accepts: a PREPARE
+    with a larger one is answered REJECT FRAME_TOO_LARGE (the step aborts, the
+    link stays). The decoder's body cap follows from it (``max_body_for``: every
+    page listed plus ``max_payload``), so a larger frame breaks the link from its
+    header. Raises ``InvalidArgumentError`` for a bad rank, world size or
+    ``max_payload``, ``ConfigurationError`` for a bad geometry.
+    """
+
+    def __init__(
+        self,
+        geometry: Geometry,
+        *,
+        rank: int,
+        world_size: int,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
+        memory: int = 1024,
+        held_limit: int = 64,
+    ) -> None:
+        check_world(rank, world_size, leader=False)
+        if type(max_payload) is not int or max_payload < 0:
+            raise InvalidArgumentError(f"max_payload must be an int >= 0, got {max_payload!r}")
+        num_pages = checks.geometry(geometry).num_pages
+        super().__init__(geometry, world_size, max_body_for(num_pages, max_payload))
+        self.rank = rank
+        self.max_payload = max_payload
+        self.state = _P.CONNECTING
+        self.step: int | None = None
+        self._hello: Hello | None = None
+        self._prepared: Prepare | None = None
+        self._answer = b""
+        self._decided = Decided(memory)
+        self._held_aborts: dict[int, Abort] = {}
+        self._vetoed: dict[int, bytes] = {}
+        self._held_limit = held_limit
+        self._events: deque[Any] = deque()
+        self._stats.update(ready=0, rejected=0, launched=0, aborted=0, held=0)
+
+    # -- local actions
+    def start(self, step: int = 0) -> None:
+        """Queue our HELLO (``step``: the step we expect, informational)."""
+        if self.state is not _P.CONNECTING:
+            raise LocalProtocolError(RejectCode.UNEXPECTED_FRAME, f"start() in state {self.state.value}")
+        self._send(encode(Hello(step=step, rank=self.rank, world_size=self.world_size, geometry_digest=self.digest)))
+        self.state = _P.HELLO_SENT
+
+    def reject(self, code: int = RejectCode.PEER_FAILED, detail: str = "") -> None:
+        """Refuse the current step for a local reason, before its PREPARE is answered.
+
+        Allowed in IDLE only: the REJECT goes out now and is repeated when the
+        PREPARE arrives, so the step cannot launch. After READY a rank has given
+        its word; one that then cannot run the step must close its link (the
+        leader aborts whatever is undecided). Raises ``LocalProtocolError`` in
+        any other state.
+        """
+        if self.state is not _P.IDLE:
+            why = ": READY was sent, close the link instead" if self.state is _P.READY else ""
+            raise LocalProtocolError(RejectCode.UNEXPECTED_FRAME, f"reject() in state {self.state.value}{why}")
+        self._reject_current(code, detail or f"rank {self.rank} refused step {self.step}")
+        self._events.pop()  # the caller knows; no Answered event for its own call
+
+    # -- events
+    def next_event(self) -> Any:
+        """The next event, ``NEED_DATA``, or ``ConnectionClosed`` once the stream ended cleanly.
+
+        Raises ``RemoteProtocolError`` (incl. ``FrameError``, ``HandshakeRefused``)
+        when the leader broke the protocol; the link is then in ERROR.
+        """
+        if self._error is not None:
+            raise self._error
+        while not self._events:
+            if self.state is _P.CLOSED:
+                return ConnectionClosed()
+            try:
+                frame = self._next_frame()
+            except FrameError as exc:
+                self._fail(exc, reply=True)
+            if frame is None:
+                if self._decoder.at_eof:
+                    self.state = _P.CLOSED
+                    return ConnectionClosed()
+                return NEED_DATA
+            try:
+                self._dispatch(frame)
+            except HandshakeRefused as exc:
+                self._fail(exc, reply=False)
+            except RemoteProtocolError as exc:
+                self._fail(exc, reply=True)
+        return self._events.popleft()
+
+    def _fail(self, exc: RemoteProtocolError, *, reply: bool) -> None:
+        if reply:
+            step = self.step if self.step is not None else 0
+            self._send(encode(Reject(step=step, rank=self.rank, code=exc.code, detail=exc.detail)))
+        self.state = _P.ERROR
+        self._error = exc
+        raise exc
+
+    def _dispatch(self, f: Any) -> None:
+        kind = type(f)
+        if kind in _STEP_FRAMES and self.state in _JOINED:
+            return self._on_step_frame(f)
+        handler = _PEER_TABLE.get((self.state, kind))
+        if handler is None:
+            raise RemoteProtocolError(
+                RejectCode.UNEXPECTED_FRAME,
+                f"a peer in state {self.state.value} does not accept {kind.__name__.upper()}",
+            )
+        return handler(self, f)
+
+    # -- the handshake
+    def _refused(self, f: Reject) -> None:
+        raise HandshakeRefused(f.code, f"the leader refused this rank: {f.detail}")
+
+    def _hello_again(self, f: Hello) -> None:
+        if f != self._hello:
+            raise RemoteProtocolError(RejectCode.CONFLICT, "a second, different HELLO from the leader")
+        self._stats["duplicates"] += 1
+
+    def _on_hello(self, f: Hello) -> None:
+        if f.rank != 0:
+            raise RemoteProtocolError(RejectCode.BAD_RANK, f"HELLO from rank {f.rank}, expected the leader (0)")
+        if f.world_size != self.world_size:
+            raise RemoteProtocolError(
+                RejectCode.WORLD_SIZE_MISMATCH,
+                f"leader's world size is {f.world_size}, this rank's is {self.world_size}",
+            )
+        if f.geometry_digest != self.digest:
+            raise RemoteProtocolError(
+                RejectCode.GEOMETRY_MISMATCH,
+                f"leader's geometry digest {f.geometry_digest.hex()[:16]} != this rank's "
+                f"{self.digest.hex()[:16]} ({self.geometry})",
+            )
+        self._hello = f
+        self.step = f.step
+        self.state = _P.IDLE
+        self._events.append(Joined(step=f.step, world_size=f.world_size))
+
+    # -- frames about a step
+    def _on_step_frame(self, f: Prepare | Launch | Abort) -> None:
+        s, k, kind = f.step, self.step, type(f)
+        assert k is not None  # joined states have a step
+        if s < k:
+            return self._on_stale(f)
+        if s > k:
+            return self._on_ahead(f, k)
+        handler = _PEER_STEP.get((self.state, kind))
+        if handler is None:
+            why = " (this rank rejected it)" if self.state is _P.REJECTED else " (never prepared here)"
+            raise RemoteProtocolError(
+                _PEER_STEP_MISS.get((self.state, kind), RejectCode.UNEXPECTED_FRAME),
+                f"{kind.__name__.upper()} of step {s} in state {self.state.value}{why}",
+            )
+        return handler(self, f)
+
+    def _on_ahead(self, f: Prepare | Launch | Abort, k: int) -> None:
+        """A frame for a step after ``k``: veto a PREPARE, hold an ABORT, refuse a LAUNCH."""
+        s = f.step
+        if type(f) is Prepare:
+            # Not the step we expect: refuse it and never READY it later.
+            prev = self._vetoed.get(s)
+            if prev is not None:
+                self._stats["duplicates"] += 1
+                self._send(prev)
+                return None
+            if len(self._vetoed) >= self._held_limit:
+                raise RemoteProtocolError(RejectCode.BAD_STEP, f"too many PREPAREs ahead of step {k}")
+            detail = f"PREPARE for step {s} while this rank expects step {k}"
+            data = encode(Reject(step=s, rank=self.rank, code=RejectCode.BAD_STEP, detail=detail))
+            self._vetoed[s] = data
+            self._stats["rejected"] += 1
+            self._send(data)
+            self._events.append(Answered(step=s, ready=False, code=RejectCode.BAD_STEP, detail=detail))
+            return None
+        if type(f) is Abort:
+            # Overtook the frames of earlier steps: apply it when we get there.
+            if len(self._held_aborts) >= self._held_limit:
+                raise RemoteProtocolError(RejectCode.BAD_STEP, f"too many ABORTs ahead of step {k}")
+            if s in self._held_aborts:
+                self._stats["duplicates"] += 1
+            else:
+                self._held_aborts[s] = f
+                self._stats["held"] += 1
+            return None
+        raise RemoteProtocolError(
+            RejectCode.UNEXPECTED_FRAME, f"LAUNCH of step {s} which this rank never answered (at step {k})"
+        )
+
+    def _prepare(self, f: Prepare) -> None:
+        s = f.step
+        if len(f.payload) > self.max_payload:
+            detail = f"PREPARE step {s}: payload of {len(f.payload)} bytes, this rank's cap is {self.max_payload}"
+            return self._reject_current(RejectCode.FRAME_TOO_LARGE, detail)
+        # a decoded PREPARE carries its ids as a memoryview of format 'I' over the frame
+        problem = page_ids_problem(cast(memoryview, f.clear_pages), self.num_pages)
+        if problem is None:
+            self._prepared = f
+            self._answer = encode(Ready(step=s, rank=self.rank, prepare_checksum=f.checksum))
+            self.state = _P.READY
+            self._stats["ready"] += 1
+            self._send(self._answer)
+            self._events.append(Answered(step=s, ready=True, n_pages=len(f.clear_pages)))
+            return None
+        code, detail = problem
+        return self._reject_current(code, f"PREPARE step {s}: {detail}")
+
+    def _reject_current(self, code: int, detail: str) -> None:
+        s = self.step
+        assert s is not None  # only in IDLE(k)
+        self._answer = encode(Reject(step=s, rank=self.rank, code=code, detail=detail))
+        self._prepared = None
+        self.state = _P.REJECTED
+        self._stats["rejected"] += 1
+        self._send(self._answer)
+        self._events.append(Answered(step=s, ready=False, code=code, detail=detail))
+
+    def _repeat(self, f: Prepare) -> None:
+        """The same PREPARE again: the same answer. Another one after READY: REJECT, state kept."""
+        self._stats["duplicates"] += 1
+        p = self._prepared
+        if self.state is _P.READY and p is not None and f.checksum != p.checksum:
+            detail = f"a second, different PREPARE for step {f.step} after READY"
+            self._send(encode(Reject(step=f.step, rank=self.rank, code=RejectCode.CONFLICT, detail=detail)))
+            return None
+        self._send(self._answer)
+        return None
+
+    def _launch(self, f: Launch) -> None:
+        p = self._prepared
+        assert p is not None  # READY(k) holds the PREPARE it validated
+        if f.prepare_checksum != p.checksum:
+            raise RemoteProtocolError(
+                RejectCode.CONFLICT,
+                f"LAUNCH of step {f.step} for PREPARE checksum {f.prepare_checksum:08x}, "
+                f"this rank validated {p.checksum:08x}",
+            )
+        self._stats["launched"] += 1
+        self._events.append(RunStep(step=f.step, clear_pages=p.clear_pages, payload=p.payload))
+        return self._advance(True)
+
+    def _abort(self, f: Abort) -> None:
+        self._stats["aborted"] += 1
+        self._events.append(DropStep(step=f.step, code=f.code, rank=f.rank))
+        return self._advance(False)
+
+    def _on_stale(self, f: Prepare | Launch | Abort) -> None:
+        self._stats["stale"] += 1
+        s, kind = f.step, type(f)
+        if kind is Prepare:
+            detail = f"PREPARE for step {s}, already decided (this rank is at step {self.step})"
+            self._send(encode(Reject(step=s, rank=self.rank, code=RejectCode.STALE_STEP, detail=detail)))
+            self._events.append(Answered(step=s, ready=False, code=RejectCode.STALE_STEP, detail=detail))
+            return None
+        known = self._decided.get(s)
+        if known is None:
+            return None
+        if (kind is Launch) == known:
+            self._stats["duplicates"] += 1
+            return None
+        done = "launched" if known else "aborted"
+        raise RemoteProtocolError(RejectCode.CONFLICT, f"{kind.__name__.upper()} of step {s} which this rank {done}")
+
+    def _advance(self, launched: bool) -> None:
+        """Step ``k`` is decided: move to ``k + 1``, then apply a veto or held ABORT waiting there."""
+        k = self.step
+        assert k is not None  # joined states have a step
+        self._decided.add(k, launched)
+        self._prepared = None
+        self._answer = b""
+        self.step = k = k + 1
+        self.state = _P.IDLE
+        while True:
+            veto = self._vetoed.pop(k, None)
+            if veto is not None:
+                self.state = _P.REJECTED
+                self._answer = veto
+            held = self._held_aborts.pop(k, None)
+            if held is None:
+                break
+            self._stats["aborted"] += 1
+            self._events.append(DropStep(step=k, code=held.code, rank=held.rank))
+            self._decided.add(k, False)
+            self.step = k = k + 1
+            self.state = _P.IDLE
+            self._answer = b""
+        if self._vetoed:
+            for s in [s for s in self._vetoed if s < k]:
+                del self._vetoed[s]
+
+
+_JOINED = frozenset((_P.IDLE, _P.READY, _P.REJECTED))
+_STEP_FRAMES = frozenset((Prepare, Launch, Abort))
+_Handler = Callable[[PeerLink, Any], None]
+
+# A peer's transitions, one table (h11's _state.py in small). Frames about the
+# link's current step, by state; anything else about that step is a lookup miss,
+# raised as a protocol error naming the state and the frame.
+_PEER_STEP: dict[tuple[PeerState, type], _Handler] = {
+    (_P.IDLE, Prepare): PeerLink._prepare,  # validate -> READY or REJECT
+    (_P.READY, Prepare): PeerLink._repeat,
+    (_P.REJECTED, Prepare): PeerLink._repeat,
+    (_P.READY, Launch): PeerLink._launch,  # -> RunStep, next step
+    (_P.IDLE, Abort): PeerLink._abort,  # -> DropStep, next step
+    (_P.READY, Abort): PeerLink._abort,
+    (_P.REJECTED, Abort): PeerLink._abort,
+}
+# The code for a lookup miss when it is not UNEXPECTED_FRAME.
+_PEER_STEP_MISS: dict[tuple[PeerState, type], int] = {(_P.REJECTED, Launch): RejectCode.CONFLICT}
+
+# Every other frame a peer may get: the leader's HELLO, a refusal, a repeated HELLO.
+_PEER_TABLE: dict[tuple[PeerState, type], _Handler] = {
+    (_P.HELLO_SENT, Hello): PeerLink._on_hello,
+    (_P.HELLO_SENT, Reject): PeerLink._refused,
+    **{(st, Hello): PeerLink._hello_again for st in _JOINED},
+    **{(st, Reject): PeerLink._refused for st in _JOINED},
+}
