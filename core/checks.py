@@ -200,16 +200,33 @@ def u32_page_ids_problem(raw, num_pages: int) -> Problem | None:
 
     ``raw`` is any bytes-like, or a ``memoryview`` of format ``'I'`` over them. A
     strictly ascending list (what a leader sends) is checked with whole-list
-    integer arithmetic: no Python int per id.
+    integer arithmetic: no Python int per id. u32 ids are never negative, so only
+    the upper bound and distinctness are checked.
     """
     if type(raw) is memoryview and raw.format != "B":
+        if raw.format == _U32 and _LITTLE:
+            n = len(raw)
+            if n == 0:
+                return None
+            as_bytes = raw.cast("B")
+            if n >= _SWAR_MIN and _strictly_ascending(as_bytes, n) and raw[-1] < num_pages:
+                return None
+            return _u32_problem(raw.tolist(), num_pages)
         raw = raw.cast("B")
     n = len(raw) >> 2
     if n == 0:
         return None
     if n >= _SWAR_MIN and _strictly_ascending(raw, n) and int.from_bytes(raw[-4:], "little") < num_pages:
         return None  # ascending (so distinct) and the largest is in range
-    return page_ids_problem(u32_ids(raw), num_pages)
+    return _u32_problem(list(u32_ids(raw)), num_pages)
+
+
+def _u32_problem(ids: list[int], num_pages: int) -> Problem | None:
+    if max(ids) >= num_pages:
+        return Problem(OUT_OF_RANGE, tuple(out_of_range(ids, num_pages)))
+    if len(set(ids)) != len(ids):
+        return Problem(DUPLICATE, tuple(duplicates(ids)))
+    return None
 
 
 def _lanes(n: int) -> tuple[int, int, int]:
