@@ -9,8 +9,10 @@ command leaves state, log and effects exactly as they were.
      │    └── BackendUnavailableError   a clear backend cannot load here
      ├── UnknownRequestError        request id not known to the ledger
      ├── UnknownSnapshotError       snapshot id not live
+     ├── UnknownBlockHashError      a block hash that no page holds
      ├── DuplicateIdError           an id that must be new is in use
      ├── TenantMismatchError        a request's tenant cannot change
+     ├── CrossTenantShareError      sharing a page across tenants under an isolating policy
      ├── PageError                  (a page-level precondition failed)
      │    ├── PageOutOfRangeError   id >= num_pages or negative
      │    ├── DuplicatePageError    one id twice in one command
@@ -50,8 +52,10 @@ __all__ = [
     "ConfigurationError",
     "UnknownRequestError",
     "UnknownSnapshotError",
+    "UnknownBlockHashError",
     "DuplicateIdError",
     "TenantMismatchError",
+    "CrossTenantShareError",
     "PageError",
     "PageOutOfRangeError",
     "DuplicatePageError",
@@ -113,6 +117,14 @@ class UnknownSnapshotError(KVLedgerError, LookupError):
         super().__init__(f"snapshot {snapshot} is not live" + (f": {detail}" if detail else ""))
 
 
+class UnknownBlockHashError(KVLedgerError, LookupError):
+    """A block hash that no page holds (never published, or evicted)."""
+
+    def __init__(self, block_hash, detail: str = "") -> None:
+        self.block_hash = block_hash
+        super().__init__(f"no page holds block hash {block_hash!r}" + (f": {detail}" if detail else ""))
+
+
 class DuplicateIdError(KVLedgerError):
     def __init__(self, what: str, ident: int) -> None:
         self.what = what
@@ -124,6 +136,17 @@ class TenantMismatchError(KVLedgerError):
     def __init__(self, request: int, tenant, given) -> None:
         self.request = request
         super().__init__(f"request {request} belongs to tenant {tenant!r}, not {given!r}")
+
+
+class CrossTenantShareError(KVLedgerError):
+    """Under ``cross_tenant`` / ``all_reused`` a request may share only pages its own
+    tenant wrote (sharing would hand one tenant's KV to another)."""
+
+    def __init__(self, request: int, tenant, page_id: int, writer_tenant, policy: str) -> None:
+        self.request = request
+        self.page_id = page_id
+        super().__init__(f"request {request} (tenant {tenant!r}) cannot share page {page_id} written by "
+                         f"tenant {writer_tenant!r} under policy {policy!r}")
 
 
 class PageError(KVLedgerError):

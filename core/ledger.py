@@ -13,12 +13,13 @@ so state and effects are exactly as before. Running out of pages is an ordinary
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
 from . import checks
 from .errors import (
     ConfigurationError,
+    UnknownBlockHashError,
     InvalidArgumentError,
     OutOfPagesError,
     UnknownRequestError,
@@ -27,7 +28,10 @@ from .events.events import (
     CacheConfigured,
     Geometry,
     PagesCommitted,
+    PagesEvicted,
+    PagesPublished,
     PagesReserved,
+    PagesShared,
     RequestCancelled,
     RequestFinished,
     ReservationReturned,
@@ -187,6 +191,19 @@ class Ledger:
     def holder_of(self, page_id: int) -> str:
         return self.state.holder_of(page_id)
 
+    def holders_of(self, page_id: int) -> tuple[int, ...]:
+        """The requests holding a page in KV (more than one: a shared page)."""
+        return tuple(self.state.holders_of(page_id))
+
+    @property
+    def cached_count(self) -> int:
+        """Pages that hold cached KV (no request holds them; evicted when free pages run out)."""
+        return len(self.state.cached)
+
+    def block_hash(self, page_id: int) -> int | bytes | None:
+        """The block hash a page was published under (None: not published)."""
+        return self.state.page_hash.get(page_id)
+
     def is_marked(self, page_id: int) -> bool:
         return page_id in self.state.marks
 
@@ -218,10 +235,27 @@ class Ledger:
             same_tenant(st, request, tenant)
         pages = st.pick_free(n)
         if pages is None:
-            raise OutOfPagesError(n, st.reservable_count, f"request {request}")
+            pages = self._evict_for(n, f"request {request}")
         ev = PagesReserved(request=request, page_ids=tuple(pages), tenant=tenant)
         self._submit(ev)
         return ev.page_ids
+
+    def _evict_for(self, n: int, who: str) -> list[int]:
+        """Too few free pages for ``n``: evict the least recently used cached pages that make
+        up the difference (``PagesEvicted``), then return the allocator's ``n`` pages.
+
+        Raises ``OutOfPagesError`` (nothing changed) when free + cached pages are too few.
+        The eviction and the allocation are two events: if the log refuses the second,
+        the first stays recorded (and the log refuses everything after a failure).
+        """
+        st = self.state
+        short = n - st.free_reservable
+        if short > len(st.cached):
+            raise OutOfPagesError(n, st.reservable_count, who)
+        self._submit(PagesEvicted(page_ids=tuple(st.evictable(short))))
+        pages = st.pick_free(n)
+        assert pages is not None  # the eviction freed exactly what was short
+        return pages
 
     def return_reservation(self, request: int, pages: Iterable[int] | None = None) -> tuple[int, ...]:
         """Give reserved pages back unused (all of the request's reservation by default)."""
@@ -297,7 +331,7 @@ class Ledger:
             k = checks.count(n, "n")
             got = self.state.pick_free(k)
             if got is None:
-                raise OutOfPagesError(k, self.state.reservable_count, f"snapshot {snapshot}")
+                got = self._evict_for(k, f"snapshot {snapshot}")
             ids = tuple(got)
         else:
             ids = checks.page_ids(pages, self.state.num_pages, allow_empty=False)
@@ -330,6 +364,94 @@ class Ledger:
         into, target = self._restore_target(request, snapshot)
         ids = checks.page_ids(pages, self.state.num_pages, allow_empty=False)
         self._submit(RestoreCompleted(into=into, target=target, page_ids=ids))
+
+    # ------------------------------------------------------------------ prefix caching
+
+    def publish(
+        self,
+        request: int,
+        hashes: Sequence[int | bytes],
+        token_ids: Sequence[int],
+        *,
+        start: int | None = None,
+        parent_hash: int | bytes | None = None,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
+    ) -> tuple[int, ...]:
+        """Publish full KV pages of ``request`` under block hashes, so other requests can share them.
+
+        The pages are ``len(hashes)`` pages of the request's block table from index
+        ``start`` (default: the first page not yet published); ``token_ids`` are their
+        tokens (``page_tokens`` per page); ``parent_hash`` the hash of the block before
+        ``start`` (default: that page's published hash, None at index 0). The request
+        must have written them in a step that completed (``complete_step``). Returns
+        the page ids; the fold's effect is a ``BlocksStored`` KV event. Raises what the
+        precondition raises (``PageNotHeldError``, ``StepOrderError``, ...); nothing
+        changes then.
+        """
+        checks.ident(request, "request")
+        st = self.state
+        rec = st.requests.get(request)
+        if rec is None:
+            raise UnknownRequestError(request)
+        hashes = tuple(hashes)
+        if start is None:
+            start = 0
+            while start < len(rec.kv) and rec.kv[start] in st.page_hash:
+                start += 1
+        elif type(start) is not int or start < 0:
+            raise InvalidArgumentError(f"start must be a block index >= 0, got {start!r}")
+        pages = tuple(rec.kv[start : start + len(hashes)])
+        if len(pages) != len(hashes) or not hashes:
+            raise InvalidArgumentError(f"request {request} has {len(rec.kv)} KV pages; cannot publish "
+                                       f"{len(hashes)} from index {start}")
+        if parent_hash is None and start > 0:
+            parent_hash = st.page_hash.get(rec.kv[start - 1])
+        ev = PagesPublished(request=request, page_ids=pages, hashes=hashes, parent_hash=parent_hash,
+                            token_ids=tuple(token_ids), lora_id=lora_id, lora_name=lora_name)
+        self._submit(typed(ev))
+        return pages
+
+    def lookup(self, hashes: Iterable[int | bytes]) -> int:
+        """How many leading blocks of ``hashes`` are cached or held (ready to ``share``)."""
+        return self.state.lookup(hashes)
+
+    def share(self, request: int, hashes: Sequence[int | bytes], *, tenant: str | None = None) -> tuple[int, ...]:
+        """Share the pages that hold ``hashes`` into ``request``'s block table, in order.
+
+        ``request`` may be new (created with ``tenant``). Use ``lookup`` first: every
+        hash must be held (``UnknownBlockHashError`` otherwise). Cached pages leave
+        the cache; held pages become shared and read-only. Shared pages are never
+        listed for a clear: they hold the KV the request wants. Returns the page ids.
+        """
+        checks.ident(request, "request")
+        checks.tenant(tenant)
+        hp = self.state.hash_page
+        pages = []
+        for h in hashes:
+            p = hp.get(h)
+            if p is None:
+                raise UnknownBlockHashError(h, f"request {request} cannot share it")
+            pages.append(p)
+        ev = PagesShared(request=request, page_ids=tuple(pages), tenant=tenant)
+        self._submit(ev)
+        return ev.page_ids
+
+    def evict(self, n: int | None = None, *, pages: Iterable[int] | None = None) -> tuple[int, ...]:
+        """Evict cached pages: the ``n`` least recently used, or the named ones (all by default).
+
+        Returns the page ids; the fold's effect is a ``BlocksRemoved`` KV event.
+        """
+        st = self.state
+        if pages is None:
+            k = len(st.cached) if n is None else checks.count(n, "n")
+            ids = tuple(st.evictable(k))
+            if not ids:
+                return ()
+        else:
+            ids = checks.page_ids(pages, st.num_pages, allow_empty=False)
+        self._submit(PagesEvicted(page_ids=ids))
+        return ids
 
     def seal_step(self, step: int) -> StepPlan:
         """Close the open step and return its plan (the pages every rank must zero)."""

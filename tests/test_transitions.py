@@ -18,7 +18,7 @@ from kvledger import Geometry, InvalidArgumentError, Ledger, LedgerState
 from kvledger.core.events import EVENT_TYPES, CacheConfigured, PagesReserved, RequestFinished
 from kvledger.core.state import TRANSITIONS
 
-# SPEC.md, "Events and their rules", copied verbatim (update both together).
+# SPEC.md, "Events and their rules" and "Prefix-shared pages", copied verbatim (update both together).
 SPEC_TABLE = """
 | `CacheConfigured(geometry)` | first event of a log | all `free` | none | — |
 | `PagesReserved(r, pages)` | each page `free`, not `restoring` | → `reserved(r)` | kept | — |
@@ -30,6 +30,9 @@ SPEC_TABLE = """
 | `RestoreStarted(target, pages)` | target is r with pages `reserved(r)`, or s with pages in `alias(S∋s)` | unchanged | into a request: cleared (overwritten whole); into a snapshot: unchanged | `restoring` set |
 | `RestoreCompleted(target, pages)` | pages `restoring` | unchanged (a page may be `free` now if its snapshot was released mid-restore) | unchanged | `restoring` cleared |
 | `StepSealed(step)` | step open | — | — | the step plan: the union of that step's clear lists, each id once |
+| `PagesPublished(r, pages, hashes, parent_hash, token_ids)` | each page `kv(r)` written by r, full, committed in a step that has completed; hash not already published | gain their hash | — | KV event `BlockStored` |
+| `PagesShared(r, pages)` | each page hashed, `kv(R)` or `cached(h)`, not `stale`, not `restoring`; under `cross_tenant` / `all_reused` same tenant as r | → `kv(R ∪ {r})`, appended to r's block table in order | unchanged (a hashed page holds the KV r wants: never listed) | — |
+| `PagesEvicted(pages)` | each page `cached(h)` | → `free`, hash dropped | as for a request's page going free under the policy | KV event `BlockRemoved` |
 """  # noqa: E501
 
 BY_NAME = {t.__name__: t for t in EVENT_TYPES}

@@ -12,6 +12,15 @@ Page lifecycle (holders), with the mark (``*``) and where it is set and cleared:
        │                   └──────────────────────────────────────┘ ─► free
        │ alias                        release of the last alias
        └──────────► alias(S) ───────────────────────────────────────► free*
+
+Prefix-shared pages (a page of kv(r) published under a block hash h):
+
+      kv(r) ──publish──► kv(r), hashed ──share into r2──► kv({r, r2})
+                              │ the last holder finishes / cancels
+                              ▼
+                          cached(h) ──share──► kv({r3})      cached(h) ──evict──► free
+                                                             (least recently used first,
+                                                              when reserve / alias run short)
 """
 
 from __future__ import annotations
@@ -41,10 +50,16 @@ __all__ = [
     "StepSealed",
     "StepCompleted",
     "StepAborted",
+    "PagesPublished",
+    "PagesShared",
+    "PagesEvicted",
+    "BlockHash",
     "Event",
     "EVENT_TYPES",
     "StepPlan",
     "ClearPages",
+    "BlocksStored",
+    "BlocksRemoved",
     "typed",
 ]
 
@@ -58,6 +73,13 @@ MAX_PAGES = 1 << 32  # page ids travel as unsigned 32-bit integers on the wire
 # (``typed``); constructing an event in Python does not check it.
 Id = Annotated[int, msgspec.Meta(ge=0, le=MAX_ID)]
 PageIds = tuple[int, ...]  # ranges checked by the fold: PageOutOfRangeError names them
+
+# A block hash is the caller's: a signed 64-bit int or 1-64 bytes (vLLM's ExternalBlockHash is
+# either). ``kvledger.core.hashing`` computes chained hashes of token blocks for callers
+# without their own (16 bytes).
+HashInt = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+HashBytes = Annotated[bytes, msgspec.Meta(min_length=1, max_length=64)]
+BlockHash = HashInt | HashBytes
 
 
 class Geometry(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -151,6 +173,41 @@ class StepAborted(_Event, frozen=True, kw_only=True, tag="step_aborted"):
     reason: str = ""
 
 
+class PagesPublished(_Event, frozen=True, kw_only=True, tag="pages_published"):
+    """Full KV pages of ``request`` (it wrote them, in a step that completed) gain block hashes.
+
+    ``hashes[i]`` names ``page_ids[i]``; ``parent_hash`` is the hash of the block before the
+    first one (None at the start of a sequence); ``token_ids`` are the pages' tokens
+    (``len(page_ids) * page_tokens`` of them); ``lora_id`` / ``lora_name`` the adapter, if any.
+    Everything a KV-event consumer needs travels in the event, so a log can be exported.
+    """
+
+    request: Id
+    page_ids: PageIds
+    hashes: tuple[BlockHash, ...]
+    parent_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] = ()
+    lora_id: int | None = None
+    lora_name: str | None = None
+
+
+class PagesShared(_Event, frozen=True, kw_only=True, tag="pages_shared"):
+    """Hashed pages (held by other requests, or cached) join ``request``'s block table, in order.
+
+    A new request is created with ``tenant``; a known one keeps its own.
+    """
+
+    request: Id
+    page_ids: PageIds
+    tenant: str | None = None
+
+
+class PagesEvicted(_Event, frozen=True, kw_only=True, tag="pages_evicted"):
+    """Cached pages go free and lose their hashes (least recently used first)."""
+
+    page_ids: PageIds
+
+
 Event = (
     CacheConfigured
     | PagesReserved
@@ -165,6 +222,9 @@ Event = (
     | StepSealed
     | StepCompleted
     | StepAborted
+    | PagesPublished
+    | PagesShared
+    | PagesEvicted
 )
 
 EVENT_TYPES: tuple[type, ...] = Event.__args__
@@ -173,8 +233,10 @@ EVENT_TYPES: tuple[type, ...] = Event.__args__
 class StepPlan(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """What every rank runs for one step: zero ``clear_list`` in every local plane.
 
-    ``clear_list`` holds distinct page ids in the order their marks were taken
-    (commit order), each once.
+    ``clear_list`` holds distinct page ids: the pages an aborted step carried in
+    first, then the pages this step's commits listed, in the order they were
+    listed (a page whose request let go of it before the seal is not in it; if
+    it was committed and listed again, it sits where it was listed last).
     """
 
     step: Id
@@ -186,6 +248,23 @@ class ClearPages(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
     step: Id
     page_ids: PageIds
+
+
+class BlocksStored(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """Effect of a publish: a KV event for consumers (routers, KV-aware load balancers)."""
+
+    hashes: tuple[BlockHash, ...]
+    parent_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    page_tokens: int
+    lora_id: int | None = None
+    lora_name: str | None = None
+
+
+class BlocksRemoved(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """Effect of an eviction: these block hashes are gone from the cache."""
+
+    hashes: tuple[BlockHash, ...]
 
 
 _type_encoder = msgspec.msgpack.Encoder()

@@ -6,6 +6,12 @@ and insertion order (copies, not views: later folds do not change it);
 equal digests in any process on any machine; ``from_canonical`` rebuilds a state
 from it (log checkpoints). The key names are part of the digest: ``owner`` and
 ``alias_n`` are the historical names of ``holder`` and ``alias_count``.
+
+Versions: 2 (written now) adds each request's ``kv_steps`` and the prefix-cache
+fields (``hashes``, ``sharers``, ``cached``, ``aborted_steps``) to version 1.
+``canonical(st, 1)`` still writes version 1 for a state that uses none of them
+(to verify checkpoints written by version 1), and ``from_canonical`` reads both
+(a version-1 request's commit steps are unknown: its pages cannot be published).
 """
 
 from __future__ import annotations
@@ -15,23 +21,33 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from collections import OrderedDict
+
 from ..errors import ConfigurationError
 from ..events.events import CacheConfigured, Geometry, StepPlan
-from .table import RequestRecord
+from .table import UNKNOWN_STEP, RequestRecord
 
 if TYPE_CHECKING:
     from .state import LedgerState
 
-__all__ = ["DIGEST_VERSION", "canonical", "canonical_bytes", "digest", "from_canonical"]
+__all__ = ["DIGEST_VERSION", "DIGEST_VERSIONS", "canonical", "canonical_bytes", "digest", "from_canonical"]
 
-DIGEST_VERSION = 1
+DIGEST_VERSION = 2
+DIGEST_VERSIONS = (1, 2)
 
 
-def canonical(st: LedgerState) -> dict:
+def canonical(st: LedgerState, version: int = DIGEST_VERSION) -> dict:
+    """Every field of ``st`` in canonical form, as ``version`` lays it out.
+
+    Raises ``ConfigurationError`` for an unknown version, or for version 1 when
+    the state holds prefix-cache data that version 1 cannot express.
+    """
+    if version not in DIGEST_VERSIONS:
+        raise ConfigurationError(f"unknown canonical state version {version!r}; one of {DIGEST_VERSIONS}")
     g = st.geometry
     lp = st.last_plan
-    return {
-        "v": DIGEST_VERSION,
+    out: dict[str, object] = {
+        "v": version,
         "geometry": None if g is None else [g.num_pages, g.page_tokens],
         "policy": st.policy,
         "seq": st.seq,
@@ -53,15 +69,25 @@ def canonical(st: LedgerState) -> dict:
         "last_plan": None if lp is None else [lp.step, list(lp.clear_list)],
         "completed": sorted(st.completed.items()),
     }
+    if version == 1:
+        if st.page_hash or st.sharers or st.cached or st.aborted_steps:
+            raise ConfigurationError("a state with prefix-cache data has no version-1 canonical form")
+        return out
+    out["kv_steps"] = [[r, list(rec.kv_steps)] for r, rec in sorted(st.requests.items())]
+    out["hashes"] = [[p, h, st.hash_tenant[p]] for p, h in sorted(st.page_hash.items())]
+    out["sharers"] = [[p, list(rs)] for p, rs in sorted(st.sharers.items())]
+    out["cached"] = list(st.cached)  # least recently used first: the order is state
+    out["aborted_steps"] = sorted(st.aborted_steps)
+    return out
 
 
-def canonical_bytes(st: LedgerState) -> bytes:
-    return msgspec.msgpack.encode(canonical(st))
+def canonical_bytes(st: LedgerState, version: int = DIGEST_VERSION) -> bytes:
+    return msgspec.msgpack.encode(canonical(st, version))
 
 
-def digest(st: LedgerState) -> str:
+def digest(st: LedgerState, version: int = DIGEST_VERSION) -> str:
     """BLAKE2b-256 of the canonical encoding, hex."""
-    return hashlib.blake2b(canonical_bytes(st), digest_size=32).hexdigest()
+    return hashlib.blake2b(canonical_bytes(st, version), digest_size=32).hexdigest()
 
 
 def from_canonical(cls: type[LedgerState], data: dict) -> LedgerState:
@@ -72,8 +98,9 @@ def from_canonical(cls: type[LedgerState], data: dict) -> LedgerState:
     ``CorruptLogError``).
     """
     st = cls()
-    if data.get("v") != DIGEST_VERSION:
-        raise ConfigurationError(f"unsupported checkpoint version {data.get('v')!r}")
+    version = data.get("v")
+    if version not in DIGEST_VERSIONS:
+        raise ConfigurationError(f"unsupported checkpoint version {version!r}")
     if data["geometry"] is not None:
         n, t = data["geometry"]
         st.apply(CacheConfigured(geometry=Geometry(num_pages=n, page_tokens=t), policy=data["policy"]))
@@ -87,11 +114,21 @@ def from_canonical(cls: type[LedgerState], data: dict) -> LedgerState:
     st.pending = dict(data["pending"])
     st.restored_since_seal = set(data["restored_since_seal"])
     st.free_stack = list(data["free_stack"])
+    steps = dict(data["kv_steps"]) if version >= 2 else {}
     for r, tenant, reserved, kv, restored in data["requests"]:
-        st.requests[r] = RequestRecord(r, tenant, list(reserved), list(kv), set(restored) or None)
+        kv_steps = list(steps[r]) if version >= 2 else [UNKNOWN_STEP] * len(kv)
+        st.requests[r] = RequestRecord(r, tenant, list(reserved), list(kv), kv_steps, set(restored) or None)
     st.snapshots = {s: list(pages) for s, pages in data["snapshots"]}
     st.clear_lists = {s: list(pages) for s, pages in data["clear_lists"]}
     lp = data["last_plan"]
     st.last_plan = None if lp is None else StepPlan(step=lp[0], clear_list=tuple(lp[1]))
     st.completed = {int(r): s for r, s in data["completed"]}
+    if version >= 2:
+        for p, h, tenant in data["hashes"]:
+            st.page_hash[p] = h
+            st.hash_page[h] = p
+            st.hash_tenant[p] = tenant
+        st.sharers = {p: list(rs) for p, rs in data["sharers"]}
+        st.cached = OrderedDict.fromkeys(data["cached"])
+        st.aborted_steps = set(data["aborted_steps"])
     return st

@@ -23,10 +23,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..events.events import (
+    BlocksRemoved,
+    BlocksStored,
     CacheConfigured,
     ClearPages,
     PagesCommitted,
+    PagesEvicted,
+    PagesPublished,
     PagesReserved,
+    PagesShared,
     ReservationReturned,
     RestoreCompleted,
     RestoreStarted,
@@ -37,7 +42,7 @@ from ..events.events import (
     StepPlan,
     StepSealed,
 )
-from .table import HOLDER_ALIAS, HOLDER_FREE, MARK_ALL, MARK_TENANT, RequestRecord
+from .table import HOLDER_ALIAS, HOLDER_CACHED, HOLDER_FREE, MARK_ALL, MARK_TENANT, SHARED_IN, RequestRecord
 
 if TYPE_CHECKING:
     from .state import LedgerState
@@ -45,7 +50,10 @@ if TYPE_CHECKING:
 __all__ = [
     "cache_configured",
     "pages_committed",
+    "pages_evicted",
+    "pages_published",
     "pages_reserved",
+    "pages_shared",
     "request_gone",
     "reservation_returned",
     "restore_completed",
@@ -154,7 +162,7 @@ def pages_reserved(st: LedgerState, e: PagesReserved) -> tuple:
     r = e.request
     rec = st.requests.get(r)
     if rec is None:
-        rec = st.requests[r] = RequestRecord(r, e.tenant, [], [])
+        rec = st.requests[r] = RequestRecord(r, e.tenant, [], [], [])
     holder = st.holder
     for p in pages:
         holder[p] = r
@@ -201,6 +209,7 @@ def pages_committed(st: LedgerState, e: PagesCommitted) -> tuple:
     if rec.restored:
         rec.restored.difference_update(pages)
     rec.kv.extend(pages)
+    rec.kv_steps.extend([e.step] * k)
     st.seq += 1
     if not listed:
         return _NO_EFFECTS
@@ -213,14 +222,39 @@ def pages_committed(st: LedgerState, e: PagesCommitted) -> tuple:
 
 
 def request_gone(st: LedgerState, e) -> tuple:
-    """RequestCancelled / RequestFinished: reserved and KV pages go free."""
+    """RequestCancelled / RequestFinished: reserved pages go free; each KV page loses r as a
+    holder: still held by others, it stays kv(R - {r}); hashed, it goes cached(h) (the
+    request's last block first in line for eviction); otherwise free."""
     rec = st.requests.pop(e.request)
+    kv = rec.kv
+    if st.page_hash and not st.page_hash.keys().isdisjoint(kv) or st.sharers and not st.sharers.keys().isdisjoint(kv):
+        kv = _release_shares(st, rec)
     dirty: tuple | list = ()
     if st.policy != "released_aliases":
-        dirty = rec.kv + [p for p in rec.reserved if rec.restored and p in rec.restored]
-    _free_pages(st, rec.reserved + rec.kv, rec.tenant, dirty)
+        dirty = kv + [p for p in rec.reserved if rec.restored and p in rec.restored]
+    _free_pages(st, rec.reserved + kv, rec.tenant, dirty)
     st.seq += 1
     return _NO_EFFECTS
+
+
+def _release_shares(st: LedgerState, rec: RequestRecord) -> list[int]:
+    """r leaves its shared and hashed KV pages; returns the KV pages that go free."""
+    r, holder, sharers, hashed, cached = rec.request, st.holder, st.sharers, st.page_hash, st.cached
+    gone = []
+    for p in reversed(rec.kv):  # the last block first: the first to be evicted
+        holders = sharers.get(p)
+        if holders is not None:
+            holders.remove(r)
+            holder[p] = holders[0]
+            if len(holders) == 1:
+                del sharers[p]
+        elif p in hashed:
+            holder[p] = HOLDER_CACHED
+            cached[p] = None
+        else:
+            gone.append(p)
+    gone.reverse()
+    return gone
 
 
 def snapshot_aliased(st: LedgerState, e: SnapshotAliased) -> tuple:
@@ -340,5 +374,70 @@ def step_aborted(st: LedgerState, e: StepAborted) -> tuple:
         residue.pop(p, None)
     if carry:
         st.clear_lists[step] = carry + st.clear_lists.get(step, [])
+    st.aborted_steps.add(e.step)
     st.seq += 1
     return _NO_EFFECTS
+
+
+# ---------------------------------------------------------------------- prefix caching
+
+
+def pages_published(st: LedgerState, e: PagesPublished) -> tuple:
+    tenant = st.requests[e.request].tenant
+    geometry = st.geometry
+    assert geometry is not None  # configured before any request
+    page_hash, hash_page, hash_tenant = st.page_hash, st.hash_page, st.hash_tenant
+    for p, h in zip(e.page_ids, e.hashes, strict=True):
+        page_hash[p] = h
+        hash_page[h] = p
+        hash_tenant[p] = tenant
+    st.seq += 1
+    return (BlocksStored(hashes=e.hashes, parent_hash=e.parent_hash, token_ids=e.token_ids,
+                         page_tokens=geometry.page_tokens,
+                         lora_id=e.lora_id, lora_name=e.lora_name),)
+
+
+def pages_shared(st: LedgerState, e: PagesShared) -> tuple:
+    r = e.request
+    rec = st.requests.get(r)
+    if rec is None:
+        rec = st.requests[r] = RequestRecord(r, e.tenant, [], [], [])
+    holder, sharers, cached = st.holder, st.sharers, st.cached
+    for p in e.page_ids:
+        x = holder[p]
+        if x == HOLDER_CACHED:
+            del cached[p]
+            holder[p] = r
+        else:
+            holders = sharers.get(p)
+            if holders is None:
+                sharers[p] = [x, r]
+            else:
+                holders.append(r)
+    rec.kv.extend(e.page_ids)
+    rec.kv_steps.extend([SHARED_IN] * len(e.page_ids))
+    st.seq += 1
+    return _NO_EFFECTS
+
+
+def pages_evicted(st: LedgerState, e: PagesEvicted) -> tuple:
+    """Cached pages go free and lose their hashes; under the isolating policies they are
+    marked for the writer's tenant (cross_tenant) or for everyone (all_reused)."""
+    pages = e.page_ids
+    page_hash, hash_page, hash_tenant, cached = st.page_hash, st.hash_page, st.hash_tenant, st.cached
+    hashes = []
+    tenants = {}
+    for p in pages:
+        h = page_hash.pop(p)
+        del hash_page[h]
+        tenants[p] = hash_tenant.pop(p)
+        del cached[p]
+        hashes.append(h)
+    if st.policy == "cross_tenant":
+        # each evicted page carries its own writer's tenant
+        for p in pages:
+            _free_pages(st, (p,), tenants[p], (p,))
+    else:
+        _free_pages(st, pages, None, pages)
+    st.seq += 1
+    return (BlocksRemoved(hashes=tuple(hashes)),)

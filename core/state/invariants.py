@@ -10,7 +10,7 @@ from collections import Counter
 
 from ..errors import InvariantViolation
 from .state import LedgerState
-from .table import ALIAS, FREE, HOLDER_ALIAS, HOLDER_FREE, KV, MARK_ALL, MARK_TENANT, RESERVED
+from .table import ALIAS, CACHED, FREE, HOLDER_ALIAS, HOLDER_CACHED, HOLDER_FREE, KV, MARK_ALL, MARK_TENANT, RESERVED
 
 __all__ = ["check_invariants"]
 
@@ -24,17 +24,34 @@ def check_invariants(st: LedgerState) -> None:
     _free_stack_agrees(st, h)
     _marks_and_pending(st, h)
     _clear_lists_and_restores(st, h)
+    _prefix_cache(st, h)
 
 
 def _request_index(st: LedgerState) -> dict[int, tuple[int, int]]:
-    """page -> (RESERVED or KV, request) from the request tables; a page twice is a violation."""
+    """page -> (RESERVED or KV, its first holder) from the request tables. A page in two
+    tables is a violation unless it is a shared KV page and ``sharers`` names exactly them."""
     where: dict[int, tuple[int, int]] = {}
+    held_by: dict[int, list[int]] = {}
     for r, rec in st.requests.items():
+        if len(rec.kv_steps) != len(rec.kv):
+            raise InvariantViolation(1, f"request {r} has {len(rec.kv)} kv pages but {len(rec.kv_steps)} commit steps")
         for kind, pages in ((RESERVED, rec.reserved), (KV, rec.kv)):
             for p in pages:
                 if p in where:
-                    raise InvariantViolation(1, f"page {p} listed twice in request tables")
+                    if kind != KV or where[p][0] != KV or p not in st.sharers:
+                        raise InvariantViolation(1, f"page {p} listed twice in request tables")
+                    held_by[p].append(r)
+                    continue
                 where[p] = (kind, r)
+                if kind == KV:
+                    held_by[p] = [r]
+    for p, rs in st.sharers.items():
+        if len(rs) < 2 or sorted(rs) != sorted(held_by.get(p, ())) or st.holder[p] != rs[0]:
+            raise InvariantViolation(1, f"shared page {p}: sharers {rs} != the requests holding it {held_by.get(p)}")
+        where[p] = (KV, rs[0])
+    for p, rs in held_by.items():
+        if len(rs) > 1 and p not in st.sharers:
+            raise InvariantViolation(1, f"page {p} is in the KV of {rs} but not recorded as shared")
     return where
 
 
@@ -61,6 +78,9 @@ def _holders_partition(st: LedgerState, h: bytearray) -> None:
         elif kind == ALIAS:
             if o[p] != HOLDER_ALIAS or an[p] < 1 or an[p] != alias_counts.get(p, 0) or p in where:
                 raise InvariantViolation(1, f"alias page {p} count {an[p]} != snapshots {alias_counts.get(p, 0)}")
+        elif kind == CACHED:
+            if o[p] != HOLDER_CACHED or an[p] or p in where:
+                raise InvariantViolation(1, f"cached page {p} is also held or aliased")
         else:
             raise InvariantViolation(1, f"page {p} has unknown holder code {kind}")
         if kind != ALIAS and alias_counts.get(p):
@@ -124,3 +144,29 @@ def _clear_lists_and_restores(st: LedgerState, h: bytearray) -> None:
             raise InvariantViolation(4, f"restoring page {p} out of range")
         if h[p] == KV or p in st.pending:
             raise InvariantViolation(4, f"restoring page {p} is {st.holder_of(p)} / pending a clear")
+
+
+def _prefix_cache(st: LedgerState, h: bytearray) -> None:
+    """Hashes and pages agree both ways; a hashed page is kv or cached, never marked, pending or
+    restoring; a cached page is hashed and in the LRU; a page with the cached holder code is cached."""
+    if len(st.page_hash) != len(st.hash_page) or st.page_hash.keys() != st.hash_tenant.keys():
+        raise InvariantViolation(1, "page -> hash, hash -> page and page -> tenant maps disagree")
+    for p, hsh in st.page_hash.items():
+        if st.hash_page.get(hsh) != p:
+            raise InvariantViolation(1, f"page {p} has hash {hsh!r}, which names page {st.hash_page.get(hsh)}")
+        if h[p] not in (KV, CACHED):
+            raise InvariantViolation(1, f"hashed page {p} is {st.holder_of(p)}")
+        if p in st.marks:
+            raise InvariantViolation(2, f"hashed page {p} ({st.holder_of(p)}) is marked stale")
+        if p in st.pending:
+            raise InvariantViolation(3, f"hashed page {p} is pending a clear")
+        if p in st.restore_targets:
+            raise InvariantViolation(4, f"hashed page {p} is restoring")
+    for p in st.cached:
+        if h[p] != CACHED or p not in st.page_hash:
+            raise InvariantViolation(1, f"page {p} is in the cache LRU but is {st.holder_of(p)}")
+    if h.count(CACHED) != len(st.cached):
+        raise InvariantViolation(1, f"{h.count(CACHED)} pages are cached, the LRU holds {len(st.cached)}")
+    for p in st.sharers:
+        if p not in st.page_hash:
+            raise InvariantViolation(1, f"shared page {p} has no hash")

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from .. import checks
 from ..errors import (
     ConfigurationError,
+    CrossTenantShareError,
     DuplicatePageError,
     InvalidArgumentError,
     PageNotHeldError,
@@ -32,7 +33,10 @@ from ..events.events import (
     CLEAR_POLICIES,
     CacheConfigured,
     PagesCommitted,
+    PagesEvicted,
+    PagesPublished,
     PagesReserved,
+    PagesShared,
     ReservationReturned,
     RestoreCompleted,
     RestoreStarted,
@@ -42,7 +46,7 @@ from ..events.events import (
     StepCompleted,
     StepSealed,
 )
-from .table import HOLDER_FREE, RequestRecord
+from .table import HOLDER_CACHED, HOLDER_FREE, RequestRecord
 
 if TYPE_CHECKING:
     from .state import LedgerState
@@ -51,7 +55,10 @@ __all__ = [
     "same_tenant",
     "cache_configured",
     "pages_committed",
+    "pages_evicted",
+    "pages_published",
     "pages_reserved",
+    "pages_shared",
     "request_known",
     "reservation_returned",
     "restore_completed",
@@ -252,3 +259,81 @@ def step_aborted(st: LedgerState, e: StepAborted) -> None:
     last = st.last_plan
     if last is None or last.step != e.step:
         raise StepOrderError(e.step, st.open_step, "only the last sealed step can be aborted")
+
+
+# ---------------------------------------------------------------------- prefix caching
+
+
+def pages_published(st: LedgerState, e: PagesPublished) -> None:
+    """Each page kv(r) written by r, full, committed in a step that completed (and was not
+    aborted); not hashed yet; each hash new."""
+    rec = _request(st, e.request)
+    pages = e.page_ids
+    _pages(st, pages)
+    k = len(pages)
+    if len(e.hashes) != k:
+        raise InvalidArgumentError(f"{k} pages need {k} hashes, got {len(e.hashes)}")
+    want = k * st.geometry.page_tokens  # type: ignore[union-attr]
+    if len(e.token_ids) != want:
+        raise InvalidArgumentError(f"{k} full pages hold {want} tokens, got {len(e.token_ids)}")
+    if len(set(e.hashes)) != k:
+        raise InvalidArgumentError(f"block hashes repeat within one publish: {list(e.hashes)[:8]}")
+    where = {p: i for i, p in enumerate(rec.kv)}
+    done, aborted = st.completed_step, st.aborted_steps
+    for p, h in zip(pages, e.hashes, strict=True):
+        i = where.get(p)
+        if i is None:
+            raise PageNotHeldError(p, f"kv({e.request})", st.holder_of(p))
+        step = rec.kv_steps[i]
+        if step < 0:
+            detail = "another request wrote it" if step == -1 else "its commit step is unknown (an old checkpoint)"
+            raise PageNotHeldError(p, f"written by request {e.request}", detail)
+        if step > done or step in aborted:
+            raise StepOrderError(step, st.open_step, f"page {p} was committed in step {step}, which has not "
+                                 f"completed (completed through {done}); its KV is not written yet")
+        if p in st.page_hash:
+            raise PageNotHeldError(p, "not yet published", f"published as {st.page_hash[p]!r}")
+        if h in st.hash_page:
+            raise InvalidArgumentError(f"block hash {h!r} is already published (page {st.hash_page[h]})")
+
+
+def _share_tenant(st: LedgerState, e: PagesShared) -> str | None:
+    rec = st.requests.get(e.request)
+    if rec is None:
+        return e.tenant
+    if e.tenant is not None and e.tenant != rec.tenant:
+        raise TenantMismatchError(e.request, rec.tenant, e.tenant)
+    return rec.tenant
+
+
+def pages_shared(st: LedgerState, e: PagesShared) -> None:
+    """Each page hashed, kv(R) or cached(h), not stale, not restoring, not already r's;
+    under cross_tenant / all_reused the writer's tenant is r's."""
+    pages = e.page_ids
+    _pages(st, pages)
+    tenant = _share_tenant(st, e)
+    rec = st.requests.get(e.request)
+    mine = set(rec.kv).union(rec.reserved) if rec is not None else ()
+    holder, hashed = st.holder, st.page_hash
+    for p in pages:
+        if p not in hashed:
+            raise PageNotHeldError(p, "hashed (published)", st.holder_of(p))
+        if p in st.marks:
+            raise PageNotHeldError(p, "not stale", "marked")
+        if p in mine:
+            raise PageNotHeldError(p, f"not held by request {e.request}", st.holder_of(p))
+        if holder[p] < 0 and holder[p] != HOLDER_CACHED:
+            raise PageNotHeldError(p, "kv(R) or cached", st.holder_of(p))
+        if st.policy != "released_aliases" and st.hash_tenant[p] != tenant:
+            raise CrossTenantShareError(e.request, tenant, p, st.hash_tenant[p], st.policy)
+    _not_restoring(st, pages, "cannot share")
+
+
+def pages_evicted(st: LedgerState, e: PagesEvicted) -> None:
+    """Each page cached(h)."""
+    pages = e.page_ids
+    _pages(st, pages)
+    holder = st.holder
+    for p in pages:
+        if holder[p] != HOLDER_CACHED:
+            raise PageNotHeldError(p, "cached", st.holder_of(p))

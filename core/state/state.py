@@ -20,6 +20,13 @@ Sparse (a page is in the map only while the flag is set):
     clear_lists       step -> pages listed for it, in listing order (a page that
                       left KV before the seal stays in the list, no longer pending;
                       ``derive_clear_list`` skips it)
+Prefix caching (sparse, empty until a request publishes):
+    page_hash / hash_page   a hashed page's block hash, and back
+    hash_tenant       a hashed page's writer's tenant (cross-tenant sharing, eviction marks)
+    sharers           p -> R, the requests of a page in kv(R) with |R| >= 2, in the
+                      order they joined (holder[p] is R[0])
+    cached            the cached pages, least recently used first (an OrderedDict)
+    aborted_steps     steps recorded as aborted (their pages are never published)
 
 The free stack: the allocator takes from its top (LIFO), freed pages are pushed
 in event order. Taking a page from anywhere but the top (a snapshot aliasing
@@ -40,13 +47,22 @@ allocator's future choices.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from ..errors import ConfigurationError, InvalidArgumentError
 from ..events.events import CacheConfigured, Geometry, StepPlan
 from . import canonical as _canonical
-from .table import ALIAS, FREE, HOLDER_FREE, HOLDER_NAMES, KV, RESERVED, RequestRecord
+from .table import ALIAS, CACHED, FREE, HOLDER_CACHED, HOLDER_FREE, HOLDER_NAMES, KV, RESERVED, RequestRecord
 from .transitions import TRANSITIONS, Transition
 
-__all__ = ["LedgerState"]
+__all__ = ["LedgerState", "hash_text"]
+
+
+def hash_text(h: int | bytes) -> str:
+    """A block hash for people: hex for bytes (first 8 bytes), decimal for ints."""
+    if isinstance(h, bytes):
+        return h[:8].hex() + ("..." if len(h) > 8 else "")
+    return str(h)
 
 
 class LedgerState:
@@ -78,6 +94,12 @@ class LedgerState:
         self.clear_lists: dict[int, list[int]] = {}
         self.last_plan: StepPlan | None = None
         self.completed: dict[int, int] = {}  # rank -> highest step it completed
+        self.page_hash: dict[int, int | bytes] = {}
+        self.hash_page: dict[int | bytes, int] = {}
+        self.hash_tenant: dict[int, str | None] = {}
+        self.sharers: dict[int, list[int]] = {}
+        self.cached: OrderedDict[int, None] = OrderedDict()
+        self.aborted_steps: set[int] = set()
 
     # ------------------------------------------------------------------ entry points
 
@@ -108,13 +130,37 @@ class LedgerState:
         return len(self.free_stack) - self.stale_entries
 
     @property
-    def reservable_count(self) -> int:
-        """Free pages an allocation may take now (free and not restoring)."""
+    def cached_count(self) -> int:
+        return len(self.cached)
+
+    @property
+    def free_reservable(self) -> int:
+        """Free pages an allocation may take without evicting (free and not restoring)."""
         n = len(self.free_stack) - self.stale_entries
         if not self.restore_targets:
             return n
         holder = self.holder
         return n - sum(1 for p in self.restore_targets if holder[p] == HOLDER_FREE)
+
+    @property
+    def reservable_count(self) -> int:
+        """Pages an allocation may take now: free and not restoring, plus cached ones
+        (evicted least recently used first when the free ones run out)."""
+        return self.free_reservable + len(self.cached)
+
+    def evictable(self, n: int) -> list[int]:
+        """The ``n`` cached pages an allocation would evict next (least recently used first)."""
+        out: list[int] = []
+        for p in self.cached:
+            if len(out) == n:
+                break
+            out.append(p)
+        return out
+
+    @property
+    def completed_step(self) -> int:
+        """The highest step every rank that reported completions has completed (-1: none)."""
+        return min(self.completed.values()) if self.completed else -1
 
     def pick_free(self, n: int) -> list[int] | None:
         """The ``n`` pages the allocator takes next (top of the free stack first, skipping
@@ -183,11 +229,13 @@ class LedgerState:
     # ------------------------------------------------------------------ queries
 
     def holder_code(self, page_id: int) -> int:
-        """FREE, RESERVED, KV or ALIAS for one page (O(pages of its request))."""
+        """FREE, RESERVED, KV, ALIAS or CACHED for one page (O(pages of its request))."""
         x = self.holder[page_id]
         if x >= 0:
             return KV if page_id in self.requests[x].kv else RESERVED
-        return FREE if x == HOLDER_FREE else ALIAS
+        if x == HOLDER_FREE:
+            return FREE
+        return CACHED if x == HOLDER_CACHED else ALIAS
 
     def holder_codes(self) -> bytearray:
         """Holder codes of every page, derived (O(held pages)): for checks and tools, not loops."""
@@ -200,16 +248,40 @@ class LedgerState:
                 h[p] = RESERVED
             for p in rec.kv:
                 h[p] = KV
+        for p in self.cached:
+            h[p] = CACHED
         return h
 
     def holder_of(self, page_id: int) -> str:
-        """Human-readable holder of a page: ``free``, ``reserved(r)``, ``kv(r)``, ``alias({s,...})``."""
+        """Human-readable holder of a page: ``free``, ``reserved(r)``, ``kv(r)``,
+        ``kv({r1,r2})`` (shared), ``alias({s,...})``, ``cached(h)``."""
         kind = self.holder_code(page_id)
+        if kind == KV and page_id in self.sharers:
+            return "kv({" + ",".join(map(str, self.sharers[page_id])) + "})"
         if kind in (RESERVED, KV):
             return f"{HOLDER_NAMES[kind]}({self.holder[page_id]})"
         if kind == ALIAS:
             return "alias({" + ",".join(map(str, self.snapshot_ids_of(page_id))) + "})"
+        if kind == CACHED:
+            return f"cached({hash_text(self.page_hash[page_id])})"
         return "free"
+
+    def holders_of(self, page_id: int) -> list[int]:
+        """The requests holding a page in KV (R of kv(R); empty when it is not kv)."""
+        if page_id in self.sharers:
+            return list(self.sharers[page_id])
+        return [self.holder[page_id]] if self.holder_code(page_id) == KV else []
+
+    def lookup(self, hashes) -> int:
+        """How many leading blocks of ``hashes`` are cached or held, ready to share."""
+        n = 0
+        hp, marks, targets = self.hash_page, self.marks, self.restore_targets
+        for h in hashes:
+            p = hp.get(h)
+            if p is None or p in marks or p in targets:
+                break
+            n += 1
+        return n
 
     def snapshot_ids_of(self, page_id: int) -> list[int]:
         return sorted(s for s, pages in self.snapshots.items() if page_id in pages)
@@ -226,16 +298,18 @@ class LedgerState:
 
     # ------------------------------------------------------------------ canonical form
 
-    def canonical(self) -> dict:
+    def canonical(self, version: int = _canonical.DIGEST_VERSION) -> dict:
         """Every field of the state, independent of hash seed and insertion order (a copy)."""
-        return _canonical.canonical(self)
+        return _canonical.canonical(self, version)
 
-    def canonical_bytes(self) -> bytes:
-        return _canonical.canonical_bytes(self)
+    def canonical_bytes(self, version: int = _canonical.DIGEST_VERSION) -> bytes:
+        return _canonical.canonical_bytes(self, version)
 
-    def digest(self) -> str:
-        """BLAKE2b-256 of the canonical encoding, hex. Equal states give equal digests anywhere."""
-        return _canonical.digest(self)
+    def digest(self, version: int = _canonical.DIGEST_VERSION) -> str:
+        """BLAKE2b-256 of the canonical encoding, hex. Equal states give equal digests anywhere.
+
+        ``version`` 1 gives the digest an older kvledger computed (for its checkpoints)."""
+        return _canonical.digest(self, version)
 
     @classmethod
     def from_canonical(cls, data: dict) -> LedgerState:

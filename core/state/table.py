@@ -1,8 +1,8 @@
 """The page table's vocabulary: holder and mark codes, and one request's record.
 
 Per page the state keeps one int, ``holder[p]``: a request id r >= 0 (the page
-is ``reserved(r)`` or ``kv(r)``; which one is told by r's ``reserved`` / ``kv``
-lists), ``HOLDER_FREE`` or ``HOLDER_ALIAS``. Marks are sparse: ``marks[p]`` is
+is ``reserved(r)`` or ``kv(R)`` with r first in R; which one is told by r's
+``reserved`` / ``kv`` lists), ``HOLDER_FREE``, ``HOLDER_ALIAS`` or ``HOLDER_CACHED``. Marks are sparse: ``marks[p]`` is
 ``MARK_ALL`` (zero before any request reads it) or ``MARK_TENANT`` (zero unless
 the reader is the tenant whose bytes these are).
 """
@@ -13,8 +13,10 @@ import msgspec
 
 __all__ = [
     "ALIAS",
+    "CACHED",
     "FREE",
     "HOLDER_ALIAS",
+    "HOLDER_CACHED",
     "HOLDER_FREE",
     "HOLDER_NAMES",
     "KV",
@@ -24,21 +26,26 @@ __all__ = [
     "RequestRecord",
 ]
 
-FREE, RESERVED, KV, ALIAS = 0, 1, 2, 3  # holder kinds (``LedgerState.holder_code``)
-HOLDER_NAMES = ("free", "reserved", "kv", "alias")
-HOLDER_FREE, HOLDER_ALIAS = -1, -2  # ``holder[p]`` of a free / an aliased page
+FREE, RESERVED, KV, ALIAS, CACHED = 0, 1, 2, 3, 4  # holder kinds (``LedgerState.holder_code``)
+HOLDER_NAMES = ("free", "reserved", "kv", "alias", "cached")
+HOLDER_FREE, HOLDER_ALIAS, HOLDER_CACHED = -1, -2, -3  # ``holder[p]`` of a free / aliased / cached page
+UNKNOWN_STEP = -2  # a kv page's commit step, in a state rebuilt from a version-1 checkpoint
+SHARED_IN = -1  # the "commit step" of a page another request wrote and this one shares
 MARK_ALL, MARK_TENANT = 1, 2
 
 
 class RequestRecord(msgspec.Struct, gc=False):
     """One request: its tenant, its reserved pages and its KV pages (block table) in order.
 
-    ``restored``: reserved pages an inbound restore wrote (tracked for the non-default
-    policies only). Built in C (a msgspec Struct): one is made per request.
+    ``kv_steps[i]`` is the step ``kv[i]`` was committed in (``SHARED_IN`` for a page this
+    request shares but did not write). ``restored``: reserved pages an inbound restore
+    wrote (tracked for the non-default policies only). Built in C (a msgspec Struct):
+    one is made per request.
     """
 
     request: int
     tenant: str | None
     reserved: list
     kv: list
+    kv_steps: list
     restored: set | None = None

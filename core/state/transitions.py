@@ -24,6 +24,9 @@ table and nothing else; an event type that is not in it is refused
     StepCompleted           step sealed                      -                     -          -
     StepAborted             the last sealed step             -                     re-listed  -
                                                                                    or set
+    PagesPublished          kv(r) written by r, completed    gain their hash       -          BlocksStored
+    PagesShared             hashed kv(R) or cached(h)        -> kv(R + {r})        unchanged  -
+    PagesEvicted            cached(h)                        -> free               policy     BlocksRemoved
 
 To add an event: its struct in ``core/events/events.py``, a precondition in
 ``preconditions.py``, an applier in ``fold.py``, and its row here.
@@ -38,7 +41,10 @@ from ..events.events import (
     EVENT_TYPES,
     CacheConfigured,
     PagesCommitted,
+    PagesEvicted,
+    PagesPublished,
     PagesReserved,
+    PagesShared,
     RequestCancelled,
     RequestFinished,
     ReservationReturned,
@@ -118,6 +124,20 @@ TRANSITIONS: dict[type, Transition] = {
         "the last sealed step, not yet aborted", "—",
         "its pages still in kv(r) listed again for the open step; the others set", "—",
         pre.step_aborted, fold.step_aborted),
+    # SPEC, "Prefix-shared pages".
+    PagesPublished: Transition(
+        "each page kv(r) written by r, full, committed in a step that has completed; "
+        "hash not already published", "gain their hash", "—", "KV event BlockStored",
+        pre.pages_published, fold.pages_published),
+    PagesShared: Transition(
+        "each page hashed, kv(R) or cached(h), not stale, not restoring; under cross_tenant / "
+        "all_reused same tenant as r", "→ kv(R ∪ {r}), appended to r's block table in order",
+        "unchanged (a hashed page holds the KV r wants: never listed)", "—",
+        pre.pages_shared, fold.pages_shared),
+    PagesEvicted: Transition(
+        "each page cached(h)", "→ free, hash dropped", "as for a request's page going free under the policy",
+        "KV event BlockRemoved",
+        pre.pages_evicted, fold.pages_evicted),
 }
 
 assert set(TRANSITIONS) == set(EVENT_TYPES), "every event type has exactly one row"
