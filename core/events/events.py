@@ -60,6 +60,7 @@ __all__ = [
     "ClearPages",
     "BlocksStored",
     "BlocksRemoved",
+    "PagesMarked",
     "typed",
 ]
 
@@ -247,6 +248,13 @@ class ClearPages(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Effect of a commit: these pages must be zeroed before ``step``'s graph reads them."""
 
     step: Id
+    page_ids: PageIds
+
+
+class PagesMarked(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """Effect of any event that set marks: these pages now hold bytes no request may read
+    before a clear (the sanitizer fills them with poison before the next plan's clear)."""
+
     page_ids: PageIds
 
 

@@ -5,6 +5,9 @@ never raises for one. It advances ``state.seq`` and returns the event's effects:
 ``(ClearPages,)`` for a commit that listed marked pages, ``(StepPlan,)`` for a
 seal, ``()`` otherwise. Pure: no I/O, no logging, no clock, no object per page.
 
+Every applier that sets marks returns ``PagesMarked`` with those pages (the
+sanitizer poisons them before the next plan's clear).
+
 Marks and clear lists (the seed's rule, policy ``released_aliases``):
     SnapshotReleased   sets the mark on every page whose last alias went away
     PagesCommitted     takes the mark off each marked page and lists it for ``step``
@@ -27,6 +30,7 @@ from ..events.events import (
     BlocksStored,
     CacheConfigured,
     ClearPages,
+    PagesMarked,
     PagesCommitted,
     PagesEvicted,
     PagesPublished,
@@ -109,8 +113,9 @@ def _remove(seq: list[int], pages) -> None:
     seq[:] = [p for p in seq if p not in gone]
 
 
-def _free_pages(st: LedgerState, pages, tenant: str | None, dirty) -> None:
-    """Pages leave a request for the free stack; marks follow the policy.
+def _free_pages(st: LedgerState, pages, tenant: str | None, dirty) -> list[int] | tuple:
+    """Pages leave a request for the free stack; marks follow the policy. Returns the pages
+    it marked (a listed page that never got its clear, and the policy's marks).
 
     ``dirty``: the pages among them that hold bytes the request wrote (its KV
     pages, reserved pages a restore wrote); only the non-default policies mark them.
@@ -118,15 +123,18 @@ def _free_pages(st: LedgerState, pages, tenant: str | None, dirty) -> None:
     holder = st.holder
     for p in pages:
         holder[p] = HOLDER_FREE
+    marked: list[int] | tuple = _NO_EFFECTS
     pend = st.pending
     if pend and not pend.keys().isdisjoint(pages):
         marks, residue = st.marks, st.residue
+        marked = []
         for p in pages:
             if p in pend:
                 # Listed for a step that has not been sealed: nothing zeroed it yet.
                 del pend[p]
                 marks[p] = MARK_ALL
                 residue.pop(p, None)
+                marked.append(p)
     st.free_stack.extend(pages)
     if dirty and st.policy != "released_aliases":
         marks = st.marks
@@ -139,6 +147,13 @@ def _free_pages(st: LedgerState, pages, tenant: str | None, dirty) -> None:
                 if marks.get(p) != MARK_ALL:
                     marks[p] = MARK_TENANT
                     residue[p] = tenant
+        marked = list(dict.fromkeys([*marked, *dirty]))
+    return marked
+
+
+def _marked(pages) -> tuple:
+    """The effect for pages that just got a mark (nothing when there are none)."""
+    return (PagesMarked(page_ids=tuple(pages)),) if pages else _NO_EFFECTS
 
 
 # ---------------------------------------------------------------------- one per event
@@ -180,9 +195,9 @@ def reservation_returned(st: LedgerState, e: ReservationReturned) -> tuple:
     if rec.restored:
         dirty = [p for p in pages if p in rec.restored]
         rec.restored.difference_update(pages)
-    _free_pages(st, pages, rec.tenant, dirty)
+    marked = _free_pages(st, pages, rec.tenant, dirty)
     st.seq += 1
-    return _NO_EFFECTS
+    return _marked(marked)
 
 
 def pages_committed(st: LedgerState, e: PagesCommitted) -> tuple:
@@ -232,9 +247,9 @@ def request_gone(st: LedgerState, e) -> tuple:
     dirty: tuple | list = ()
     if st.policy != "released_aliases":
         dirty = kv + [p for p in rec.reserved if rec.restored and p in rec.restored]
-    _free_pages(st, rec.reserved + kv, rec.tenant, dirty)
+    marked = _free_pages(st, rec.reserved + kv, rec.tenant, dirty)
     st.seq += 1
-    return _NO_EFFECTS
+    return _marked(marked)
 
 
 def _release_shares(st: LedgerState, rec: RequestRecord) -> list[int]:
@@ -283,6 +298,7 @@ def snapshot_released(st: LedgerState, e: SnapshotReleased) -> tuple:
     pages = st.snapshots.pop(e.snapshot)
     holder, count, marks, residue = st.holder, st.alias_count, st.marks, st.residue
     stack = st.free_stack
+    marked = []
     for p in pages:
         c = count[p] - 1
         count[p] = c
@@ -291,8 +307,9 @@ def snapshot_released(st: LedgerState, e: SnapshotReleased) -> tuple:
             marks[p] = MARK_ALL
             residue.pop(p, None)
             stack.append(p)
+            marked.append(p)
     st.seq += 1
-    return _NO_EFFECTS
+    return _marked(marked)
 
 
 def restore_started(st: LedgerState, e: RestoreStarted) -> tuple:
@@ -357,6 +374,7 @@ def step_aborted(st: LedgerState, e: StepAborted) -> tuple:
     overwritten = st.restored_since_seal
     kv_of: dict[int, set[int]] = {}  # request -> its KV pages, built once per request
     holder, requests = st.holder, st.requests
+    marked = []
     for p in plan.clear_list:
         if p in overwritten:
             continue  # a restore into a request rewrote it whole after the seal
@@ -372,11 +390,12 @@ def step_aborted(st: LedgerState, e: StepAborted) -> tuple:
                 continue
         marks[p] = MARK_ALL
         residue.pop(p, None)
+        marked.append(p)
     if carry:
         st.clear_lists[step] = carry + st.clear_lists.get(step, [])
     st.aborted_steps.add(e.step)
     st.seq += 1
-    return _NO_EFFECTS
+    return _marked(marked)
 
 
 # ---------------------------------------------------------------------- prefix caching
@@ -435,9 +454,10 @@ def pages_evicted(st: LedgerState, e: PagesEvicted) -> tuple:
         hashes.append(h)
     if st.policy == "cross_tenant":
         # each evicted page carries its own writer's tenant
+        marked = []
         for p in pages:
-            _free_pages(st, (p,), tenants[p], (p,))
+            marked.extend(_free_pages(st, (p,), tenants[p], (p,)))
     else:
-        _free_pages(st, pages, None, pages)
+        marked = list(_free_pages(st, pages, None, pages))
     st.seq += 1
-    return (BlocksRemoved(hashes=tuple(hashes)),)
+    return (BlocksRemoved(hashes=tuple(hashes)), *_marked(marked))
