@@ -9,8 +9,7 @@ import pytest
 import structlog
 
 from kvledger import CLEAR_POLICIES, Geometry, LedgerState
-from kvledger.audit import audit_log, render
-from kvledger.audit_svg import COLORS, render_svg
+from kvledger.tools.audit import COLORS, audit_log, render, render_svg
 from kvledger.core.events.events import (
     CacheConfigured,
     PagesCommitted,

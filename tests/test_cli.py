@@ -141,7 +141,7 @@ def test_audit_reports_faults_with_exit_status_1(logs, tmp_path):
 
 def test_the_module_entry_point_matches_the_script(logs):
     a = kvledger("replay", logs["good"], "--json")
-    b = subprocess.run([sys.executable, "-m", "kvledger.cli", "replay", str(logs["good"]), "--json"],
+    b = subprocess.run([sys.executable, "-m", "kvledger", "replay", str(logs["good"]), "--json"],
                        capture_output=True, text=True, timeout=120)
     ja, jb = json.loads(a.stdout), json.loads(b.stdout)
     ja.pop("seconds")

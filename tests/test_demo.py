@@ -202,7 +202,7 @@ def test_run_demo_reports_ok_only_when_the_oracle_holds():
 
 
 @pytest.mark.skipif(
-    importlib.util.find_spec("kvledger.cli") is None or shutil.which("kvledger") is None,
+    importlib.util.find_spec("kvledger.tools.cli") is None or shutil.which("kvledger") is None,
     reason="the kvledger console script (replay/audit) is not installed here",
 )
 def test_log_replays_and_audits_with_the_console_script(tmp_path):
