@@ -24,7 +24,9 @@ from kvledger.core.log import open_view  # noqa: E402
 from kvledger.demo import INVALID_SPECULATION, DemoConfig  # noqa: E402
 from kvledger.demo.cli import build_parser, main  # noqa: E402
 from kvledger.demo.model import FP8, ModelConfig, RankModel, fp8_nan_bytes  # noqa: E402
-from kvledger.demo.run import SkipClearBackend, compare_logits, run_demo, simulate  # noqa: E402
+from kvledger.demo.ranks import SkipClearBackend  # noqa: E402
+from kvledger.demo.results import compare_logits  # noqa: E402
+from kvledger.demo.run import run_demo, simulate  # noqa: E402
 
 SMALL = DemoConfig(requests=12, short_tokens=128, long_tokens=256)
 
