@@ -25,6 +25,7 @@ any structlog bound logger instead (tests pass quiet or capturing ones).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import structlog
 
@@ -43,12 +44,18 @@ class _EventDict(dict):
         return f"{event} {fields}" if fields else event
 
 
+# Frames between the caller and ``logging.Logger.<level>``: BoundLogger.<level>, its _proxy_to_logger,
+# BoundLoggerBase._proxy_to_logger. The record then names the caller's file and line, not structlog's.
+_STACKLEVEL = 4
+
+
 def _to_record(logger: logging.Logger, method_name: str, event_dict: dict) -> tuple:
     """The last processor: the arguments of the stdlib call, as ``wrap_for_formatter`` makes them."""
-    return (_EventDict(event_dict),), {"extra": {"_logger": logger, "_name": method_name}}
+    return (_EventDict(event_dict),), {"extra": {"_logger": logger, "_name": method_name},
+                                       "stacklevel": _STACKLEVEL}
 
 
-_PROCESSORS = [structlog.stdlib.filter_by_level, _to_record]
+_PROCESSORS: list[Any] = [structlog.stdlib.filter_by_level, _to_record]
 
 
 def get_logger(name: str = "kvledger") -> structlog.stdlib.BoundLogger:

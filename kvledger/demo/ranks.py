@@ -61,9 +61,9 @@ class AllReduce:
         self.barrier = threading.Barrier(world, timeout=ALLREDUCE_TIMEOUT_S) if world > 1 else None
 
     def for_rank(self, rank: int, stream: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-        if self.world == 1:
-            return identity
         parts, barrier = self.parts, self.barrier
+        if barrier is None:  # one rank: nothing to meet
+            return identity
 
         def reduce(t: torch.Tensor) -> torch.Tensor:
             parts[rank] = t

@@ -256,6 +256,7 @@ class Engine:
         if isinstance(inputs, StepInputs):
             return [inputs] * n
         out = list(self._no_inputs)
+        items: Iterable[tuple[Any, Any]]
         if isinstance(inputs, Mapping):
             items = inputs.items()
         elif isinstance(inputs, (list, tuple)):

@@ -189,7 +189,7 @@ async def _running(engine: Engine, remote: RemoteRanks | None, logger: Any) -> A
         if body_error is None or group.split(lambda e: e is body_error)[1] is not None:
             raise
         unwrap = True
-    if unwrap:
+    if unwrap and body_error is not None:
         raise body_error
 
 

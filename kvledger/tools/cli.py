@@ -26,6 +26,7 @@ import importlib
 import logging
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 __all__ = ["COMMANDS", "main", "add_logging_arguments", "configure_logging", "logging_configured"]
 
@@ -57,6 +58,7 @@ def configure_logging(ns: argparse.Namespace) -> None:
     import structlog
 
     level = getattr(logging, getattr(ns, "log_level", "warning").upper())
+    renderer: Any
     if getattr(ns, "log_json", False):
         renderer = structlog.processors.JSONRenderer()
     else:

@@ -32,6 +32,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -378,8 +379,8 @@ class _Progress:
     def __init__(self, mode: str) -> None:
         self.mode = mode
         self.t0 = time.perf_counter()
-        self.bar = None
-        self.task = None
+        self.bar: Any = None
+        self.task: Any = None
         self.calls = 0
 
     def __call__(self, done: int, total: int) -> None:
@@ -458,10 +459,10 @@ def _run(ns: argparse.Namespace) -> int:
         sys.stdout.write(msgspec.json.encode(summary).decode() + "\n")
     else:
         print(render(summary))
-    code = exit_code(summary)
-    if code:
-        log.error("replay_failed", kind=summary.error.kind, seq=summary.error.seq, offset=summary.error.offset)
-    return code
+    err = summary.error
+    if err is not None:
+        log.error("replay_failed", kind=err.kind, seq=err.seq, offset=err.offset)
+    return exit_code(summary)
 
 
 def _print_failure(ns, kind: str, exc: Exception) -> None:

@@ -70,13 +70,13 @@ def audit_log(path, *, page: int | None = None, request: int | None = None, snap
                           torn_bytes=sc.torn_bytes, subject=subject)
         since = since or 0
         try:
-            st, start, ck = start_state(view, at=since) if since > 0 else (None, 0, None)
+            st, start, ck = start_state(view, at=since) if since > 0 else (state_factory(), 0, None)
         except KVLedgerError as exc:
             rep.error = _err(exc)
             rep.seconds = time.perf_counter() - t0
             return rep
-        if ck is None:
-            st = state_factory()
+        if ck is None and since > 0:
+            st = state_factory()  # no checkpoint at or before since: the watched fold from seq 0
         rep.start_seq = max(st.seq, since)
         audit = _Audit(st, rep, page=page, request=request, snapshot=snapshot, check=check,
                        svg_pages=svg_pages or [], since=since)

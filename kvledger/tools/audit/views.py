@@ -233,8 +233,8 @@ def _rows_table(rep: AuditReport) -> list[str]:
     out = []
     if rep.subject.startswith("page"):
         out.append("flags: * marked (must be zeroed before a request reads it), R restore writing")
-        hdr: tuple = ("seq", "step", "event", "holder", "flags", "note")
-        lines = []
+        hdr: tuple[str, ...] = ("seq", "step", "event", "holder", "flags", "note")
+        lines: list[tuple[str, ...]] = []
         for r in rep.rows:
             holder = r.holder_before if r.holder_before == r.holder_after else f"{r.holder_before} -> {r.holder_after}"
             flags = _flags(r.marked_before, r.restoring_before)
