@@ -75,13 +75,13 @@ def run(quick: bool, device: str = "cpu") -> dict:
     best_on = min(on_runs, key=lambda r: r.clear_s / (r.step_s - r.clear_s))
     on, off = on_runs[-1], off_runs[-1]
     if on.digest != off.digest or on.steps != off.steps:
-        raise RuntimeError("clears on and off ran different schedules: %s/%d vs %s/%d"
-                           % (on.digest, on.steps, off.digest, off.steps))
+        raise RuntimeError(f"clears on and off ran different schedules: {on.digest}/{on.steps} vs "
+                           f"{off.digest}/{off.steps}")
     added = 100.0 * best_on.clear_s / (best_on.step_s - best_on.clear_s)
     figures = {
         "device": device,
         "requests": on_cfg.requests,
-        "prompt_tokens": "%d,%d" % (on_cfg.short_tokens, on_cfg.long_tokens),
+        "prompt_tokens": f"{on_cfg.short_tokens},{on_cfg.long_tokens}",
         "steps": on.steps,
         "page_budget": on.page_budget,
         "pages_cleared": on.pages_zeroed,
@@ -99,16 +99,16 @@ def run(quick: bool, device: str = "cpu") -> dict:
         "baseline": "the same trace with clears off (keep_going), timed alternately in the same run",
     }
     print_table(
-        "kvledger demo on %s: %d requests, %s-token prompts, %d steps; best of %d alternating repeats"
-        % (device, on_cfg.requests, figures["prompt_tokens"], on.steps, repeats),
+        f"kvledger demo on {device}: {on_cfg.requests} requests, {figures['prompt_tokens']}-token prompts, "
+        f"{on.steps} steps; best of {repeats} alternating repeats",
         ["side", "step mean", "passed", "INVALID_SPECULATION", "pages zeroed", "clear time"],
         [
-            ["clears on", "%.3f ms" % figures["step_ms_clears_on"], on.passed, on.invalid_speculation,
-             on.pages_zeroed, "%.3f ms" % figures["clear_ms_total"]],
-            ["clears off (keep going)", "%.3f ms" % figures["step_ms_clears_off"], off.passed,
+            ["clears on", f"{figures['step_ms_clears_on']:.3f} ms", on.passed, on.invalid_speculation,
+             on.pages_zeroed, f"{figures['clear_ms_total']:.3f} ms"],
+            ["clears off (keep going)", f"{figures['step_ms_clears_off']:.3f} ms", off.passed,
              off.invalid_speculation, off.pages_zeroed, "-"],
-            ["ratio on / off", "%.4f" % figures["step_ratio_on_vs_off"], "", "", "", ""],
-            ["clear phase / rest of step", "%.4f %%" % added, "", "", "", ""],
+            ["ratio on / off", f"{figures['step_ratio_on_vs_off']:.4f}", "", "", "", ""],
+            ["clear phase / rest of step", f"{added:.4f} %", "", "", "", ""],
         ],
     )
     return figures

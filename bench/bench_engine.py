@@ -195,7 +195,7 @@ def run(quick: bool) -> dict:
 
     def fresh_path() -> str:
         counter[0] += 1
-        return os.path.join(tmp, "b%d.kvlog" % counter[0])
+        return os.path.join(tmp, f"b{counter[0]}.kvlog")
 
     figures: dict = {"pages": NUM_PAGES, "ranks": 2, "repeats": repeats, "log": open_ledger is not None,
                      "baseline": "bare synchronous Ledger, same commands"}
@@ -217,7 +217,7 @@ def run(quick: bool) -> dict:
                     lambda: dict(geometry=geometry, ranks=2, log=fresh_path(), logger=quiet))
             t = interleaved(cases, repeats)
             bare, eng = t["bare"].best, t["engine"].best
-            key = "n%d_" % n
+            key = f"n{n}_"
             figures.update({
                 key + "steps": steps,
                 key + "bare_us_per_step": bare * 1e6,
@@ -226,17 +226,17 @@ def run(quick: bool) -> dict:
                 key + "ratio": eng / bare,
                 key + "engine_spread": t["engine"].spread,
             })
-            rows.append(("%d requests" % n, "in memory", "%.1f us" % (bare * 1e6), "%.1f us" % (eng * 1e6),
-                         "%.1f us" % ((eng - bare) * 1e6), "%.2f" % (eng / bare)))
+            rows.append((f"{n} requests", "in memory", f"{bare * 1e6:.1f} us", f"{eng * 1e6:.1f} us",
+                         f"{(eng - bare) * 1e6:.1f} us", f"{eng / bare:.2f}"))
             if open_ledger is not None:
                 dur = t["durable"].best
                 for name in ("engine_log", "engine_log_batched"):
                     e = t[name].best
                     figures[key + name + "_us_per_step"] = e * 1e6
                     figures[key + name + "_ratio"] = e / dur
-                    rows.append(("%d requests" % n, name.replace("engine_", "").replace("_", ", "),
-                                 "%.1f us" % (dur * 1e6), "%.1f us" % (e * 1e6), "%.1f us" % ((e - dur) * 1e6),
-                                 "%.2f" % (e / dur)))
+                    rows.append((f"{n} requests", name.replace("engine_", "").replace("_", ", "),
+                                 f"{dur * 1e6:.1f} us", f"{e * 1e6:.1f} us", f"{(e - dur) * 1e6:.1f} us",
+                                 f"{e / dur:.2f}"))
                 figures[key + "durable_us_per_step"] = dur * 1e6
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

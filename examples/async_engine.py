@@ -23,13 +23,12 @@ import logging
 import random
 
 import anyio
-import structlog
 import torch
 import torch.nn.functional as F
 
 import kvledger
+from kvledger import StepFailedError
 from kvledger.engine import RankSpec, StepInputs, open_engine
-from kvledger.core.errors import StepFailedError
 
 PAGE_TOKENS, HEADS, DIM = 16, 2, 32
 FAIL_STEP, FAIL_RANK = 4, 1  # rank 1 faults in the first step from 4 on that lists pages
@@ -78,7 +77,7 @@ async def main(args) -> None:
     ids = iter(range(1, 1 << 30))
 
     async with open_engine(geometry, log=args.log, ranks=specs) as engine:
-        print("%d pages x %d tokens, 2 ranks, FP8 K/V planes\n" % (args.pages, PAGE_TOKENS))
+        print(f"{args.pages} pages x {PAGE_TOKENS} tokens, 2 ranks, FP8 K/V planes\n")
         print("                                              copy / clear / graph (us)")
         print("step  free  live  clear list                  rank 0             rank 1             nonfinite")
         for step in range(args.steps):
@@ -114,22 +113,22 @@ async def main(args) -> None:
             try:
                 result = await engine.run_step(step, inputs)
             except StepFailedError as err:
-                print("%4d  %4d  %4d  %-26s  rank %d failed (%s): step aborted, its clear list carried"
-                      % (step, engine.free_count, len(live), list(err.clear_list), err.rank, err.__cause__))
+                print(f"{step:4d}  {engine.free_count:4d}  {len(live):4d}  {str(list(err.clear_list)):<26}  "
+                      f"rank {err.rank} failed ({err.__cause__}): step aborted, its clear list carried")
             else:
-                t = ["%4.0f /%4.0f /%6.0f" % (x.copies_s * 1e6, x.clear_s * 1e6, x.graph_s * 1e6) for x in result.ranks]
+                t = [f"{x.copies_s * 1e6:4.0f} /{x.clear_s * 1e6:4.0f} /{x.graph_s * 1e6:6.0f}" for x in result.ranks]
                 cl = str(list(result.clear_list))
                 cl = cl if len(cl) <= 26 else cl[:23] + "..."
-                print("%4d  %4d  %4d  %-26s  %-17s  %-17s  %d" % (
-                    step, engine.free_count, len(live), cl, t[0], t[1], sum(NONFINITE)))
+                print(f"{step:4d}  {engine.free_count:4d}  {len(live):4d}  {cl:<26}  {t[0]:<17}  {t[1]:<17}  "
+                      f"{sum(NONFINITE)}")
             # some requests finish
             for r in [r for r in live if rng.random() < 0.3]:
                 await engine.finish(r)
                 del live[r]
         stats = engine.statistics()
-        print("\nsteps completed %d, aborted %d, pages zeroed on every rank %d; events %d, digest %s..."
-              % (stats["steps_completed"], stats["steps_aborted"], stats["pages_cleared"], engine.seq,
-                 (await engine.digest())[:16]))
+        digest = await engine.digest()
+        print(f"\nsteps completed {stats['steps_completed']}, aborted {stats['steps_aborted']}, pages zeroed on "
+              f"every rank {stats['pages_cleared']}; events {engine.seq}, digest {digest[:16]}...")
 
 
 if __name__ == "__main__":
@@ -138,8 +137,9 @@ if __name__ == "__main__":
     ap.add_argument("--pages", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log", default=None, help="path of a new durable event log")
-    # The library only logs through structlog; we print failures ourselves, so keep
-    # its warnings (step_aborted) quiet here.
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    # The library logs through the standard logging module (the "kvledger" logger) and
+    # never configures it; the application does. We print failures ourselves, so the
+    # library's warnings (step_aborted) are left out here: errors only, to stderr.
+    logging.basicConfig(level=logging.ERROR, format="%(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)  # tiny kernels: intra-op threads only add contention on a small CPU
     anyio.run(main, ap.parse_args())

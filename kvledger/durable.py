@@ -36,7 +36,6 @@ import os
 import time
 
 import msgspec
-import structlog
 
 from kvledger.core.errors import (
     ConfigurationError,
@@ -50,6 +49,7 @@ from kvledger.core.log.files import default_layer
 from kvledger.core.ledger import Ledger
 from kvledger.core import checks
 from kvledger.core.state import LedgerState
+from kvledger.logs import get_logger
 
 __all__ = ["DurableLedger", "Recovery", "open_ledger"]
 
@@ -103,7 +103,7 @@ class DurableLedger(Ledger):
         self.log = log
         self.recovery = recovery
         self._every = checkpoint_every
-        base = logger if logger is not None else structlog.get_logger("kvledger")
+        base = logger if logger is not None else get_logger("kvledger")
         self._logger = base.bind(log=log.path)
         self._debug = _debug_enabled(self._logger)
         self._closed = False
@@ -220,7 +220,7 @@ def open_ledger(path, geometry: Geometry | None = None, *, policy: str | None = 
     t0 = time.perf_counter()
     lay = layer if layer is not None else default_layer
     path = os.fspath(path)
-    base = logger if logger is not None else structlog.get_logger("kvledger")
+    base = logger if logger is not None else get_logger("kvledger")
     if policy is not None and policy not in CLEAR_POLICIES:
         raise ConfigurationError(f"unknown clear policy {policy!r}; one of {CLEAR_POLICIES}")
     if geometry is not None:

@@ -10,8 +10,7 @@ import structlog
 
 from kvledger.core.state import TRANSITIONS
 from kvledger import CLEAR_POLICIES, Geometry, LedgerState
-from kvledger.audit import audit_log, render
-from kvledger.audit_svg import COLORS, render_svg
+from kvledger.tools.audit import COLORS, audit_log, render, render_svg
 from kvledger.core.events.events import (
     CacheConfigured,
     PagesCommitted,
@@ -86,9 +85,9 @@ def test_request_and_snapshot_timelines(story):
 def test_check_finds_no_fault_in_random_workloads(tmp_path, policy):
     logs = 0
     for seed in range(6):
-        p = tmp_path / ("w%d.kvlog" % seed)
+        p = tmp_path / f"w{seed}.kvlog"
         with open_ledger(p, GEOMETRY, policy=policy, checkpoint_every=53, logger=QUIET) as led:
-            drive(led, "audit-%d" % seed, 50, ranks=2)
+            drive(led, f"audit-{seed}", 50, ranks=2)
             for (into, target) in sorted(set(led.state.restore_targets.values())):  # drain restores
                 pages = sorted(q for q, t in led.state.restore_targets.items() if t == (into, target))
                 led.complete_restore(pages, **{into: target})
@@ -142,7 +141,8 @@ def test_a_plan_that_misses_a_marked_page_is_an_unzeroed_read():
 
 def test_a_plan_that_zeroes_an_extra_page_is_needless_or_redundant():
     faults, _ = _faults(BASE + [StepSealed(step=0, clear_list=(0, 1, 6))])
-    assert set(faults) == {("plan_mismatch", 5), ("needless_clear", 5)} and faults[("needless_clear", 5)].page_ids == [6]
+    assert set(faults) == {("plan_mismatch", 5), ("needless_clear", 5)}
+    assert faults[("needless_clear", 5)].page_ids == [6]
     ar = [CacheConfigured(geometry=G, policy="all_reused"), StepSealed(step=0, clear_list=(3,))]
     faults, _ = _faults(ar)
     assert set(faults) == {("plan_mismatch", 1), ("redundant_clear", 1)}

@@ -10,7 +10,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -24,8 +23,10 @@ from kvledger.core.events import SnapshotReleased  # noqa: E402
 from kvledger.core.log import open_view  # noqa: E402
 from kvledger.demo import INVALID_SPECULATION, DemoConfig  # noqa: E402
 from kvledger.demo.cli import build_parser, main  # noqa: E402
-from kvledger.demo.model import FP8, HybridDecoder, ModelConfig, RankModel, fp8_nan_bytes  # noqa: E402
-from kvledger.demo.run import SkipClearBackend, compare_logits, run_demo, simulate  # noqa: E402
+from kvledger.demo.model import FP8, ModelConfig, RankModel, fp8_nan_bytes  # noqa: E402
+from kvledger.demo.ranks import SkipClearBackend  # noqa: E402
+from kvledger.demo.results import compare_logits  # noqa: E402
+from kvledger.demo.run import run_demo, simulate  # noqa: E402
 
 SMALL = DemoConfig(requests=12, short_tokens=128, long_tokens=256)
 
@@ -47,7 +48,6 @@ def reference():
 
 def test_snapshot_rows_alias_the_kv_planes_and_carry_fp8_nan_bytes():
     mc = ModelConfig()
-    rm = HybridDecoder(mc, seed=1).shard(0, 1, torch.device("cpu"))
     planes = [torch.zeros(6, 16, mc.heads, mc.head_dim, dtype=FP8) for _ in range(2 * mc.layers)]
     state = torch.randn(mc.layers, mc.heads, mc.head_dim, mc.head_dim, generator=torch.Generator().manual_seed(3))
     rows = RankModel.snapshot_rows(planes, [4, 1])
@@ -201,17 +201,20 @@ def test_run_demo_reports_ok_only_when_the_oracle_holds():
     assert not bad.oracle["equal"]
 
 
+SCRIPT = os.path.join(os.path.dirname(sys.executable), "kvledger")  # this tree's, not another one on PATH
+
+
 @pytest.mark.skipif(
-    importlib.util.find_spec("kvledger.cli") is None or shutil.which("kvledger") is None,
-    reason="the kvledger console script (replay/audit) is not installed here",
+    importlib.util.find_spec("kvledger.tools.cli") is None or not os.path.exists(SCRIPT),
+    reason="the kvledger console script (replay/audit) is not installed beside this interpreter",
 )
 def test_log_replays_and_audits_with_the_console_script(tmp_path):
     log = tmp_path / "demo.kvlog"
     run = _sim(SMALL, log_path=str(log))
-    p = subprocess.run(["kvledger", "replay", str(log)], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([SCRIPT, "replay", str(log)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     assert run.digest in p.stdout
-    p = subprocess.run(["kvledger", "audit", "--check", str(log)], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([SCRIPT, "audit", "--check", str(log)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
 
 

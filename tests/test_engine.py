@@ -13,17 +13,18 @@ torch = pytest.importorskip("torch")
 import kvledger  # noqa: E402
 from kvledger import (  # noqa: E402
     ConfigurationError,
+    EngineClosedError,
     Geometry,
     InvalidArgumentError,
     OutOfPagesError,
     PageOutOfRangeError,
+    StepFailedError,
     StepOrderError,
     check_invariants,
     replay,
 )
 from kvledger.core.events import StepAborted, StepCompleted, StepSealed  # noqa: E402
 from kvledger.engine import RankSpec, StepInputs, StepResult, open_engine  # noqa: E402
-from kvledger.core.errors import EngineClosedError, StepFailedError  # noqa: E402
 from kvledger.executors.torch_backend import TorchClearBackend  # noqa: E402
 
 G = Geometry(num_pages=16, page_tokens=4)
@@ -184,7 +185,7 @@ async def test_a_raising_graph_and_a_raising_backend_name_their_rank():
             raise PageOutOfRangeError(page_ids, 0)
 
     def boom(ctx, step, inputs):
-        raise ValueError("graph exploded on rank %d" % ctx.rank)
+        raise ValueError(f"graph exploded on rank {ctx.rank}")
 
     planes = [make_planes(), make_planes(), make_planes()]
     specs = [
@@ -251,6 +252,62 @@ async def test_fail_after_at_the_call_site_raises_timeout_and_records_the_abort(
         assert_consistent(engine)
         await engine.run_step(1)
         assert_consistent(engine)
+
+
+@pytest.mark.asyncio
+async def test_a_deadline_before_the_seal_records_nothing_and_leaves_the_step_open():
+    # run_step(1) waits for step 0 (one step at a time) and its deadline passes there:
+    # step 1 is not sealed, nothing is recorded, and it runs later with its clear list.
+    planes = make_planes()
+    release = anyio.Event()
+    sealed_0 = anyio.Event()
+
+    async def graph(ctx, step, inputs):
+        if step == 0:
+            sealed_0.set()
+            await release.wait()
+
+    async with open_engine(G, ranks=[RankSpec(planes=planes, graph=graph)], record=True) as engine:
+        rows = await released_then_committed(engine, [planes], step=1)  # listed for step 1
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.run_step, 0)
+            await sealed_0.wait()
+            before = len(engine.ledger.events)
+            with pytest.raises(TimeoutError):
+                with anyio.fail_after(0.05):
+                    await engine.run_step(1)
+            assert len(engine.ledger.events) == before  # nothing sealed, nothing aborted
+            assert engine.open_step == 1
+            release.set()
+        assert not [e for e in engine.ledger.events if type(e) in (StepSealed, StepAborted) and e.step == 1]
+        result = await engine.run_step(1)
+        assert sorted(result.clear_list) == sorted(rows)
+        assert all(page_is_zero(plane, p) for plane in planes for p in rows)
+        assert engine.statistics()["steps_aborted"] == 0
+        assert_consistent(engine)
+
+
+@pytest.mark.asyncio
+async def test_a_deadline_already_over_records_nothing_in_the_log(tmp_path):
+    # with a log, the seal is a worker-thread call: a deadline over before it starts
+    # leaves the step open, in memory and on disk
+    from kvledger.core.log import open_view
+
+    path = tmp_path / "deadline.kvlog"
+    async with open_engine(G, log=path, ranks=2) as engine:
+        await engine.reserve(1, 2)
+        await engine.commit(1, 0, 2)
+        seq = engine.seq
+        with pytest.raises(TimeoutError):
+            with anyio.fail_after(0):
+                await engine.run_step(0)
+        assert engine.seq == seq and engine.open_step == 0
+        await engine.run_step(0)
+        live = await engine.digest()
+    with open_view(path) as view:
+        events = [ev for _, ev, _ in view.iter_events()]
+    assert [type(e) for e in events[seq:]] == [StepSealed, StepCompleted, StepCompleted]
+    assert replay(events).digest() == live
 
 
 @pytest.mark.asyncio
@@ -402,7 +459,7 @@ async def test_cuda_ranks_clear_on_their_model_streams_without_blocking_the_loop
             ticks += 1
             await anyio.sleep(0)
 
-    specs = [RankSpec(planes=p, graph=graph, stream=s) for p, s in zip(planes, streams)]
+    specs = [RankSpec(planes=p, graph=graph, stream=s) for p, s in zip(planes, streams, strict=True)]
     async with open_engine(G, ranks=specs, record=True) as engine:
         seen = await released_then_committed(engine, planes)
         inputs = [StepInputs(copies=[(host, buf)]) for buf in bufs]

@@ -16,10 +16,9 @@ from hypothesis import given, strategies as st
 
 torch = pytest.importorskip("torch")
 
-from kvledger import Geometry, OutOfPagesError, check_invariants, replay  # noqa: E402
+from kvledger import Geometry, OutOfPagesError, StepFailedError, check_invariants, replay  # noqa: E402
 from kvledger.core.events import StepCompleted  # noqa: E402
-from kvledger.engine import RankSpec, StepInputs, open_engine
-from kvledger.core.errors import StepFailedError  # noqa: E402
+from kvledger.engine import RankSpec, StepInputs, open_engine  # noqa: E402
 
 G = Geometry(num_pages=12, page_tokens=4)
 ROW = 0x7F
@@ -56,8 +55,7 @@ async def session(steps):
             for p in rec.kv:
                 for plane in ctx.planes:
                     raw = plane[p].reshape(-1).view(torch.uint8)
-                    assert not bool((raw == ROW).any()), "rank %d step %d read row bytes in page %d" % (
-                        ctx.rank, step, p)
+                    assert not bool((raw == ROW).any()), f"rank {ctx.rank} step {step} read row bytes in page {p}"
         if ctx.rank == current["rank"]:
             if current["outcome"] == "graph_fails":
                 raise RuntimeError("graph failed")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import msgspec
 import pytest
 import structlog
-from structlog.testing import capture_logs
 
 from kvledger import (
     ConfigurationError,
@@ -95,7 +94,12 @@ def test_a_rejected_command_writes_nothing(tmp_path):
         assert (led.seq, led.log.seq, led.digest()) == before
 
 
-def test_a_failed_write_fails_the_command_and_leaves_state_unchanged(tmp_path):
+def _events(caplog) -> list[dict]:
+    """kvledger's events as stdlib logging captured them (each record's msg is the event dict)."""
+    return [{**r.msg, "log_level": r.levelname.lower()} for r in caplog.records if r.name.startswith("kvledger")]
+
+
+def test_a_failed_write_fails_the_command_and_leaves_state_unchanged(tmp_path, caplog):
     faults = FaultInjector(fail_sync=3)  # 1: create's sync, 2: first seal, 3: second seal
     led = open_ledger(tmp_path / "w.kvlog", GEOMETRY, layer=faults)
     led.reserve(1, 2)
@@ -104,8 +108,9 @@ def test_a_failed_write_fails_the_command_and_leaves_state_unchanged(tmp_path):
     led.reserve(2, 1)
     before = led.digest()
     seq = led.seq
-    with capture_logs() as logs, pytest.raises(LogIOError):
+    with caplog.at_level(logging.DEBUG, logger="kvledger"), pytest.raises(LogIOError):
         led.seal_step(1)
+    logs = _events(caplog)
     assert led.digest() == before and led.seq == seq and led.open_step == 1
     assert any(e["event"] == "log_write_failed" and e["op"] == "fsync" for e in logs)
     with pytest.raises(LogClosedError):
@@ -132,14 +137,15 @@ def test_open_refuses_mismatches_and_missing_geometry(tmp_path):
             open_ledger(p)
 
 
-def test_log_truncated_is_reported_and_logged(tmp_path):
+def test_log_truncated_is_reported_and_logged(tmp_path, caplog):
     p = tmp_path / "tt.kvlog"
     with open_ledger(p, GEOMETRY, checkpoint_every=None, logger=QUIET) as led:
         drive(led, "tt", 5)
     data = p.read_bytes()
     p.write_bytes(data + b"\x00" * 700)  # a crash left zeroed sectors at the end
-    with capture_logs() as logs:
+    with caplog.at_level(logging.INFO, logger="kvledger"):
         led = open_ledger(p)
+    logs = _events(caplog)
     rec = led.recovery
     assert rec.truncated_at == len(data) and rec.truncated_bytes == 700
     trunc = [e for e in logs if e["event"] == "log_truncated"]
@@ -149,15 +155,15 @@ def test_log_truncated_is_reported_and_logged(tmp_path):
     assert p.stat().st_size > len(data)  # appended after the truncation point
 
 
-def test_debug_events_follow_the_logger_level(tmp_path):
+def test_debug_events_follow_the_logger_level(tmp_path, caplog):
     p = tmp_path / "dbg.kvlog"
-    with capture_logs() as logs:
-        with open_ledger(p, GEOMETRY) as led:
-            pages = led.alias_snapshot(1, 2)
-            led.release_snapshot(1)
-            led.reserve(1, 2)
-            led.commit(1, 0, 2)
-            led.seal_step(0)
+    with caplog.at_level(logging.DEBUG, logger="kvledger"), open_ledger(p, GEOMETRY) as led:
+        pages = led.alias_snapshot(1, 2)
+        led.release_snapshot(1)
+        led.reserve(1, 2)
+        led.commit(1, 0, 2)
+        led.seal_step(0)
+    logs = _events(caplog)
     names = [e["event"] for e in logs]
     assert names[0] == "log_created" and names[-1] == "log_closed"
     committed = [e for e in logs if e["event"] == "pages_committed"]
@@ -167,6 +173,8 @@ def test_debug_events_follow_the_logger_level(tmp_path):
     quiet = structlog.wrap_logger(structlog.testing.CapturingLogger(),
                                   wrapper_class=structlog.make_filtering_bound_logger(30))
     with open_ledger(tmp_path / "q.kvlog", GEOMETRY, logger=quiet) as led:
+        assert led._debug is False
+    with open_ledger(tmp_path / "u.kvlog", GEOMETRY) as led:  # the kvledger logger left unconfigured
         assert led._debug is False
 
 

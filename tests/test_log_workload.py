@@ -34,7 +34,7 @@ def drive(ledger, seed, steps: int, *, ranks: int = 1, restores: bool = True, ab
     with per-step fsync, ``ledger.seq == durable_seq + 1`` at that point). The RNG is seeded from ``seed`` and
     the ledger's seq, so continuing a reopened ledger is deterministic too.
     """
-    rng = random.Random("%s:%d" % (seed, ledger.seq))
+    rng = random.Random(f"{seed}:{ledger.seq}")
     st = ledger.state
     for _ in range(steps):
         step = ledger.open_step
@@ -58,7 +58,7 @@ def drive(ledger, seed, steps: int, *, ranks: int = 1, restores: bool = True, ab
         for _ in range(rng.randint(1, 3)):
             r = rng.randrange(1 << 16)
             rec = st.requests.get(r)
-            tenant = rec.tenant if rec is not None else "t%d" % rng.randrange(tenants)
+            tenant = rec.tenant if rec is not None else f"t{rng.randrange(tenants)}"
             try:
                 ledger.reserve(r, rng.randint(1, 6), tenant=tenant)
             except OutOfPagesError:

@@ -587,7 +587,8 @@ def test_r10_tamper_detection(tmp_path):
     for n, (c, bad, want) in enumerate(samples):
         p = tmp_path / ("tampered-%d.kvlog" % n)
         p.write_bytes(bad)
-        out = subprocess.run(["kvledger", "replay", str(p), "--json"], capture_output=True, text=True, timeout=120)
+        out = subprocess.run([sys.executable, "-m", "kvledger", "replay", str(p), "--json"],
+                             capture_output=True, text=True, timeout=120)
         rep = json.loads(out.stdout)
         assert out.returncode == 3, (c, out.stdout, out.stderr)
         assert (rep["error"]["offset"], rep["error"]["seq"]) == want

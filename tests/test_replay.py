@@ -20,7 +20,7 @@ from kvledger.core.events.events import (
 )
 from kvledger.core.log import EventLog, SimulatedDisk, open_view
 from kvledger.durable import open_ledger
-from kvledger.replay_log import exit_code, render, replay_log
+from kvledger.tools.replay import exit_code, render, replay_log
 
 from test_log_workload import GEOMETRY, drive
 

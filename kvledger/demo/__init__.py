@@ -12,7 +12,9 @@ bit-identical to a reference run that never reuses a page.
 
     workload.py   DemoConfig, the request trace          (no torch)
     model.py      the decoder, paged FP8 attention, snapshot rows
-    run.py        the simulation through kvledger.engine, the oracle
+    ranks.py      each rank's planes and model shard, the step graph, SkipClearBackend
+    run.py        the serving simulation through kvledger.engine, run_demo
+    results.py    RunResult, the logits oracle, DemoReport
     table.py      progress bars and the final table      (rich)
     cli.py        add_arguments(parser), main(args)      (no torch at import)
 

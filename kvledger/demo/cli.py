@@ -6,7 +6,7 @@
 
 ``main(argv, prog="kvledger demo") -> int`` follows the ``kvledger`` CLI's
 subcommand convention (a list of arguments in, the exit status out; register it as
-``"demo": ("kvledger.demo.cli:main", ...)`` in ``kvledger.cli.COMMANDS``); it also
+``"demo": ("kvledger.demo.cli:main", ...)`` in ``kvledger.tools.cli.COMMANDS``); it also
 takes an ``argparse.Namespace`` already parsed by a parser that ran
 ``add_arguments``. ``python -m kvledger.demo`` runs the same on its own.
 Importing this module does not import torch.
@@ -23,12 +23,9 @@ import argparse
 import contextlib
 import functools
 import json
-import logging
 import math
 import os
-import sys
 import tempfile
-from typing import Iterator, Optional
 
 from kvledger.core.errors import ConfigurationError, InvalidArgumentError, KVLedgerError
 from kvledger.core.events import CLEAR_POLICIES
@@ -44,9 +41,9 @@ def _pair(text: str) -> tuple[int, int]:
     try:
         a, b = (int(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError("expected SHORT,LONG (two token counts), got %r" % text) from None
+        raise argparse.ArgumentTypeError(f"expected SHORT,LONG (two token counts), got {text!r}") from None
     if a < 1 or b < 1:
-        raise argparse.ArgumentTypeError("token counts must be positive, got %r" % text)
+        raise argparse.ArgumentTypeError(f"token counts must be positive, got {text!r}")
     return a, b
 
 
@@ -55,14 +52,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w = parser.add_argument_group("workload")
     w.add_argument("--requests", type=int, default=_D.requests, help="requests in the trace (default %(default)s)")
     w.add_argument("--prompt-tokens", type=_pair, default=(_D.short_tokens, _D.long_tokens), metavar="SHORT,LONG",
-                   help="alternating prompt lengths (default %d,%d; the seed: 16384,32768)"
-                   % (_D.short_tokens, _D.long_tokens))
-    w.add_argument("--gen-tokens", type=int, default=_D.gen_tokens, help="tokens generated per request (default %(default)s)")
+                   help=f"alternating prompt lengths (default {_D.short_tokens},{_D.long_tokens}; "
+                        "the seed: 16384,32768)")
+    w.add_argument("--gen-tokens", type=int, default=_D.gen_tokens,
+                   help="tokens generated per request (default %(default)s)")
     w.add_argument("--page-tokens", type=int, default=_D.page_tokens, help="tokens per page (default %(default)s)")
     w.add_argument("--page-budget", type=int, default=None,
-                   help="pages in the cache under pressure (default: %.2f x the pages of --max-running average requests)"
-                   % _D.pressure)
-    w.add_argument("--max-running", type=int, default=_D.max_running, help="requests decoding at once (default %(default)s)")
+                   help=f"pages in the cache under pressure (default: {_D.pressure:.2f} x the pages of "
+                        "--max-running average requests)")
+    w.add_argument("--max-running", type=int, default=_D.max_running,
+                   help="requests decoding at once (default %(default)s)")
     w.add_argument("--snapshot-cache", type=int, default=None,
                    help="cap on live snapshots (default: none; snapshots are evicted under page pressure)")
     w.add_argument("--snapshot-every", type=int, default=_D.snapshot_every,
@@ -95,15 +94,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser(prog: str = "python -m kvledger.demo") -> argparse.ArgumentParser:
     """The demo's parser: its flags plus the ``kvledger`` CLI's ``--log-level`` / ``--log-json``."""
-    p = argparse.ArgumentParser(prog=prog, description="kvledger demo: the seed's KV-pressure failure, reproduced and fixed.",
+    from kvledger.tools.cli import add_logging_arguments
+
+    p = argparse.ArgumentParser(prog=prog,
+                                description="kvledger demo: the seed's KV-pressure failure, reproduced and fixed.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
-    try:
-        from kvledger.cli import add_logging_arguments
-    except ImportError:  # pragma: no cover - the CLI module ships with the package
-        pass
-    else:
-        add_logging_arguments(p)
+    add_logging_arguments(p)
     return p
 
 
@@ -135,44 +132,27 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
     ).validate()
 
 
-def _log_path(arg: Optional[str]) -> str:
+def _log_path(arg: str | None) -> str:
     if arg is None:
         return os.path.join(tempfile.mkdtemp(prefix="kvledger-demo-"), "events.kvlog")
     if os.path.exists(arg):
-        raise InvalidArgumentError("--log %s exists: the demo writes a new log (give a new path)" % arg)
+        raise InvalidArgumentError(f"--log {arg} exists: the demo writes a new log (give a new path)")
     parent = os.path.dirname(os.path.abspath(arg))
     if not os.path.isdir(parent):
-        raise InvalidArgumentError("--log %s: directory %s does not exist" % (arg, parent))
+        raise InvalidArgumentError(f"--log {arg}: directory {parent} does not exist")
     return arg
 
 
-@contextlib.contextmanager
-def _logging_configured(args: argparse.Namespace) -> Iterator[None]:
+def _logging_configured(args: argparse.Namespace) -> contextlib.AbstractContextManager:
     """The CLI configures logging (the library never does): the ``kvledger`` CLI's
-    ``--log-level`` / ``--log-json`` when the parser has them, else warnings and errors
-    to stderr unless structlog was configured already. structlog's previous
-    configuration is put back on the way out, so an in-process caller (a test, a
-    notebook) keeps its own."""
-    import structlog
-
-    was_configured = structlog.is_configured()
-    saved = structlog.get_config()
+    ``--log-level`` / ``--log-json`` when the parser has them, put back as it was on the
+    way out (an in-process caller keeps its own). A ``Namespace`` without them leaves
+    logging to the application (configured nowhere: warnings reach stderr)."""
     if hasattr(args, "log_level"):
-        from kvledger.cli import configure_logging
+        from kvledger.tools.cli import logging_configured
 
-        configure_logging(args)
-    elif not was_configured:
-        structlog.configure(
-            wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-            logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        )
-    try:
-        yield
-    finally:
-        if was_configured:
-            structlog.configure(**saved)
-        else:
-            structlog.reset_defaults()
+        return logging_configured(args)
+    return contextlib.nullcontext()
 
 
 def _json_safe(x):
@@ -201,7 +181,7 @@ def main(args=None, prog: str = "kvledger demo") -> int:
         config = config_from_args(args)
         log_path = _log_path(args.log)
     except KVLedgerError as exc:
-        err.print("kvledger demo: error: %s" % exc, markup=False, highlight=False)
+        err.print(f"kvledger demo: error: {exc}", markup=False, highlight=False)
         return 2
     with _logging_configured(args):
         return _run(args, config, log_path, out, err)
@@ -218,15 +198,15 @@ def _run(args: argparse.Namespace, config: DemoConfig, log_path: str, out, err) 
             report = anyio.run(functools.partial(run_demo, config, log_path=log_path,
                                                  reference=not args.no_reference, progress=progress))
     except ConfigurationError as exc:
-        err.print("kvledger demo: error: %s" % exc, markup=False, highlight=False)
+        err.print(f"kvledger demo: error: {exc}", markup=False, highlight=False)
         return 2
     except KVLedgerError as exc:
-        err.print("kvledger demo: the run failed: %s: %s" % (type(exc).__name__, exc), markup=False, highlight=False)
+        err.print(f"kvledger demo: the run failed: {type(exc).__name__}: {exc}", markup=False, highlight=False)
         return 1
     out.print(render_table(report))
-    out.print("event log: %s" % log_path, markup=False, highlight=False)
-    out.print("  kvledger replay %s" % log_path, markup=False, highlight=False)
-    out.print("  kvledger audit --check %s" % log_path, markup=False, highlight=False)
+    out.print(f"event log: {log_path}", markup=False, highlight=False)
+    out.print(f"  kvledger replay {log_path}", markup=False, highlight=False)
+    out.print(f"  kvledger audit --check {log_path}", markup=False, highlight=False)
     if args.json:
         data = report.to_dict()
         data["log_path"] = log_path
@@ -234,8 +214,8 @@ def _run(args: argparse.Namespace, config: DemoConfig, log_path: str, out, err) 
             json.dump(_json_safe(data), f, indent=2, sort_keys=True)
             f.write("\n")
     if not report.ok:
-        err.print("kvledger demo: clears were on but %d request(s) failed or logits differ from the reference"
-                  % (report.run.requests - (report.oracle or {}).get("requests_equal", report.run.passed)),
+        bad = report.run.requests - (report.oracle or {}).get("requests_equal", report.run.passed)
+        err.print(f"kvledger demo: clears were on but {bad} request(s) failed or logits differ from the reference",
                   markup=False, highlight=False)
         return 1
     return 0

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -64,9 +64,9 @@ class ModelConfig:
         for name in ("vocab", "layers", "heads", "head_dim", "d_model", "ffn", "chunk"):
             v = getattr(self, name)
             if type(v) is not int or v < 1:
-                raise ConfigurationError("model %s must be a positive int, got %r" % (name, v))
+                raise ConfigurationError(f"model {name} must be a positive int, got {v!r}")
         if self.heads % ranks:
-            raise ConfigurationError("model heads (%d) must divide by ranks (%d)" % (self.heads, ranks))
+            raise ConfigurationError(f"model heads ({self.heads}) must divide by ranks ({ranks})")
         if (page_tokens * (self.heads // ranks) * self.head_dim) % 4:
             raise ConfigurationError("a page of one plane must hold whole float32 snapshot words")
 
@@ -123,7 +123,7 @@ class HybridDecoder:
         # one decay per head, from fast (0.875) to slow, as retention-style models do
         self.decay = torch.tensor([1.0 - 2.0 ** (-3 - (h % 5)) for h in range(c.heads)])
 
-    def shard(self, rank: int, world: int, device: torch.device) -> "RankModel":
+    def shard(self, rank: int, world: int, device: torch.device) -> RankModel:
         return RankModel(self, rank, world, device)
 
 
@@ -157,7 +157,8 @@ class RankModel:
         ch = torch.arange(c.chunk, device=device)
         diff = (ch[:, None] - ch[None, :]).to(torch.float32)
         # intra-chunk decay matrix D[h, i, j] = a_h^(i-j) for i >= j, else 0
-        self._chunk_decay = torch.where(diff >= 0, a[:, None, None] ** diff.clamp(min=0), torch.zeros((), device=device))
+        self._chunk_decay = torch.where(diff >= 0, a[:, None, None] ** diff.clamp(min=0),
+                                        torch.zeros((), device=device))
         self._pow = a[:, None] ** torch.arange(c.chunk + 1, device=device, dtype=torch.float32)  # [heads, C+1]
         self._scale = 1.0 / math.sqrt(c.head_dim)
 
@@ -230,7 +231,7 @@ class RankModel:
         k = k * (1.0 - a)
         out = []
         cuts = sorted(set(range(c, t, c)).union(p for p in checkpoints if 0 < p < t)) + [t]
-        want = dict(zip(checkpoints, into))
+        want = dict(zip(checkpoints, into, strict=False))
         c0 = 0
         for c1 in cuts:
             qc, kc, vc = q[:, c0:c1], k[:, c0:c1], v[:, c0:c1]

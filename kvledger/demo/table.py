@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -13,7 +13,8 @@ __all__ = ["progress_bars", "render_table"]
 
 
 @contextlib.contextmanager
-def progress_bars(console: Console, enabled: bool = True) -> Iterator[Optional[Callable[[str, int], Callable[[int], None]]]]:
+def progress_bars(console: Console,
+                  enabled: bool = True) -> Iterator[Callable[[str, int], Callable[[int], None]] | None]:
     """A ``progress(label, total) -> advance(n)`` factory drawing one bar per run
     (``None`` when disabled)."""
     if not enabled:
@@ -35,7 +36,7 @@ def progress_bars(console: Console, enabled: bool = True) -> Iterator[Optional[C
 
 
 def _ms(s: float) -> str:
-    return "%.2f ms" % (s * 1e3)
+    return f"{s * 1e3:.2f} ms"
 
 
 def render_table(report) -> Table:
@@ -43,12 +44,12 @@ def render_table(report) -> Table:
     c = report.config
     run, ref = report.run, report.reference
     title = (
-        "kvledger demo: %d requests, %d/%d-token prompts alternating, %d tokens out\n"
-        "hybrid decoder: %d layers, %d heads x %d + gated linear recurrence\n"
-        "FP8 e4m3fn KV, %d-token pages, %s, %d rank%s, policy %s\n"
+        f"kvledger demo: {c.requests} requests, {c.short_tokens}/{c.long_tokens}-token prompts alternating, "
+        f"{c.gen_tokens} tokens out\n"
+        f"hybrid decoder: {c.layers} layers, {c.heads} heads x {c.head_dim} + gated linear recurrence\n"
+        f"FP8 e4m3fn KV, {c.page_tokens}-token pages, {c.device}, {c.ranks} rank{'' if c.ranks == 1 else 's'}, "
+        f"policy {c.policy}\n"
         "attention: torch scaled_dot_product_attention, masked over valid tokens"
-        % (c.requests, c.short_tokens, c.long_tokens, c.gen_tokens, c.layers, c.heads, c.head_dim,
-           c.page_tokens, c.device, c.ranks, "" if c.ranks == 1 else "s", c.policy)
     )
     t = Table(title=title, title_justify="left", header_style="bold")
     t.add_column("")
@@ -58,34 +59,34 @@ def render_table(report) -> Table:
     def row(name: str, fn, ref_too: bool = True) -> None:
         t.add_row(name, fn(run), fn(ref) if (ref is not None and ref_too) else "-")
 
-    row("requests passed", lambda r: "%d / %d" % (r.passed, r.requests))
+    row("requests passed", lambda r: f"{r.passed} / {r.requests}")
     row("INVALID_SPECULATION (6)", lambda r: str(r.invalid_speculation))
     row("clear backend", lambda r: r.backend)
-    row("page budget", lambda r: "%d pages" % r.page_budget)
+    row("page budget", lambda r: f"{r.page_budget} pages")
     row("released pages as tails", lambda r: str(r.tails_released))
-    row("pages listed / cleared", lambda r: "%d / %d" % (r.pages_listed, r.pages_zeroed))
-    row("bytes zeroed", lambda r: "{:,}".format(r.bytes_zeroed))
+    row("pages listed / cleared", lambda r: f"{r.pages_listed} / {r.pages_zeroed}")
+    row("bytes zeroed", lambda r: f"{r.bytes_zeroed:,}")
     row("time clearing", _clear_time)
-    row("step time, mean", lambda r: "%s (%d steps)" % (_ms(r.step_s / r.steps if r.steps else 0.0), r.steps))
-    row("clearing adds to step", lambda r: ("%.3f %%" % _added(r)) if r.pages_zeroed else "-")
-    row("snapshots made / freed", lambda r: "%d / %d" % (r.snapshots_made, r.snapshots_released))
-    row("rows intact at release", lambda r: "%d / %d" % (r.snapshot_rows_intact, r.snapshots_released))
-    row("FP8 NaN bytes via rows", lambda r: "{:,}".format(r.nan_bytes_written))
+    row("step time, mean", lambda r: f"{_ms(r.step_s / r.steps if r.steps else 0.0)} ({r.steps} steps)")
+    row("clearing adds to step", lambda r: f"{_added(r):.3f} %" if r.pages_zeroed else "-")
+    row("snapshots made / freed", lambda r: f"{r.snapshots_made} / {r.snapshots_released}")
+    row("rows intact at release", lambda r: f"{r.snapshot_rows_intact} / {r.snapshots_released}")
+    row("FP8 NaN bytes via rows", lambda r: f"{r.nan_bytes_written:,}")
     if report.oracle is None:
         eq = "not checked"
     else:
         o = report.oracle
-        eq = "%s (%d/%d identical)" % ("yes" if o["equal"] else "no", o["requests_equal"], o["requests"])
+        eq = f"{'yes' if o['equal'] else 'no'} ({o['requests_equal']}/{o['requests']} identical)"
     t.add_row("logits == reference", eq, "-")
-    row("events / digest", lambda r: "%d / %s" % (r.events, r.digest[:12]))
-    row("wall time", lambda r: "%.1f s" % r.wall_s)
+    row("events / digest", lambda r: f"{r.events} / {r.digest[:12]}")
+    row("wall time", lambda r: f"{r.wall_s:.1f} s")
     return t
 
 
 def _clear_time(r) -> str:
     if r.pages_listed and not r.pages_zeroed:
         return "none (not zeroed)"
-    return "%s (%d steps)" % (_ms(r.clear_s), r.steps_with_clears)
+    return f"{_ms(r.clear_s)} ({r.steps_with_clears} steps)"
 
 
 def _added(r) -> float:

@@ -13,7 +13,6 @@ Pure Python (no torch): the CLI parses into a ``DemoConfig`` before torch is loa
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 from kvledger.core.errors import ConfigurationError, InvalidArgumentError
 from kvledger.core.events import CLEAR_POLICIES
@@ -68,10 +67,10 @@ class DemoConfig:
     long_tokens: int = 2048
     gen_tokens: int = 8
     page_tokens: int = 16
-    page_budget: Optional[int] = None
+    page_budget: int | None = None
     pressure: float = 0.75
     max_running: int = 8
-    snapshot_cache: Optional[int] = None  # cap on live snapshots; None: evicted under pressure only
+    snapshot_cache: int | None = None  # cap on live snapshots; None: evicted under pressure only
     snapshot_every: int = 512  # prefill snapshots the recurrent state every this many tokens, and at the end
     policy: str = "released_aliases"
     clear: bool = True
@@ -84,31 +83,31 @@ class DemoConfig:
     head_dim: int = 16
     d_model: int = 64
     tenants: int = 3
-    threads: Optional[int] = 1  # torch intra-op threads on the CPU (None: leave torch's setting)
+    threads: int | None = 1  # torch intra-op threads on the CPU (None: leave torch's setting)
     keep_going: bool = False  # count INVALID_SPECULATION but keep decoding (same schedule either way: timing)
 
-    def validate(self) -> "DemoConfig":
+    def validate(self) -> DemoConfig:
         for name in ("requests", "short_tokens", "long_tokens", "gen_tokens", "page_tokens", "max_running",
                      "ranks", "layers", "heads", "head_dim", "d_model", "tenants", "snapshot_every"):
             v = getattr(self, name)
             if type(v) is not int or v < 1:
-                raise InvalidArgumentError("%s must be a positive int, got %r" % (name, v))
+                raise InvalidArgumentError(f"{name} must be a positive int, got {v!r}")
         if self.gen_tokens < 2:
-            raise InvalidArgumentError("gen_tokens must be >= 2 (at least one decode step), got %d" % self.gen_tokens)
+            raise InvalidArgumentError(f"gen_tokens must be >= 2 (at least one decode step), got {self.gen_tokens}")
         if self.threads is not None and (type(self.threads) is not int or self.threads < 1):
-            raise InvalidArgumentError("threads must be a positive int or None, got %r" % (self.threads,))
+            raise InvalidArgumentError(f"threads must be a positive int or None, got {self.threads!r}")
         if self.page_budget is not None and (type(self.page_budget) is not int or self.page_budget < 1):
-            raise InvalidArgumentError("page_budget must be a positive int, got %r" % (self.page_budget,))
+            raise InvalidArgumentError(f"page_budget must be a positive int, got {self.page_budget!r}")
         if not 0.0 < self.pressure <= 4.0:
-            raise InvalidArgumentError("pressure must be in (0, 4], got %r" % (self.pressure,))
+            raise InvalidArgumentError(f"pressure must be in (0, 4], got {self.pressure!r}")
         if self.snapshot_cache is not None and (type(self.snapshot_cache) is not int or self.snapshot_cache < 0):
-            raise InvalidArgumentError("snapshot_cache must be an int >= 0, got %r" % (self.snapshot_cache,))
+            raise InvalidArgumentError(f"snapshot_cache must be an int >= 0, got {self.snapshot_cache!r}")
         if self.policy not in CLEAR_POLICIES:
-            raise ConfigurationError("unknown clear policy %r; one of %s" % (self.policy, CLEAR_POLICIES))
+            raise ConfigurationError(f"unknown clear policy {self.policy!r}; one of {CLEAR_POLICIES}")
         if self.device not in ("cpu", "cuda"):
-            raise ConfigurationError("device must be 'cpu' or 'cuda', got %r" % (self.device,))
+            raise ConfigurationError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.heads % self.ranks:
-            raise ConfigurationError("heads (%d) must divide by ranks (%d)" % (self.heads, self.ranks))
+            raise ConfigurationError(f"heads ({self.heads}) must divide by ranks ({self.ranks})")
         return self
 
     def specs(self) -> list[RequestSpec]:
@@ -133,5 +132,5 @@ def requests_of(config: DemoConfig) -> list[RequestSpec]:
     for i in range(config.requests):
         tokens = config.short_tokens if i % 2 == 0 else config.long_tokens
         out.append(RequestSpec(request=i, prompt_tokens=tokens, gen_tokens=config.gen_tokens,
-                               tenant="tenant-%d" % (i % config.tenants)))
+                               tenant=f"tenant-{i % config.tenants}"))
     return out

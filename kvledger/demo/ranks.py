@@ -1,0 +1,219 @@
+"""The demo's ranks: each rank's share of the model and its FP8 planes, and the step graph it runs.
+
+    RankState     one rank: its model shard, 2 x layers FP8 planes [pages, page_tokens, heads/rank, head_dim]
+    StepWork      one step's work for the graphs (StepInputs.data), and what they report back
+    make_graph    the graph every rank runs after its clears: prefill (write K/V, write the
+                  recurrent state through the snapshot rows), decode (gather pages, masked
+                  SDPA), verify (non-finite logits: INVALID_SPECULATION)
+    SkipClearBackend  ``--no-clear``: validates clear lists, zeroes nothing
+
+In-process ranks compute in worker threads and meet per layer in ``AllReduce``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import torch
+
+from kvledger.core.errors import ConfigurationError
+from kvledger.core.events import Geometry
+from kvledger.engine import StepInputs
+from kvledger.executors.backend import check_page_ids
+
+from .model import HybridDecoder, ModelConfig, RankModel
+from .workload import DemoConfig
+
+__all__ = ["AllReduce", "RankState", "SkipClearBackend", "StepWork", "backend_bytes", "devices", "make_graph",
+           "warm_kernels", "warm_up"]
+
+ALLREDUCE_TIMEOUT_S = 120.0
+
+
+class SkipClearBackend:
+    """``--no-clear``: the seed's unfixed executor. Validates each clear list exactly as a
+    real backend does (``PageOutOfRangeError`` / ``DuplicatePageError``) and counts the
+    pages, but zeroes nothing, so the ledger's plan is intact and only the zeroing is
+    missing. Used by the demo only; it is not in the backend registry."""
+
+    name = "none (--no-clear)"
+
+    def __init__(self, planes: Sequence[torch.Tensor]) -> None:
+        self.num_pages = int(planes[0].shape[0])
+        self.pages_skipped = 0
+
+    def clear(self, page_ids: Sequence[int]) -> None:
+        self.pages_skipped += len(check_page_ids(page_ids, self.num_pages))
+
+
+class AllReduce:
+    """Sum of one tensor from every rank, in rank order (deterministic), for in-process
+    ranks running their graphs in worker threads. One per step; ``abort()`` breaks it so
+    a rank's failure fails the others instead of leaving them waiting."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.parts: list = [None] * world
+        self.barrier = threading.Barrier(world, timeout=ALLREDUCE_TIMEOUT_S) if world > 1 else None
+
+    def for_rank(self, rank: int, stream: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        parts, barrier = self.parts, self.barrier
+        if barrier is None:  # one rank: nothing to meet
+            return identity
+
+        def reduce(t: torch.Tensor) -> torch.Tensor:
+            parts[rank] = t
+            if stream is not None:
+                stream.synchronize()  # the part is on the device before others read it
+            barrier.wait()
+            total = parts[0].to(t.device) + parts[1].to(t.device)
+            for p in parts[2:]:
+                total = total + p.to(t.device)
+            barrier.wait()  # every rank has read every part before the next call
+            return total
+
+        return reduce
+
+    def abort(self) -> None:
+        if self.barrier is not None:
+            self.barrier.abort()
+
+
+def identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class StepWork:
+    """One step's work for the graphs (``StepInputs.data``) and what they report back."""
+
+    __slots__ = ("prefill", "decode", "snapshots", "allreduce", "logits", "finite", "nan_bytes")
+
+    def __init__(self, world: int) -> None:
+        self.prefill: list = []  # (req, block table)
+        self.decode: list = []  # (req, block table)
+        self.snapshots: dict = {}  # request -> [(checkpoint index, snapshot pages, snap)]
+        self.allreduce = AllReduce(world)
+        self.logits: list = [{} for _ in range(world)]
+        self.finite: list = [{} for _ in range(world)]
+        self.nan_bytes = [0] * world
+
+
+class RankState:
+    """One rank: its model shard and its FP8 K/V planes (two per layer)."""
+
+    def __init__(self, rank: int, world: int, device: torch.device, geometry: Geometry, model: HybridDecoder) -> None:
+        c = model.config
+        h = c.heads // world
+        self.rank = rank
+        self.device = device
+        self.model: RankModel = model.shard(rank, world, device)
+        shape = (geometry.num_pages, geometry.page_tokens, h, c.head_dim)
+        self.planes = [torch.zeros(shape, dtype=torch.float8_e4m3fn, device=device) for _ in range(2 * c.layers)]
+        self.page_bytes = sum(p[0].numel() * p.element_size() for p in self.planes)
+
+
+def _forward(ranks: list, work: StepWork, ctx: Any) -> None:
+    """One rank's step graph: prefill, snapshot rows, decode, verify."""
+    r = ctx.rank
+    rk: RankState = ranks[r]
+    m = rk.model
+    planes = rk.planes
+    reduce = work.allreduce.for_rank(r, ctx.stream)
+    logits, finite = work.logits[r], work.finite[r]
+    dev = rk.device
+    try:
+        if ctx.stream is not None:
+            torch.cuda.set_device(dev)
+        with torch.no_grad(), (torch.cuda.stream(ctx.stream) if ctx.stream is not None else contextlib.nullcontext()):
+            for req, table in work.prefill:
+                rid = req.spec.request
+                bt = torch.tensor(table, dtype=torch.int64, device=dev)
+                out, at = m.prefill(req.prompt[r], planes, bt, req.states[r], reduce, req.checkpoints)
+                logits[rid] = out
+                # snapshot rows: the state at each checkpoint, written through the KV pages
+                for k, pages, snap in work.snapshots.get(rid, ()):
+                    snap.saved[r] = at[k]
+                    work.nan_bytes[r] += m.write_snapshot(at[k], m.snapshot_rows(planes, pages))
+            for req, table in work.decode:
+                bt = torch.tensor(table, dtype=torch.int64, device=dev)
+                out = m.decode(req.last_token, req.pos, planes, table, bt, req.states[r], reduce)
+                logits[req.spec.request] = out
+            # verification: a request whose logits are not finite fails (INVALID_SPECULATION)
+            for rid, out in logits.items():
+                finite[rid] = bool(torch.isfinite(out).all())
+    except BaseException:
+        work.allreduce.abort()
+        raise
+
+
+def make_graph(ranks: list, world: int) -> Callable:
+    """The step graph of every rank (``RankSpec.graph``): ``StepInputs.data`` is the step's ``StepWork``."""
+    if world == 1:
+
+        def graph(ctx: Any, step: int, inputs: StepInputs) -> None:
+            _forward(ranks, inputs.data, ctx)
+
+        return graph
+
+    async def graph_threaded(ctx: Any, step: int, inputs: StepInputs) -> None:
+        # Each rank computes in its own thread; the all-reduce meets them per layer.
+        await anyio.to_thread.run_sync(_forward, ranks, inputs.data, ctx)
+
+    return graph_threaded
+
+
+def backend_bytes(engine: Any) -> int | None:
+    """Bytes the ranks' backends report having zeroed, where they keep count (the torch
+    backend does); None if one does not."""
+    total = 0
+    for ex in engine.executors:
+        stats = getattr(ex.backend, "statistics", None)
+        figures = stats() if callable(stats) else None
+        if not isinstance(figures, dict) or "bytes" not in figures:
+            return None
+        total += int(figures["bytes"])
+    return total
+
+
+def warm_up(ranks: list, mc: ModelConfig, page_tokens: int) -> None:
+    """Run the model once on scratch planes (never the engine's), outside any timing:
+    CUDA context, cuBLAS handles and attention kernels are set up before step 0."""
+    for rk in ranks:
+        scratch = [torch.zeros_like(p[:3]) for p in rk.planes]
+        m = rk.model
+        state = m.new_state()
+        table = (0, 1, 2)
+        bt = torch.tensor(table, dtype=torch.int64, device=rk.device)
+        tokens = torch.zeros(page_tokens + 1, dtype=torch.int64, device=rk.device)
+        with torch.no_grad():
+            m.prefill(tokens, scratch, bt, state, identity, (1, page_tokens + 1))
+            m.decode(0, page_tokens + 1, scratch, table, bt, state, identity)
+        if rk.device.type == "cuda":
+            torch.cuda.synchronize(rk.device)
+
+
+def warm_kernels(engine: Any, devices: list) -> None:
+    """Kernel warm-up (Triton compiles on first use): zero page 0 while every page is still
+    free and all-zero, so no byte changes and no ledger state is involved."""
+    for ex in engine.executors:
+        if isinstance(ex.backend, SkipClearBackend):
+            continue
+        with torch.cuda.device(ex.context.device) if ex.context.stream is not None else contextlib.nullcontext():
+            ex.backend.clear([0])
+    if devices[0].type == "cuda":
+        for d in set(devices):
+            torch.cuda.synchronize(d)
+
+
+def devices(config: DemoConfig) -> list:
+    """One device per rank: the CPU, or the CUDA devices round robin."""
+    if config.device == "cpu":
+        return [torch.device("cpu")] * config.ranks
+    if not torch.cuda.is_available():
+        raise ConfigurationError("--device cuda: torch sees no CUDA device here")
+    n = torch.cuda.device_count()
+    return [torch.device("cuda", r % n) for r in range(config.ranks)]

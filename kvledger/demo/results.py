@@ -1,0 +1,110 @@
+"""What a demo run reports: ``RunResult`` per run, the logits oracle, and ``DemoReport``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .workload import DemoConfig
+
+__all__ = ["DemoReport", "RunResult", "compare_logits"]
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What one run did (all counts are over the whole run)."""
+
+    label: str
+    requests: int = 0
+    passed: int = 0
+    invalid_speculation: int = 0
+    steps: int = 0
+    wall_s: float = 0.0
+    step_s: float = 0.0  # sum of run_step wall times (seal -> every rank done)
+    clear_s: float = 0.0  # sum over steps of the slowest rank's clear phase
+    graph_s: float = 0.0
+    steps_with_clears: int = 0
+    clear_step_s: float = 0.0  # run_step wall time of the steps that had a clear list
+    pages_listed: int = 0  # clear-list entries of completed steps
+    pages_zeroed: int = 0  # listed pages a backend actually zeroed (0 with --no-clear)
+    bytes_zeroed: int = 0  # over every plane of every rank
+    tails_released: int = 0  # decode tail pages that were released snapshot pages (row bytes in them)
+    page_reuses: int = 0  # reservations that got a page some request or snapshot held before
+    snapshots_made: int = 0
+    snapshots_released: int = 0
+    snapshots_skipped: int = 0
+    snapshot_rows_intact: int = 0  # snapshots whose rows still held their state at release
+    nan_bytes_written: int = 0  # FP8 NaN bytes (0x7F / 0xFF) written through snapshot rows
+    page_budget: int = 0
+    events: int = 0
+    digest: str = ""
+    log_path: str | None = None
+    backend: str = ""
+    logits: dict = dataclasses.field(default_factory=dict, repr=False)  # request -> [gen, vocab] float32
+    failed_requests: list = dataclasses.field(default_factory=list)
+
+    def figures(self) -> dict:
+        """The flat figures (no logits), for JSON and tables."""
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("logits", "failed_requests")}
+        out["failed_requests"] = list(self.failed_requests)
+        out["step_mean_s"] = self.step_s / self.steps if self.steps else 0.0
+        out["clear_share"] = self.clear_s / self.step_s if self.step_s else 0.0
+        return out
+
+
+def compare_logits(run: RunResult, ref: RunResult) -> dict:
+    """The oracle: per request, are the logits bit-identical to the reference's?
+
+    Returns ``{"equal": bool, "requests_equal": n, "requests": n, "max_abs_diff": float}``;
+    a request that failed (no logits) counts as different.
+    """
+    equal = 0
+    max_diff = 0.0
+    for rid, want in ref.logits.items():
+        got = run.logits.get(rid)
+        if got is None or got.shape != want.shape:
+            continue
+        if torch.equal(got, want):
+            equal += 1
+        else:
+            d = (got - want).abs()
+            d = d[torch.isfinite(d)]
+            if d.numel():
+                max_diff = max(max_diff, float(d.max()))
+    return {
+        "equal": equal == ref.requests and len(ref.logits) == ref.requests,
+        "requests_equal": equal,
+        "requests": ref.requests,
+        "max_abs_diff": max_diff,
+    }
+
+
+@dataclasses.dataclass
+class DemoReport:
+    """A demo: the run under pressure, the reference run (optional) and the oracle."""
+
+    config: DemoConfig
+    run: RunResult
+    reference: RunResult | None
+    oracle: dict | None
+    wall_s: float
+
+    @property
+    def ok(self) -> bool:
+        """With clears on: every request passed and (when checked) logits equal the
+        reference. With clears off the demo shows the failure, so always True."""
+        if not self.config.clear:
+            return True
+        return self.run.passed == self.run.requests and (self.oracle is None or self.oracle["equal"])
+
+    def to_dict(self) -> dict:
+        """Everything but the logits, JSON-ready."""
+        return {
+            "config": dataclasses.asdict(self.config),
+            "run": self.run.figures(),
+            "reference": self.reference.figures() if self.reference is not None else None,
+            "oracle": self.oracle,
+            "ok": self.ok,
+            "wall_s": self.wall_s,
+        }

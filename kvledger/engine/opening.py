@@ -1,0 +1,213 @@
+"""``open_engine``: a ledger, one executor task per rank, and (optionally) the wire leader.
+
+    open_engine(...) ─► check the options ─► open the ledger (durable: in a worker thread)
+                     ─► build one RankExecutor per RankSpec (planes must fit the geometry)
+                     ─► task group: every executor's serve() started ─► [wire leader] ─► yield engine
+                     ─► on exit: no more plans (executors stop after their current one),
+                        the leader's links closed, the log closed (shielded)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+
+from kvledger.core.errors import ConfigurationError, InvalidArgumentError
+from kvledger.core.events import CLEAR_POLICIES, Geometry
+from kvledger.core.ledger import Ledger
+from kvledger.executors.backend import make_backend
+from kvledger.executors.executor import RankExecutor
+from kvledger.logs import get_logger
+
+from .engine import Engine, RankSpec
+from .remote import RemoteRanks
+
+__all__ = ["open_engine"]
+
+
+@contextlib.asynccontextmanager
+async def open_engine(
+    geometry: Geometry | None = None,
+    *,
+    log: Any = None,
+    ranks: Any = 1,
+    policy: str | None = None,
+    backend: Any = "torch",
+    check: bool = False,
+    record: bool = False,
+    fsync: str = "per_step",
+    queue_size: int = 1,
+    drain_timeout_s: float = 10.0,
+    logger: Any = None,
+    remote: RemoteRanks | None = None,
+) -> AsyncIterator[Engine]:
+    """Open the embedded engine: a ledger (durable when ``log`` is a path) and one
+    executor task per rank, in a task group that lives as long as the ``async with``.
+
+    ``ranks``: an int (that many ranks with no cache planes) or a sequence of
+    ``RankSpec``. ``policy``: the clear policy (default ``"released_aliases"``; an
+    existing log keeps its own, and naming another raises ``ConfigurationError``).
+    ``backend``: the clear backend name for ranks that do not name one (``"torch"``,
+    ``"cuda"``, ``"triton"``). ``log``: a path; the log is created (``geometry``
+    required) or reopened and replayed (``geometry`` may be ``None``); ledger calls
+    then run in a worker thread. ``record`` keeps the events in
+    ``engine.ledger.events`` (in-memory ledgers only). ``queue_size`` bounds each
+    rank's plan stream; ``drain_timeout_s`` bounds how long a failed or cancelled
+    step waits for its other ranks to stop before recording the abort (a rank that
+    has not answered by then is not recorded as completed; its late answer is
+    dropped and its next plan waits in its stream until it is free). ``logger``: a
+    structlog logger for the engine's (and the durable log's, and the wire
+    leader's) events; default ``kvledger.logs.get_logger`` under ``kvledger.engine``
+    (``kvledger`` for the log, ``kvledger.wire`` for the leader).
+
+    Raises ``InvalidArgumentError`` / ``ConfigurationError`` for bad arguments or
+    planes that do not fit the geometry (nothing opened), and what opening the log
+    raises (``CorruptLogError``, ...). On exit the executors stop after their
+    current plan and the log is closed (shielded from cancellation).
+
+    ``remote``: a ``RemoteRanks`` (see ``kvledger.engine.remote``): the engine becomes
+    the wire leader of ``remote.world_size - 1`` peers, listening on ``remote.listen``
+    (``engine.remote_address``); every step then needs all of them READY. On exit
+    the links are closed (peers see the end of the stream and return).
+    """
+    specs = _rank_specs(ranks)
+    _check_options(remote, policy, queue_size)
+    ledger, threaded = await _open_ledger(geometry, log, policy, check, record, fsync, logger)
+    try:
+        executors = _build_executors(specs, ledger.geometry.num_pages, backend)
+        engine = Engine(ledger, executors, threaded=threaded, queue_size=queue_size,
+                        drain_timeout_s=drain_timeout_s, logger=logger)
+        async with _running(engine, remote, logger):
+            yield engine
+    finally:
+        if threaded:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(ledger.close)
+
+
+def _check_options(remote: Any, policy: str | None, queue_size: Any) -> None:
+    if remote is not None and not isinstance(remote, RemoteRanks):
+        raise InvalidArgumentError(f"remote must be a RemoteRanks or None, got {type(remote).__name__}")
+    if policy is not None and policy not in CLEAR_POLICIES:
+        raise ConfigurationError(f"unknown clear policy {policy!r}; one of {CLEAR_POLICIES}")
+    if type(queue_size) is not int or queue_size < 1:
+        raise InvalidArgumentError(f"queue_size must be an int >= 1, got {queue_size!r}")
+
+
+def _rank_specs(ranks: Any) -> list[RankSpec]:
+    if type(ranks) is int:
+        if ranks < 1:
+            raise InvalidArgumentError(f"ranks must be >= 1, got {ranks}")
+        return [RankSpec() for _ in range(ranks)]
+    if isinstance(ranks, RankSpec):
+        return [ranks]
+    try:
+        specs = list(ranks)
+    except TypeError:
+        raise InvalidArgumentError(f"ranks must be an int or a sequence of RankSpec, got {ranks!r}") from None
+    if not specs:
+        raise InvalidArgumentError("ranks must name at least one rank")
+    for i, s in enumerate(specs):
+        if not isinstance(s, RankSpec):
+            raise InvalidArgumentError(f"ranks[{i}] must be a RankSpec, got {type(s).__name__}")
+    return specs
+
+
+def _build_executors(specs: list[RankSpec], num_pages: int, default_backend: Any) -> list[RankExecutor]:
+    world = len(specs)
+    out = []
+    for rank, spec in enumerate(specs):
+        planes = tuple(spec.planes)
+        chosen = spec.backend if spec.backend is not None else default_backend
+        if isinstance(chosen, str):
+            backend = make_backend(chosen, planes, stream=spec.stream) if planes else None
+        else:
+            if not callable(getattr(chosen, "clear", None)):
+                raise ConfigurationError(f"rank {rank}: backend {chosen!r} has no clear(page_ids)")
+            backend = chosen
+        device = getattr(planes[0], "device", None) if planes else None
+        have = getattr(backend, "num_pages", None)
+        if have is not None and have != num_pages:
+            raise ConfigurationError(f"rank {rank}: planes hold {have} pages but the geometry has {num_pages}")
+        out.append(RankExecutor(rank, num_pages=num_pages, backend=backend, graph=spec.graph, planes=planes,
+                                device=device, stream=spec.stream, world_size=world))
+    return out
+
+
+async def _open_ledger(geometry, log, policy, check, record, fsync, logger) -> tuple[Ledger, bool]:
+    """The ledger, and whether its calls go to a worker thread (a durable log: they do file I/O)."""
+    if log is None:
+        if not isinstance(geometry, Geometry):
+            raise InvalidArgumentError("geometry must be a Geometry (it may be omitted only with an existing log)")
+        return Ledger(geometry, policy=policy or "released_aliases", check=check, record=record), False
+    try:
+        from kvledger.durable import open_ledger
+    except ImportError as exc:
+        raise ConfigurationError(f"a log was asked for but kvledger.durable is not available: {exc!r}") from exc
+    opener = functools.partial(open_ledger, log, geometry, policy=policy, fsync=fsync, check=check, logger=logger)
+    return await anyio.to_thread.run_sync(opener), True
+
+
+@contextlib.asynccontextmanager
+async def _running(engine: Engine, remote: RemoteRanks | None, logger: Any) -> AsyncIterator[None]:
+    """The executors' task group (and the wire leader) around the body.
+
+    Executors never raise (they report failures), so a task group error that holds
+    only the body's own exception is that exception: it comes out as it was raised.
+    """
+    body_error: BaseException | None = None
+    unwrap = False
+    started = 0
+    try:
+        async with anyio.create_task_group() as tg:
+            try:
+                for ex, jobs in zip(engine.executors, engine._job_receivers, strict=True):
+                    await tg.start(ex.serve, jobs)
+                    started += 1
+                if remote is None:
+                    yield
+                else:
+                    async with _open_remote(engine, remote, logger):
+                        try:
+                            yield
+                        except BaseException as exc:
+                            body_error = exc
+                            raise
+            except BaseException as exc:
+                if body_error is None:
+                    body_error = exc
+                raise
+            finally:
+                engine._shutdown()
+                for jobs in engine._job_receivers[started:]:
+                    jobs.close()  # receivers no executor took (a start that failed)
+    except BaseExceptionGroup as group:
+        if body_error is None or group.split(lambda e: e is body_error)[1] is not None:
+            raise
+        unwrap = True
+    if unwrap and body_error is not None:
+        raise body_error
+
+
+@contextlib.asynccontextmanager
+async def _open_remote(engine: Engine, remote: RemoteRanks, logger: Any) -> AsyncIterator[None]:
+    from kvledger.wire.rank import open_leader
+
+    async with open_leader(
+        engine.geometry,
+        world_size=remote.world_size,
+        next_step=engine.open_step,
+        close_grace=remote.close_grace,
+        logger=logger if logger is not None else get_logger("kvledger.wire"),
+    ) as leader:
+        if remote.listen is not None:
+            engine.remote_address = await leader.listen_tcp(*remote.listen)
+        engine._steps.leader, engine._steps.remote = leader, remote
+        try:
+            yield
+        finally:
+            engine._steps.leader = None

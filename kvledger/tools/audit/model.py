@@ -1,0 +1,401 @@
+"""The audit's own model of page contents (``--check``): whose bytes a request reads.
+
+It watches the fold for holders but keeps its own account of what every page
+holds (ZERO, ROW bytes of a snapshot, KV bytes of a request incarnation and its
+tenant), when a request first reads a page (when the step it was committed for
+is sealed, after that step's clears; an abort undoes both) and which bytes are
+foreign to it under the policy; ``kvledger.tools.audit`` states the rules and
+the faults they find.
+
+``ContentModel.pre`` / ``post`` run around each folded event; ``open_at_end``
+is the end-of-log pass (faults of a cleanly closed log, and what is left open).
+"""
+
+from __future__ import annotations
+
+from kvledger.core.events.events import (
+    PagesCommitted,
+    PagesReserved,
+    RequestCancelled,
+    RequestFinished,
+    ReservationReturned,
+    RestoreCompleted,
+    RestoreStarted,
+    SnapshotAliased,
+    SnapshotReleased,
+    StepAborted,
+    StepCompleted,
+    StepSealed,
+)
+from kvledger.core.state import FREE, MARK_TENANT, LedgerState
+
+from .report import MAX_FINDINGS, Faults, Finding
+
+__all__ = ["ContentModel", "open_at_end"]
+
+# page contents
+ZERO, CLEAN, ROW, KVB, STALE = 0, 1, 2, 3, 4
+_CONTENT = ("zero", "clean", "row", "kv", "stale")
+
+
+def holds_kv(st: LedgerState, p: int, r: int) -> bool:
+    """Is page ``p`` one of request ``r``'s KV pages (its block table)?"""
+    rec = st.requests.get(r)
+    return rec is not None and p in rec.kv
+
+
+def is_free(st: LedgerState, p: int) -> bool:
+    """Is page ``p`` free? False also when the fold's own tables disagree about its holder."""
+    try:
+        return st.holder_code(p) == FREE
+    except (KeyError, IndexError):
+        return False
+
+
+class ContentModel:
+    """What every page holds (see the module docstring), and the faults that follow from it."""
+
+    def __init__(self, st: LedgerState, faults: Faults) -> None:
+        n = st.num_pages
+        self.st = st
+        self.faults = faults
+        self.policy = st.policy
+        self.content = bytearray(n)
+        self.dirty = bytearray(n)  # held (kv, alias) or written since last zeroed
+        self.c_owner: dict[int, int] = {}  # page -> request incarnation (KVB) / snapshot (ROW)
+        self.c_tenant: dict[int, object] = {}
+        self.zeroed_at: dict[int, int] = {}  # page -> seq of the plan that zeroed it
+        self.inc_of: dict[int, int] = {}  # live request -> incarnation
+        self.inc_req: dict[int, int] = {}
+        self.inc_tenant: dict[int, object] = {}
+        self.next_inc = 0
+        self.reads: dict[int, list] = {}  # step -> [(page, incarnation, commit seq)]
+        self.last_seal: tuple | None = None
+        self.shadow: dict[int, set] = {}  # incarnation -> pages its events gave it
+        self.ended: set[int] = set()
+        self.released: set[int] = set()
+        self.restore_seq: dict[int, int] = {}  # page -> seq its restore started
+        self.sealed: list[int] = []  # sealed, not aborted steps (only if ranks report)
+        self.aborted: set[int] = set()
+        self.done: dict[int, set] = {}  # rank -> completed steps
+        self.first_done: dict[int, int] = {}
+        self._seed_from_state()
+
+    # ------------------------------------------------------------------ seeding
+
+    def _new_inc(self, r: int, tenant) -> int:
+        inc = self.next_inc
+        self.next_inc += 1
+        self.inc_of[r] = inc
+        self.inc_req[inc] = r
+        self.inc_tenant[inc] = tenant
+        return inc
+
+    def _put_kv(self, p: int, inc: int, tenant) -> None:
+        self.content[p] = KVB
+        self.c_owner[p] = inc
+        self.c_tenant[p] = tenant
+
+    def _put_row(self, p: int, snapshot: int) -> None:
+        self.content[p] = ROW
+        self.c_owner[p] = snapshot
+
+    def _seed_from_state(self) -> None:
+        """Contents as far as a state tells (a fresh cache, or a checkpoint)."""
+        st, content = self.st, self.content
+        for r, rec in sorted(st.requests.items()):
+            inc = self._new_inc(r, rec.tenant)
+            self.shadow[inc] = set(rec.reserved) | set(rec.kv)
+            for p in rec.kv:
+                self._put_kv(p, inc, rec.tenant)
+            for p in rec.restored or ():
+                self._put_kv(p, inc, rec.tenant)
+        for s, pages in st.snapshots.items():
+            for p in pages:
+                self._put_row(p, s)
+        for p, m in st.marks.items():
+            if m == MARK_TENANT:
+                self._put_kv(p, -1, st.residue.get(p))
+            else:
+                content[p] = STALE
+        if st.seq > 1:  # a checkpoint: pages with no history are not known to be zero
+            for p in range(len(content)):
+                if content[p] == ZERO:
+                    content[p] = CLEAN
+            self.dirty[:] = b"\x01" * len(content)
+        self._seed_reads()
+        if st.completed:
+            for rank in st.completed:
+                self.first_done[rank] = st.completed[rank] + 1
+                self.done[rank] = set()
+
+    def _seed_reads(self) -> None:
+        """Reads still to come (listed pages of unsealed steps), and the last seal, which an abort may undo."""
+        st = self.st
+        holder = {p: r for r, rec in st.requests.items() for p in (*rec.reserved, *rec.kv)}
+        for step, pages in st.clear_lists.items():
+            lst = self.reads.setdefault(step, [])
+            for p in pages:
+                if p in st.pending and p in holder:
+                    lst.append((p, self.inc_of.get(holder[p], -1), None))
+                    self.content[p] = STALE  # listed: it was marked when its request committed it
+        lp = st.last_plan
+        if lp is not None and lp.clear_list:
+            saved, done = [], []
+            for p in lp.clear_list:
+                saved.append((p, (STALE, None, None, None, 1), self._content_of(p)))
+                r = holder.get(p)
+                if r is not None and holds_kv(st, p, r):
+                    done.append((p, self.inc_of.get(r, -1), None))
+            self.last_seal = (lp.step, saved, done)
+
+    # ------------------------------------------------------------------ describing contents
+
+    def describe(self, p: int) -> str:
+        k = self.content[p]
+        if k == ROW:
+            return f"snapshot {self.c_owner.get(p)}'s row bytes"
+        if k == KVB:
+            inc = self.c_owner.get(p, -1)
+            if inc < 0:
+                return f"bytes of tenant {self.c_tenant.get(p)!r}"
+            return f"request {self.inc_req.get(inc)}'s KV bytes (tenant {self.inc_tenant.get(inc)!r})"
+        if k == STALE:
+            return "stale bytes (marked at the checkpoint)"
+        return _CONTENT[k]
+
+    def _foreign(self, p: int, inc: int) -> bool:
+        k = self.content[p]
+        if k in (ROW, STALE):
+            return True
+        if k != KVB or self.policy == "released_aliases":
+            return False
+        if self.policy == "cross_tenant":
+            return self.c_tenant.get(p) != self.inc_tenant.get(inc)
+        return self.c_owner.get(p) != inc
+
+    def _content_of(self, p: int) -> tuple:
+        return (self.content[p], self.c_owner.get(p), self.c_tenant.get(p), self.zeroed_at.get(p), self.dirty[p])
+
+    def _set_content(self, p: int, v: tuple) -> None:
+        k, o, tn, z, d = v
+        self.content[p] = k
+        self.dirty[p] = d
+        for table, x in ((self.c_owner, o), (self.c_tenant, tn), (self.zeroed_at, z)):
+            if x is None:
+                table.pop(p, None)
+            else:
+                table[p] = x
+
+    # ------------------------------------------------------------------ around each folded event
+
+    def pre(self, ev, t):
+        """What ``post`` needs from before the fold: a request's incarnation, the open step."""
+        if t is RequestFinished or t is RequestCancelled:
+            return self.inc_of.get(ev.request)
+        if t is StepAborted:
+            return self.st.open_step
+        return None
+
+    def post(self, seq: int, ev, t, pre) -> None:
+        """Follow a folded event into the contents; seals, aborts and completions have their own."""
+        if t is PagesReserved:
+            inc = self.inc_of.get(ev.request)
+            if inc is None:
+                inc = self._new_inc(ev.request, ev.tenant)
+                self.shadow[inc] = set()
+            self.shadow[inc].update(ev.page_ids)
+        elif t is ReservationReturned:
+            inc = self.inc_of.get(ev.request)
+            if inc is not None:
+                self.shadow[inc].difference_update(ev.page_ids)
+        elif t is PagesCommitted:
+            lst = self.reads.setdefault(ev.step, [])
+            inc, dirty = self.inc_of[ev.request], self.dirty
+            for p in ev.page_ids:
+                lst.append((p, inc, seq))
+                dirty[p] = 1
+        elif t is RequestFinished or t is RequestCancelled:
+            self._request_gone(seq, ev.request, pre)
+        elif t is SnapshotAliased:
+            for p in ev.page_ids:
+                self._put_row(p, ev.snapshot)
+                self.dirty[p] = 1
+        elif t is SnapshotReleased:
+            self.released.add(ev.snapshot)
+        elif t is RestoreStarted:
+            self._restore_started(seq, ev)
+        elif t is RestoreCompleted:
+            for p in ev.page_ids:
+                self.restore_seq.pop(p, None)
+        elif t is StepSealed:
+            self._seal(seq, ev)
+        elif t is StepAborted:
+            self._abort(ev, pre)
+        elif t is StepCompleted:
+            self._completed(ev)
+
+    def _request_gone(self, seq: int, r: int, inc: int | None) -> None:
+        """A request finished or was cancelled: every page its own events gave it must be free now."""
+        st = self.st
+        self.ended.add(r)
+        self.inc_of.pop(r, None)
+        held = self.shadow.pop(inc, set()) if inc is not None else set()
+        leaked = sorted(p for p in held if not is_free(st, p))
+        if leaked:
+            try:
+                held_as = st.holder_of(leaked[0])
+            except (KeyError, IndexError):  # the fold's own tables disagree about the holder
+                held_as = "by a holder the fold's own tables disagree on"
+            self.faults.add("leak", seq, st.open_step, f"request {r} ended but pages {leaked[:16]} are still "
+                            f"held ({held_as})", page_ids=leaked[:64], request=r)
+
+    def _restore_started(self, seq: int, ev) -> None:
+        for p in ev.page_ids:
+            self.restore_seq[p] = seq
+            self.dirty[p] = 1
+        if ev.into == "snapshot":
+            for p in ev.page_ids:
+                self._put_row(p, ev.target)
+        else:
+            inc = self.inc_of[ev.target]
+            tenant = self.inc_tenant[inc]
+            for p in ev.page_ids:
+                self._put_kv(p, inc, tenant)
+
+    def _seal(self, seq: int, ev) -> None:
+        """The plan zeroes its pages, then every request reads the pages committed for this step."""
+        saved = self._zero(seq, ev)
+        done = []
+        st, content, dirty = self.st, self.content, self.dirty
+        for item in self.reads.pop(ev.step, ()):
+            p, inc, cseq = item
+            r = self.inc_req.get(inc)
+            if r is None or self.inc_of.get(r) != inc or not holds_kv(st, p, r):
+                continue  # the request let go of the page before its step ran: no read
+            if self._foreign(p, inc):
+                self.faults.add("unzeroed_read", seq, ev.step,
+                                f"request {r} reads page {p} in step {ev.step} (committed at seq {cseq}) while it "
+                                f"holds {self.describe(p)}; step {ev.step}'s plan did not zero it",
+                                page_ids=[p], request=r)
+            before = self._content_of(p)
+            content[p] = KVB
+            self.c_owner[p] = inc
+            self.c_tenant[p] = self.inc_tenant.get(inc)
+            dirty[p] = 1
+            saved.append((p, before, self._content_of(p)))
+            done.append(item)
+        self.last_seal = (ev.step, saved, done)
+        self.sealed.append(ev.step)
+
+    def _zero(self, seq: int, ev) -> list:
+        """The plan's clears; returns ``(page, content before, after)`` for an abort to undo."""
+        content, dirty = self.content, self.dirty
+        saved = []
+        released_only = self.policy == "released_aliases"
+        for p in ev.clear_list:
+            k = content[p]
+            if released_only and k not in (ROW, STALE):
+                self.faults.add("needless_clear", seq, ev.step, f"step {ev.step}'s plan zeroes page {p}, which "
+                                f"holds {self.describe(p)}, not row bytes", page_ids=[p])
+            elif not dirty[p]:
+                when = self.zeroed_at.get(p)
+                since = f"the plan at seq {when} zeroed it" if when is not None else "the cache was configured"
+                self.faults.add("redundant_clear", seq, ev.step, f"step {ev.step}'s plan zeroes page {p} again: "
+                                f"nothing held or wrote it since {since}", page_ids=[p])
+            before = self._content_of(p)
+            content[p] = ZERO
+            dirty[p] = 0
+            self.zeroed_at[p] = seq
+            saved.append((p, before, self._content_of(p)))
+        return saved
+
+    def _abort(self, ev, next_step: int) -> None:
+        """Nothing of the aborted step ran: undo its clears and reads (where nothing touched the page since)."""
+        self.aborted.add(ev.step)
+        if self.last_seal is None or self.last_seal[0] != ev.step:
+            return
+        _, saved, done = self.last_seal
+        self.last_seal = None
+        for p, before, after in reversed(saved):
+            if self._content_of(p) == after:
+                self._set_content(p, before)
+        if done:
+            self.reads.setdefault(next_step, [])[:0] = done
+
+    def _completed(self, ev) -> None:
+        rank = ev.rank
+        if rank not in self.done:
+            self.done[rank] = set()
+            self.first_done[rank] = ev.step
+        self.done[rank].add(ev.step)
+
+    def step_faults(self, closed: bool, out: list[Finding]) -> None:
+        """Steps a rank skipped (faults), or never completed: faults on a closed log, else open."""
+        if not self.done:
+            return
+        steps = [s for s in self.sealed if s not in self.aborted]
+        for rank in sorted(self.done):
+            done, first = self.done[rank], self.first_done[rank]
+            last = max(done) if done else first - 1
+            missing = [s for s in steps if s >= first and s not in done]
+            skipped = [s for s in missing if s < last]
+            tail = [s for s in missing if s > last]
+            if skipped:
+                self.faults.add("step_never_completed", None, skipped[0],
+                                f"rank {rank} completed step {last} but never steps {skipped[:16]}", page_ids=[])
+            if tail:
+                if closed:
+                    self.faults.add("step_never_completed", None, tail[0],
+                                    f"rank {rank} never completed steps {tail[:16]} before the log was closed")
+                else:
+                    out.append(Finding(kind="steps_in_flight", seq=None, step=tail[0],
+                                       detail=f"rank {rank} has not completed steps {tail[:16]} (yet)"))
+
+
+def open_at_end(st: LedgerState, model: ContentModel | None, faults: Faults, closed: bool) -> list[Finding]:
+    """End-of-log pass: what is still open (returned), and (``model``) the faults of a closed log."""
+    out: list[Finding] = []
+    step = st.open_step
+    _restores_at_end(st, model, faults, closed, out)
+    if model is not None:
+        model.step_faults(closed, out)
+    for r, rec in sorted(st.requests.items()):
+        if rec.reserved or rec.kv:
+            out.append(Finding(kind="request_open", seq=None, step=step, request=r,
+                               page_ids=(rec.kv + rec.reserved)[:64],
+                               detail=f"request {r} holds {len(rec.kv)} kv and {len(rec.reserved)} reserved pages"))
+        if len(out) > MAX_FINDINGS:
+            break
+    for s, pages in sorted(st.snapshots.items()):
+        out.append(Finding(kind="snapshot_live", seq=None, step=step, snapshot=s, page_ids=pages[:64],
+                           detail=f"snapshot {s} aliases {len(pages)} pages"))
+        if len(out) > 2 * MAX_FINDINGS:
+            break
+    free_marked = sorted(p for p in st.marks if is_free(st, p))
+    if free_marked:
+        out.append(Finding(kind="marked_free_pages", seq=None, step=step, page_ids=free_marked[:64],
+                           detail=f"{len(free_marked)} free pages are marked: each is zeroed when a request "
+                                  "first commits it"))
+    return out
+
+
+def _restores_at_end(st: LedgerState, model: ContentModel | None, faults: Faults, closed: bool,
+                     out: list[Finding]) -> None:
+    """Restores still writing: faults on a cleanly closed log (with ``model``), else open."""
+    if not st.restore_targets:
+        return
+    by_target: dict = {}
+    for p, tgt in sorted(st.restore_targets.items()):
+        by_target.setdefault(tgt, []).append(p)
+    restore_seq = model.restore_seq if model is not None else {}
+    for (into, target), pages in sorted(by_target.items()):
+        started = min((restore_seq.get(p, -1) for p in pages), default=-1)
+        detail = f"restore into {into} {target} of pages {pages[:16]} started at seq {started} never completed"
+        kw = {"request": target} if into == "request" else {"snapshot": target}
+        if closed and model is not None:
+            faults.add("restore_never_completed", started, st.open_step, f"{detail} before the log was closed",
+                       page_ids=pages[:64], **kw)
+        else:
+            out.append(Finding(kind="restore_in_flight", seq=started, step=st.open_step, detail=f"{detail} (yet)",
+                               page_ids=pages[:64], **kw))
