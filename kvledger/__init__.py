@@ -72,17 +72,15 @@ def __dir__() -> list[str]:
 
 __all__ = [
     *_errors_all,
+    *_LAZY,  # open, Engine, RankSpec, StepInputs, StepResult, open_ledger, DurableLedger
     "CLEAR_POLICIES",
     "CacheConfigured",
     "ClearPages",
-    "DurableLedger",
-    "Engine",
     "Geometry",
     "Ledger",
     "LedgerState",
     "PagesCommitted",
     "PagesReserved",
-    "RankSpec",
     "RequestCancelled",
     "RequestFinished",
     "ReservationReturned",
@@ -92,13 +90,9 @@ __all__ = [
     "SnapshotReleased",
     "StepAborted",
     "StepCompleted",
-    "StepInputs",
     "StepPlan",
-    "StepResult",
     "StepSealed",
     "check_invariants",
-    "open",
-    "open_ledger",
     "replay",
     "__version__",
 ]

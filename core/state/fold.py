@@ -454,7 +454,7 @@ def pages_evicted(st: LedgerState, e: PagesEvicted) -> tuple:
         hashes.append(h)
     if st.policy == "cross_tenant":
         # each evicted page carries its own writer's tenant
-        marked = []
+        marked: list[int] = []
         for p in pages:
             marked.extend(_free_pages(st, (p,), tenants[p], (p,)))
     else:
