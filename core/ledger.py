@@ -63,6 +63,18 @@ def _one_of(n, pages, what: str):
         raise InvalidArgumentError(f"{what}: give exactly one of n= or pages=")
 
 
+def _plain_hashes(hashes: tuple) -> bool:
+    """Every hash a plain int in the signed 64-bit range (the common case) or short bytes."""
+    for h in hashes:
+        t = type(h)
+        if t is int:
+            if not -(1 << 63) <= h < (1 << 63):
+                return False
+        elif t is not bytes or not 0 < len(h) <= 64:
+            return False
+    return True
+
+
 class Ledger:
     """The KV-page ledger of one cache. Commands mirror SPEC's event table.
 
@@ -409,7 +421,9 @@ class Ledger:
             parent_hash = st.page_hash.get(rec.kv[start - 1])
         ev = PagesPublished(request=request, page_ids=pages, hashes=hashes, parent_hash=parent_hash,
                             token_ids=tuple(token_ids), lora_id=lora_id, lora_name=lora_name)
-        self._submit(typed(ev))
+        if not _plain_hashes(hashes) or set(map(type, ev.token_ids)) - {int}:
+            ev = typed(ev)  # names the ill-typed field (the common case skips the round trip)
+        self._submit(ev)
         return pages
 
     def lookup(self, hashes: Iterable[int | bytes]) -> int:

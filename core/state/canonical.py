@@ -74,7 +74,7 @@ def canonical(st: LedgerState, version: int = DIGEST_VERSION) -> dict:
             raise ConfigurationError("a state with prefix-cache data has no version-1 canonical form")
         return out
     out["kv_steps"] = [[r, list(rec.kv_steps)] for r, rec in sorted(st.requests.items())]
-    out["hashes"] = [[p, h, st.hash_tenant[p]] for p, h in sorted(st.page_hash.items())]
+    out["hashes"] = [[p, h, st.hash_tenant.get(p)] for p, h in sorted(st.page_hash.items())]
     out["sharers"] = [[p, list(rs)] for p, rs in sorted(st.sharers.items())]
     out["cached"] = list(st.cached)  # least recently used first: the order is state
     out["aborted_steps"] = sorted(st.aborted_steps)
@@ -127,7 +127,8 @@ def from_canonical(cls: type[LedgerState], data: dict) -> LedgerState:
         for p, h, tenant in data["hashes"]:
             st.page_hash[p] = h
             st.hash_page[h] = p
-            st.hash_tenant[p] = tenant
+            if st.policy != "released_aliases":
+                st.hash_tenant[p] = tenant
         st.sharers = {p: list(rs) for p, rs in data["sharers"]}
         st.cached = OrderedDict.fromkeys(data["cached"])
         st.aborted_steps = set(data["aborted_steps"])

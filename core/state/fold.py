@@ -254,22 +254,23 @@ def request_gone(st: LedgerState, e) -> tuple:
 
 def _release_shares(st: LedgerState, rec: RequestRecord) -> list[int]:
     """r leaves its shared and hashed KV pages; returns the KV pages that go free."""
-    r, holder, sharers, hashed, cached = rec.request, st.holder, st.sharers, st.page_hash, st.cached
-    gone = []
-    for p in reversed(rec.kv):  # the last block first: the first to be evicted
-        holders = sharers.get(p)
-        if holders is not None:
+    r, holder, sharers, hashed = rec.request, st.holder, st.sharers, st.page_hash
+    kv = rec.kv
+    if sharers and not sharers.keys().isdisjoint(kv):
+        still = [p for p in kv if p in sharers]
+        for p in still:
+            holders = sharers[p]
             holders.remove(r)
             holder[p] = holders[0]
             if len(holders) == 1:
                 del sharers[p]
-        elif p in hashed:
-            holder[p] = HOLDER_CACHED
-            cached[p] = None
-        else:
-            gone.append(p)
-    gone.reverse()
-    return gone
+        kept = set(still)
+        kv = [p for p in kv if p not in kept]
+    to_cache = [p for p in reversed(kv) if p in hashed]  # the last block first: the first to be evicted
+    for p in to_cache:
+        holder[p] = HOLDER_CACHED
+    st.cached.update(dict.fromkeys(to_cache))
+    return [p for p in kv if p not in hashed] if to_cache else kv
 
 
 def snapshot_aliased(st: LedgerState, e: SnapshotAliased) -> tuple:
@@ -402,14 +403,12 @@ def step_aborted(st: LedgerState, e: StepAborted) -> tuple:
 
 
 def pages_published(st: LedgerState, e: PagesPublished) -> tuple:
-    tenant = st.requests[e.request].tenant
     geometry = st.geometry
     assert geometry is not None  # configured before any request
-    page_hash, hash_page, hash_tenant = st.page_hash, st.hash_page, st.hash_tenant
-    for p, h in zip(e.page_ids, e.hashes, strict=True):
-        page_hash[p] = h
-        hash_page[h] = p
-        hash_tenant[p] = tenant
+    st.page_hash.update(zip(e.page_ids, e.hashes, strict=True))
+    st.hash_page.update(zip(e.hashes, e.page_ids, strict=True))
+    if st.policy != "released_aliases":  # the writer's tenant decides sharing and eviction marks
+        st.hash_tenant.update(dict.fromkeys(e.page_ids, st.requests[e.request].tenant))
     st.seq += 1
     return (BlocksStored(hashes=e.hashes, parent_hash=e.parent_hash, token_ids=e.token_ids,
                          page_tokens=geometry.page_tokens,
@@ -443,21 +442,21 @@ def pages_evicted(st: LedgerState, e: PagesEvicted) -> tuple:
     """Cached pages go free and lose their hashes; under the isolating policies they are
     marked for the writer's tenant (cross_tenant) or for everyone (all_reused)."""
     pages = e.page_ids
-    page_hash, hash_page, hash_tenant, cached = st.page_hash, st.hash_page, st.hash_tenant, st.cached
-    hashes = []
-    tenants = {}
-    for p in pages:
-        h = page_hash.pop(p)
+    page_hash, hash_page, cached = st.page_hash, st.hash_page, st.cached
+    hashes = tuple([page_hash.pop(p) for p in pages])
+    for h in hashes:
         del hash_page[h]
-        tenants[p] = hash_tenant.pop(p)
+    for p in pages:
         del cached[p]
-        hashes.append(h)
     if st.policy == "cross_tenant":
         # each evicted page carries its own writer's tenant
+        hash_tenant = st.hash_tenant
         marked: list[int] = []
         for p in pages:
-            marked.extend(_free_pages(st, (p,), tenants[p], (p,)))
+            marked.extend(_free_pages(st, (p,), hash_tenant.pop(p), (p,)))
     else:
+        for p in pages:
+            st.hash_tenant.pop(p, None)
         marked = list(_free_pages(st, pages, None, pages))
     st.seq += 1
-    return (BlocksRemoved(hashes=tuple(hashes)), *_marked(marked))
+    return (BlocksRemoved(hashes=hashes), *_marked(marked))

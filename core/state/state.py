@@ -22,7 +22,8 @@ Sparse (a page is in the map only while the flag is set):
                       ``derive_clear_list`` skips it)
 Prefix caching (sparse, empty until a request publishes):
     page_hash / hash_page   a hashed page's block hash, and back
-    hash_tenant       a hashed page's writer's tenant (cross-tenant sharing, eviction marks)
+    hash_tenant       a hashed page's writer's tenant (cross_tenant / all_reused only:
+                      sharing across tenants is refused, eviction marks for the writer)
     sharers           p -> R, the requests of a page in kv(R) with |R| >= 2, in the
                       order they joined (holder[p] is R[0])
     cached            the cached pages, least recently used first (an OrderedDict)
