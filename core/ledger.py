@@ -64,15 +64,14 @@ def _one_of(n, pages, what: str):
 
 
 def _plain_hashes(hashes: tuple) -> bool:
-    """Every hash a plain int in the signed 64-bit range (the common case) or short bytes."""
-    for h in hashes:
-        t = type(h)
-        if t is int:
-            if not -(1 << 63) <= h < (1 << 63):
-                return False
-        elif t is not bytes or not 0 < len(h) <= 64:
-            return False
-    return True
+    """Every hash a plain int in the signed 64-bit range (the common case), or 1-64 bytes."""
+    kinds = set(map(type, hashes))
+    if kinds == {int}:
+        return -(1 << 63) <= min(hashes) and max(hashes) < (1 << 63)
+    if kinds == {bytes}:
+        sizes = list(map(len, hashes))
+        return 0 < min(sizes) and max(sizes) <= 64
+    return False
 
 
 class Ledger:
@@ -440,14 +439,12 @@ class Ledger:
         """
         checks.ident(request, "request")
         checks.tenant(tenant)
-        hp = self.state.hash_page
-        pages = []
-        for h in hashes:
-            p = hp.get(h)
-            if p is None:
-                raise UnknownBlockHashError(h, f"request {request} cannot share it")
-            pages.append(p)
-        ev = PagesShared(request=request, page_ids=tuple(pages), tenant=tenant)
+        get = self.state.hash_page.get
+        pages = tuple([get(h) for h in hashes])
+        if None in pages:
+            h = hashes[pages.index(None)]
+            raise UnknownBlockHashError(h, f"request {request} cannot share it")
+        ev = PagesShared(request=request, page_ids=pages, tenant=tenant)
         self._submit(ev)
         return ev.page_ids
 
