@@ -13,6 +13,7 @@ from .invariants import check_invariants
 from .state import LedgerState
 from .table import (
     ALIAS,
+    CACHED,
     FREE,
     HOLDER_ALIAS,
     HOLDER_FREE,
@@ -20,6 +21,7 @@ from .table import (
     KV,
     MARK_ALL,
     MARK_TENANT,
+    MAX_IN_FLIGHT,
     RESERVED,
     RequestRecord,
 )
@@ -27,6 +29,7 @@ from .transitions import TRANSITIONS, Transition
 
 __all__ = [
     "ALIAS",
+    "CACHED",
     "FREE",
     "HOLDER_ALIAS",
     "HOLDER_FREE",
@@ -34,6 +37,7 @@ __all__ = [
     "KV",
     "MARK_ALL",
     "MARK_TENANT",
+    "MAX_IN_FLIGHT",
     "RESERVED",
     "TRANSITIONS",
     "LedgerState",

@@ -8,7 +8,9 @@ from it (log checkpoints). The key names are part of the digest: ``owner`` and
 ``alias_n`` are the historical names of ``holder`` and ``alias_count``.
 
 Versions: 2 (written now) adds each request's ``kv_steps`` and the prefix-cache
-fields (``hashes``, ``sharers``, ``cached``, ``aborted_steps``) to version 1.
+fields (``hashes``, ``sharers``, ``cached``, ``aborted_steps``) to version 1, and
+replaces ``last_plan`` with ``in_flight`` (the plans an abort may still reach) and
+``restored_since_seal`` with ``restored_since`` (page -> step).
 ``canonical(st, 1)`` still writes version 1 for a state that uses none of them
 (to verify checkpoints written by version 1), and ``from_canonical`` reads both
 (a version-1 request's commit steps are unknown: its pages cannot be published).
@@ -58,7 +60,7 @@ def canonical(st: LedgerState, version: int = DIGEST_VERSION) -> dict:
         "residue": sorted(st.residue.items()),
         "restore_targets": [[p, t[0], t[1]] for p, t in sorted(st.restore_targets.items())],
         "pending": sorted(st.pending.items()),
-        "restored_since_seal": sorted(st.restored_since_seal),
+        "restored_since_seal": sorted(st.restored_since),
         "free_stack": st.live_free_stack(),
         "requests": [
             [r, rec.tenant, list(rec.reserved), list(rec.kv), sorted(rec.restored or ())]
@@ -66,13 +68,17 @@ def canonical(st: LedgerState, version: int = DIGEST_VERSION) -> dict:
         ],
         "snapshots": [[s, list(pages)] for s, pages in sorted(st.snapshots.items())],
         "clear_lists": [[s, list(pages)] for s, pages in sorted(st.clear_lists.items())],
-        "last_plan": None if lp is None else [lp.step, list(lp.clear_list)],
+        "last_plan": None if lp is None else [lp.step, list(lp.clear_list)],  # (v1; v2 replaces it)
         "completed": sorted(st.completed.items()),
     }
     if version == 1:
-        if st.page_hash or st.sharers or st.cached or st.aborted_steps:
-            raise ConfigurationError("a state with prefix-cache data has no version-1 canonical form")
+        if (st.page_hash or st.sharers or st.cached or st.aborted_steps or len(st.in_flight) > 1
+                or any(s != st.open_step for s in st.restored_since.values())):
+            raise ConfigurationError("this state (prefix-cache data, or steps in flight) has no version-1 canonical form")
         return out
+    del out["last_plan"], out["restored_since_seal"]
+    out["in_flight"] = [[plan.step, list(plan.clear_list)] for plan in st.in_flight]
+    out["restored_since"] = sorted(st.restored_since.items())
     out["kv_steps"] = [[r, list(rec.kv_steps)] for r, rec in sorted(st.requests.items())]
     out["hashes"] = [[p, h, st.hash_tenant.get(p)] for p, h in sorted(st.page_hash.items())]
     out["sharers"] = [[p, list(rs)] for p, rs in sorted(st.sharers.items())]
@@ -112,7 +118,13 @@ def from_canonical(cls: type[LedgerState], data: dict) -> LedgerState:
     st.residue = dict(data["residue"])
     st.restore_targets = {p: (into, t) for p, into, t in data["restore_targets"]}
     st.pending = dict(data["pending"])
-    st.restored_since_seal = set(data["restored_since_seal"])
+    if version >= 2:
+        st.restored_since = dict(data["restored_since"])
+        st.in_flight = [StepPlan(step=s, clear_list=tuple(pages)) for s, pages in data["in_flight"]]
+    else:
+        st.restored_since = dict.fromkeys(data["restored_since_seal"], data["open_step"])
+        lp = data["last_plan"]
+        st.in_flight = [] if lp is None else [StepPlan(step=lp[0], clear_list=tuple(lp[1]))]
     st.free_stack = list(data["free_stack"])
     steps = dict(data["kv_steps"]) if version >= 2 else {}
     for r, tenant, reserved, kv, restored in data["requests"]:
@@ -120,8 +132,6 @@ def from_canonical(cls: type[LedgerState], data: dict) -> LedgerState:
         st.requests[r] = RequestRecord(r, tenant, list(reserved), list(kv), kv_steps, set(restored) or None)
     st.snapshots = {s: list(pages) for s, pages in data["snapshots"]}
     st.clear_lists = {s: list(pages) for s, pages in data["clear_lists"]}
-    lp = data["last_plan"]
-    st.last_plan = None if lp is None else StepPlan(step=lp[0], clear_list=tuple(lp[1]))
     st.completed = {int(r): s for r, s in data["completed"]}
     if version >= 2:
         for p, h, tenant in data["hashes"]:

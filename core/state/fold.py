@@ -46,7 +46,16 @@ from ..events.events import (
     StepPlan,
     StepSealed,
 )
-from .table import HOLDER_ALIAS, HOLDER_CACHED, HOLDER_FREE, MARK_ALL, MARK_TENANT, SHARED_IN, RequestRecord
+from .table import (
+    HOLDER_ALIAS,
+    HOLDER_CACHED,
+    HOLDER_FREE,
+    MARK_ALL,
+    MARK_TENANT,
+    MAX_IN_FLIGHT,
+    SHARED_IN,
+    RequestRecord,
+)
 
 if TYPE_CHECKING:
     from .state import LedgerState
@@ -324,7 +333,7 @@ def restore_started(st: LedgerState, e: RestoreStarted) -> tuple:
         for p in pages:
             marks.pop(p, None)  # overwritten whole: the restore removes the mark
             residue.pop(p, None)
-        st.restored_since_seal.update(pages)
+        st.restored_since.update(dict.fromkeys(pages, st.open_step))
         if st.policy != "released_aliases":
             rec = st.requests[e.target]
             if rec.restored is None:
@@ -343,15 +352,20 @@ def restore_completed(st: LedgerState, e: RestoreCompleted) -> tuple:
 
 
 def step_sealed(st: LedgerState, e: StepSealed) -> tuple:
+    """The plan joins the steps in flight (the last ``MAX_IN_FLIGHT`` sealed and not aborted)."""
     clear_list = st.derive_clear_list(e.step)
     st.clear_lists.pop(e.step, None)
     pend = st.pending
     for p in clear_list:
         del pend[p]
-    st.restored_since_seal.clear()
     st.open_step = e.step + 1
     plan = StepPlan(step=e.step, clear_list=clear_list)
-    st.last_plan = plan
+    in_flight = st.in_flight
+    in_flight.append(plan)
+    if len(in_flight) > MAX_IN_FLIGHT:
+        del in_flight[0]  # too old to abort: its restore records go too
+        oldest = in_flight[0].step
+        st.restored_since = {p: s for p, s in st.restored_since.items() if s > oldest}
     st.seq += 1
     return (plan,)
 
@@ -364,37 +378,41 @@ def step_completed(st: LedgerState, e: StepCompleted) -> tuple:
 
 
 def step_aborted(st: LedgerState, e: StepAborted) -> tuple:
-    """Nothing of the aborted step can be assumed zeroed: its KV pages are listed again
-    for the open step (first in its clear list), the others get their mark back."""
-    plan = st.last_plan
-    assert plan is not None  # the precondition
-    st.last_plan = None
+    """Step ``e.step`` and every later step in flight did not run everywhere: nothing of them
+    can be assumed zeroed. Their pages still in KV are listed again for the open step
+    (first in its clear list, the oldest plan's first), the others get their mark back,
+    except pages a restore into a request rewrote whole after the plan was sealed."""
+    aborted = [plan for plan in st.in_flight if plan.step >= e.step]
+    st.in_flight = [plan for plan in st.in_flight if plan.step < e.step]
     marks, residue, pend = st.marks, st.residue, st.pending
     carry: list[int] = []
     step = st.open_step
-    overwritten = st.restored_since_seal
+    restored = st.restored_since
     kv_of: dict[int, set[int]] = {}  # request -> its KV pages, built once per request
     holder, requests = st.holder, st.requests
     marked = []
-    for p in plan.clear_list:
-        if p in overwritten:
-            continue  # a restore into a request rewrote it whole after the seal
-        r = holder[p]
-        if r >= 0:
-            kv = kv_of.get(r)
-            if kv is None:
-                kv = kv_of[r] = set(requests[r].kv)
-            if p in kv:
-                if p not in pend:
-                    pend[p] = step
-                    carry.append(p)
-                continue
-        marks[p] = MARK_ALL
-        residue.pop(p, None)
-        marked.append(p)
+    for plan in aborted:
+        for p in plan.clear_list:
+            if restored.get(p, -1) > plan.step:
+                continue  # a restore into a request rewrote it whole after this plan was sealed
+            r = holder[p]
+            if r >= 0:
+                kv = kv_of.get(r)
+                if kv is None:
+                    kv = kv_of[r] = set(requests[r].kv)
+                if p in kv:
+                    if p not in pend:
+                        pend[p] = step
+                        carry.append(p)
+                    continue
+            marks[p] = MARK_ALL
+            residue.pop(p, None)
+            marked.append(p)
+        st.aborted_steps.add(plan.step)
     if carry:
         st.clear_lists[step] = carry + st.clear_lists.get(step, [])
-    st.aborted_steps.add(e.step)
+    if not st.in_flight:
+        st.restored_since.clear()
     st.seq += 1
     return _marked(marked)
 

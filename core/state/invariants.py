@@ -135,10 +135,13 @@ def _clear_lists_and_restores(st: LedgerState, h: bytearray) -> None:
         for p in pages:
             if not 0 <= p < n:
                 raise InvariantViolation(4, f"clear list holds out-of-range page {p}")
-    if st.last_plan is not None:
-        cl = st.last_plan.clear_list
+    steps = [plan.step for plan in st.in_flight]
+    if steps != sorted(set(steps)) or (steps and steps[-1] >= st.open_step):
+        raise InvariantViolation(4, f"plans in flight for steps {steps} with step {st.open_step} open")
+    for plan in st.in_flight:
+        cl = plan.clear_list
         if len(set(cl)) != len(cl):
-            raise InvariantViolation(4, f"plan of step {st.last_plan.step} lists a page twice")
+            raise InvariantViolation(4, f"plan of step {plan.step} lists a page twice")
     for p in st.restore_targets:
         if not 0 <= p < n:
             raise InvariantViolation(4, f"restoring page {p} out of range")

@@ -46,7 +46,7 @@ from ..events.events import (
     StepCompleted,
     StepSealed,
 )
-from .table import HOLDER_CACHED, HOLDER_FREE, RequestRecord
+from .table import HOLDER_CACHED, HOLDER_FREE, MAX_IN_FLIGHT, RequestRecord
 
 if TYPE_CHECKING:
     from .state import LedgerState
@@ -255,10 +255,10 @@ def step_completed(st: LedgerState, e: StepCompleted) -> None:
 
 
 def step_aborted(st: LedgerState, e: StepAborted) -> None:
-    """The step is the last one sealed and not yet aborted."""
-    last = st.last_plan
-    if last is None or last.step != e.step:
-        raise StepOrderError(e.step, st.open_step, "only the last sealed step can be aborted")
+    """The step is in flight: sealed, not aborted, among the last MAX_IN_FLIGHT sealed."""
+    if not any(plan.step == e.step for plan in st.in_flight):
+        raise StepOrderError(e.step, st.open_step, "only a step in flight (sealed, not aborted, among the last "
+                             f"{MAX_IN_FLIGHT} sealed) can be aborted")
 
 
 # ---------------------------------------------------------------------- prefix caching

@@ -15,8 +15,10 @@ Sparse (a page is in the map only while the flag is set):
     restore_targets   p -> (into, target) while an inbound restore writes p
                       (the ``restoring`` flag)
     pending           page -> the unsealed step whose clear list it sits in
-    restored_since_seal  pages a restore into a request overwrote since the last
-                      seal (an abort of that step must not zero them again)
+    restored_since    page -> the open step when a restore into a request last
+                      overwrote it (an abort of a plan sealed before must not zero it)
+    in_flight         the plans of the last sealed steps not aborted (at most
+                      MAX_IN_FLIGHT, oldest first): the steps an abort may still reach
     clear_lists       step -> pages listed for it, in listing order (a page that
                       left KV before the seal stays in the list, no longer pending;
                       ``derive_clear_list`` skips it)
@@ -86,14 +88,14 @@ class LedgerState:
         self.residue: dict[int, str | None] = {}
         self.restore_targets: dict[int, tuple[str, int]] = {}
         self.pending: dict[int, int] = {}
-        self.restored_since_seal: set[int] = set()
+        self.restored_since: dict[int, int] = {}
         self.free_stack: list[int] = []
         self.stale_entries = 0  # stale entries in free_stack (see the module docstring)
         self.requests: dict[int, RequestRecord] = {}
         self.snapshots: dict[int, list[int]] = {}
         self.open_step = 0
         self.clear_lists: dict[int, list[int]] = {}
-        self.last_plan: StepPlan | None = None
+        self.in_flight: list[StepPlan] = []
         self.completed: dict[int, int] = {}  # rank -> highest step it completed
         self.page_hash: dict[int, int | bytes] = {}
         self.hash_page: dict[int | bytes, int] = {}
@@ -123,6 +125,11 @@ class LedgerState:
         """``validate`` then ``apply``: the path for events from outside (replay)."""
         self.validate(event)
         return self.transitions[type(event)].apply(self, event)
+
+    @property
+    def last_plan(self) -> StepPlan | None:
+        """The plan of the last sealed step, unless it was aborted."""
+        return self.in_flight[-1] if self.in_flight else None
 
     # ------------------------------------------------------------------ the allocator
 

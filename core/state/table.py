@@ -22,6 +22,7 @@ __all__ = [
     "KV",
     "MARK_ALL",
     "MARK_TENANT",
+    "MAX_IN_FLIGHT",
     "RESERVED",
     "RequestRecord",
 ]
@@ -31,6 +32,7 @@ HOLDER_NAMES = ("free", "reserved", "kv", "alias", "cached")
 HOLDER_FREE, HOLDER_ALIAS, HOLDER_CACHED = -1, -2, -3  # ``holder[p]`` of a free / aliased / cached page
 UNKNOWN_STEP = -2  # a kv page's commit step, in a state rebuilt from a version-1 checkpoint
 SHARED_IN = -1  # the "commit step" of a page another request wrote and this one shares
+MAX_IN_FLIGHT = 16  # sealed plans kept for an abort (the engine runs at most this many steps at once)
 MARK_ALL, MARK_TENANT = 1, 2
 
 
