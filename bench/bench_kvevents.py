@@ -3,7 +3,9 @@
 Workload (fixed seed): 2,000 steps (500 with --quick) of 32 KV events each, half
 publishes (``BlocksStored`` of 1-4 blocks of 16 tokens, 16-byte hashes, a parent
 hash) and half evictions (``BlocksRemoved`` of 1-4 hashes), as the fold returns
-them. Timed, alternately, after a discarded warm-up round, best of the repeats:
+them. Timed segment by segment (100 slices of the steps; the cases alternate within
+each slice, and each slice's best over 15 repeats is summed: ``interleaved_segments``,
+the figure that resists load from other processes), after a discarded warm-up:
 
     kvledger   per step: ``KVEventBatcher.observe(seq, event, effects)`` for each
                effect-carrying event, then a ``StepSealed`` closes the batch, and the
@@ -33,7 +35,7 @@ if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
 import msgspec  # noqa: E402
-from _common import fmt_rate, interleaved, print_table, time_call  # noqa: E402
+from _common import fmt_rate, interleaved_segments, print_table  # noqa: E402
 
 from kvledger.core.events.events import BlocksRemoved, BlocksStored, StepSealed  # noqa: E402
 from kvledger.kvevents import KVEventBatcher, encode_batch  # noqa: E402
@@ -43,7 +45,9 @@ TARGETS = {"events_per_s": (">=", 1_000_000)}
 PAGE_TOKENS = 16
 EVENTS_PER_STEP = 32
 TS = 1767225600.25
+SEGMENTS = 100  # timed slices of the workload; the cases alternate per slice (_common.interleaved_segments)
 _OTHER = object()  # an event that is not a seal (the batcher looks only at StepSealed / CacheConfigured)
+_SEAL = StepSealed(step=0)
 
 
 def make_steps(n_steps: int, seed: int = 5) -> list[list[tuple]]:
@@ -83,67 +87,91 @@ def as_lists(steps: list[list[tuple]]) -> list[list]:
     return out
 
 
-def _kvledger(steps: list[list[tuple]], encode: bool, deferred: bool = False):
+def _drive(b: KVEventBatcher, steps: list[list[tuple]], seq: int) -> int:
+    """Feed ``steps`` to a batcher as the ledger would: each effect-carrying event, then a seal."""
+    observe = b.observe
+    for effs in steps:
+        for e in effs:
+            observe(seq, _OTHER, e)
+            seq += 1
+        observe(seq, _SEAL, ())
+        seq += 1
+    return seq
+
+
+def _kvledger(steps: list[list[tuple]], encode: bool, deferred: bool = False) -> list:
+    """The batches (bytes when ``encode``) of ``steps``, all at once (set-up and checks)."""
     out: list = []
     sink = (lambda b: out.append(encode_batch(b))) if encode else out.append
-    seal = StepSealed(step=0)
+    _drive(KVEventBatcher(sink, clock=lambda: TS, deferred=deferred), steps, 0)
+    return out
 
-    def work() -> list:
+
+def _batcher_side(segments: list, encode: bool, deferred: bool, n_steps: int):
+    def build():
+        out: list = []
+        sink = (lambda b: out.append(encode_batch(b))) if encode else out.append
         b = KVEventBatcher(sink, clock=lambda: TS, deferred=deferred)
-        observe = b.observe
-        seq = 0
-        for effs in steps:
-            for e in effs:
-                observe(seq, _OTHER, e)
-                seq += 1
-            observe(seq, seal, ())
-            seq += 1
-        return out
+        pos = [0]
 
-    return work
+        def segment(i: int) -> None:
+            pos[0] = _drive(b, segments[i], pos[0])
+
+        def check() -> None:
+            if len(out) != n_steps:
+                raise AssertionError(f"{len(out)} batches for {n_steps} steps")
+
+        return segment, check
+
+    return build
 
 
-def _cases(steps, lists, structs) -> dict:
-    enc = msgspec.msgpack.Encoder().encode
+def _encode_side(segments: list, n_steps: int, ours: bool):
+    def build():
+        enc = encode_batch if ours else msgspec.msgpack.Encoder().encode
+        out: list = []
 
-    def case(fn):
-        def run() -> float:
-            return time_call(fn)[0]  # the result is freed after the clock stopped
-        return run
+        def segment(i: int) -> None:
+            out.extend([enc(x) for x in segments[i]])
 
-    def kvledger():
-        return _kvledger(steps, True)()
+        def check() -> None:
+            if len(out) != n_steps:
+                raise AssertionError(f"{len(out)} payloads for {n_steps} steps")
 
-    def step_path():
-        return _kvledger(steps, False, deferred=True)()
+        return segment, check
 
-    def baseline():
-        return [enc(x) for x in lists]
+    return build
 
-    def struct_encode():
-        return [encode_batch(b) for b in structs]
 
-    return {"kvledger": case(kvledger), "baseline": case(baseline), "structs": case(struct_encode),
-            "step path": case(step_path)}
+def _chunks(items: list, n: int) -> list:
+    k = len(items)
+    return [items[i * k // n:(i + 1) * k // n] for i in range(n)]
 
 
 def run(quick: bool) -> dict:
     n_steps = 500 if quick else 2000
     steps = make_steps(n_steps)
     lists = as_lists(steps)
-    structs = _kvledger(steps, False)()
+    structs = _kvledger(steps, False)
     n_events = n_steps * EVENTS_PER_STEP
-    ours = _kvledger(steps, True)()
     base = [msgspec.msgpack.encode(x) for x in lists]
-    if ours != base:
+    if _kvledger(steps, True) != base:
         raise AssertionError("kvledger's bytes differ from the plain encoding of the same batches")
-    res = interleaved(_cases(steps, lists, structs), repeats=5 if quick else 15)
+    segs = SEGMENTS // 4 if quick else SEGMENTS
+    sides = {
+        "kvledger": _batcher_side(_chunks(steps, segs), True, False, n_steps),
+        "baseline": _encode_side(_chunks(lists, segs), n_steps, False),
+        "structs": _encode_side(_chunks(structs, segs), n_steps, True),
+        "step path": _batcher_side(_chunks(steps, segs), False, True, n_steps),
+    }
+    res = interleaved_segments(sides, segs, repeats=5 if quick else 15)
     rate = {name: n_events / t.best for name, t in res.items()}
     rows = [[name, f"{t.best * 1e3:.1f}", fmt_rate(rate[name], " ev/s"), f"{rate[name] / rate['baseline']:.2f}x",
-             f"{t.best / n_events * 1e9:.0f}", f"{t.spread:.0%}"] for name, t in res.items()]
+             f"{t.best / n_events * 1e9:.0f}", f"{t.runs.best * 1e3:.1f}", f"{t.runs.spread:.0%}"]
+            for name, t in res.items()]
     print_table(f"KV event batches: {n_steps} steps x {EVENTS_PER_STEP} events, "
-                f"{sum(map(len, base)) / n_steps:.0f} bytes per batch",
-                ["case", "best ms", "rate", "vs baseline", "ns/event", "spread"], rows)
+                f"{sum(map(len, base)) / n_steps:.0f} bytes per batch; {segs} segments alternated",
+                ["case", "best ms", "rate", "vs baseline", "ns/event", "best run ms", "run spread"], rows)
     return {
         "events": n_events,
         "bytes_per_batch": sum(map(len, base)) / n_steps,
@@ -152,7 +180,7 @@ def run(quick: bool) -> dict:
         "ratio": rate["kvledger"] / rate["baseline"],
         "struct_encode_events_per_s": rate["structs"],
         "step_path_ns_per_event": 1e9 / rate["step path"],
-        "spread": res["kvledger"].spread,
+        "kvledger_run_spread": res["kvledger"].runs.spread,
         "baseline": "plain msgspec.msgpack.encode of the same batches prebuilt as lists (bytes checked equal)",
     }
 

@@ -351,3 +351,17 @@ def test_auto_flush_off_and_bad_arguments():
     for kw in ({"layout": "json"}, {"medium": b"GPU"}, {"data_parallel_rank": -1}, {"data_parallel_rank": "0"}):
         with pytest.raises(InvalidArgumentError):
             KVEventBatcher(out.append, **kw)
+
+
+def test_bench_workload_encodes_to_the_plain_lists_bytes():
+    """bench/bench_kvevents.py's baseline is the same bytes (the bench checks it too, at full size)."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+    import bench_kvevents
+
+    steps = bench_kvevents.make_steps(20)
+    ours = bench_kvevents._kvledger(steps, True)
+    assert ours == [msgspec.msgpack.encode(x) for x in bench_kvevents.as_lists(steps)]
+    assert len(ours) == 20 and all(len(decode_batch(p).events) == bench_kvevents.EVENTS_PER_STEP for p in ours)

@@ -30,7 +30,14 @@ import pytest
 
 zmq = pytest.importorskip("zmq")
 
-from kvledger import ConfigurationError, CorruptLogError, Geometry, Ledger, OutOfPagesError  # noqa: E402
+from kvledger import (  # noqa: E402
+    ConfigurationError,
+    CorruptLogError,
+    Geometry,
+    InvalidArgumentError,
+    Ledger,
+    OutOfPagesError,
+)
 from kvledger.core.hashing import block_hashes  # noqa: E402
 from kvledger.core.log import EventLog  # noqa: E402
 from kvledger.kvevents import (  # noqa: E402
@@ -367,7 +374,7 @@ class _JsonBatch(msgspec.Struct):
 def test_cli_jsonl_equals_the_export(tmp_path, capsys):
     path, led = recorded_log(tmp_path)
     out = tmp_path / "events.jsonl"
-    assert events_main([str(path), "--jsonl", str(out), "--dp-rank", "1"]) == 0
+    assert events_main(["--jsonl", str(path), "-o", str(out), "--dp-rank", "1"]) == 0
     assert "batches" in capsys.readouterr().err
     lines = [msgspec.json.decode(line, type=_JsonBatch) for line in out.read_bytes().splitlines()]
     exported: list = []
@@ -412,8 +419,9 @@ def test_cli_refuses_a_corrupt_log_and_bad_usage(tmp_path, capsys):
     assert events_main([str(tmp_path / "missing.kvlog")]) == 2
     assert events_main([str(path), "--replay", "tcp://127.0.0.1:0"]) == 2
     assert events_main([str(path), "--zmq", "nonsense"]) == 2
+    assert events_main([str(path), "--zmq", "tcp://127.0.0.1:0", "-o", str(tmp_path / "x.jsonl")]) == 2
     with pytest.raises(SystemExit):
-        events_main([str(path), "--jsonl", "-", "--zmq", "tcp://127.0.0.1:0"])
+        events_main([str(path), "--jsonl", "--zmq", "tcp://127.0.0.1:0"])
 
 
 def test_export_of_a_log_up_to_a_seq(tmp_path):
@@ -425,3 +433,31 @@ def test_export_of_a_log_up_to_a_seq(tmp_path):
     export_log(path, whole.append)
     stored = [e for b in whole for e in b.events if type(e) is BlockStored]
     assert stored and all(e.block_size == G.page_tokens and e.medium == "GPU" for e in stored)
+
+
+def test_a_batch_that_cannot_be_encoded_is_counted_and_the_thread_goes_on(ctx):
+    with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0") as pub:
+        assert pub.publish_nowait(KVEventBatch(1.0, (BlockRemoved((1 << 70,), None),), 0)) == 0
+        assert pub.publish(KVEventBatch(2.0, (BlockRemoved((1,), None),), 0), timeout=5) == 1
+        assert pub.wait_sent(1, 10)
+        con = Consumer(ctx, pub.endpoint, pub.replay_endpoint)
+        assert [seq for seq, _ in con.request_replay(0)] == [1]
+        con.close()
+        s = pub.statistics()
+        assert (s.send_errors, s.batches_sent) == (1, 1)
+        with pytest.raises(InvalidArgumentError):
+            pub.publish_nowait([1.0, [], 0])
+        with pytest.raises(InvalidArgumentError):
+            pub.publish({"ts": 1.0})
+
+
+def test_stop_before_start_drops_what_was_queued():
+    pub = KVEventPublisher("tcp://127.0.0.1:0")
+    led = Ledger(G, observer=pub.observe)
+    led.seal_step(0)  # the AllBlocksCleared batch is queued, waiting for start
+    assert pub.statistics().batches_queued == 1
+    assert pub.publish(KVEventBatch(1.0, (), 0), timeout=0.1) is None  # blocking publish needs a running one
+    pub.stop()
+    s = pub.statistics()
+    assert (s.batches_dropped, s.events_dropped, s.queue_depth, s.batches_sent) == (2, 1, 0, 0)
+    pub.stop()  # idempotent

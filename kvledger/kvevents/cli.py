@@ -1,6 +1,6 @@
 """``kvledger events LOG``: export a recorded log's KV events (vLLM's format), offline.
 
-    kvledger events LOG [--jsonl [PATH]]                     JSON lines (default: stdout)
+    kvledger events LOG [--jsonl] [-o PATH]                  JSON lines (default; to stdout)
     kvledger events LOG --zmq ENDPOINT [--replay ENDPOINT]   msgpack batches on a ZMQ PUB socket
                         [--topic T] [--wait S] [--linger S]
     common: [--layout array|map] [--medium GPU] [--dp-rank N] [--until SEQ]
@@ -35,9 +35,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                                  "JSON lines or on a ZMQ PUB socket.")
     ap.add_argument("log", metavar="LOG", help="the event log")
     out = ap.add_mutually_exclusive_group()
-    out.add_argument("--jsonl", nargs="?", const="-", metavar="PATH",
-                     help="write JSON lines to PATH (default, to stdout)")
+    out.add_argument("--jsonl", action="store_true", help="JSON lines, one batch a line (the default)")
     out.add_argument("--zmq", metavar="ENDPOINT", help="publish on a PUB socket bound at ENDPOINT (tcp://*:5557)")
+    ap.add_argument("-o", "--output", metavar="PATH", help="JSON lines: write to PATH instead of stdout")
     ap.add_argument("--replay", metavar="ENDPOINT", help="with --zmq: a replay (ROUTER) socket bound at ENDPOINT")
     ap.add_argument("--topic", default="", help="with --zmq: the topic frame (default: empty)")
     ap.add_argument("--wait", type=float, default=0.5, metavar="S",
@@ -54,11 +54,11 @@ def _parser(prog: str) -> argparse.ArgumentParser:
 
 def _to_jsonl(ns: argparse.Namespace) -> ExportSummary:
     out: IO[bytes]
-    if ns.jsonl in (None, "-"):
+    if ns.output in (None, "-"):
         out = sys.stdout.buffer
         return export_log(ns.log, JsonLinesSink(out), layout="map", medium=ns.medium,
                           data_parallel_rank=ns.dp_rank, until=ns.until)
-    with open(ns.jsonl, "wb") as out:
+    with open(ns.output, "wb") as out:
         return export_log(ns.log, JsonLinesSink(out), layout="map", medium=ns.medium,
                           data_parallel_rank=ns.dp_rank, until=ns.until)
 
@@ -83,6 +83,9 @@ def main(argv=None, prog: str = "kvledger events") -> int:
     if ns.zmq is None and (ns.replay is not None or ns.topic):
         print(f"{prog}: --replay and --topic need --zmq", file=sys.stderr)
         return EXIT_USAGE
+    if ns.zmq is not None and ns.output is not None:
+        print(f"{prog}: --output is for JSON lines, not --zmq", file=sys.stderr)
+        return EXIT_USAGE
     try:
         summary = _to_zmq(ns) if ns.zmq is not None else _to_jsonl(ns)
     except CorruptLogError as exc:
@@ -95,3 +98,7 @@ def main(argv=None, prog: str = "kvledger events") -> int:
     print(f"{prog}: {summary.batches} batches, {summary.kv_events} KV events from {summary.events} log events "
           f"(seq 0..{summary.last_seq}){torn}", file=sys.stderr)
     return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

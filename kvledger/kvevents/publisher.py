@@ -44,11 +44,12 @@ import msgspec
 from kvledger.core.errors import ConfigurationError, InvalidArgumentError
 
 from .batcher import KVEventBatcher, PendingBatch
-from .schema import MEDIUM_GPU, SEQ_END, encode_batch, seq_bytes
+from .schema import MEDIUM_GPU, SEQ_END, KVEventBatch, KVEventBatchMap, encode_batch, seq_bytes
 
 __all__ = ["KVEventPublisher", "PublisherStatistics", "check_endpoint", "load_zmq"]
 
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
+_BATCHES = (KVEventBatch, KVEventBatchMap, PendingBatch)
 _STOP = object()
 
 
@@ -105,8 +106,10 @@ class KVEventPublisher:
     One batch per step (``batcher``); ``flush()`` closes one early. ``topic``: the
     first frame; ``buffer_steps``: batches kept for replay; ``max_queue``: batches
     waiting for the thread before new ones are dropped; ``hwm``: the PUB socket's
-    send high-water mark; ``layout``, ``medium``, ``data_parallel_rank``, ``clock``,
-    ``auto_flush``: see ``KVEventBatcher``. Raises ``ConfigurationError`` for a bad
+    send high-water mark; ``poll_interval``: how long the idle thread waits before
+    looking at the replay socket again (a replay is answered within about that);
+    ``layout``, ``medium``, ``data_parallel_rank``, ``clock``, ``auto_flush``: see
+    ``KVEventBatcher``. Raises ``ConfigurationError`` for a bad
     endpoint or a missing pyzmq, ``InvalidArgumentError`` for other bad arguments.
     """
 
@@ -114,7 +117,7 @@ class KVEventPublisher:
                  bind: bool = True, layout: str = "array", medium: str | None = MEDIUM_GPU,
                  data_parallel_rank: int | None = 0, buffer_steps: int = 10_000, max_queue: int = 1024,
                  hwm: int = 100_000, auto_flush: bool = True, clock: Callable[[], float] = time.time,
-                 poll_interval: float = 0.005) -> None:
+                 poll_interval: float = 0.02) -> None:
         if type(topic) is not str:
             raise InvalidArgumentError(f"topic must be a str, got {topic!r}")
         self._endpoint = check_endpoint(endpoint)
@@ -188,6 +191,8 @@ class KVEventPublisher:
         publisher's batcher, built in the thread) under the next seq; returns
         the seq, or None when the queue is full or the publisher stopped (the batch is dropped
         and counted, the seq stays a gap). Never blocks."""
+        if type(batch) not in _BATCHES:
+            raise InvalidArgumentError(f"not a KV event batch: {type(batch).__name__}")
         with self._lock:
             seq = self._next_seq
             self._next_seq += 1
@@ -206,7 +211,9 @@ class KVEventPublisher:
 
     def publish(self, batch, timeout: float | None = None) -> int | None:
         """Queue a batch, waiting up to ``timeout`` seconds for room (offline export, not the step
-        path). Returns the seq, or None when it was dropped (timed out, or stopped)."""
+        path). Returns the seq, or None when it was dropped (timed out, or not running)."""
+        if type(batch) not in _BATCHES:
+            raise InvalidArgumentError(f"not a KV event batch: {type(batch).__name__}")
         with self._lock:
             seq = self._next_seq
             self._next_seq += 1
@@ -269,7 +276,11 @@ class KVEventPublisher:
         self._batcher.flush()
         with self._lock:
             was, self._state = self._state, "stopped"
-        if was == "new":
+        if was == "new":  # never started: what was queued is dropped
+            while not self._queue.empty():
+                _, batch = self._queue.get_nowait()
+                self._n["batches_dropped"] += 1
+                self._n["events_dropped"] += len(batch.events)
             return
         assert self._thread is not None
         with contextlib.suppress(queue.Full):  # the thread is stuck; join times out below
@@ -311,12 +322,12 @@ class KVEventPublisher:
 
     def _send(self, seq: int, batch) -> None:
         n = self._n
-        if type(batch) is PendingBatch:
-            batch = self._batcher.build(batch.ts, batch.events)
         try:
+            if type(batch) is PendingBatch:
+                batch = self._batcher.build(batch.ts, batch.events)
             payload = encode_batch(batch)
             self._pub.send_multipart((self._topic, seq_bytes(seq), payload), flags=self._zmq.NOBLOCK)
-        except (InvalidArgumentError, self._zmq.ZMQError):
+        except Exception:  # the thread outlives any one batch: counted, the seq stays a gap
             n["send_errors"] += 1
         else:
             self._buffer.append((seq, payload))
