@@ -35,6 +35,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "fold a log with every check on and compare it with what the live run recorded"),
     "audit": ("kvledger.tools.audit.cli:main",
               "page / request / snapshot lifecycles, lifecycle faults (--check), SVG timelines"),
+    "events": ("kvledger.kvevents.cli:main",
+               "export a recorded log's KV events (vLLM format) as JSON lines or on a ZMQ PUB socket"),
     "demo": ("kvledger.demo.cli:main",
              "the seed's KV-pressure failure (FP8 NaN from released snapshot rows), reproduced and fixed"),
 }

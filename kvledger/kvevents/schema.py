@@ -1,0 +1,213 @@
+"""KV events on the wire, in vLLM's msgpack format: the structs, the framing, encode and decode.
+
+Matched field by field against vLLM's ``vllm/distributed/kv_events.py`` (our own code;
+the package docstring names the commits read). Two layouts, one per vLLM era:
+
+``"array"`` (the default; what kvledger issue #13 names): every struct is
+``array_like``, so a struct is a msgpack array of its fields in declaration order,
+and an event is tagged by its class name in the first slot::
+
+    EventBatch        [ts: float64, events: [event, ...], data_parallel_rank: int]
+    BlockStored       ["BlockStored", block_hashes: [int | bin, ...], parent_block_hash: int | bin | nil,
+                       token_ids: [int, ...], block_size: int, lora_id: int | nil,
+                       medium: str | nil, lora_name: str | nil]
+    BlockRemoved      ["BlockRemoved", block_hashes: [int | bin, ...], medium: str | nil]
+    AllBlocksCleared  ["AllBlocksCleared"]
+
+``"map"`` (vLLM after vllm-project/vllm#42892): the batch stays an array, each event
+is a msgpack map of its named fields with the tag under ``"type"``
+(``{"type": "BlockStored", "block_hashes": [...], ...}``). The later vLLM fields
+(``extra_keys``, ``group_idx``, ``kv_cache_spec_kind``, ...) all default to None
+there and are omitted (``omit_defaults``), so current vLLM decoders read these maps.
+
+Both layouts declare ``omit_defaults`` as vLLM does; msgspec writes array-like
+structs whole anyway (a ``data_parallel_rank`` of None is nil, not left out;
+kvledger sets it, 0 by default, as vLLM's publisher does), and no event field has
+a default, so every field is always written. Hashes are the ledger's: signed 64-bit ints
+or bytes; decoding accepts any msgpack int (vLLM sends unsigned 64-bit ones) or bytes.
+Fields are tuples here (frozen structs); msgpack arrays either way.
+
+A batch travels on a ZMQ PUB socket as three frames, and a replay answer as two::
+
+    PUB       [topic (utf-8, "" by default), seq (8 bytes, big-endian), payload (msgpack EventBatch)]
+    replay    request: [seq (8 bytes, big-endian)]   (on a REQ / DEALER socket; ROUTER sees [id, b"", seq])
+              answer:  [seq, payload] for every buffered batch with seq >= the requested one,
+                       then [SEQ_END, b""] (SEQ_END = -1 as 8 signed big-endian bytes: ff ff ff ff ff ff ff ff)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import msgspec
+
+from kvledger.core.errors import InvalidArgumentError
+
+__all__ = [
+    "LAYOUTS",
+    "MEDIUM_GPU",
+    "SEQ_END",
+    "AllBlocksCleared",
+    "AllBlocksClearedMap",
+    "BlockRemoved",
+    "BlockRemovedMap",
+    "BlockStored",
+    "BlockStoredMap",
+    "KVEventBatch",
+    "KVEventBatchMap",
+    "Layout",
+    "decode_batch",
+    "encode_batch",
+    "get_layout",
+    "seq_bytes",
+    "seq_from_bytes",
+]
+
+MEDIUM_GPU = "GPU"  # vLLM's MEDIUM_GPU: where the blocks live
+SEQ_END = (-1).to_bytes(8, "big", signed=True)  # the replay answer's end marker
+
+WireHash = int | bytes  # vLLM's ExternalBlockHash (bytes | int); unbounded int so vLLM's u64 hashes decode
+
+
+# ---------------------------------------------------------------------- "array": positional (issue #13)
+
+
+class _ArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    pass
+
+
+class BlockStored(_ArrayEvent, frozen=True, tag="BlockStored"):
+    """Full blocks entered the prefix cache (a ``BlocksStored`` effect; ``block_size`` = page_tokens)."""
+
+    block_hashes: tuple[WireHash, ...]
+    parent_block_hash: WireHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class BlockRemoved(_ArrayEvent, frozen=True, tag="BlockRemoved"):
+    """Blocks left the prefix cache (a ``BlocksRemoved`` effect: cached pages evicted)."""
+
+    block_hashes: tuple[WireHash, ...]
+    medium: str | None
+
+
+class AllBlocksCleared(_ArrayEvent, frozen=True, tag="AllBlocksCleared"):
+    """Every block of this publisher is gone (kvledger: a new cache was configured)."""
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """vLLM's ``EventBatch`` / ``KVEventBatch``: the events of one step, stamped with ``ts`` (seconds)."""
+
+    ts: float
+    events: tuple[BlockStored | BlockRemoved | AllBlocksCleared, ...]
+    data_parallel_rank: int | None = None
+
+
+# ---------------------------------------------------------------------- "map": named fields (vLLM >= #42892)
+
+
+class _MapEvent(msgspec.Struct, omit_defaults=True, gc=False, frozen=True, tag_field="type"):
+    pass
+
+
+class BlockStoredMap(_MapEvent, frozen=True, tag="BlockStored"):
+    """``BlockStored`` as a tagged map (same fields, same order as ``BlockStored``)."""
+
+    block_hashes: tuple[WireHash, ...]
+    parent_block_hash: WireHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class BlockRemovedMap(_MapEvent, frozen=True, tag="BlockRemoved"):
+    block_hashes: tuple[WireHash, ...]
+    medium: str | None
+
+
+class AllBlocksClearedMap(_MapEvent, frozen=True, tag="AllBlocksCleared"):
+    pass
+
+
+class KVEventBatchMap(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """The batch of the map layout: still positional, its events maps."""
+
+    ts: float
+    events: tuple[BlockStoredMap | BlockRemovedMap | AllBlocksClearedMap, ...]
+    data_parallel_rank: int | None = None
+
+
+# ---------------------------------------------------------------------- layouts, framing, codec
+
+
+class Layout(NamedTuple):
+    """The struct classes of one layout and a decoder for its batches."""
+
+    name: str
+    stored: type
+    removed: type
+    cleared: type
+    batch: type
+    decoder: msgspec.msgpack.Decoder
+
+
+LAYOUTS: dict[str, Layout] = {
+    "array": Layout("array", BlockStored, BlockRemoved, AllBlocksCleared, KVEventBatch,
+                    msgspec.msgpack.Decoder(KVEventBatch)),
+    "map": Layout("map", BlockStoredMap, BlockRemovedMap, AllBlocksClearedMap, KVEventBatchMap,
+                  msgspec.msgpack.Decoder(KVEventBatchMap)),
+}
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def get_layout(name: str) -> Layout:
+    """The layout called ``name`` (``"array"`` or ``"map"``); ``InvalidArgumentError`` otherwise."""
+    got = LAYOUTS.get(name) if type(name) is str else None
+    if got is None:
+        raise InvalidArgumentError(f"KV event layout must be one of {tuple(LAYOUTS)}, got {name!r}")
+    return got
+
+
+def encode_batch(batch) -> bytes:
+    """The msgpack payload of a batch (either layout). Raises ``InvalidArgumentError`` for
+    something that is not a batch or holds values msgpack cannot carry (an int past 64 bits)."""
+    if type(batch) is not KVEventBatch and type(batch) is not KVEventBatchMap:
+        raise InvalidArgumentError(f"not a KV event batch: {type(batch).__name__}")
+    try:
+        return _encoder.encode(batch)
+    except (TypeError, OverflowError) as exc:
+        raise InvalidArgumentError(f"cannot encode KV event batch: {exc}") from None
+
+
+def decode_batch(payload: bytes, layout: str = "array"):
+    """Decode a payload into a batch of ``layout``'s structs, checking every field's type.
+
+    Untrusted bytes raise only ``InvalidArgumentError`` (naming the problem); nothing else.
+    """
+    decoder = get_layout(layout).decoder
+    try:
+        return decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
+        raise InvalidArgumentError(f"not a {layout!r} KV event batch: {exc}") from None
+
+
+def seq_bytes(seq: int) -> bytes:
+    """A batch's sequence number as its frame: 8 bytes, big-endian, unsigned."""
+    return seq.to_bytes(8, "big")
+
+
+def seq_from_bytes(frame: bytes) -> int:
+    """The sequence number of a seq frame (``SEQ_END`` reads as -1); ``InvalidArgumentError``
+    unless it is 8 bytes."""
+    if len(frame) != 8:
+        raise InvalidArgumentError(f"a seq frame is 8 bytes, got {len(frame)}")
+    if frame == SEQ_END:
+        return -1
+    return int.from_bytes(frame, "big")
