@@ -26,8 +26,9 @@ Figures, all measured in this run on this card:
     memset=     one contiguous cuMemsetD8Async of the same byte count (per-size reference)
 
 Then: the target table of issue #15 (every target, its figure, its ratio: >= 1 is met),
-the host cost broken into parts with the floors they sit on, and the evidence that
-the graph path launches no kernel from the host. ``python bench/bench_gpu.py [--quick]
+the host cost broken into parts with the floors they sit on (``bench_gpu_host.py``,
+run in fresh processes: with the ctypes driver path and with the binding only), and
+the evidence that the graph path launches no kernel from the host. ``python bench/bench_gpu.py [--quick]
 [--config JSON] [--json PATH]``; without CUDA ``run`` returns ``{"skipped": ...}``.
 """
 
@@ -36,11 +37,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import json
 import os
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -95,13 +99,38 @@ class Timer:
 
 
 def median_host(fn, reps: int = 300) -> float:
-    """Median wall time of ``fn()`` (no device wait between calls)."""
+    """Median wall time of ``fn()`` (no device wait between calls; the GC off while timing, as bench/_common)."""
     samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
     return statistics.median(samples)
+
+
+def host_in_fresh_processes(res: dict) -> None:
+    """The host figures (bench_gpu_host.py) from fresh processes: the ctypes driver path, then the binding only.
+
+    A long benchmark process was seen to double every host figure (pure-Python checks
+    included), so the host cost is measured in a process that does only that.
+    """
+    here = os.path.dirname(os.path.abspath(__file__))
+    for prefix, ctypes_on in (("", "1"), ("binding_", "0")):
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            env = dict(os.environ, KVLEDGER_CUDA_CTYPES=ctypes_on)
+            proc = subprocess.run([sys.executable, "-P", os.path.join(here, "bench_gpu_host.py"), "--json", out.name],
+                                  env=env, capture_output=True, text=True, timeout=300)
+            if proc.returncode != 0:
+                res[f"{prefix}host_error"] = proc.stderr[-300:]
+                continue
+            with open(out.name) as f:
+                figures = json.load(f)
+        res.update({f"{prefix}{k}": v for k, v in figures.items()})
 
 
 # --------------------------------------------------------------------------- the naive peer
@@ -148,7 +177,7 @@ def _lists(rng: random.Random, n: int) -> dict[str, list[int]]:
     return {"adj": list(range(first, first + n)), "sc": rng.sample(range(0, NUM_PAGES, 2), n)}
 
 
-def _backends(torch, planes, stream, config) -> tuple[dict[str, Callable[[list[int]], None]], dict[str, Any]]:
+def _backends(torch, planes, stream, config) -> tuple[dict[str, Callable[[Any], None]], dict[str, Any]]:
     """The clear callables to time, by name, and the objects behind some of them."""
     from kvledger.executors.cuda_backend import CudaClearBackend
     from kvledger.executors.torch_backend import TorchClearBackend
@@ -252,10 +281,6 @@ class Run:
         for n in LIST_SIZES:
             for pattern, ids in _lists(self.rng, n).items():
                 self.case(backends, planes, f"p{num_planes}_n{n}_{pattern}", ids, n * num_planes * PAGE_BYTES)
-        if num_planes == PLANE_COUNTS[0]:
-            from bench_gpu_host import host_figures
-
-            host_figures(torch, self, planes, objs)
 
 
 def run(quick: bool = False, config_path: str | None = None) -> dict:
@@ -281,6 +306,7 @@ def run(quick: bool = False, config_path: str | None = None) -> dict:
             config = FillConfig(**json.load(f)["best"])
     res = _environment(torch)
     res.update({f"config_{k}": v for k, v in dataclasses.asdict(config).items()})
+    host_in_fresh_processes(res)
     state = Run(torch, res, reps=5 if quick else 15, config=config)
     for num_planes in PLANE_COUNTS:
         state.plane_count(num_planes)

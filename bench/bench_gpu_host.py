@@ -37,14 +37,15 @@ def _parts(torch, planes, stream, n: int) -> dict[str, Any]:
     from kvledger.executors.triton_backend import TritonClearBackend
 
     ids = tuple(random.Random(n).sample(range(NUM_PAGES), n))
-    make = {"clear": {}, "clear_no_prefetch": {"prefetch": False},
+    make: dict[str, dict[str, Any]] = {"clear": {}, "clear_no_prefetch": {"prefetch": False},
             "clear_triton_launcher": {"launch": "triton", "prefetch": False},
             "clear_jit": {"launch": "jit", "prefetch": False}}
     backends = {k: TritonClearBackend(planes, stream=stream, **kw) for k, kw in make.items()}
     g = backends["clear"]
     ring = ListRing(torch, 1 + NUM_PAGES, planes[0].device)
     slot = ring.acquire()
-    parts = {"validate": lambda: checks.page_ids(ids, NUM_PAGES), "pack": lambda: ListRing.pack(slot, (n,), ids),
+    parts: dict[str, Any] = {"validate": lambda: checks.page_ids(ids, NUM_PAGES),
+                             "pack": lambda: ListRing.pack(slot, (n,), ids),
              "stage": lambda: g.stage(ids), "graph_clear": lambda: g.graph_clear(ids)}
     parts.update({k: (lambda b=b: b.clear(ids)) for k, b in backends.items()})
     return parts
@@ -66,7 +67,7 @@ def _floors(torch, planes, stream) -> dict[str, Any]:
     dev = torch.zeros(128, dtype=torch.int32, device=planes[0].device)
     hptr, dptr = int(host.data_ptr()), int(dev.data_ptr())
     ev = cuda_driver.event_create()
-    graph = b._graph
+    graph: Any = b._graph
     gexec = b._graph_exec
 
     def jit_launch():
@@ -196,10 +197,16 @@ def report(run: Any) -> None:
     print(f"verified after timing: {run.verified} cases, {run.bad_bytes} listed bytes not zero")
     parts = [k for k in ("validate", "pack", "stage", "clear", "clear_no_prefetch", "clear_triton_launcher",
                          "clear_jit", "graph_clear") if f"host_n16_{k}_us" in res]
-    print_table("host cost, 3 planes, median of 300 calls (us)", ["part", *[f"{n} ids" for n in HOST_SIZES]],
-                [[k, *[f"{res[f'host_n{n}_{k}_us']:.1f}" for n in HOST_SIZES]] for k in parts])
-    floors = sorted(k for k in res if k.startswith("floor_"))
-    print("floors (us): " + ", ".join(f"{k[6:-3]} {res[k]:.1f}" for k in floors))
+    sizes = list(HOST_SIZES)
+    print_table(f"host cost, 3 planes, median of 300 calls (us), fresh processes: ctypes driver path "
+                f"(active: {res.get('ctypes_driver_path', 'n/a')}) / cuda-python binding only",
+                ["part", *[f"{n} ids" for n in sizes]],
+                [[k, *[f"{res[f'host_n{n}_{k}_us']:.1f} / {res.get(f'binding_host_n{n}_{k}_us', float('nan')):.1f}"
+                       for n in sizes]] for k in parts])
+    for prefix in ("", "binding_"):
+        floors = sorted(k for k in res if k.startswith(f"{prefix}floor_"))
+        print(f"floors{' (binding only)' if prefix else ''} (us): "
+              + ", ".join(f"{k[len(prefix) + 6:-3]} {res[k]:.1f}" for k in floors))
     rows = []
     for name, op, want, got in _targets(res):
         ratio = _ratio(op, want, got)
@@ -217,7 +224,7 @@ def report(run: Any) -> None:
 
 
 def run(quick: bool = False) -> dict:
-    """Standalone: the host figures on 3 planes (bench_gpu.py includes them)."""
+    """Standalone: the host figures on 3 planes (bench_gpu.py runs this in fresh processes)."""
     try:
         import torch
     except ImportError:
@@ -230,12 +237,25 @@ def run(quick: bool = False) -> dict:
         res: dict = {}
         stream = torch.cuda.Stream()
 
+    from kvledger.executors import cuda_driver
+
     planes = [torch.zeros(NUM_PAGES, PAGE_BYTES, dtype=torch.uint8, device="cuda") for _ in range(3)]
     host_figures(torch, _Run, planes, {})
+    _Run.res["ctypes_driver_path"] = int(bool(cuda_driver._direct()))
     for k, v in sorted(_Run.res.items()):
         print(f"{k:40} {v:.2f}" if isinstance(v, float) else f"{k:40} {v}")
     return dict(_Run.res)
 
 
 if __name__ == "__main__":
-    run()
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    figures = run(args.quick)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1, sort_keys=True)

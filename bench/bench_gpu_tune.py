@@ -19,6 +19,7 @@ import os
 import random
 import statistics
 import sys
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,7 +81,7 @@ def run(quick: bool = False) -> dict:
 
     stream = torch.cuda.Stream()
     timer = Timer(torch, stream)
-    buf = torch.empty(CEILING_BYTES, dtype=torch.uint8, device="cuda")
+    buf: Any = torch.empty(CEILING_BYTES, dtype=torch.uint8, device="cuda")
     cu = cuda_driver.as_custream(stream.cuda_stream)
     ptr = int(buf.data_ptr())
     ceiling = CEILING_BYTES / timer(lambda: cuda_driver.memset_d8_async(ptr, 0, CEILING_BYTES, cu), 9)[0]

@@ -25,12 +25,13 @@ from typing import Any
 
 from . import cuda_driver
 
-__all__ = ["ListRing", "ListSlot"]
+__all__ = ["ListRing", "ListSlot", "packer"]
 
 _PACKERS: dict[int, struct.Struct] = {}
 
 
-def _packer(words: int) -> struct.Struct:
+def packer(words: int) -> struct.Struct:
+    """A cached ``struct.Struct`` packing ``words`` native int32 values."""
     p = _PACKERS.get(words)
     if p is None:
         if len(_PACKERS) > 256:
@@ -85,12 +86,12 @@ class ListRing:
     def pack(slot: ListSlot, head: Sequence[int], ids: Sequence[int]) -> int:
         """Write ``[*head, *ids]`` into the slot's host row; returns the bytes written."""
         words = len(head) + len(ids)
-        _packer(words).pack_into(slot.host_np, 0, *head, *ids)
+        packer(words).pack_into(slot.host_np, 0, *head, *ids)
         return 4 * words
 
     @staticmethod
     def pack2(slot: ListSlot, first: Sequence[int], second: Sequence[int]) -> int:
         """Write ``[len(first), len(second), *first, *second]``; returns the bytes written."""
         words = 2 + len(first) + len(second)
-        _packer(words).pack_into(slot.host_np, 0, len(first), len(second), *first, *second)
+        packer(words).pack_into(slot.host_np, 0, len(first), len(second), *first, *second)
         return 4 * words

@@ -41,7 +41,7 @@ from ..core import checks
 from ..core.errors import ConfigurationError
 from . import cuda_driver
 from .cuda_backend import describe_planes, stream_handle
-from .page_lists import ListRing, ListSlot
+from .page_lists import ListRing, ListSlot, packer
 from .sanitize import SanitizerCheck, Violation
 from .triton_kernels import FillConfig, fill_constants, fill_pages_kernel, fill_work, plane_tables
 from .triton_launch import DirectLaunch, compile_kernel
@@ -128,6 +128,7 @@ class TritonClearBackend:
         self._copy_cu = cuda_driver.as_custream(self._copy.cuda_stream) if self._copy is not None else None
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self._max_programs = sms * config.programs_per_sm
+        self._work_per_page = fill_work(t, 1, self.num_planes)  # work items per listed page
         self._graph_programs = min(fill_work(t, self.capacity, self.num_planes), self._max_programs)
         torch.cuda.synchronize(dev)  # tables and rows are on the device before any stream reads them
         self._zero: _Fill | None = None
@@ -207,14 +208,15 @@ class TritonClearBackend:
         pushed = self._enter()
         try:
             slot = self._ring.acquire()
-            nbytes = ListRing.pack(slot, (n,), ids)
+            nbytes = 4 * (n + 1)
+            packer(n + 1).pack_into(slot.host_np, 0, n, *ids)
             if self._copy_cu is not None:
                 cuda_driver.memcpy_htod_async(slot.dptr, slot.host_ptr, nbytes, self._copy_cu)
                 cuda_driver.event_record(slot.copied, self._copy_cu)
                 cuda_driver.stream_wait_event(cu, slot.copied)
             else:
                 cuda_driver.memcpy_htod_async(slot.dptr, slot.host_ptr, nbytes, cu)
-            grid = min(fill_work(self.tables, n, self.num_planes), self._max_programs)
+            grid = min(n * self._work_per_page, self._max_programs)
             if fill.mode == "jit":
                 with torch.cuda.device(self._device), torch.cuda.stream(stream):
                     fill(slot.device, slot.dptr, grid, cu)
@@ -241,8 +243,9 @@ class TritonClearBackend:
         pushed = self._enter()
         try:
             slot: ListSlot = self._ring.acquire()
-            nbytes = ListRing.pack(slot, (len(ids),), ids)
-            cuda_driver.memcpy_htod_async(self._graph_ptr, slot.host_ptr, nbytes, cu)
+            n = len(ids)
+            packer(n + 1).pack_into(slot.host_np, 0, n, *ids)
+            cuda_driver.memcpy_htod_async(self._graph_ptr, slot.host_ptr, 4 * (n + 1), cu)
             cuda_driver.event_record(slot.done, cu)
             self._copies += 1
         finally:
