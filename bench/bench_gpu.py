@@ -27,7 +27,7 @@ Figures, all measured in this run on this card:
 
 Then: the target table of issue #15 (every target, its figure, its ratio: >= 1 is met),
 the host cost broken into parts with the floors they sit on (``bench_gpu_host.py``,
-run in fresh processes: with the ctypes driver path and with the binding only), and
+run in fresh processes: the default binding, and the opt-in ctypes driver path), and
 the evidence that the graph path launches no kernel from the host. ``python bench/bench_gpu.py [--quick]
 [--config JSON] [--json PATH]``; without CUDA ``run`` returns ``{"skipped": ...}``.
 """
@@ -114,13 +114,14 @@ def median_host(fn, reps: int = 300) -> float:
 
 
 def host_in_fresh_processes(res: dict) -> None:
-    """The host figures (bench_gpu_host.py) from fresh processes: the ctypes driver path, then the binding only.
+    """The host figures (bench_gpu_host.py) from fresh processes: the default (cuda-python binding), then
+    the opt-in ctypes driver path (``KVLEDGER_CUDA_CTYPES=1``, figures under ``ctypes_``).
 
     A long benchmark process was seen to double every host figure (pure-Python checks
     included), so the host cost is measured in a process that does only that.
     """
     here = os.path.dirname(os.path.abspath(__file__))
-    for prefix, ctypes_on in (("", "1"), ("binding_", "0")):
+    for prefix, ctypes_on in (("", "0"), ("ctypes_", "1")):
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             env = dict(os.environ, KVLEDGER_CUDA_CTYPES=ctypes_on)
             proc = subprocess.run([sys.executable, "-P", os.path.join(here, "bench_gpu_host.py"), "--json", out.name],

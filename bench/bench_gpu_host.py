@@ -198,14 +198,14 @@ def report(run: Any) -> None:
     parts = [k for k in ("validate", "pack", "stage", "clear", "clear_no_prefetch", "clear_triton_launcher",
                          "clear_jit", "graph_clear") if f"host_n16_{k}_us" in res]
     sizes = list(HOST_SIZES)
-    print_table(f"host cost, 3 planes, median of 300 calls (us), fresh processes: ctypes driver path "
-                f"(active: {res.get('ctypes_driver_path', 'n/a')}) / cuda-python binding only",
+    print_table("host cost, 3 planes, median of 300 calls (us), fresh processes: the default (cuda-python "
+                f"binding) / the opt-in ctypes path (active: {res.get('ctypes_ctypes_driver_path', 'n/a')})",
                 ["part", *[f"{n} ids" for n in sizes]],
-                [[k, *[f"{res[f'host_n{n}_{k}_us']:.1f} / {res.get(f'binding_host_n{n}_{k}_us', float('nan')):.1f}"
+                [[k, *[f"{res[f'host_n{n}_{k}_us']:.1f} / {res.get(f'ctypes_host_n{n}_{k}_us', float('nan')):.1f}"
                        for n in sizes]] for k in parts])
-    for prefix in ("", "binding_"):
+    for prefix in ("", "ctypes_"):
         floors = sorted(k for k in res if k.startswith(f"{prefix}floor_"))
-        print(f"floors{' (binding only)' if prefix else ''} (us): "
+        print(f"floors{' (ctypes path)' if prefix else ''} (us): "
               + ", ".join(f"{k[len(prefix) + 6:-3]} {res[k]:.1f}" for k in floors))
     rows = []
     for name, op, want, got in _targets(res):

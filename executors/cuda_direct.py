@@ -1,13 +1,16 @@
 """libcuda's hot functions through ctypes, for :mod:`kvledger.executors.cuda_driver` only.
 
-The binding (cuda-python) wraps every argument of every call, which costs
-several microseconds a call; a clear makes a handful of calls per step. This
-module loads the few that matter from ``libcuda.so.1`` with fixed argument
-types (the symbols ``cuda.h`` maps the API names to: ``cuMemcpyHtoDAsync`` is
-``cuMemcpyHtoDAsync_v2``, ...). ``cuda_driver`` calls them and checks each
-``CUresult`` exactly as it checks the binding's. ``KVLEDGER_CUDA_CTYPES=0``, a
-missing library or a missing symbol: ``load()`` returns None and every call
-goes through the binding.
+An opt-in (``KVLEDGER_CUDA_CTYPES=1``): the few calls a clear makes every step,
+loaded from ``libcuda.so.1`` with fixed argument types (the symbols ``cuda.h``
+maps the API names to: ``cuMemcpyHtoDAsync`` is ``cuMemcpyHtoDAsync_v2``, ...).
+``cuda_driver`` calls them and checks each ``CUresult`` exactly as it checks the
+binding's. Off by default because it measured slower than cuda-python 13.3's
+binding on the H200 host (2026-12-01, fresh processes, medians of 300 calls:
+cuLaunchKernel 6.4 vs 4.8 us, cuMemcpyHtoDAsync 2.6 vs 2.2 us, a 16-id Triton
+clear 19.5 vs 14.7 us): ctypes' argument conversion and GIL release cost more
+than the binding's Cython wrappers. Kept for bindings or hosts where that turns
+around. Not set, a missing library or a missing symbol: ``load()`` returns None
+and every call goes through the binding.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ __all__ = ["load"]
 
 def load() -> SimpleNamespace | None:
     """The functions, or None when they cannot (or must not) be used here."""
-    if os.environ.get("KVLEDGER_CUDA_CTYPES", "1") == "0":
+    if os.environ.get("KVLEDGER_CUDA_CTYPES", "0") != "1":
         return None
     try:
         lib = ctypes.CDLL("libcuda.so.1")

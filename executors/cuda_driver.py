@@ -16,11 +16,10 @@ be imported (and its errors caught) on a machine without CUDA. Missing
 cuda-python raises :class:`CudaUnavailableError`.
 
 Hot calls (the ones a clear makes every step: copies, launches, events, stream
-waits, memsets) go straight to ``libcuda`` through ctypes with fixed argument
-types when it loads, because each binding call costs several microseconds of
-argument wrapping; their results are checked the same way. Handles may be
-cuda-python objects or raw ints. ``KVLEDGER_CUDA_CTYPES=0`` turns the direct
-path off (everything through cuda-python).
+waits, memsets) can go straight to ``libcuda`` through ctypes
+(``KVLEDGER_CUDA_CTYPES=1``, :mod:`cuda_direct`; off by default: it measured
+slower than the binding on the H200); their results are checked the same way.
+Handles may be cuda-python objects or raw ints.
 
 What a failure leaves behind: a failed call changed nothing the driver reports
 as changed, except where the CUDA documentation says an error is sticky (an
@@ -100,13 +99,13 @@ def driver() -> Any:
         return _D
 
 
-_C: Any = None  # libcuda's hot functions through ctypes (cuda_direct.load), False when unavailable
+_C: Any = None  # libcuda's hot functions through ctypes (cuda_direct.load), False when off or unavailable
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY
 _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
 
 
 def _direct() -> Any:
-    """libcuda's hot functions with ctypes argument types, or False (not loadable / turned off)."""
+    """libcuda's hot functions with ctypes argument types, or False (not asked for, or not loadable)."""
     global _C
     if _C is None:
         driver()  # cuInit first, through the binding

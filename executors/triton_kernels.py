@@ -163,10 +163,11 @@ def verify_pages_kernel(
 class FillConfig:
     """Knobs of :func:`fill_pages_kernel` (defaults measured on an H200, ``bench/bench_gpu_tune.py``).
 
-    The defaults won the 2026-12-01 sweep of 18 configurations (best worst case over
-    the clears of 32 MB and more; every configuration landed within a few percent:
-    the cases of 34-50 MB are bound by fixed launch and drain time, the large ones
-    at ~92 % of a 2 GiB memset).
+    The defaults won the last of three 2026-12-01 sweeps of 18 configurations (best
+    worst case over the clears of 32 MB and more) and placed in the top three of
+    the other; the leaders were within about 1 % of each other: the 34-50 MB cases
+    are bound by fixed launch and drain time (as is a memset of the same size),
+    the large ones run at ~92 % of a 2 GiB memset.
 
     ``block_bytes``: bytes per store instruction group (a power of two);
     ``num_warps``; ``programs_per_sm``: size of the persistent grid; ``chunked``:
@@ -174,9 +175,9 @@ class FillConfig:
     length; ``plane_major``: task order; ``streaming``: evict-first stores.
     """
 
-    block_bytes: int = 4096
+    block_bytes: int = 16384
     num_warps: int = 4
-    programs_per_sm: int = 32
+    programs_per_sm: int = 16
     chunked: bool = True
     plane_major: bool = False
     streaming: bool = False
