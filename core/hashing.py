@@ -59,6 +59,8 @@ def block_hashes(
     """
     if type(page_tokens) is not int or page_tokens < 1:
         raise InvalidArgumentError(f"page_tokens must be a positive int, got {page_tokens!r}")
+    if parent is not None and type(parent) not in (int, bytes):
+        raise InvalidArgumentError(f"the parent hash must be None, an int or bytes, got {parent!r}")
     for k in extra_keys:
         if not isinstance(k, (str, int, bytes)) or isinstance(k, bool):
             raise InvalidArgumentError(f"extra keys must be str, int or bytes, got {k!r}")

@@ -67,11 +67,31 @@ def _plain_hashes(hashes: tuple) -> bool:
     """Every hash a plain int in the signed 64-bit range (the common case), or 1-64 bytes."""
     kinds = set(map(type, hashes))
     if kinds == {int}:
-        return -(1 << 63) <= min(hashes) and max(hashes) < (1 << 63)
+        return min(hashes) >= -(1 << 63) and max(hashes) < (1 << 63)
     if kinds == {bytes}:
         sizes = list(map(len, hashes))
-        return 0 < min(sizes) and max(sizes) <= 64
-    return False
+        return min(sizes) > 0 and max(sizes) <= 64
+    return not hashes
+
+
+def _hash_list(hashes, what: str) -> tuple:
+    """``hashes`` as a tuple of block hashes (ints in the signed 64-bit range or 1-64 bytes).
+
+    Raises ``InvalidArgumentError`` naming the first bad one; a single bytes or str value
+    is refused (it would read as a sequence of hashes).
+    """
+    if isinstance(hashes, (bytes, str)):
+        raise InvalidArgumentError(f"{what}: give a sequence of block hashes, not one {type(hashes).__name__}")
+    try:
+        out = tuple(hashes)
+    except TypeError:
+        raise InvalidArgumentError(f"{what}: block hashes must be a sequence, got {hashes!r}") from None
+    if not _plain_hashes(out):
+        for h in out:
+            ok = (type(h) is int and -(1 << 63) <= h < (1 << 63)) or (type(h) is bytes and 0 < len(h) <= 64)
+            if not ok:
+                raise InvalidArgumentError(f"{what}: a block hash is a signed 64-bit int or 1-64 bytes, got {h!r}")
+    return out
 
 
 class Ledger:
@@ -405,7 +425,7 @@ class Ledger:
         rec = st.requests.get(request)
         if rec is None:
             raise UnknownRequestError(request)
-        hashes = tuple(hashes)
+        hashes = _hash_list(hashes, "publish")
         if start is None:
             start = 0
             while start < len(rec.kv) and rec.kv[start] in st.page_hash:
@@ -420,14 +440,19 @@ class Ledger:
             parent_hash = st.page_hash.get(rec.kv[start - 1])
         ev = PagesPublished(request=request, page_ids=pages, hashes=hashes, parent_hash=parent_hash,
                             token_ids=tuple(token_ids), lora_id=lora_id, lora_name=lora_name)
-        if not _plain_hashes(hashes) or set(map(type, ev.token_ids)) - {int}:
-            ev = typed(ev)  # names the ill-typed field (the common case skips the round trip)
+        if (set(map(type, ev.token_ids)) - {int} or not (parent_hash is None or _plain_hashes((parent_hash,)))
+                or not (lora_id is None or type(lora_id) is int) or not (lora_name is None or type(lora_name) is str)):
+            ev = typed(ev)  # names the ill-typed field (the common case skips the msgpack round trip)
         self._submit(ev)
         return pages
 
-    def lookup(self, hashes: Iterable[int | bytes]) -> int:
-        """How many leading blocks of ``hashes`` are cached or held (ready to ``share``)."""
-        return self.state.lookup(hashes)
+    def lookup(self, hashes: Iterable[int | bytes], *, tenant: str | None = None) -> int:
+        """How many leading blocks of ``hashes`` are cached or held, ready to ``share``.
+
+        Under ``cross_tenant`` / ``all_reused`` only blocks ``tenant`` itself wrote count
+        (``share`` refuses the others).
+        """
+        return self.state.lookup(_hash_list(hashes, "lookup"), tenant)
 
     def share(self, request: int, hashes: Sequence[int | bytes], *, tenant: str | None = None) -> tuple[int, ...]:
         """Share the pages that hold ``hashes`` into ``request``'s block table, in order.
@@ -439,6 +464,7 @@ class Ledger:
         """
         checks.ident(request, "request")
         checks.tenant(tenant)
+        hashes = _hash_list(hashes, "share")
         get = self.state.hash_page.get
         pages = tuple([get(h) for h in hashes])
         if None in pages:
@@ -449,11 +475,14 @@ class Ledger:
         return ev.page_ids
 
     def evict(self, n: int | None = None, *, pages: Iterable[int] | None = None) -> tuple[int, ...]:
-        """Evict cached pages: the ``n`` least recently used, or the named ones (all by default).
+        """Evict cached pages: the ``n`` least recently used (fewer if fewer are cached), or the
+        named ones, or all of them by default.
 
-        Returns the page ids; the fold's effect is a ``BlocksRemoved`` KV event.
+        Returns the page ids evicted; the fold's effect is a ``BlocksRemoved`` KV event.
         """
         st = self.state
+        if n is not None and pages is not None:
+            raise InvalidArgumentError("evict: give n= or pages=, not both")
         if pages is None:
             k = len(st.cached) if n is None else checks.count(n, "n")
             ids = tuple(st.evictable(k))

@@ -183,7 +183,7 @@ class _SimFile:
 class _SimHandle:
     __slots__ = ("path", "_disk", "_file", "_gen", "_open")
 
-    def __init__(self, disk: "SimulatedDisk", path: str, f: _SimFile) -> None:
+    def __init__(self, disk: SimulatedDisk, path: str, f: _SimFile) -> None:
         self.path = path
         self._disk = disk
         self._file = f
@@ -309,7 +309,7 @@ class SimulatedDisk:
 class _FaultyHandle:
     __slots__ = ("path", "_inner", "_faults")
 
-    def __init__(self, inner, faults: "FaultInjector") -> None:
+    def __init__(self, inner, faults: FaultInjector) -> None:
         self.path = inner.path
         self._inner = inner
         self._faults = faults

@@ -72,7 +72,7 @@ def state_from_checkpoint(cp: Checkpoint, header: LogHeader, *, path: str = "<me
                   f"and seq {cp.seq}")
     try:
         st = LedgerState.from_canonical(data)
-        if st.num_pages != n or not _int_list(st.holder, n, -2, 1 << 63) \
+        if st.num_pages != n or not _int_list(st.holder, n, -3, 1 << 63) \
                 or not _int_list(st.alias_count, n, 0, 1 << 63) or not _int_list(st.free_stack, None, 0, n):
             raise bad("page table does not match the geometry")
         version = data.get("v")  # checkpoints of an older kvledger keep their own layout

@@ -40,7 +40,7 @@ class LogView:
         if buf is not None:
             release_buffer(buf)
 
-    def __enter__(self) -> "LogView":
+    def __enter__(self) -> LogView:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -167,7 +167,7 @@ class EventLog:
 
     @classmethod
     def create(cls, path, geometry: Geometry, *, policy: str = "released_aliases", fsync: str = "per_step",
-               background: bool = False, layer=None, log_id: bytes | None = None) -> "EventLog":
+               background: bool = False, layer=None, log_id: bytes | None = None) -> EventLog:
         """Create a new log holding only its header, atomically and durably.
 
         Raises ``LogExistsError`` if ``path`` exists, ``LogIOError`` if the file
@@ -192,7 +192,7 @@ class EventLog:
 
     @classmethod
     def open(cls, path, *, fsync: str = "per_step", background: bool = False, layer=None, repair: bool = True,
-             loader=None) -> "EventLog":
+             loader=None) -> EventLog:
         """Open an existing log for appending: verify it, repair a torn tail, fsync.
 
         ``loader(view)``, if given, runs on the verified records before anything
@@ -437,7 +437,7 @@ class EventLog:
             self._q.put(None)
             self._thread.join()
 
-    def __enter__(self) -> "EventLog":
+    def __enter__(self) -> EventLog:
         return self
 
     def __exit__(self, *exc) -> None:

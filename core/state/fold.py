@@ -371,8 +371,21 @@ def step_sealed(st: LedgerState, e: StepSealed) -> tuple:
 
 
 def step_completed(st: LedgerState, e: StepCompleted) -> tuple:
+    """A rank ran the step. Once every rank that reports completions has completed a step,
+    its plan leaves the steps in flight: it can no longer be aborted (its pages may be
+    published from now on)."""
     if e.step > st.completed.get(e.rank, -1):
         st.completed[e.rank] = e.step
+        in_flight = st.in_flight
+        if in_flight and in_flight[0].step <= e.step:
+            done = st.completed_step
+            while in_flight and in_flight[0].step <= done:
+                del in_flight[0]
+            if not in_flight:
+                st.restored_since.clear()
+            else:  # a restore matters only to a plan sealed before it: the oldest in flight bounds them
+                oldest = in_flight[0].step
+                st.restored_since = {p: s for p, s in st.restored_since.items() if s > oldest}
     st.seq += 1
     return _NO_EFFECTS
 

@@ -186,7 +186,7 @@ def snapshot_aliased(st: LedgerState, e: SnapshotAliased) -> None:
     _pages(st, pages)
     holder = st.holder
     for p in pages:
-        if holder[p] >= 0:
+        if holder[p] >= 0 or holder[p] == HOLDER_CACHED:  # (a cached page holds KV that may still be shared)
             raise PageNotHeldError(p, "free or alias", st.holder_of(p))
     _not_restoring(st, pages, "cannot alias")
     mine = st.snapshots.get(e.snapshot)
@@ -255,10 +255,11 @@ def step_completed(st: LedgerState, e: StepCompleted) -> None:
 
 
 def step_aborted(st: LedgerState, e: StepAborted) -> None:
-    """The step is in flight: sealed, not aborted, among the last MAX_IN_FLIGHT sealed."""
+    """The step is in flight: sealed, not aborted, not completed on every rank, among the
+    last MAX_IN_FLIGHT sealed."""
     if not any(plan.step == e.step for plan in st.in_flight):
-        raise StepOrderError(e.step, st.open_step, "only a step in flight (sealed, not aborted, among the last "
-                             f"{MAX_IN_FLIGHT} sealed) can be aborted")
+        raise StepOrderError(e.step, st.open_step, "only a step in flight (sealed, not aborted, not yet completed "
+                             f"on every rank, among the last {MAX_IN_FLIGHT} sealed) can be aborted")
 
 
 # ---------------------------------------------------------------------- prefix caching
@@ -303,9 +304,12 @@ def _published_page_by_page(st: LedgerState, rec: RequestRecord, e: PagesPublish
         if step < 0:
             detail = "another request wrote it" if step == -1 else "its commit step is unknown (an old checkpoint)"
             raise PageNotHeldError(p, f"written by request {e.request}", detail)
-        if step > done or step in aborted:
+        if step in aborted:
+            raise StepOrderError(step, st.open_step, f"page {p} was committed in step {step}, which was aborted: "
+                                 "its KV was never written")
+        if step > done:
             raise StepOrderError(step, st.open_step, f"page {p} was committed in step {step}, which has not "
-                                 f"completed (completed through {done}); its KV is not written yet")
+                                 f"completed on every rank (completed through {done}); its KV is not written yet")
         if p in st.page_hash:
             raise PageNotHeldError(p, "not yet published", f"published as {st.page_hash[p]!r}")
         if h in st.hash_page:
@@ -332,7 +336,7 @@ def pages_shared(st: LedgerState, e: PagesShared) -> None:
     tenant = _share_tenant(st, e)
     rec = st.requests.get(e.request)
     hashed = st.page_hash
-    if (pages and hashed.keys() >= set(pages) and len(set(pages)) == len(pages)
+    if (pages and hashed.keys() >= set(pages) and len(set(pages)) == len(pages) and st.marks.keys().isdisjoint(pages)
             and (rec is None or (set(rec.kv).isdisjoint(pages) and set(rec.reserved).isdisjoint(pages)))):
         if st.policy != "released_aliases":
             ht = st.hash_tenant

@@ -280,13 +280,15 @@ class LedgerState:
             return list(self.sharers[page_id])
         return [self.holder[page_id]] if self.holder_code(page_id) == KV else []
 
-    def lookup(self, hashes) -> int:
-        """How many leading blocks of ``hashes`` are cached or held, ready to share."""
+    def lookup(self, hashes, tenant: str | None = None) -> int:
+        """How many leading blocks of ``hashes`` are cached or held, ready to share (under the
+        isolating policies: written by ``tenant``)."""
         n = 0
         hp, marks, targets = self.hash_page, self.marks, self.restore_targets
+        isolating = self.policy != "released_aliases"
         for h in hashes:
             p = hp.get(h)
-            if p is None or p in marks or p in targets:
+            if p is None or p in marks or p in targets or (isolating and self.hash_tenant.get(p) != tenant):
                 break
             n += 1
         return n
