@@ -11,9 +11,21 @@ from collections.abc import Iterator
 
 from ..errors import LogClosedError, LogError, LogIOError
 from .files import default_layer, release_buffer
-from .format import KIND_CHECKPOINT, KIND_EVENTS, Checkpoint, RecordInfo, Scan, decode_checkpoint, decode_events, scan
+from .format import (
+    DEFAULT_MAX_PAGES,
+    KIND_CHECKPOINT,
+    KIND_EVENTS,
+    Checkpoint,
+    RecordInfo,
+    Scan,
+    decode_checkpoint,
+    decode_events,
+    decode_header,
+    decode_stamp,
+    scan,
+)
 
-__all__ = ["LogView", "open_view"]
+__all__ = ["LogView", "open_view", "read_stamp"]
 
 
 class LogView:
@@ -85,16 +97,34 @@ class LogView:
                 seq += 1
 
 
-def open_view(path, *, layer=None, until: int | None = None) -> LogView:
+def read_stamp(layer, path: str) -> bytes | None:
+    """The raw sync stamp of the log at ``path`` (None: none, or a layer without stamps)."""
+    reader = getattr(layer, "read_stamp", None)
+    if reader is None:
+        return None
+    try:
+        return reader(path)
+    except (OSError, LogError):
+        return None  # an unreadable stamp is no evidence either way
+
+
+def open_view(path, *, layer=None, until: int | None = None, max_pages: int = DEFAULT_MAX_PAGES) -> LogView:
     """Read and verify a log without locking or changing it (replay, audit, tools).
 
-    Raises ``CorruptLogError``/``LogVersionError`` only for a bad header;
-    problems in records are reported in ``view.scan`` (``error``, ``torn_at``).
+    Raises ``CorruptLogError``/``LogVersionError`` only for a bad header, and
+    ``LogError`` for a header over ``max_pages`` (``format.DEFAULT_MAX_PAGES``:
+    what an untrusted file may make a reader allocate), a missing file, or one
+    that is not a regular file (refused at once: a FIFO never blocks it).
+    Problems in records are reported in ``view.scan`` (``error``, ``torn_at``).
     ``until``: verify only the records up to the one holding seq ``until``.
-    A missing file raises ``LogError``.
+
+    The view maps the file as it is now. Writers only append and replace a file
+    (never cut it in place), so the view stays a consistent prefix whatever a
+    writer does meanwhile.
     """
     layer = layer if layer is not None else default_layer
     path = os.fspath(path)
+    raw_stamp = read_stamp(layer, path)  # before the map: a stamp never claims more than the file then holds
     try:
         buf = layer.read(path)
     except FileNotFoundError:
@@ -104,7 +134,9 @@ def open_view(path, *, layer=None, until: int | None = None) -> LogView:
     except OSError as exc:
         raise LogIOError(path, "read", exc) from exc
     try:
-        res = scan(buf, path, until=until)
+        header = decode_header(buf, path, max_pages=max_pages)
+        stamp = decode_stamp(raw_stamp, header)
+        res = scan(buf, path, until=until, stamp=stamp, max_pages=max_pages)
     except BaseException:
         release_buffer(buf)
         raise
