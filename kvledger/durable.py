@@ -38,17 +38,22 @@ import time
 import msgspec
 import structlog
 
+from kvledger.core import checks
 from kvledger.core.errors import (
     ConfigurationError,
     InvalidArgumentError,
     LogError,
 )
 from kvledger.core.events.events import CLEAR_POLICIES, ClearPages, Geometry, StepSealed
-from kvledger.core.log import DEFAULT_MAX_LAG_BYTES, DEFAULT_MAX_PAGES, EventLog, LogView
-from kvledger.core.log.fold import rebuild_state
-from kvledger.core.log.files import default_layer
 from kvledger.core.ledger import Ledger
-from kvledger.core import checks
+from kvledger.core.log import (
+    DEFAULT_MAX_LAG_BYTES,
+    DEFAULT_MAX_PAGES,
+    EventLog,
+    LogView,
+)
+from kvledger.core.log.files import default_layer
+from kvledger.core.log.fold import rebuild_state
 from kvledger.core.state import LedgerState
 
 __all__ = ["DurableLedger", "Recovery", "auto_checkpoint_every", "open_ledger"]
@@ -130,10 +135,22 @@ class DurableLedger(Ledger):
             raise ConfigurationError(f"state at seq {self.state.seq} for a log at seq {log.seq}")
 
     def _append(self, seq: int, event) -> None:
-        """The sink: a checkpoint when one is due, then the event (durable per the fsync policy)."""
-        if seq >= self._next_checkpoint:
-            self.checkpoint()
+        """The sink: a checkpoint (or a new segment, which opens with one) when due, then the event."""
+        if seq >= self._next_checkpoint or self.log.rotation_due:
+            self._checkpoint_or_rotate()
         self._append_next(event)
+
+    def _checkpoint_or_rotate(self) -> None:
+        log = self.log
+        if not log.rotation_due:
+            self.checkpoint()
+            return
+        if self._every:
+            self._next_checkpoint = self.state.seq + self._every
+        seq, digest, state = self._checkpoint_state()
+        log.rotate(seq, digest, state)  # (raises LogIOError: the command fails, nothing folded)
+        self._logger.info("segment_rotated", seq=seq, segment=log._segment,
+                          segments_deleted=log.segments_deleted)
 
     @property
     def durable_seq(self) -> int:
@@ -222,7 +239,8 @@ class DurableLedger(Ledger):
 def open_ledger(path, geometry: Geometry | None = None, *, policy: str | None = None, fsync: str = "background",
                 checkpoint_every: int | str | None = "auto", check: bool = False, background: bool | None = None,
                 layer=None, logger=None, max_pages: int = DEFAULT_MAX_PAGES,
-                max_lag_bytes: int = DEFAULT_MAX_LAG_BYTES) -> DurableLedger:
+                max_lag_bytes: int = DEFAULT_MAX_LAG_BYTES, segment_bytes: int | None = None,
+                retain_bytes: int | None = None, retain_segments: int | None = None) -> DurableLedger:
     """Open the durable ledger at ``path``, creating the log if it does not exist.
 
     Creating needs ``geometry``; ``policy`` defaults to ``"released_aliases"``.
@@ -241,8 +259,12 @@ def open_ledger(path, geometry: Geometry | None = None, *, policy: str | None = 
     ``"per_step"`` / ``"per_event"``, or ``"none"`` (see ``EventLog``).
     ``max_lag_bytes`` bounds what the writer thread may fall behind before
     appends block. ``max_pages`` bounds the geometry a log may claim (what an
-    untrusted file can make the reader allocate). ``layer`` swaps the file layer
-    (fault injection). Raises ``LogLockedError`` when another writer has the
+    untrusted file can make the reader allocate). ``segment_bytes``: create
+    ``path`` as a log directory of segments of about that size, each opening
+    with a checkpoint (``core/log/segments.py``), with the retention bounds
+    ``retain_bytes`` / ``retain_segments`` (oldest segments deleted while the
+    server runs); an existing directory is reopened as one (default segments of
+    64 MiB). ``layer`` swaps the file layer (fault injection). Raises ``LogLockedError`` when another writer has the
     log open, ``LogError`` for a path that is not a regular file of this user.
     """
     t0 = time.perf_counter()
@@ -256,7 +278,8 @@ def open_ledger(path, geometry: Geometry | None = None, *, policy: str | None = 
             raise InvalidArgumentError(f"geometry must be a Geometry, got {geometry!r}")
         checks.geometry(geometry)
     opts = {"fsync": fsync, "background": background, "layer": lay, "max_pages": max_pages,
-            "max_lag_bytes": max_lag_bytes}
+            "max_lag_bytes": max_lag_bytes, "segment_bytes": segment_bytes, "retain_bytes": retain_bytes,
+            "retain_segments": retain_segments}
     led_opts = {"check": check, "checkpoint_every": checkpoint_every, "logger": base}
     if not lay.exists(path):
         if geometry is None:

@@ -152,13 +152,12 @@ def test_log_truncated_is_reported_and_logged(tmp_path):
 
 def test_debug_events_follow_the_logger_level(tmp_path):
     p = tmp_path / "dbg.kvlog"
-    with capture_logs() as logs:
-        with open_ledger(p, GEOMETRY, fsync="per_step") as led:
-            pages = led.alias_snapshot(1, 2)
-            led.release_snapshot(1)
-            led.reserve(1, 2)
-            led.commit(1, 0, 2)
-            led.seal_step(0)
+    with capture_logs() as logs, open_ledger(p, GEOMETRY, fsync="per_step") as led:
+        pages = led.alias_snapshot(1, 2)
+        led.release_snapshot(1)
+        led.reserve(1, 2)
+        led.commit(1, 0, 2)
+        led.seal_step(0)
     names = [e["event"] for e in logs]
     assert names[0] == "log_created" and names[-1] == "log_closed"
     committed = [e for e in logs if e["event"] == "pages_committed"]
@@ -189,7 +188,8 @@ def test_corrupt_checkpoint_is_refused(tmp_path):
         Checkpoint(seq=cp.seq, digest=cp.digest, state=msgspec.msgpack.encode({**canon, "geometry": [1 << 40, 16]})),
         Checkpoint(seq=cp.seq, digest=cp.digest, state=msgspec.msgpack.encode({**canon, "owner": "abc"})),
         Checkpoint(seq=cp.seq, digest=cp.digest, state=msgspec.msgpack.encode({**canon, "free_stack": [10 ** 6]})),
-        Checkpoint(seq=cp.seq, digest=cp.digest, state=msgspec.msgpack.encode({k: v for k, v in canon.items() if k != "owner"})),
+        Checkpoint(seq=cp.seq, digest=cp.digest,
+                   state=msgspec.msgpack.encode({k: v for k, v in canon.items() if k != "owner"})),
     ]
     for bad in bad_cases:
         with pytest.raises(CorruptLogError) as ei:

@@ -17,8 +17,8 @@ from kvledger.core.log.format import (
     KIND_CLOSE,
     KIND_EVENTS,
     max_record_bytes,
-    scan,
 )
+from kvledger.core.log.scan import scan
 from kvledger.core.errors import LogVersionError
 from kvledger.core.events.events import (
     CacheConfigured,
@@ -94,7 +94,7 @@ def test_golden_bytes_header_and_first_record(tmp_path):
 
 def test_round_trip_and_scan_of_a_valid_log(tmp_path):
     p = tmp_path / "rt.kvlog"
-    events = [CC] + [PagesReserved(request=i, page_ids=(i, i + 100), tenant="t%d" % i) for i in range(50)]
+    events = [CC] + [PagesReserved(request=i, page_ids=(i, i + 100), tenant=f"t{i}") for i in range(50)]
     events += [StepSealed(step=0), StepAborted(step=0, reason="x" * 100)]
     with EventLog.create(p, G) as log:
         for i, ev in enumerate(events):

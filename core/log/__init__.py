@@ -1,6 +1,8 @@
 """The event log (``kvledger.core.log``): the one part of the core that does file I/O.
 
-    format.py   the byte layout (header, records, hash chain) and the scan: sans-I/O
+    format.py   the byte layout (header, records, hash chain, sync stamps): sans-I/O
+    scan.py     the scan: verify records, tell a torn tail from corruption: sans-I/O
+    segments.py a log as a directory of segments: rotation, retention, linking
     files.py    the real file layer (atomic create, locks, no links, replace-not-truncate, stamps)
     simdisk.py  test layers: a simulated disk (power loss) and a fault injector
     writer.py   EventLog: appends, group commit, fsync policies, checkpoints, close
@@ -12,8 +14,9 @@
 
 from .files import OsFileLayer
 from .fold import check_first_event, fold_records, rebuild_state, start_state, state_from_checkpoint
-from .format import DEFAULT_MAX_PAGES, Checkpoint, LogHeader, RecordInfo, Scan, SyncStamp, scan
+from .format import DEFAULT_MAX_PAGES, Checkpoint, LogHeader, RecordInfo, SyncStamp
 from .reader import LogView, open_view
+from .scan import Scan, scan
 from .simdisk import FaultInjector, SimulatedDisk
 from .writer import DEFAULT_MAX_LAG_BYTES, FSYNC_POLICIES, EventLog, LogStatistics
 

@@ -38,6 +38,7 @@ filesystem that cannot sync directories, excepted).
 
 from __future__ import annotations
 
+import contextlib
 import errno as _errno
 import os
 import random
@@ -341,10 +342,8 @@ class OsFileLayer:
         fsync_dir(path)
 
     def remove_stamp(self, path: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(stamp_path(path))
-        except FileNotFoundError:
-            pass
 
     def read_stamp(self, path: str) -> bytes | None:
         try:

@@ -161,6 +161,25 @@ class _Verifier:
         self.checks += 1
 
 
+def _fold_events(view: LogView, st: LedgerState, rec: RecordInfo, until: int | None, apply: Apply | None,
+                 trusted: bool) -> int:
+    """Decode one events record (up to seq ``until``) and fold it the chosen way; returns its event count."""
+    events = view.events(rec)
+    if until is not None and rec.seq + len(events) - 1 > until:
+        events = events[: until - rec.seq + 1]
+    path = view.paths[rec.segment]
+    if rec.seq == 0:
+        check_first_event(events[0], view.header, path, rec.offset)
+    if apply is not None:
+        for seq, ev in enumerate(events, rec.seq):
+            apply(seq, ev)
+    elif trusted:
+        _fold_trusted(st, events, rec, path)
+    else:
+        _fold_checked(st, events, rec, path)
+    return len(events)
+
+
 def fold_records(
     view: LogView,
     st: LedgerState,
@@ -189,36 +208,23 @@ def fold_records(
     cannot be applied.
     """
     recs = view.records
-    header, path = view.header, view.path
     folded = 0
     verify = None
     if trusted:
         if apply is not None:
             raise InvalidArgumentError("fold_records: trusted folds apply events themselves (no apply=)")
-        verify = _Verifier(st, 16 * header.geometry.num_pages if verify_gap is None else verify_gap)
+        verify = _Verifier(st, 16 * view.header.geometry.num_pages if verify_gap is None else verify_gap)
     for idx in range(start, len(recs)):
         rec = recs[idx]
         if until is not None and rec.seq > until:
             break
         kind = rec.kind
         if kind == KIND_EVENTS:
-            events = view.events(rec)
-            if until is not None and rec.seq + len(events) - 1 > until:
-                events = events[: until - rec.seq + 1]
-            if rec.seq == 0:
-                check_first_event(events[0], header, path, rec.offset)
-            if apply is not None:
-                for seq, ev in enumerate(events, rec.seq):
-                    apply(seq, ev)
-            elif trusted:
-                _fold_trusted(st, events, rec, path)
-            else:
-                _fold_checked(st, events, rec, path)
-            folded += len(events)
+            folded += _fold_events(view, st, rec, until, apply, trusted)
         elif kind == KIND_CHECKPOINT and (on_checkpoint is not None or verify is not None):
             cp = view.checkpoint(rec)
             if verify is not None:
-                verify(rec, cp, path)
+                verify(rec, cp, view.path)
             if on_checkpoint is not None:
                 on_checkpoint(rec, cp)
         if on_record is not None:

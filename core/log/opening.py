@@ -24,23 +24,41 @@ from .format import (
     decode_stamp,
     encode_header,
     new_chain,
-    scan,
 )
 from .reader import LogView, read_stamp
+from .scan import scan
 from .writer import DEFAULT_MAX_LAG_BYTES, policy_mode
 
 __all__ = ["create_log", "open_log"]
 
 
+def _segment_options(segment_bytes, retain_bytes, retain_segments) -> dict | None:
+    if segment_bytes is None:
+        if retain_bytes is not None or retain_segments is not None:
+            raise InvalidArgumentError("retention needs a segmented log (segment_bytes=...)")
+        return None
+    for name, v, low in (("segment_bytes", segment_bytes, 4096), ("retain_bytes", retain_bytes, 1),
+                         ("retain_segments", retain_segments, 1)):
+        if v is not None and (type(v) is not int or v < low):
+            raise InvalidArgumentError(f"{name} must be an int >= {low}, got {v!r}")
+    return {"segment_bytes": segment_bytes, "retain_bytes": retain_bytes, "retain_segments": retain_segments}
+
+
 def create_log(cls, path, geometry: Geometry, *, policy: str = "released_aliases", fsync: str = "background",
                background: bool | None = None, layer=None, log_id: bytes | None = None,
-               max_pages: int = DEFAULT_MAX_PAGES, max_lag_bytes: int = DEFAULT_MAX_LAG_BYTES):
+               max_pages: int = DEFAULT_MAX_PAGES, max_lag_bytes: int = DEFAULT_MAX_LAG_BYTES,
+               segment_bytes: int | None = None, retain_bytes: int | None = None,
+               retain_segments: int | None = None):
     """Create a new log holding only its header, atomically and durably.
 
+    ``segment_bytes``: make ``path`` a log directory of segments of about that
+    size (``segments.py``), with the retention bounds ``retain_bytes`` /
+    ``retain_segments`` (oldest segments deleted past them); otherwise one file.
     Raises ``LogExistsError`` if ``path`` exists, ``LogError`` for a geometry over
     ``max_pages`` (readers would refuse the log), ``LogIOError`` if the file
     cannot be written (nothing is left at ``path`` then).
     """
+    segs = _segment_options(segment_bytes, retain_bytes, retain_segments)
     policy_mode(fsync, background)
     if not isinstance(geometry, Geometry):
         raise InvalidArgumentError(f"geometry must be a Geometry, got {geometry!r}")
@@ -49,7 +67,15 @@ def create_log(cls, path, geometry: Geometry, *, policy: str = "released_aliases
         raise LogError(f"{path}: {geometry.num_pages:,} pages is more than max_pages={max_pages:,}; "
                        "pass a larger max_pages (readers of the log will need it too)")
     layer = layer if layer is not None else default_layer
-    header_bytes = encode_header(geometry, policy, log_id if log_id is not None else os.urandom(16))
+    log_id = log_id if log_id is not None else os.urandom(16)
+    if segs is not None:
+        from .segments import create_dir_log
+
+        encode_header(geometry, policy, log_id)  # (checks the policy and the sizes first)
+        kw = {"fsync": fsync, "background": background, "layer": layer, "max_lag_bytes": max_lag_bytes,
+              "max_pages": max_pages}
+        return create_dir_log(cls, path, (geometry, policy, log_id), kw, segs)
+    header_bytes = encode_header(geometry, policy, log_id)
     try:
         handle = layer.create(path, header_bytes)
     except LogError:
@@ -64,7 +90,8 @@ def create_log(cls, path, geometry: Geometry, *, policy: str = "released_aliases
 
 def open_log(cls, path, *, fsync: str = "background", background: bool | None = None, layer=None,
              repair: bool = True, loader=None, max_pages: int = DEFAULT_MAX_PAGES,
-             max_lag_bytes: int = DEFAULT_MAX_LAG_BYTES):
+             max_lag_bytes: int = DEFAULT_MAX_LAG_BYTES, segment_bytes: int | None = None,
+             retain_bytes: int | None = None, retain_segments: int | None = None):
     """Open an existing log for appending: verify it, repair a torn tail, fsync, stamp.
 
     ``loader(view)``, if given, runs on the verified records before anything
@@ -80,6 +107,36 @@ def open_log(cls, path, *, fsync: str = "background", background: bool | None = 
     policy_mode(fsync, background)
     layer = layer if layer is not None else default_layer
     path = os.fspath(path)
+    segs = None
+    if getattr(layer, "isdir", None) is not None and layer.isdir(path):
+        from .segments import open_dir_log
+
+        opts = _segment_options(segment_bytes or 64 << 20, retain_bytes, retain_segments)
+        res, loaded, handle, _, segs = open_dir_log(cls, path, repair=repair, loader=loader, max_pages=max_pages,
+                                                    log_kw={"layer": layer}, segments=opts or {})
+        try:
+            _repair(handle, handle.path, res)
+        except BaseException:
+            handle.close()
+            segs["lock"].close()
+            raise
+    else:
+        res, loaded, handle = _open_file(layer, path, repair, loader, max_pages)
+    head = bytes.fromhex(res.chain_head) if res.chain_head else bytes(8)
+    log = cls(handle, res.header, fsync=fsync, size=res.end, next_seq=res.next_seq, chain=res.chain, head=head,
+              background=background, layer=layer, max_lag_bytes=max_lag_bytes, segments=segs)
+    log.recovery = res
+    log.loaded = loaded
+    try:
+        log._stamp()
+    except BaseException:
+        log.abandon()
+        raise
+    return log
+
+
+def _open_file(layer, path: str, repair: bool, loader, max_pages: int):
+    """Lock, verify and repair a single-file log: (scan, loaded, handle)."""
     try:
         handle = layer.open(path)
     except FileNotFoundError:
@@ -92,17 +149,7 @@ def open_log(cls, path, *, fsync: str = "background", background: bool | None = 
     except BaseException:
         handle.close()
         raise
-    head = bytes.fromhex(res.chain_head) if res.chain_head else bytes(8)
-    log = cls(handle, res.header, fsync=fsync, size=res.end, next_seq=res.next_seq, chain=res.chain, head=head,
-              background=background, layer=layer, max_lag_bytes=max_lag_bytes)
-    log.recovery = res
-    log.loaded = loaded
-    try:
-        log._stamp()
-    except BaseException:
-        log.abandon()
-        raise
-    return log
+    return res, loaded, handle
 
 
 def _verify(handle, layer, path: str, repair: bool, loader, max_pages: int):

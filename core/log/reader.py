@@ -15,15 +15,15 @@ from .format import (
     DEFAULT_MAX_PAGES,
     KIND_CHECKPOINT,
     KIND_EVENTS,
+    SEGMENT_VERSION,
     Checkpoint,
     RecordInfo,
-    Scan,
     decode_checkpoint,
     decode_events,
     decode_header,
     decode_stamp,
-    scan,
 )
+from .scan import Scan, scan
 
 __all__ = ["LogView", "open_view", "read_stamp"]
 
@@ -35,40 +35,50 @@ class LogView:
     chain, seq), ``scan.error`` is the corruption that stopped it (if any) and
     ``scan.torn_at`` a torn tail. Decoding a payload can still raise
     ``CorruptLogError`` (an intact record whose payload does not decode).
+
+    A view of a log directory holds one buffer per segment (``paths``, in
+    order; ``RecordInfo.segment`` says which holds a record); ``first_seq`` is
+    the seq its first record starts at (0, unless retention deleted the first
+    segments or the view starts at a later segment: then fold from its first
+    checkpoint, ``start_state``).
     """
 
-    def __init__(self, buf, result: Scan, path: str) -> None:
-        self._buf = buf
+    def __init__(self, buf, result: Scan, path: str, *, bufs: list | None = None,
+                 paths: list[str] | None = None) -> None:
+        self._bufs: list | None = [buf] if bufs is None else bufs
+        self.paths = [path] if paths is None else paths
         self.scan = result
         self.path = path
         self.header = result.header
+        recs = result.records
+        self.first_seq = recs[0].seq if recs else result.next_seq
 
     @property
     def records(self) -> list[RecordInfo]:
         return self.scan.records
 
     def close(self) -> None:
-        buf, self._buf = self._buf, None
-        if buf is not None:
+        bufs, self._bufs = self._bufs, None
+        for buf in bufs or ():
             release_buffer(buf)
 
-    def __enter__(self) -> "LogView":
+    def __enter__(self) -> LogView:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _live(self):
-        if self._buf is None:
+    def _live(self, rec: RecordInfo):
+        if self._bufs is None:
             raise LogClosedError(f"{self.path}: the view was released")
-        return self._buf
+        return self._bufs[rec.segment]
 
     def events(self, rec: RecordInfo) -> list:
         """The events of an events record, in seq order from ``rec.seq``."""
-        return decode_events(self._live(), rec, self.path)
+        return decode_events(self._live(rec), rec, self.paths[rec.segment])
 
     def checkpoint(self, rec: RecordInfo) -> Checkpoint:
-        return decode_checkpoint(self._live(), rec, self.path)
+        return decode_checkpoint(self._live(rec), rec, self.paths[rec.segment])
 
     def last_checkpoint(self, at_or_before: int | None = None) -> int:
         """Index in ``records`` of the last checkpoint with seq <= ``at_or_before`` (or any); -1 if none."""
@@ -82,7 +92,6 @@ class LogView:
     def iter_events(self, start: int = 0, until: int | None = None) -> Iterator[tuple[int, object, RecordInfo]]:
         """Yield ``(seq, event, record)`` for events records from index ``start`` on, up to seq ``until`` inclusive."""
         recs = self.scan.records
-        buf = self._live()
         for i in range(start, len(recs)):
             rec = recs[i]
             if rec.kind != KIND_EVENTS:
@@ -90,7 +99,7 @@ class LogView:
             if until is not None and rec.seq > until:
                 return
             seq = rec.seq
-            for ev in decode_events(buf, rec, self.path):
+            for ev in self.events(rec):
                 if until is not None and seq > until:
                     return
                 yield seq, ev, rec
@@ -124,6 +133,9 @@ def open_view(path, *, layer=None, until: int | None = None, max_pages: int = DE
     """
     layer = layer if layer is not None else default_layer
     path = os.fspath(path)
+    isdir = getattr(layer, "isdir", None)
+    if isdir is not None and isdir(path):
+        return _open_directory(layer, path, None, until, max_pages)
     raw_stamp = read_stamp(layer, path)  # before the map: a stamp never claims more than the file then holds
     try:
         buf = layer.read(path)
@@ -135,9 +147,35 @@ def open_view(path, *, layer=None, until: int | None = None, max_pages: int = DE
         raise LogIOError(path, "read", exc) from exc
     try:
         header = decode_header(buf, path, max_pages=max_pages)
+        if header.version == SEGMENT_VERSION:  # one segment of a log directory: start there
+            release_buffer(buf)
+            return _open_directory(layer, os.path.dirname(path) or ".", path, until, max_pages)
         stamp = decode_stamp(raw_stamp, header)
         res = scan(buf, path, until=until, stamp=stamp, max_pages=max_pages)
     except BaseException:
         release_buffer(buf)
         raise
     return LogView(buf, res, path)
+
+
+def _open_directory(layer, directory: str, start: str | None, until: int | None, max_pages: int) -> LogView:
+    """A view over the segments of a log directory, from ``start`` (a segment path) or the first."""
+    from .segments import combine, list_segments, scan_segments
+
+    for _ in range(8):  # retention may delete the oldest segment between the listing and the reads
+        paths = list_segments(layer, directory)
+        if start is not None:
+            paths = [p for p in paths if os.path.basename(p) >= os.path.basename(start)]
+        if not paths:
+            raise LogError(f"{directory}: no segments (not a kvledger log directory)")
+        try:
+            bufs, scans = scan_segments(layer, paths, until=until, max_pages=max_pages)
+        except LogIOError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                continue
+            raise
+        for extra in bufs[len(scans) :]:
+            release_buffer(extra)
+        return LogView(bufs[0], combine(directory, scans), directory, bufs=bufs[: len(scans)],
+                       paths=paths[: len(scans)])
+    raise LogError(f"{directory}: segments keep disappearing while being read")

@@ -45,13 +45,12 @@ thread). The log does not log (``kvledger.durable`` does, through ``notify``).
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable
 
 import msgspec
 
 from ..errors import InvalidArgumentError, LogClosedError, LogError, LogIOError, RecordTooLargeError
-from ..events.events import EVENT_TYPES, Geometry, StepSealed
+from ..events.events import Geometry
 from .format import (
     KIND_CHECKPOINT,
     KIND_CLOSE,
@@ -61,55 +60,27 @@ from .format import (
     RECORD_MAGIC,
     Checkpoint,
     LogHeader,
-    Scan,
     SyncStamp,
     encode_stamp,
     max_event_bytes,
     max_record_bytes,
     seal_record,
 )
+from .policy import (
+    _BATCH_BYTES,
+    _BATCH_HEAD,
+    _COUNT,
+    _EVENT_TYPES,
+    _FLUSH_BYTES,
+    DEFAULT_MAX_LAG_BYTES,
+    FSYNC_POLICIES,
+    LogStatistics,
+    policy_mode,
+)
+from .scan import Scan
 from .syncer import Syncer
 
 __all__ = ["EventLog", "LogStatistics", "FSYNC_POLICIES", "DEFAULT_MAX_LAG_BYTES"]
-
-FSYNC_POLICIES = ("background", "per_step", "per_event", "none")
-DEFAULT_MAX_LAG_BYTES = 64 << 20
-_BATCH_BYTES = 1 << 20  # close an events record past this size
-_FLUSH_BYTES = 4 << 20  # write (without fsync) past this much buffered
-_EVENT_TYPES = frozenset(EVENT_TYPES)
-_SEALS = frozenset((StepSealed,))
-_NONE: frozenset = frozenset()
-_POLICIES = {"background": (_SEALS, True), "per_step": (_SEALS, False), "per_event": (_EVENT_TYPES, False),
-             "none": (_NONE, False)}  # commit after these types, in the writer thread?
-_BATCH_HEAD = bytes(PREFIX_SIZE + 5)  # prefix + array32 header, filled in when the batch is sealed
-_COUNT = struct.Struct(">I")
-
-
-class LogStatistics(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    events: int  # events in the log (= the next seq)
-    durable_seq: int
-    appended: int  # events appended by this handle
-    records: int  # records written by this handle
-    bytes_written: int
-    syncs: int
-    checkpoints: int
-    size: int  # file size, buffered bytes excluded
-    lag_bytes: int  # handed to the writer thread (or written) but not yet synced
-    stalls: int  # appends that waited for the disk (back-pressure)
-
-
-def policy_mode(fsync: str, background: bool | None) -> tuple[frozenset, bool]:
-    """(event types that commit, writer thread?) for a policy name; ``InvalidArgumentError`` otherwise.
-
-    ``background=True`` moves an inline policy's commits to the writer thread
-    (``per_step`` + ``background=True`` is ``"background"``); ``False`` makes
-    ``"background"`` inline per step.
-    """
-    mode = _POLICIES.get(fsync) if type(fsync) is str else None
-    if mode is None:
-        raise InvalidArgumentError(f"fsync policy must be one of {FSYNC_POLICIES}, got {fsync!r}")
-    return (mode[0], mode[1] if background is None else bool(background))
-
 
 class EventLog:
     """An open, appendable event log. Build it with ``create`` or ``open`` (``opening.py``).
@@ -125,11 +96,13 @@ class EventLog:
         "_batch_at", "_batch_seq", "_chain", "_head", "_end", "_size", "_synced_end", "_next_seq", "_start_seq",
         "_durable_seq", "_ok", "_failure", "_failed_op", "_reported", "_closed", "_records", "_bytes", "_syncs",
         "_checkpoints", "_checkpoint_seq", "_stalls", "_syncer", "_written_seq",
+        "segment_bytes", "retain_bytes", "retain_segments", "rotation_due", "segments_deleted", "_file", "_segment",
+        "_lock",
     )
 
     def __init__(self, handle, header: LogHeader, *, fsync: str = "background", size: int, next_seq: int, chain,
                  head: bytes = bytes(8), background: bool | None = None, layer=None,
-                 max_lag_bytes: int = DEFAULT_MAX_LAG_BYTES) -> None:
+                 max_lag_bytes: int = DEFAULT_MAX_LAG_BYTES, segments: dict | None = None) -> None:
         self._sync_types, bg = policy_mode(fsync, background)
         if type(max_lag_bytes) is not int or max_lag_bytes < 1:
             raise InvalidArgumentError(f"max_lag_bytes must be a positive int, got {max_lag_bytes!r}")
@@ -138,6 +111,18 @@ class EventLog:
         self.max_lag_bytes = max_lag_bytes
         self.path = handle.path
         self.header = header
+        self._file = handle.path  # the file appends go to (the live segment of a log directory)
+        self._segment = header.segment
+        self._lock = None
+        self.segment_bytes = self.retain_bytes = self.retain_segments = None
+        self.rotation_due = False  # a log directory's live segment reached segment_bytes: rotate()
+        self.segments_deleted = 0
+        if segments is not None:  # a log directory: {"path", "segment_bytes", "retain_bytes", ...}
+            self.path = segments["path"]
+            self._lock = segments.get("lock")
+            self.segment_bytes = segments["segment_bytes"]
+            self.retain_bytes = segments.get("retain_bytes")
+            self.retain_segments = segments.get("retain_segments")
         self.notify: Callable[[str, dict], object] | None = None  # how the log tells its owner what happened
         self._handle = handle
         self._layer = layer
@@ -304,6 +289,15 @@ class EventLog:
         self._checkpoints += 1
         self._checkpoint_seq = seq
 
+    def rotate(self, seq: int, digest: str, state: bytes) -> None:
+        """A log directory: close the live segment and open the next one with this checkpoint
+        (``segments.rotate``). Raises ``LogError`` for a single-file log, ``LogIOError``."""
+        if self.segment_bytes is None:
+            raise LogError(f"{self.path}: a single-file log has no segments to rotate")
+        from .segments import rotate
+
+        rotate(self, seq, digest, state)
+
     # ------------------------------------------------------------------ durability
 
     def sync(self) -> None:
@@ -389,6 +383,8 @@ class EventLog:
         if self._syncer is not None:
             self._syncer.stop()
         self._handle.close()
+        if self._lock is not None:
+            self._lock.close()
 
     def __enter__(self) -> EventLog:
         return self
@@ -436,6 +432,8 @@ class EventLog:
             self._syncer.hand_off(buf or None, self._written_seq, sync)
             if self._end - self._synced_end > self.max_lag_bytes:
                 self._stall()
+            if self.segment_bytes is not None and self._end >= self.segment_bytes:
+                self.rotation_due = True
             return
         if buf:
             try:
@@ -456,6 +454,8 @@ class EventLog:
         self._syncs += 1
         self._synced_end = self._size
         self._durable_seq = self._next_seq - 1
+        if self.segment_bytes is not None and self._end >= self.segment_bytes:
+            self.rotation_due = True
 
     def _stall(self) -> None:
         """Back-pressure: wait until no more than ``max_lag_bytes`` are unsynced."""
@@ -494,6 +494,6 @@ class EventLog:
         stamp = SyncStamp(log_id=self.header.log_id, size=self._synced_end, next_seq=self._next_seq,
                           chain=self._head)
         try:
-            self._layer.write_stamp(self.path, encode_stamp(stamp))
+            self._layer.write_stamp(self._file, encode_stamp(stamp))
         except OSError as exc:
             self._fail("stamp", exc)
