@@ -76,6 +76,11 @@ def test_rotation_reopen_and_every_segment_as_a_starting_point():
             fold_records(v, st, start, trusted=True)
             assert st.digest() == digest and st.seq == events
             starts += 1
+    with open_view("d", layer=disk, since=events - 1) as v:  # only the segment holding the last event
+        assert len(v.paths) == 1 and v.paths[0] == paths[-1]
+        st, start, ck = start_state(v, at=events - 1)
+        fold_records(v, st, start, trusted=True)
+        assert st.digest() == digest
     with open_ledger("d", layer=disk, logger=QUIET) as again:
         assert again.digest() == digest and again.recovery.closed_cleanly
         drive(again, "more", 30)

@@ -45,7 +45,9 @@ def test_trusted_and_checked_folds_agree():
         for from_checkpoint in (False, True):
             with _view(data) as v:
                 st, start, _ = start_state(v) if from_checkpoint else (LedgerState(), 0, None)
-                n = fold_records(v, st, start, trusted=True, verify_gap=0)
+                seen: list[int] = []
+                n = fold_records(v, st, start, trusted=True, verify_gap=0, on_event=lambda q, ev: seen.append(q))
+                assert seen == list(range(st.seq - n, st.seq))
                 assert st.digest() == digest and st.seq == seq and n == seq - (start and v.records[start - 1].seq)
                 st2, _, _ = rebuild_state(v, from_checkpoint=from_checkpoint, trusted=False)
                 assert st2.digest() == digest

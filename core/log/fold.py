@@ -116,7 +116,7 @@ def _fold_checked(st: LedgerState, events: list, rec: RecordInfo, path: str) -> 
                               f"rejected by the fold: {exc}") from exc
 
 
-def _fold_trusted(st: LedgerState, events: list, rec: RecordInfo, path: str) -> None:
+def _fold_trusted(st: LedgerState, events: list, rec: RecordInfo, path: str, on_event=None) -> None:
     """Apply each event without its precondition (a verified log of this library's own writing).
 
     Refuses a ``CacheConfigured`` after seq 0 (it would allocate a page table); anything an applier
@@ -130,6 +130,8 @@ def _fold_trusted(st: LedgerState, events: list, rec: RecordInfo, path: str) -> 
             if t is CacheConfigured and rec.seq + i:
                 raise CorruptLogError(path, rec.offset, rec.seq + i, "CacheConfigured after seq 0")
             table[t].apply(st, ev)
+            if on_event is not None:
+                on_event(rec.seq + i, ev)
     except CorruptLogError:
         raise
     except (KVLedgerError, LookupError, ValueError, TypeError, AttributeError) as exc:
@@ -162,7 +164,7 @@ class _Verifier:
 
 
 def _fold_events(view: LogView, st: LedgerState, rec: RecordInfo, until: int | None, apply: Apply | None,
-                 trusted: bool) -> int:
+                 trusted: bool, on_event) -> int:
     """Decode one events record (up to seq ``until``) and fold it the chosen way; returns its event count."""
     events = view.events(rec)
     if until is not None and rec.seq + len(events) - 1 > until:
@@ -174,7 +176,7 @@ def _fold_events(view: LogView, st: LedgerState, rec: RecordInfo, until: int | N
         for seq, ev in enumerate(events, rec.seq):
             apply(seq, ev)
     elif trusted:
-        _fold_trusted(st, events, rec, path)
+        _fold_trusted(st, events, rec, path, on_event)
     else:
         _fold_checked(st, events, rec, path)
     return len(events)
@@ -191,6 +193,7 @@ def fold_records(
     on_record: Callable[[RecordInfo], object] | None = None,
     trusted: bool = False,
     verify_gap: int | None = None,
+    on_event: Callable[[int, object], object] | None = None,
 ) -> int:
     """Fold the records from index ``start`` into ``st``, up to the event with seq ``until``.
 
@@ -202,7 +205,8 @@ def fold_records(
     applied without re-validating it (``LedgerState.apply``), and at
     checkpoints at least ``verify_gap`` events apart (default 16 x num_pages)
     the state digest is compared with the recorded one and every invariant is
-    checked. Returns the number of events folded. Raises ``CorruptLogError``
+    checked; ``on_event(seq, event)`` sees each event right after it was
+    applied (a tool watching a trusted fold). Returns the number of events folded. Raises ``CorruptLogError``
     for a payload that does not decode, a first event that does not match the
     header, or (trusted) a digest mismatch, a broken invariant or an event that
     cannot be applied.
@@ -212,7 +216,8 @@ def fold_records(
     verify = None
     if trusted:
         if apply is not None:
-            raise InvalidArgumentError("fold_records: trusted folds apply events themselves (no apply=)")
+            raise InvalidArgumentError("fold_records: trusted folds apply events themselves (watch them with "
+                                       "on_event=, not apply=)")
         verify = _Verifier(st, 16 * view.header.geometry.num_pages if verify_gap is None else verify_gap)
     for idx in range(start, len(recs)):
         rec = recs[idx]
@@ -220,7 +225,7 @@ def fold_records(
             break
         kind = rec.kind
         if kind == KIND_EVENTS:
-            folded += _fold_events(view, st, rec, until, apply, trusted)
+            folded += _fold_events(view, st, rec, until, apply, trusted, on_event)
         elif kind == KIND_CHECKPOINT and (on_checkpoint is not None or verify is not None):
             cp = view.checkpoint(rec)
             if verify is not None:

@@ -117,7 +117,8 @@ def read_stamp(layer, path: str) -> bytes | None:
         return None  # an unreadable stamp is no evidence either way
 
 
-def open_view(path, *, layer=None, until: int | None = None, max_pages: int = DEFAULT_MAX_PAGES) -> LogView:
+def open_view(path, *, layer=None, until: int | None = None, max_pages: int = DEFAULT_MAX_PAGES,
+              since: int | None = None) -> LogView:
     """Read and verify a log without locking or changing it (replay, audit, tools).
 
     Raises ``CorruptLogError``/``LogVersionError`` only for a bad header, and
@@ -126,6 +127,10 @@ def open_view(path, *, layer=None, until: int | None = None, max_pages: int = DE
     that is not a regular file (refused at once: a FIFO never blocks it).
     Problems in records are reported in ``view.scan`` (``error``, ``torn_at``).
     ``until``: verify only the records up to the one holding seq ``until``.
+    ``since`` (a log directory): map and verify only from the last segment
+    that starts at or before seq ``since`` (its opening checkpoint is where a
+    fold that needs nothing earlier starts: ``start_state(view, at=since)``),
+    so a question about recent history costs one segment, not the whole log.
 
     The view maps the file as it is now. Writers only append and replace a file
     (never cut it in place), so the view stays a consistent prefix whatever a
@@ -135,7 +140,7 @@ def open_view(path, *, layer=None, until: int | None = None, max_pages: int = DE
     path = os.fspath(path)
     isdir = getattr(layer, "isdir", None)
     if isdir is not None and isdir(path):
-        return _open_directory(layer, path, None, until, max_pages)
+        return _open_directory(layer, path, None, until, max_pages, since)
     raw_stamp = read_stamp(layer, path)  # before the map: a stamp never claims more than the file then holds
     try:
         buf = layer.read(path)
@@ -158,12 +163,17 @@ def open_view(path, *, layer=None, until: int | None = None, max_pages: int = DE
     return LogView(buf, res, path)
 
 
-def _open_directory(layer, directory: str, start: str | None, until: int | None, max_pages: int) -> LogView:
-    """A view over the segments of a log directory, from ``start`` (a segment path) or the first."""
-    from .segments import combine, list_segments, scan_segments
+def _open_directory(layer, directory: str, start: str | None, until: int | None, max_pages: int,
+                    since: int | None = None) -> LogView:
+    """A view over the segments of a log directory, from ``start`` (a segment path), from the
+    segment holding seq ``since``, or from the first."""
+    from .segments import combine, list_segments, scan_segments, segment_name
 
     for _ in range(8):  # retention may delete the oldest segment between the listing and the reads
         paths = list_segments(layer, directory)
+        if since is not None:
+            earlier = [p for p in paths if os.path.basename(p) <= segment_name(since)]
+            start = earlier[-1] if earlier else None
         if start is not None:
             paths = [p for p in paths if os.path.basename(p) >= os.path.basename(start)]
         if not paths:
