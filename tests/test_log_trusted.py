@@ -46,7 +46,7 @@ def test_trusted_and_checked_folds_agree():
             with _view(data) as v:
                 st, start, _ = start_state(v) if from_checkpoint else (LedgerState(), 0, None)
                 seen: list[int] = []
-                n = fold_records(v, st, start, trusted=True, verify_gap=0, on_event=lambda q, ev: seen.append(q))
+                n = fold_records(v, st, start, trusted=True, verify_gap=0, on_event=lambda q, ev, s=seen: s.append(q))
                 assert seen == list(range(st.seq - n, st.seq))
                 assert st.digest() == digest and st.seq == seq and n == seq - (start and v.records[start - 1].seq)
                 st2, _, _ = rebuild_state(v, from_checkpoint=from_checkpoint, trusted=False)

@@ -193,6 +193,8 @@ def open_dir_log(cls, directory: str, *, repair: bool, loader, max_pages: int, l
     from .reader import LogView
 
     layer = log_kw["layer"]
+    if not list_segments(layer, directory):  # (before the lock file: nothing is written into another directory)
+        raise LogError(f"{directory} is a directory without log segments, not a kvledger log")
     try:
         lock = _lock_dir(layer, directory)
     except OSError as exc:
