@@ -237,6 +237,8 @@ def rotate(log, seq: int, digest: str, state: bytes) -> None:
 
     Raises ``LogIOError`` (the log then refuses appends, as for any failed write)."""
     log.sync()
+    if log._syncer is not None:
+        log._syncer.quiesce()  # (no round may still publish the old segment's size)
     hdr, layer = log.header, log._layer
     path = os.path.join(log.path, segment_name(seq))
     header = encode_segment_header(hdr.geometry, hdr.policy, hdr.log_id, segment=log._segment + 1, first_seq=seq,

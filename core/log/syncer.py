@@ -47,7 +47,16 @@ class Syncer:
         self._thread.start()
 
     def hand_off(self, data, last_seq: int, sync: bool) -> None:
-        self._q.put((data, last_seq, sync))
+        self._q.put((data, last_seq, sync, None))
+
+    def quiesce(self) -> None:
+        """Return once every round that took items queued before this call has finished
+        (a rotation switches files: no round may still hold the old one)."""
+        done = threading.Event()
+        self._q.put((None, -1, False, done))
+        while not done.wait(0.05):
+            if not self._thread.is_alive():
+                return
 
     def wait(self, ready, timeout: float | None) -> bool:
         """Block until ``ready()`` is true (True), or ``timeout`` passes or the log failed (False)."""
@@ -96,7 +105,7 @@ class Syncer:
         op = "write"
         want, seq, size = False, -1, log._size
         try:
-            for data, last, sync in items:
+            for data, last, sync, _ in items:
                 if data is not None:
                     handle.write(data)
                     size += len(data)
@@ -111,6 +120,7 @@ class Syncer:
             log._record_failure(op, exc)
             with self.cond:
                 self.cond.notify_all()
+            _release(items)
             return False
         with self.cond:
             if want:
@@ -120,9 +130,16 @@ class Syncer:
                     log._durable_seq = seq
             self.rounds += 1
             self.cond.notify_all()
+        _release(items)
         return True
 
     def _drain(self) -> None:
         """After a failure: write nothing more, stop when told."""
-        while self._q.get() is not None:
-            pass
+        while (item := self._q.get()) is not None:
+            _release([item])
+
+
+def _release(items: list) -> None:
+    for item in items:
+        if item[3] is not None:
+            item[3].set()
