@@ -460,7 +460,7 @@ def _page_question(path: str, page: int) -> tuple[float, int]:
     opening checkpoint (verified), the trusted fold of the rest, the events that touch the page."""
     def work():
         with open_view(path, since=1 << 62) as v:
-            st, start, _ = start_state(v)
+            st, start, _ = start_state(v, trusted=True)
             hits = 0
 
             def watch(seq, ev):
