@@ -227,7 +227,7 @@ async def test_cancellation_mid_step_leaves_the_ledger_consistent():
         events = engine.ledger.events
         assert StepCompleted(step=0, rank=0) in events
         assert StepCompleted(step=0, rank=1) not in events
-        assert events[-1] == StepAborted(step=0, reason="cancelled")
+        assert events.index(StepAborted(step=0, reason="cancelled")) < events.index(StepCompleted(step=0, rank=0))
         assert engine.executors[1].statistics()["plans_cancelled"] == 1
         assert_consistent(engine)
         # both executors are free again; the carried clear list runs in the next step

@@ -12,8 +12,8 @@
                                        └─► ...              ┘   in the engine's task group)
                ◄── one RankOutcome per rank ──┘
                ├─ all ok:   StepCompleted(step, rank) for every rank  ─► StepResult
-               └─ any not:  StepCompleted for the ranks that did finish,
-                            StepAborted(step, reason)                 ─► StepFailedError
+               └─ any not:  StepAborted(step, reason), then StepCompleted for
+                            the ranks that did finish                 ─► StepFailedError
 
 Steps run one at a time (``run_step`` waits for the previous one); commands may
 interleave with a running step (a commit into the next step, say). With a log,

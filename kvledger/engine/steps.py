@@ -168,11 +168,13 @@ class StepRunner:
     # ------------------------------------------------------------------ recording
 
     def _record(self, step: int, ok_ranks: tuple[int, ...], reason: str | None) -> None:
+        """A failed step is aborted first, then the ranks that did run their part are recorded
+        (once every reporting rank has completed a step, it can no longer be aborted)."""
         ledger = self._ledger
-        for rank in ok_ranks:
-            ledger.complete_step(step, rank)
         if reason is not None:
             ledger.abort_step(step, reason)
+        for rank in ok_ranks:
+            ledger.complete_step(step, rank)
 
     async def _settle(self, step: int, ok_ranks: tuple[int, ...], reason: str | None) -> None:
         """Record a sealed step's outcome, shielded from cancellation (in memory it is a
