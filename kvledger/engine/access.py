@@ -21,8 +21,8 @@ of every other call:
   for) the worker thread, later calls queue behind it there too, so the
   ledger never sees two calls at once and calls keep their order;
 * when: a call handed to the worker thread is checked again once it holds the
-  thread (the close, queued behind it, may have run meanwhile): after
-  ``close()`` nothing reaches the ledger, and nothing is written.
+  thread (closing may have begun while it waited): after ``close()`` nothing
+  reaches the ledger, and nothing is written.
 
 The switch: ``ledger.log.background`` (True: the log writes and fsyncs in its own
 thread, appends never wait for the disk but under back-pressure). Such a log may

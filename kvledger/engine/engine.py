@@ -28,9 +28,12 @@ class RankSpec:
     ``planes``: the rank's cache planes (torch tensors ``[num_pages, ...]``,
     contiguous); none for a rank that holds no cache (its clear lists are still
     validated). ``graph``: ``graph(ctx, step, inputs)``, sync or async, run after the
-    clears. ``stream``: the model stream for CUDA planes (default: the device's
-    current stream). ``backend``: a backend name (see ``kvledger.executors.backend``)
-    or a ready ``ClearBackend``; ``None`` takes the engine's ``backend``.
+    clears; when every rank's planes are on the CPU and its graph is a plain function
+    (or none), the ranks' jobs run inline in ``run_step``'s task, rank after rank (a
+    graph that awaits anything is declared ``async def``). ``stream``: the model stream
+    for CUDA planes (default: the device's current stream). ``backend``: a backend
+    name (see ``kvledger.executors.backend``) or a ready ``ClearBackend``; ``None``
+    takes the engine's ``backend``.
     """
 
     planes: Sequence[Any] = ()
@@ -132,9 +135,6 @@ class Engine:
         s = self._steps
         return {"steps_completed": s.steps_completed, "steps_aborted": s.steps_aborted,
                 "pages_cleared": s.pages_cleared}
-
-    def _check_open(self) -> None:
-        self._access.check_open()
 
     # ------------------------------------------------------------------ commands
     #
