@@ -363,11 +363,11 @@ def test_log_statistics_lag_and_timed_writes_and_fsyncs(tmp_path, background):
 
 def test_a_timed_fsync_that_fails_is_timed_and_reaches_the_log_unchanged(tmp_path):
     from kvledger import LogIOError, open_ledger
-    from kvledger.core.log.files import FaultInjector
+    from kvledger.core.log import FaultInjector
 
     reg, m = fresh()
     faults = FaultInjector(fail_sync=3)
-    led = open_ledger(tmp_path / "x.kvlog", G, layer=m.timed_layer(faults))
+    led = open_ledger(tmp_path / "x.kvlog", G, layer=m.timed_layer(faults), fsync="per_step")  # inline: the seal raises
     with pytest.raises(LogIOError, match="fsync"):
         for step in range(4):
             led.reserve(step, 1)

@@ -57,6 +57,9 @@ class _TimedHandle:
     def close(self) -> None:
         self._inner.close()
 
+    def __getattr__(self, name: str) -> Any:  # anything else the log asks of a handle: unchanged
+        return getattr(self._inner, name)
+
 
 class TimedFileLayer:
     """Wraps a file layer (``inner``, default: real files); the handles it opens observe
@@ -78,3 +81,6 @@ class TimedFileLayer:
 
     def read(self, path: str) -> Any:
         return self.inner.read(path)
+
+    def __getattr__(self, name: str) -> Any:  # stamps, directories, removal: untimed, unchanged
+        return getattr(self.inner, name)
