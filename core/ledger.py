@@ -36,6 +36,7 @@ from .events.events import (
     RequestFinished,
     ReservationReturned,
     RestoreCompleted,
+    SanitizerViolation,
     RestoreStarted,
     SnapshotAliased,
     SnapshotReleased,
@@ -503,6 +504,15 @@ class Ledger:
     def complete_step(self, step: int, rank: int) -> None:
         """Rank ``rank`` ran step ``step``'s input copies, clears and graph."""
         self._submit(StepCompleted(step=checks.ident(step, "step"), rank=checks.ident(rank, "rank")))
+
+    def record_violation(self, step: int, rank: int, plane: int, page_id: int, kind: str) -> None:
+        """Record what the sanitizer found on ``rank``'s ``plane`` before step ``step``'s graph
+        (``kind``: "not_zero" or "poison"); ``kvledger audit --page`` shows it."""
+        if kind not in ("not_zero", "poison"):
+            raise InvalidArgumentError(f"kind must be 'not_zero' or 'poison', got {kind!r}")
+        self._submit(SanitizerViolation(step=checks.ident(step, "step"), rank=checks.ident(rank, "rank"),
+                                        plane=checks.ident(plane, "plane"), page_id=checks.ident(page_id, "page"),
+                                        kind=kind))
 
     def abort_step(self, step: int, reason: str = "") -> None:
         """The last sealed step did not run everywhere: its clear list is carried into the next."""

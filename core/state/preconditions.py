@@ -37,6 +37,7 @@ from ..events.events import (
     PagesPublished,
     PagesReserved,
     PagesShared,
+    SanitizerViolation,
     ReservationReturned,
     RestoreCompleted,
     RestoreStarted,
@@ -60,6 +61,7 @@ __all__ = [
     "pages_reserved",
     "pages_shared",
     "request_known",
+    "sanitizer_violation",
     "reservation_returned",
     "restore_completed",
     "restore_started",
@@ -377,3 +379,10 @@ def pages_evicted(st: LedgerState, e: PagesEvicted) -> None:
     for p in pages:
         if holder[p] != HOLDER_CACHED:
             raise PageNotHeldError(p, "cached", st.holder_of(p))
+
+
+def sanitizer_violation(st: LedgerState, e: SanitizerViolation) -> None:
+    """The step was sealed; the page is in range."""
+    if not 0 <= e.step < st.open_step:
+        raise StepOrderError(e.step, st.open_step, "a sanitizer violation in a step that was never sealed")
+    checks.page_ids((e.page_id,), st.num_pages, allow_empty=False)
