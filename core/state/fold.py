@@ -37,6 +37,7 @@ from ..events.events import (
     PagesReserved,
     PagesShared,
     ReservationReturned,
+    SanitizerViolation,
     RestoreCompleted,
     RestoreStarted,
     SnapshotAliased,
@@ -71,6 +72,7 @@ __all__ = [
     "reservation_returned",
     "restore_completed",
     "restore_started",
+    "sanitizer_violation",
     "snapshot_aliased",
     "snapshot_released",
     "step_aborted",
@@ -226,7 +228,8 @@ def pages_committed(st: LedgerState, e: PagesCommitted) -> tuple:
                     pend[p] = e.step
                     listed.append(p)
     reserved, k = rec.reserved, len(pages)
-    if tuple(reserved[:k]) == pages:  # commits take the reservation in order: its head
+    memo = st.head
+    if (memo[1] is pages and memo[0] == st.seq) or tuple(reserved[:k]) == pages:  # the usual commit: the head
         del reserved[:k]
     else:
         _remove(reserved, pages)
@@ -386,6 +389,12 @@ def step_completed(st: LedgerState, e: StepCompleted) -> tuple:
             else:  # a restore matters only to a plan sealed before it: the oldest in flight bounds them
                 oldest = in_flight[0].step
                 st.restored_since = {p: s for p, s in st.restored_since.items() if s > oldest}
+    st.seq += 1
+    return _NO_EFFECTS
+
+
+def sanitizer_violation(st: LedgerState, e: SanitizerViolation) -> tuple:
+    """A record only: the step it names is aborted by its own event."""
     st.seq += 1
     return _NO_EFFECTS
 

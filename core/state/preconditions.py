@@ -37,6 +37,7 @@ from ..events.events import (
     PagesPublished,
     PagesReserved,
     PagesShared,
+    SanitizerViolation,
     ReservationReturned,
     RestoreCompleted,
     RestoreStarted,
@@ -60,6 +61,7 @@ __all__ = [
     "pages_reserved",
     "pages_shared",
     "request_known",
+    "sanitizer_violation",
     "reservation_returned",
     "restore_completed",
     "restore_started",
@@ -133,8 +135,10 @@ def pages_reserved(st: LedgerState, e: PagesReserved) -> None:
     pages = e.page_ids
     stack, k = st.free_stack, len(pages)
     # the allocator's choice, the top of the free stack, needs no per-page check
-    top = (0 < k <= len(stack) and not st.stale_entries and not st.restore_targets
-           and tuple(stack[: -k - 1 : -1]) == pages)
+    memo = st.picked
+    top = (memo[1] is pages and memo[0] == st.seq) or (
+        0 < k <= len(stack) and not st.stale_entries and not st.restore_targets
+        and tuple(stack[: -k - 1 : -1]) == pages)
     if not top:
         _pages(st, pages)
     rec = st.requests.get(e.request)
@@ -162,8 +166,10 @@ def pages_committed(st: LedgerState, e: PagesCommitted) -> None:
     pages = e.page_ids
     rec = st.requests.get(e.request)
     k = len(pages)
-    # the usual commit, the head of r's reservation, needs no per-page check
-    head = rec is not None and 0 < k <= len(rec.reserved) and tuple(rec.reserved[:k]) == pages
+    # the usual commit, the head of r's reservation (as the command decided it: the memo), needs no per-page check
+    memo = st.head
+    head = rec is not None and ((memo[1] is pages and memo[0] == st.seq)
+                                or 0 < k <= len(rec.reserved) and tuple(rec.reserved[:k]) == pages)
     if not head:
         _pages(st, pages)
     if e.step < st.open_step:
@@ -377,3 +383,10 @@ def pages_evicted(st: LedgerState, e: PagesEvicted) -> None:
     for p in pages:
         if holder[p] != HOLDER_CACHED:
             raise PageNotHeldError(p, "cached", st.holder_of(p))
+
+
+def sanitizer_violation(st: LedgerState, e: SanitizerViolation) -> None:
+    """The step was sealed; the page is in range."""
+    if not 0 <= e.step < st.open_step:
+        raise StepOrderError(e.step, st.open_step, "a sanitizer violation in a step that was never sealed")
+    checks.page_ids((e.page_id,), st.num_pages, allow_empty=False)
