@@ -482,10 +482,6 @@ TestReleasedAliases = LedgerMachine.TestCase
 TestCrossTenant = CrossTenantMachine.TestCase
 TestAllReused = AllReusedMachine.TestCase
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core/state/fold.py step_aborted appends a page to its PagesMarked effect once per aborted plan that "
-    "lists it: a page in two aborted plans and out of KV is named twice (the metrics' pages_marked counter "
-    "counts it twice, the sanitizer poisons it twice); R8 compares the marked pages as a set"))
 def test_an_abort_names_each_marked_page_once():
     L = Ledger(Geometry(num_pages=8, page_tokens=4), policy="all_reused", check=True)
     L.alias_snapshot(9, 1)

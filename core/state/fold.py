@@ -412,7 +412,8 @@ def step_aborted(st: LedgerState, e: StepAborted) -> tuple:
     restored = st.restored_since
     kv_of: dict[int, set[int]] = {}  # request -> its KV pages, built once per request
     holder, requests = st.holder, st.requests
-    marked = []
+    marked: list[int] = []
+    seen: set[int] = set()  # a page in two aborted plans is named once
     for plan in aborted:
         for p in plan.clear_list:
             if restored.get(p, -1) > plan.step:
@@ -427,9 +428,11 @@ def step_aborted(st: LedgerState, e: StepAborted) -> tuple:
                         pend[p] = step
                         carry.append(p)
                     continue
+            if p not in seen:
+                seen.add(p)
+                marked.append(p)
             marks[p] = MARK_ALL
             residue.pop(p, None)
-            marked.append(p)
         st.aborted_steps.add(plan.step)
     if carry:
         st.clear_lists[step] = carry + st.clear_lists.get(step, [])
