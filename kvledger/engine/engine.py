@@ -16,6 +16,7 @@ from kvledger.executors.executor import NO_INPUTS, RankExecutor, StepInputs, Ste
 from kvledger.logs import get_logger
 
 from .access import LedgerAccess
+from .extras import Extras
 from .steps import StepResult, StepRunner
 
 __all__ = ["Engine", "RankSpec"]
@@ -60,6 +61,7 @@ class Engine:
         queue_size: int = 1,
         drain_timeout_s: float = 10.0,
         logger: Any = None,
+        extras: Extras | None = None,
     ) -> None:
         self._ledger = ledger
         self._executors = tuple(executors)
@@ -75,8 +77,12 @@ class Engine:
         self._steps = StepRunner(
             self._access, self._executors, [s for s, _ in pairs], inline=all(map(_runs_inline, self._executors)),
             drain_timeout_s=drain_timeout_s, logger=logger if logger is not None else get_logger("kvledger.engine"),
+            metrics=extras.metrics if extras is not None else None,
+            kv_flush=extras.kv_flush if extras is not None else None,
+            sanitizer=extras.tracker if extras is not None else None,
         )
         self.remote_address: tuple[str, int] | None = None
+        self._kv_events = extras.publisher if extras is not None else None
 
     # ------------------------------------------------------------------ plumbing
 
@@ -105,6 +111,17 @@ class Engine:
     @property
     def executors(self) -> tuple[RankExecutor, ...]:
         return self._executors
+
+    @property
+    def kv_events(self) -> Any:
+        """The KV event publisher (``kvledger.kvevents.KVEventPublisher``) of ``open_engine(...,
+        kv_events=...)``, or None; ``kv_events.endpoint`` is the PUB endpoint as bound."""
+        return self._kv_events
+
+    @property
+    def sanitize(self) -> bool:
+        """Whether the engine runs in sanitize mode (``open_engine(..., sanitize=True)``)."""
+        return self._steps.sanitizer is not None
 
     @property
     def leader(self) -> Any:
@@ -202,6 +219,35 @@ class Engine:
             return
         await self._access.call(self._ledger.complete_restore, pages, request=request, snapshot=snapshot)
 
+    async def publish(self, request: int, hashes: Sequence[int | bytes], token_ids: Sequence[int], *,
+                      start: int | None = None, parent_hash: int | bytes | None = None, lora_id: int | None = None,
+                      lora_name: str | None = None) -> tuple[int, ...]:
+        """``Ledger.publish``: full KV pages of ``request`` (written in a completed step) gain block
+        hashes; a KV event publisher sends them with the next batch."""
+        kw: dict[str, Any] = {"start": start, "parent_hash": parent_hash, "lora_id": lora_id, "lora_name": lora_name}
+        if self._access.direct:
+            return self._ledger.publish(request, hashes, token_ids, **kw)
+        return await self._access.call(self._ledger.publish, request, hashes, token_ids, **kw)
+
+    async def lookup(self, hashes: Iterable[int | bytes], *, tenant: str | None = None) -> int:
+        """``Ledger.lookup``: how many leading blocks of ``hashes`` are ready to ``share``."""
+        if self._access.direct:
+            return self._ledger.lookup(hashes, tenant=tenant)
+        return await self._access.call(self._ledger.lookup, hashes, tenant=tenant)
+
+    async def share(self, request: int, hashes: Sequence[int | bytes], *, tenant: str | None = None
+                    ) -> tuple[int, ...]:
+        """``Ledger.share``: the pages holding ``hashes`` join ``request``'s block table."""
+        if self._access.direct:
+            return self._ledger.share(request, hashes, tenant=tenant)
+        return await self._access.call(self._ledger.share, request, hashes, tenant=tenant)
+
+    async def evict(self, n: int | None = None, *, pages: Iterable[int] | None = None) -> tuple[int, ...]:
+        """``Ledger.evict``: cached pages go free (the ``n`` least recently used, the named ones, or all)."""
+        if self._access.direct:
+            return self._ledger.evict(n, pages=pages)
+        return await self._access.call(self._ledger.evict, n, pages=pages)
+
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(ledger, *args)`` with exclusive access to the ledger, where its commands
         run (on the loop, or in the worker thread for a log that fsyncs inline): several
@@ -221,6 +267,23 @@ class Engine:
         if not self._access.durable:
             raise ConfigurationError("this engine has no log to flush")
         await self._access.blocking(self._ledger.sync)  # type: ignore[attr-defined]
+
+    async def wait_durable(self, seq: int) -> None:
+        """Wait, without blocking the loop and without writing anything, until event ``seq`` is
+        on stable storage (``DurableLedger.wait_durable_async``): with the log's writer thread,
+        a sealed step's events are durable shortly after the seal. Cancellable.
+
+        Raises ``ConfigurationError`` for an engine without a log, ``InvalidArgumentError``
+        for a ``seq`` not yet appended (``0 <= seq < engine.seq``), ``EngineClosedError``
+        once closing began, ``LogIOError`` when the writer failed, and ``LogClosedError``
+        when the log will not make ``seq`` durable by itself (a log that fsyncs inline:
+        its events become durable at the next seal or ``flush``)."""
+        if not self._access.durable:
+            raise ConfigurationError("this engine has no log to wait for")
+        if type(seq) is not int or not 0 <= seq < self._ledger.seq:
+            raise InvalidArgumentError(f"seq must be an event of the log, 0 <= seq < {self._ledger.seq}; got {seq!r}")
+        self._access.check_open()
+        await self._ledger.wait_durable_async(seq)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ steps
 
