@@ -75,7 +75,18 @@ What a failure leaves behind:
   raising rank, except that each violation is recorded first
   (``SanitizerViolation``), then ``StepAborted``, then the completions of the
   ranks that ran; ``run_step`` raises ``SanitizerError`` (its ``__cause__`` the
-  ``StepFailedError``), and the step's clear list is carried into the next step.
+  ``StepFailedError``), and the step's clear list is carried into the next step;
+* with steps in flight together (``open_engine(..., depth=2)`` or more: a
+  scheduler task seals step k+1 while step k has not run or still runs; the
+  ranks run the steps one after the other, in step order), a failure of step k
+  aborts k and every later sealed step with one ``StepAborted(k)``, recorded
+  before k's completions; each later step runs nothing and its ``run_step``
+  raises ``StepFailedError`` (``failures`` empty, the message naming step k);
+  every clear list of them is listed again for the next step, the oldest plan's
+  pages first. A later step cancelled before it ran is recorded as aborted (and
+  the steps sealed after it with it); the earlier one runs on. A page freed in
+  step k and committed in step k+1 is safe: each rank runs k's graph before
+  k+1's clear (on a CUDA rank, both on its model stream).
 
 Remote ranks (``open_engine(..., remote=RemoteRanks(...))``, see ``remote.py``):
 after sealing, ``run_step`` runs the wire's PREPARE/READY/LAUNCH handshake with

@@ -62,15 +62,18 @@ class Engine:
         drain_timeout_s: float = 10.0,
         logger: Any = None,
         extras: Extras | None = None,
+        depth: int = 1,
     ) -> None:
         self._ledger = ledger
         self._executors = tuple(executors)
         self.world_size = len(self._executors)
         self._access = LedgerAccess(ledger)
-        try:
-            self._step_lock = anyio.Lock(fast_acquire=True)  # anyio >= 4.5: no yield when free
+        self.depth = depth
+        self._slots: Any  # steps sealed and not yet settled: at most ``depth``
+        try:  # anyio >= 4.5: no yield when free
+            self._slots = anyio.Lock(fast_acquire=True) if depth == 1 else anyio.Semaphore(depth, fast_acquire=True)
         except TypeError:
-            self._step_lock = anyio.Lock()
+            self._slots = anyio.Lock() if depth == 1 else anyio.Semaphore(depth)
         pairs = [anyio.create_memory_object_stream[StepJob](queue_size) for _ in self._executors]
         self._job_receivers = [r for _, r in pairs]
         self._no_inputs = [NO_INPUTS] * self.world_size
@@ -79,7 +82,7 @@ class Engine:
             drain_timeout_s=drain_timeout_s, logger=logger if logger is not None else get_logger("kvledger.engine"),
             metrics=extras.metrics if extras is not None else None,
             kv_flush=extras.kv_flush if extras is not None else None,
-            sanitizer=extras.tracker if extras is not None else None,
+            sanitizer=extras.tracker if extras is not None else None, depth=depth,
         )
         self.remote_address: tuple[str, int] | None = None
         self._kv_events = extras.publisher if extras is not None else None
@@ -304,6 +307,11 @@ class Engine:
         open, to be run again; one that lands after the seal records the step as
         aborted first.
 
+        With ``depth`` > 1 (``open_engine``), the call holds one of ``depth`` slots from
+        the seal until the step settled: the next step may be sealed meanwhile, and its
+        ranks run once this one settled; if an earlier step's abort reached this one,
+        it runs nothing and raises ``StepFailedError`` naming that step.
+
         With remote ranks, ``payload`` (bytes) travels in the PREPARE to every peer
         (its ``on_launch`` gets it); the step runs locally only once every peer is
         READY (see ``kvledger.engine``).
@@ -314,8 +322,8 @@ class Engine:
         access = self._access
         if access.state != "open":
             access.check_open()
-        async with self._step_lock:  # one step at a time; cancelled before it holds the lock: nothing sealed
-            if access.state != "open":  # closing began while this call waited for the previous step
+        async with self._slots:  # at most depth steps sealed; cancelled before it holds a slot: nothing sealed
+            if access.state != "open":  # closing began while this call waited for a slot
                 access.check_open()
             return await self._steps.run(step, per_rank, payload if type(payload) is bytes else bytes(payload))
 
@@ -357,8 +365,11 @@ class Engine:
         self._access.begin_close()
         if abort:
             self._steps.abort_in_flight()
-        async with self._step_lock:
-            pass
+        if self.depth == 1:
+            async with self._slots:
+                pass
+        else:
+            await self._steps.wait_settled()
 
     async def _serve_rank(self, rank: int, jobs: Any, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         """Rank ``rank``'s executor task (``RankExecutor.serve``); a step waiting on it learns when it ends."""

@@ -51,6 +51,14 @@ The options of ``open_engine``:
                      flushed after each step's outcome is recorded, stopped at close
     observers        more Ledger observers (seq, event, effects), called after the engine's
                      own, in order; they must not raise
+    depth            steps in flight together (1 to MAX_IN_FLIGHT; default 1): up to depth
+                     run_step calls hold a sealed step at once, so the caller can issue step
+                     k+1's commands and seal it while step k runs; the ranks run them one
+                     after the other, in step order. A step that fails aborts itself and
+                     every later sealed step (one StepAborted, recorded before the failed
+                     step's completions; their clear lists all carry into the next step);
+                     each later one runs nothing and raises StepFailedError naming the step
+                     that failed. Local ranks only (with remote: ConfigurationError)
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ import anyio
 from kvledger.core.errors import ConfigurationError, InvalidArgumentError
 from kvledger.core.events import CLEAR_POLICIES, Geometry
 from kvledger.core.ledger import EventObserver, Ledger
+from kvledger.core.state import MAX_IN_FLIGHT
 from kvledger.executors.backend import make_backend
 from kvledger.executors.executor import RankExecutor
 from kvledger.logs import get_logger
@@ -97,6 +106,7 @@ async def open_engine(
     kv_events: Any = None,
     observers: Sequence[EventObserver] = (),
     log_options: Mapping[str, Any] | None = None,
+    depth: int = 1,
 ) -> AsyncIterator[Engine]:
     """Open the embedded engine: a ledger (durable when ``log`` is a path) and one
     executor task per rank, in a task group that lives as long as the ``async with``.
@@ -111,7 +121,7 @@ async def open_engine(
     callers see; nothing is written after it) and the KV event publisher stops.
     """
     specs = _rank_specs(ranks)
-    _check_options(remote, policy, queue_size)
+    _check_options(remote, policy, queue_size, depth)
     extras = Extras(sanitize=sanitize, metrics=metrics, kv_events=kv_events, observers=observers)
     extras.start()
     engine: Engine | None = None
@@ -121,7 +131,7 @@ async def open_engine(
         try:
             executors = _build_executors(specs, ledger.geometry.num_pages, backend, sanitize)
             engine = Engine(ledger, executors, queue_size=queue_size, drain_timeout_s=drain_timeout_s,
-                            logger=logger, extras=extras)
+                            logger=logger, extras=extras, depth=depth)
             extras.attach(engine)
             async with _running(engine, remote, logger):
                 yield engine
@@ -141,13 +151,17 @@ async def _close(engine: Engine | None, ledger: Ledger) -> None:
             await anyio.to_thread.run_sync(ledger.close)
 
 
-def _check_options(remote: Any, policy: str | None, queue_size: Any) -> None:
+def _check_options(remote: Any, policy: str | None, queue_size: Any, depth: Any) -> None:
     if remote is not None and not isinstance(remote, RemoteRanks):
         raise InvalidArgumentError(f"remote must be a RemoteRanks or None, got {type(remote).__name__}")
     if policy is not None and policy not in CLEAR_POLICIES:
         raise ConfigurationError(f"unknown clear policy {policy!r}; one of {CLEAR_POLICIES}")
     if type(queue_size) is not int or queue_size < 1:
         raise InvalidArgumentError(f"queue_size must be an int >= 1, got {queue_size!r}")
+    if type(depth) is not int or not 1 <= depth <= MAX_IN_FLIGHT:
+        raise InvalidArgumentError(f"depth must be an int from 1 to {MAX_IN_FLIGHT}, got {depth!r}")
+    if depth > 1 and remote is not None:
+        raise ConfigurationError("steps in flight together (depth > 1) run on local ranks only, not with remote ranks")
 
 
 def _rank_specs(ranks: Any) -> list[RankSpec]:

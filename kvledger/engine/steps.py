@@ -22,6 +22,13 @@ wire decision and every violation; ``kv_flush`` (a publisher's ``flush``) runs
 after each step's outcome is recorded, on the ledger's path. Each is None when
 unused, and then costs one attribute test per step.
 
+Steps in flight (``depth`` > 1): ``run`` seals under the seal lock and joins a
+chain of events (each step's set once it settled), yields once so that a
+scheduler task may seal the next step, then waits for the previous step's event
+before its ranks run. An abort recorded for step k (``_abort``, on the ledger's
+path) names every later step in flight in ``_cascaded``; each of those, when its
+turn comes, runs nothing and raises ``StepFailedError`` naming step k.
+
 Nothing is recorded before the seal: a caller cancelled while the seal waits
 for the worker thread leaves the step open. After the seal every exit records
 the step's outcome (see ``kvledger.engine``), through the engine's one path to
@@ -59,7 +66,8 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
 
 class StepRunner:
-    """Runs the engine's steps, one at a time (the engine holds its step lock around ``run``).
+    """Runs the engine's steps: one at a time (``depth`` 1: the engine holds its slot lock
+    around ``run``), or up to ``depth`` sealed at once, run on the ranks one after the other.
 
     ``inline``: every local rank runs synchronously (planes on the CPU, a graph that
     is a plain function or none): its job runs in ``run``'s own task, rank after
@@ -68,7 +76,8 @@ class StepRunner:
 
     def __init__(self, access: LedgerAccess, executors: Sequence[RankExecutor], senders: Sequence[Any], *,
                  inline: bool, drain_timeout_s: float, logger: Any, metrics: Any = None,
-                 kv_flush: Callable[[], Any] | None = None, sanitizer: SanitizerTracker | None = None) -> None:
+                 kv_flush: Callable[[], Any] | None = None, sanitizer: SanitizerTracker | None = None,
+                 depth: int = 1) -> None:
         self._access = access
         self._ledger = access.ledger
         self._executors = tuple(executors)
@@ -90,6 +99,10 @@ class StepRunner:
         self.metrics = metrics
         self.kv_flush = kv_flush
         self.sanitizer = sanitizer
+        self.depth = depth
+        self._seal_lock = _fast_lock() if depth > 1 else None  # seal, take the lists, join the chain
+        self._tail: anyio.Event | None = None  # set once the last sealed step settled (depth > 1)
+        self._cascaded: dict[int, tuple[int, int, str]] = {}  # step -> (aborting step, its rank, reason)
 
     def close(self) -> None:
         """No more plans: the executors stop after their current one."""
@@ -106,12 +119,68 @@ class StepRunner:
     async def run(self, step: int, per_rank: list[StepInputs], payload: bytes = b"") -> StepResult:
         """Seal ``step``, run it on every rank, record the outcome: a ``StepResult``, or
         ``StepFailedError`` / ``EngineClosedError`` once the abort is recorded."""
+        if self._seal_lock is not None:
+            return await self._run_in_flight(step, per_rank, payload)
         t0 = time.perf_counter()
         plan = await self._seal(step)
-        if self._aborting:  # sealed while the engine began closing after an error
-            await self._settle(step, (), "engine closed")
-            raise EngineClosedError(f"the engine closed before step {step} ran; it was recorded as aborted")
         lists = self.sanitizer.take(step) if self.sanitizer is not None else _NO_LISTS
+        return await self._run_plan(plan, lists, per_rank, payload, t0)
+
+    async def _run_in_flight(self, step: int, per_rank: list[StepInputs], payload: bytes) -> StepResult:
+        """``run`` with steps in flight together (``depth`` > 1): seal now, in order; run on
+        the ranks once the step sealed before it settled (a rank runs one step at a time,
+        in step order); a step an earlier one's abort reached runs nothing and raises
+        (``_wait_turn``). The next step's wait ends when this one settled."""
+        t0 = time.perf_counter()
+        assert self._seal_lock is not None
+        async with self._seal_lock:
+            plan = await self._seal(step)
+            lists = self.sanitizer.take(step) if self.sanitizer is not None else _NO_LISTS
+            prev, mine = self._tail, anyio.Event()
+            self._tail = mine
+        try:
+            await self._wait_turn(plan, prev)
+            return await self._run_plan(plan, lists, per_rank, payload, t0)
+        finally:
+            mine.set()
+
+    async def _wait_turn(self, plan: StepPlan, prev: anyio.Event | None) -> None:
+        """Yield once (a scheduler task may seal the next step before this one runs, also
+        with inline ranks, which never yield while they run), then wait until the step sealed
+        before ``plan`` (``prev``'s) settled. Raises, with nothing run:
+        ``StepFailedError`` (``EngineClosedError`` while the engine closes after an error)
+        when that step's abort, or an earlier one's, reached this one (recorded by that
+        abort: one ``StepAborted`` for them all); on cancellation, this step's abort is
+        recorded at once, then the wait goes on shielded (the ranks never run two steps
+        at once) and the cancellation is re-raised."""
+        step = plan.step
+        try:
+            await anyio.lowlevel.checkpoint()
+            if prev is not None:
+                await prev.wait()
+        except BaseException:
+            await self.settle(step, (), "cancelled before it ran", rank=-1, only_in_flight=True)
+            if prev is not None:
+                with anyio.CancelScope(shield=True):
+                    await prev.wait()
+            self._cascaded.pop(step, None)
+            raise
+        cause = self._cascaded.pop(step, None)
+        if cause is None:
+            return
+        first, rank, reason = cause
+        self.steps_aborted += 1
+        if self._aborting:
+            raise EngineClosedError(f"the engine closed before step {step} ran; it was aborted with step {first}")
+        raise StepFailedError(step, rank, (), f"aborted with step {first} ({reason})", plan.clear_list)
+
+    async def _run_plan(self, plan: StepPlan, lists: tuple, per_rank: list[StepInputs], payload: bytes,
+                        t0: float) -> StepResult:
+        """A sealed plan on every rank, and its outcome recorded (``run``)."""
+        step = plan.step
+        if self._aborting:  # sealed while the engine began closing after an error
+            await self.settle(step, (), "engine closed")
+            raise EngineClosedError(f"the engine closed before step {step} ran; it was recorded as aborted")
         if self._inline and self.leader is None:
             outcomes = await self._run_inline(plan, per_rank, lists)
         else:
@@ -128,9 +197,19 @@ class StepRunner:
         ok_ranks = tuple(sorted(o.rank for o in outcomes if o.status == "ok"))
         await self._fail(plan, outcomes, ok_ranks, lists[1])
 
+    async def wait_settled(self) -> None:
+        """Closing: wait until every sealed step settled (with ``depth`` > 1; the engine's
+        slot lock does it for one step at a time). No step is sealed meanwhile."""
+        if self._seal_lock is None:
+            return
+        async with self._seal_lock:
+            tail = self._tail
+            if tail is not None:
+                await tail.wait()
+
     async def _complete(self, plan: StepPlan, outcomes: list[RankOutcome], t0: float) -> StepResult:
         """Every rank completed: record it, and the ``StepResult``."""
-        await self._settle(plan.step, self._all_ranks, None)
+        await self.settle(plan.step, self._all_ranks, None)
         self.pages_cleared += len(plan.clear_list)
         timings: list[Any] = [o.timing for o in outcomes]
         if not self._inline:
@@ -150,7 +229,7 @@ class StepRunner:
                 if self.leader is not None:
                     with anyio.CancelScope(shield=True):
                         await self._wire_catch_up(box[0])
-                await self._settle(step, (), "cancelled before dispatch")
+                await self.settle(step, (), "cancelled before dispatch")
             raise  # not sealed (StepOrderError, closed, or cancelled before the seal): nothing recorded
 
     def _seal_into(self, step: int, box: list) -> StepPlan:
@@ -202,7 +281,7 @@ class StepRunner:
         except BaseException as exc:  # only a graph that awaited can be interrupted
             with anyio.CancelScope(shield=True):
                 ok = tuple(o.rank for o in outcomes if o.status == "ok")
-                await self._settle(plan.step, ok, self._reason(exc))
+                await self.settle(plan.step, ok, self._reason(exc))
             raise
         return outcomes
 
@@ -234,7 +313,7 @@ class StepRunner:
             with anyio.CancelScope(shield=True):
                 await self._drain(scopes, replies, sent)
                 ok = tuple(sorted(o.rank for o in replies.outcomes if o.status == "ok"))
-                await self._settle(plan.step, ok, self._reason(exc))
+                await self.settle(plan.step, ok, self._reason(exc))
             raise
         finally:
             self._replies = None
@@ -289,7 +368,7 @@ class StepRunner:
         else:  # a rank answered "cancelled" unasked, or its executor task ended without answering
             first_rank = min(set(range(self.world_size)).difference(ok_ranks))
             reason = f"rank {first_rank} cancelled"
-        await self._settle(step, ok_ranks, reason, found)
+        await self.settle(step, ok_ranks, reason, found, rank=first_rank)
         err = StepFailedError(step, first_rank, failures, "" if failures else "cancelled", plan.clear_list)
         if self.metrics is not None:
             self._count_failure(err, found)
@@ -310,25 +389,41 @@ class StepRunner:
 
     # ------------------------------------------------------------------ recording
 
-    def _record(self, step: int, ok_ranks: tuple[int, ...], reason: str | None, found: Sequence = ()) -> None:
-        """What the sanitizer found first, then a failed step is aborted, then the ranks that did
-        run their part are recorded (once every reporting rank has completed a step, it can no
-        longer be aborted); then the KV events folded so far leave as a batch."""
+    def _record(self, step: int, ok_ranks: tuple[int, ...], reason: str | None, found: Sequence = (),
+                rank: int = -1, only_in_flight: bool = False) -> None:
+        """What the sanitizer found first, then a failed step is aborted (``_abort``), then the
+        ranks that did run their part are recorded (once every reporting rank has completed a
+        step, it can no longer be aborted); then the KV events folded so far leave as a batch."""
         ledger = self._ledger
-        for rank, v in found:
-            ledger.record_violation(step, rank, v.plane, v.page, v.kind)
+        for r, v in found:
+            ledger.record_violation(step, r, v.plane, v.page, v.kind)
         if reason is not None:
-            ledger.abort_step(step, reason)
-        for rank in ok_ranks:
-            ledger.complete_step(step, rank)
+            self._abort(step, reason, rank, only_in_flight)
+        for r in ok_ranks:
+            ledger.complete_step(step, r)
         if self.kv_flush is not None:
             self.kv_flush()
 
-    async def _settle(self, step: int, ok_ranks: tuple[int, ...], reason: str | None, found: Sequence = ()) -> None:
+    def _abort(self, step: int, reason: str, rank: int, only_in_flight: bool) -> None:
+        """``StepAborted(step)``; the later steps in flight it reaches learn it (``_cascaded``).
+        ``only_in_flight``: nothing when an earlier abort reached ``step`` already (checked
+        here, on the ledger's path, where no other record can come in between)."""
+        ledger = self._ledger
+        in_flight = ledger.state.in_flight
+        if only_in_flight and not any(plan.step == step for plan in in_flight):
+            return
+        later = [plan.step for plan in in_flight if plan.step > step] if len(in_flight) > 1 else ()
+        ledger.abort_step(step, reason)
+        for s in later:
+            self._cascaded[s] = (step, rank, reason)
+
+    async def settle(self, step: int, ok_ranks: tuple[int, ...], reason: str | None, found: Sequence = (), *,
+                      rank: int = -1, only_in_flight: bool = False) -> None:
         """Record a sealed step's outcome through the engine's one path to the ledger, shielded
-        from cancellation (in place when the ledger cannot block). A failure here breaks the engine."""
+        from cancellation (in place when the ledger cannot block): every outcome, local or
+        remote, goes through here. A failure here breaks the engine."""
         try:
-            await self._access.record(self._record, step, ok_ranks, reason, found)
+            await self._access.record(self._record, step, ok_ranks, reason, found, rank, only_in_flight)
         except BaseException as exc:
             self._log.error("step_outcome_not_recorded", step=step, error=repr(exc))
             raise
@@ -352,7 +447,7 @@ class StepRunner:
             with anyio.CancelScope(shield=True):
                 await self._wire_catch_up(plan)
                 reason = "cancelled" if isinstance(exc, anyio.get_cancelled_exc_class()) else repr(exc)
-                await self._settle(step, (), f"remote handshake: {reason}")
+                await self.settle(step, (), f"remote handshake: {reason}")
             raise
         if self.metrics is not None:
             self.metrics.wire_decision(decision, time.perf_counter() - t0)
@@ -364,7 +459,7 @@ class StepRunner:
         rank = base + decision.rank if decision.rank != NO_RANK else self.world_size
         cause = WireProtocolError(decision.code, decision.detail or "aborted", remote=True)
         reason = f"rank {rank} aborted the step over the wire: code {int(decision.code)}: {decision.detail}"
-        await self._settle(step, (), reason)
+        await self.settle(step, (), reason)
         err = StepFailedError(step, rank, [(rank, cause)], reason, plan.clear_list)
         if self.metrics is not None:
             self.metrics.step_failed(err)
@@ -387,6 +482,14 @@ class StepRunner:
 
 
 _NO_LISTS: tuple = (None, None)  # a job's poison and committed lists without the sanitizer: the defaults
+
+
+def _fast_lock() -> anyio.Lock:
+    """A lock that does not yield when it is free (anyio >= 4.5), or a plain one."""
+    try:
+        return anyio.Lock(fast_acquire=True)
+    except TypeError:
+        return anyio.Lock()
 
 
 def _by_rank(t: RankTiming) -> int:
