@@ -24,6 +24,13 @@ Per step. One step of the workload, for N requests (N = 1, 32, 256):
   when there is one: an fsync there is cheap, so these rows show what the engine
   adds (thread hops), not how a shared disk's fsync latency varies.
 
+Sanitize mode. The same step with 2 ranks holding CPU planes (torch backend, two
+planes of 64 bytes a page, inline): ``planes`` (sanitize off) against ``planes,
+sanitize`` (``open_engine(..., sanitize=True)``: the ledger observer that tracks
+marks, commits and page histories; each rank poisons the marked pages, clears, and
+checks the clear list and the committed pages before the graph). ``overhead`` =
+sanitize - off, in us per step.
+
 Per command. ``reserve``, ``commit``, ``finish`` for 64 requests into an open step
 (no seal, so no fsync): (engine - bare) / commands, in memory, with a log that
 fsyncs inline (worker-thread hop per command) and with a background log (on the
@@ -268,8 +275,16 @@ class _Setup:
         return self.open_ledger(self.path(), self.geometry, fsync="per_step", background=background,
                                 logger=self.quiet)
 
-    def engine_kwargs(self, log: str | None) -> dict:
+    def engine_kwargs(self, log: str | None, *, planes: bool = False, sanitize: bool = False) -> dict:
         kw: dict[str, Any] = {"geometry": self.geometry, "ranks": 2}
+        if planes:
+            import torch
+
+            from kvledger.engine import RankSpec
+
+            kw["ranks"] = [RankSpec(planes=[torch.ones((NUM_PAGES, 64), dtype=torch.uint8) for _ in range(2)])
+                           for _ in range(2)]
+            kw["sanitize"] = sanitize
         if log is not None:
             kw.update(log=self.path(), logger=self.quiet, fsync="per_step", background=log == "background")
         return kw
@@ -317,6 +332,29 @@ def _per_step(s: _Setup, figures: dict, rows: list) -> None:
         figures[key + "durable_background_us_per_step"] = t["durable_background"] * 1e6
 
 
+def _sanitize_rows(s: _Setup, figures: dict) -> list:
+    """Sanitize mode against the same engine with planes, per step (SIZES[:2])."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        figures["sanitize"] = "skipped: torch is not installed"
+        return []
+    rows = []
+    for n in SIZES[:2]:
+        def side(sanitize: bool, n: int = n) -> _EngineSide:
+            return _EngineSide(s.engine_kwargs(None, planes=True, sanitize=sanitize), n, _engine_step)
+
+        t = _segmented({"off": lambda: side(False), "sanitize": lambda: side(True)},
+                       s.segments, _steps_per_segment(n), s.repeats)
+        off, on = t["off"], t["sanitize"]
+        key = f"n{n}_sanitize_"
+        figures.update({key + "off_us_per_step": off * 1e6, key + "on_us_per_step": on * 1e6,
+                        key + "overhead_us_per_step": (on - off) * 1e6})
+        rows.append((f"{n} requests", f"{off * 1e6:.1f} us", f"{on * 1e6:.1f} us", f"{(on - off) * 1e6:.1f} us",
+                     f"{on / off:.2f}"))
+    return rows
+
+
 def _per_command(s: _Setup, figures: dict) -> list:
     g, n = s.geometry, COMMAND_REQUESTS
     pairs = [("in memory", lambda: _BareSide(lambda: Ledger(g), n, _bare_commands, False),
@@ -361,6 +399,7 @@ def run(quick: bool) -> dict:
     rows: list = []
     try:
         _per_step(s, figures, rows)
+        sanitize_rows = _sanitize_rows(s, figures)
         command_rows = _per_command(s, figures)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -370,6 +409,13 @@ def run(quick: bool) -> dict:
         ["step", "ledger", "bare", "engine", "overhead", "ratio"],
         rows,
     )
+    if sanitize_rows:
+        print_table(
+            "sanitize mode per step (2 in-process CPU ranks, 2 planes x 64 B a page, torch backend): "
+            "planes = sanitize off, sanitize = open_engine(..., sanitize=True)",
+            ["step", "planes", "sanitize", "overhead", "ratio"],
+            sanitize_rows,
+        )
     print_table(
         f"engine overhead per command (reserve, commit, finish; {COMMAND_REQUESTS} requests per segment, no seal); "
         f"target with a background log: overhead <= {COMMAND_TARGET_US:.0f} us",

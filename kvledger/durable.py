@@ -34,6 +34,7 @@ import hashlib
 import logging
 import os
 import time
+from typing import Any
 
 import msgspec
 
@@ -44,7 +45,7 @@ from kvledger.core.errors import (
     LogError,
 )
 from kvledger.core.events.events import CLEAR_POLICIES, ClearPages, Geometry, StepSealed
-from kvledger.core.ledger import Ledger
+from kvledger.core.ledger import EventObserver, Ledger
 from kvledger.core.log import (
     DEFAULT_MAX_LAG_BYTES,
     DEFAULT_MAX_PAGES,
@@ -56,7 +57,7 @@ from kvledger.core.log.fold import rebuild_state
 from kvledger.core.state import LedgerState
 from kvledger.logs import get_logger
 
-__all__ = ["DurableLedger", "Recovery", "auto_checkpoint_every", "open_ledger"]
+__all__ = ["DurableLedger", "Recovery", "auto_checkpoint_every", "chain_observers", "open_ledger"]
 
 
 class Recovery(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -75,6 +76,37 @@ class Recovery(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
 
 # ---------------------------------------------------------------------- the ledger
+
+
+def chain_observers(*observers: EventObserver | None) -> EventObserver | None:
+    """One ``Ledger`` observer that calls each of ``observers`` (``None`` entries skipped) in order.
+
+    Costs nothing it need not: ``None`` when there is none, the observer itself when
+    there is one, one plain function for two, a loop over a tuple beyond that.
+    Raises ``InvalidArgumentError`` for an entry that is not callable.
+    """
+    fns = tuple(fn for fn in observers if fn is not None)
+    for fn in fns:
+        if not callable(fn):
+            raise InvalidArgumentError(f"an observer must be callable(seq, event, effects), got {fn!r}")
+    if not fns:
+        return None
+    if len(fns) == 1:
+        return fns[0]
+    if len(fns) == 2:
+        first, second = fns
+
+        def both(seq: int, event: object, effects: tuple) -> None:
+            first(seq, event, effects)
+            second(seq, event, effects)
+
+        return both
+
+    def each(seq: int, event: object, effects: tuple) -> None:
+        for fn in fns:
+            fn(seq, event, effects)
+
+    return each
 
 
 def auto_checkpoint_every(num_pages: int) -> int:
@@ -108,11 +140,16 @@ class DurableLedger(Ledger):
     every max(10,000, 4 x num_pages) events: O(1) per command amortized on any
     cache size, and a reopen or replay starts at most that many events before
     any seq.
+
+    ``observer(seq, event, effects)`` (optional): the caller's ``Ledger`` observer,
+    called after the ledger's own debug observer (when debug logging is on) for
+    every event folded from now on (a reopened log's replayed events are not
+    observed: the state is rebuilt, not re-folded).
     """
 
     def __init__(self, log: EventLog, *, state: LedgerState | None = None, policy: str = "released_aliases",
                  check: bool = False, checkpoint_every: int | str | None = "auto", logger=None,
-                 recovery: Recovery | None = None) -> None:
+                 recovery: Recovery | None = None, observer: EventObserver | None = None) -> None:
         if checkpoint_every == "auto":
             checkpoint_every = auto_checkpoint_every(log.header.geometry.num_pages)
         if checkpoint_every is not None and (type(checkpoint_every) is not int or checkpoint_every < 1):
@@ -129,8 +166,9 @@ class DurableLedger(Ledger):
         self._append_next = log.append_next
         start = log.seq if state is None else state.seq
         self._next_checkpoint = start + checkpoint_every if checkpoint_every else 1 << 62
+        own = self._observe if self._debug else None
         super().__init__(log.header.geometry, policy=policy, check=check, sink=self._append, state=state,
-                         observer=self._observe if self._debug else None)
+                         observer=chain_observers(own, observer))
         if self.state.seq != log.seq:
             raise ConfigurationError(f"state at seq {self.state.seq} for a log at seq {log.seq}")
 
@@ -240,7 +278,8 @@ def open_ledger(path, geometry: Geometry | None = None, *, policy: str | None = 
                 checkpoint_every: int | str | None = "auto", check: bool = False, background: bool | None = None,
                 layer=None, logger=None, max_pages: int = DEFAULT_MAX_PAGES,
                 max_lag_bytes: int = DEFAULT_MAX_LAG_BYTES, segment_bytes: int | None = None,
-                retain_bytes: int | None = None, retain_segments: int | None = None) -> DurableLedger:
+                retain_bytes: int | None = None, retain_segments: int | None = None,
+                observer: EventObserver | None = None) -> DurableLedger:
     """Open the durable ledger at ``path``, creating the log if it does not exist.
 
     Creating needs ``geometry``; ``policy`` defaults to ``"released_aliases"``.
@@ -264,28 +303,39 @@ def open_ledger(path, geometry: Geometry | None = None, *, policy: str | None = 
     with a checkpoint (``core/log/segments.py``), with the retention bounds
     ``retain_bytes`` / ``retain_segments`` (oldest segments deleted while the
     server runs); an existing directory is reopened as one (default segments of
-    64 MiB). ``layer`` swaps the file layer (fault injection). Raises ``LogLockedError`` when another writer has the
-    log open, ``LogError`` for a path that is not a regular file of this user.
+    64 MiB). ``layer`` swaps the file layer (fault injection, timing).
+    ``observer``: a ``Ledger`` observer for every event folded from now on,
+    chained after the ledger's own debug one (``chain_observers``). Raises
+    ``LogLockedError`` when another writer has the log open, ``LogError`` for a
+    path that is not a regular file of this user, ``InvalidArgumentError`` for an
+    observer that is not callable (nothing opened).
     """
     t0 = time.perf_counter()
     lay = layer if layer is not None else default_layer
     path = os.fspath(path)
-    base = logger if logger is not None else get_logger("kvledger")
+    _check_open_arguments(geometry, policy, observer)
+    opts = {"fsync": fsync, "background": background, "layer": lay, "max_pages": max_pages,
+            "max_lag_bytes": max_lag_bytes, "segment_bytes": segment_bytes, "retain_bytes": retain_bytes,
+            "retain_segments": retain_segments}
+    led_opts = {"check": check, "checkpoint_every": checkpoint_every,
+                "logger": logger if logger is not None else get_logger("kvledger"), "observer": observer}
+    if not lay.exists(path):
+        if geometry is None:
+            raise ConfigurationError(f"{path} does not exist: give a geometry to create it")
+        return _create(path, geometry, policy or "released_aliases", opts, led_opts, t0)
+    return _reopen(path, geometry, policy, opts, led_opts, t0)
+
+
+def _check_open_arguments(geometry: Geometry | None, policy: str | None, observer: EventObserver | None) -> None:
+    """``open_ledger``'s checks that need no file: ``ConfigurationError`` / ``InvalidArgumentError``."""
     if policy is not None and policy not in CLEAR_POLICIES:
         raise ConfigurationError(f"unknown clear policy {policy!r}; one of {CLEAR_POLICIES}")
     if geometry is not None:
         if not isinstance(geometry, Geometry):
             raise InvalidArgumentError(f"geometry must be a Geometry, got {geometry!r}")
         checks.geometry(geometry)
-    opts = {"fsync": fsync, "background": background, "layer": lay, "max_pages": max_pages,
-            "max_lag_bytes": max_lag_bytes, "segment_bytes": segment_bytes, "retain_bytes": retain_bytes,
-            "retain_segments": retain_segments}
-    led_opts = {"check": check, "checkpoint_every": checkpoint_every, "logger": base}
-    if not lay.exists(path):
-        if geometry is None:
-            raise ConfigurationError(f"{path} does not exist: give a geometry to create it")
-        return _create(path, geometry, policy or "released_aliases", opts, led_opts, t0)
-    return _reopen(path, geometry, policy, opts, led_opts, t0)
+    if observer is not None and not callable(observer):
+        raise InvalidArgumentError(f"observer must be callable(seq, event, effects), got {observer!r}")
 
 
 def _create(path: str, geometry: Geometry, policy: str, opts: dict, led_opts: dict, t0: float) -> DurableLedger:
@@ -315,8 +365,9 @@ def _reopen(path: str, geometry: Geometry | None, policy: str | None, opts: dict
         return rebuild_state(view, check=led_opts["check"])
 
     log = EventLog.open(path, loader=load, **opts)
-    res = log.recovery
-    state, ck, folded = log.loaded
+    res: Any = log.recovery  # the Scan of what open found, and what load built from it
+    loaded: Any = log.loaded
+    state, ck, folded = loaded
     log.loaded = None
     try:
         led = DurableLedger(log, state=state, policy=log.header.policy, **led_opts)

@@ -43,6 +43,37 @@ def rank_planes():
     ]
 
 
+async def apply_command(engine, planes, command, ident, step, snapshots, requests):
+    """One random command on the engine (``ident``: a new snapshot or request id); out of
+    pages changes nothing and is skipped."""
+    op, n, pick = command
+    try:
+        if op in ("alias", "churn"):
+            pages = await engine.alias_snapshot(ident, n)
+            for rp in planes:  # the row writes through its alias
+                for plane in rp:
+                    plane.view(torch.uint8)[list(pages)] = ROW
+            if op == "churn":  # a short-lived snapshot: released at once
+                await engine.release_snapshot(ident)
+            else:
+                snapshots.append(ident)
+        elif op == "release" and snapshots:
+            await engine.release_snapshot(snapshots.pop(pick % len(snapshots)))
+        elif op == "admit":
+            await engine.reserve(ident, n)
+            await engine.commit(ident, step, max(1, n - 1))
+            requests.append(ident)
+        elif op == "grow" and requests:
+            r = requests[pick % len(requests)]
+            await engine.reserve(r, n)
+            await engine.commit(r, step, n)
+        elif op in ("finish", "cancel") and requests:
+            r = requests.pop(pick % len(requests))
+            await (engine.finish if op == "finish" else engine.cancel)(r)
+    except OutOfPagesError:
+        pass
+
+
 async def session(steps):
     planes = [rank_planes() for _ in range(RANKS)]
     finished: set[tuple[int, int]] = set()
@@ -73,31 +104,7 @@ async def session(steps):
         for step, (commands, outcome, rank) in enumerate(steps):
             for op, n, pick in commands:
                 next_id += 1
-                try:
-                    if op in ("alias", "churn"):
-                        pages = await engine.alias_snapshot(next_id, n)
-                        for rp in planes:  # the row writes through its alias
-                            for plane in rp:
-                                plane.view(torch.uint8)[list(pages)] = ROW
-                        if op == "churn":  # a short-lived snapshot: released at once
-                            await engine.release_snapshot(next_id)
-                        else:
-                            snapshots.append(next_id)
-                    elif op == "release" and snapshots:
-                        await engine.release_snapshot(snapshots.pop(pick % len(snapshots)))
-                    elif op == "admit":
-                        await engine.reserve(next_id, n)
-                        await engine.commit(next_id, step, max(1, n - 1))
-                        requests.append(next_id)
-                    elif op == "grow" and requests:
-                        r = requests[pick % len(requests)]
-                        await engine.reserve(r, n)
-                        await engine.commit(r, step, n)
-                    elif op in ("finish", "cancel") and requests:
-                        r = requests.pop(pick % len(requests))
-                        await (engine.finish if op == "finish" else engine.cancel)(r)
-                except OutOfPagesError:
-                    pass
+                await apply_command(engine, planes, (op, n, pick), next_id, step, snapshots, requests)
             current.update(outcome=outcome, rank=rank)
             inputs = None
             if outcome == "copy_fails":

@@ -186,6 +186,15 @@ class EventLog:
     def failed(self) -> bool:
         return self._failure is not None
 
+    @property
+    def may_block(self) -> bool:
+        """Whether the next append could wait for the disk: always inline (a commit writes and
+        fsyncs); with the writer thread, while a segment rotation is due or back-pressure is near
+        (the bytes handed off or buffered but not yet synced pass half of ``max_lag_bytes``)."""
+        if self._syncer is None:
+            return True
+        return self.rotation_due or 2 * (self._end + len(self._buf) - self._synced_end) > self.max_lag_bytes
+
     def statistics(self) -> LogStatistics:
         return LogStatistics(
             events=self._next_seq, durable_seq=self._durable_seq, appended=self._next_seq - self._start_seq,

@@ -22,8 +22,27 @@ that fsyncs inline, each awaited command is one worker-thread round trip (about
 90 us measured); a serving loop issues a step's commands in one ``await
 engine.call(fn)`` instead (one round trip; bench/bench_engine.py). With a log
 that writes in the background (``log.background``), commands run on the loop as
-in memory; ``flush`` and the close wait for the disk in the worker thread. What
-a failure leaves behind:
+in memory, except while the log says an append may wait for the disk
+(``EventLog.may_block``: back-pressure near ``max_lag_bytes``, a segment
+rotation due): then they run in the worker thread and the loop keeps running.
+
+Waiting for the disk is opt-in, never on the step path:
+
+    await engine.flush()           write and fsync everything so far (in the worker thread);
+                                   afterwards engine.ledger.durable_seq == engine.seq - 1
+    await engine.wait_durable(seq) wait, writing nothing, until event seq is durable: the
+                                   writer thread gets there shortly after the seal of its
+                                   step (a log that fsyncs inline: only a seal or a flush does)
+
+Optional parts (``opening.py`` lists every option):
+
+    sanitize=True      debug mode: poison -> clear -> check on every local rank; a violation
+                       is recorded and raises SanitizerError with the page's lifecycle
+    metrics=...        a kvledger.metrics.LedgerMetrics, fed by the engine
+    kv_events=...      a KVEventPublisher (or a ZMQ endpoint): one batch per step, as steps complete
+    observers=(...)    the caller's Ledger observers, composed with the engine's into one
+
+What a failure leaves behind:
 
 * a command error (``OutOfPagesError``, ``PageNotHeldError``, ...) changes nothing;
 * a rank that raises (a copy, the clear or the graph) fails the step: the other
@@ -51,7 +70,23 @@ a failure leaves behind:
   the last call on the ledger's path. Every later call raises
   ``EngineClosedError`` and nothing is written after the close;
 * if recording a step's outcome itself fails (a log write error), the engine is
-  broken: every later call raises ``EngineClosedError`` chained to that error.
+  broken: every later call raises ``EngineClosedError`` chained to that error;
+* in sanitize mode, a rank whose check found violations fails the step like a
+  raising rank, except that each violation is recorded first
+  (``SanitizerViolation``), then ``StepAborted``, then the completions of the
+  ranks that ran; ``run_step`` raises ``SanitizerError`` (its ``__cause__`` the
+  ``StepFailedError``), and the step's clear list is carried into the next step;
+* with steps in flight together (``open_engine(..., depth=2)`` or more: a
+  scheduler task seals step k+1 while step k has not run or still runs; the
+  ranks run the steps one after the other, in step order), a failure of step k
+  aborts k and every later sealed step with one ``StepAborted(k)``, recorded
+  before k's completions; each later step runs nothing and its ``run_step``
+  raises ``StepFailedError`` (``failures`` empty, the message naming step k);
+  every clear list of them is listed again for the next step, the oldest plan's
+  pages first. A later step cancelled before it ran is recorded as aborted (and
+  the steps sealed after it with it); the earlier one runs on. A page freed in
+  step k and committed in step k+1 is safe: each rank runs k's graph before
+  k+1's clear (on a CUDA rank, both on its model stream).
 
 Remote ranks (``open_engine(..., remote=RemoteRanks(...))``, see ``remote.py``):
 after sealing, ``run_step`` runs the wire's PREPARE/READY/LAUNCH handshake with
@@ -66,7 +101,9 @@ The rooms:
     engine.py    Engine: the ledger's commands, awaited, run_step's entry, closing; RankSpec
     access.py    LedgerAccess: the one path to the ledger (loop or worker thread; open/closing/closed)
     steps.py     StepRunner: one step across the ranks (seal, handshake, inline or dispatch, record); StepResult
-    opening.py   open_engine: the ledger, the executors' task group, the wire leader
+    opening.py   open_engine: the ledger, the executors' task group, the wire leader; the options
+    extras.py    Extras: metrics, KV events, the sanitizer's tracker and the caller's observers, wired in
+    sanitizer.py SanitizerTracker: each plan's poison and committed lists, page histories, SanitizerError
     remote.py    RemoteRanks (the leader side's options) and serve_remote_rank (a peer)
 
 ``import kvledger.engine`` does not import torch; a rank's planes bring it in.

@@ -25,10 +25,12 @@ of every other call:
   reaches the ledger, and nothing is written.
 
 The switch: ``ledger.log.background`` (True: the log writes and fsyncs in its own
-thread, appends never wait for the disk but under back-pressure). Such a log may
-also answer ``log.may_block`` (True while its next append could wait for the
-disk: back-pressure, a segment rotation due); while it does, calls go to the
-worker thread. A log without that attribute is taken never to block an append.
+thread, appends never wait for the disk but under back-pressure). Such a log
+answers ``log.may_block`` (``EventLog.may_block``: True while its next append
+could wait for the disk: back-pressure near ``max_lag_bytes``, a segment rotation
+due); while it does, calls go to the worker thread, and the loop keeps running
+while the append waits there. A log without that attribute is taken never to
+block an append.
 
 Raises ``EngineClosedError`` (chained to the recording failure when broken);
 what a call raises comes out as it was raised and changes nothing here, except

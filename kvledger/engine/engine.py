@@ -16,6 +16,7 @@ from kvledger.executors.executor import NO_INPUTS, RankExecutor, StepInputs, Ste
 from kvledger.logs import get_logger
 
 from .access import LedgerAccess
+from .extras import Extras
 from .steps import StepResult, StepRunner
 
 __all__ = ["Engine", "RankSpec"]
@@ -60,23 +61,31 @@ class Engine:
         queue_size: int = 1,
         drain_timeout_s: float = 10.0,
         logger: Any = None,
+        extras: Extras | None = None,
+        depth: int = 1,
     ) -> None:
         self._ledger = ledger
         self._executors = tuple(executors)
         self.world_size = len(self._executors)
         self._access = LedgerAccess(ledger)
-        try:
-            self._step_lock = anyio.Lock(fast_acquire=True)  # anyio >= 4.5: no yield when free
+        self.depth = depth
+        self._slots: Any  # steps sealed and not yet settled: at most ``depth``
+        try:  # anyio >= 4.5: no yield when free
+            self._slots = anyio.Lock(fast_acquire=True) if depth == 1 else anyio.Semaphore(depth, fast_acquire=True)
         except TypeError:
-            self._step_lock = anyio.Lock()
+            self._slots = anyio.Lock() if depth == 1 else anyio.Semaphore(depth)
         pairs = [anyio.create_memory_object_stream[StepJob](queue_size) for _ in self._executors]
         self._job_receivers = [r for _, r in pairs]
         self._no_inputs = [NO_INPUTS] * self.world_size
         self._steps = StepRunner(
             self._access, self._executors, [s for s, _ in pairs], inline=all(map(_runs_inline, self._executors)),
             drain_timeout_s=drain_timeout_s, logger=logger if logger is not None else get_logger("kvledger.engine"),
+            metrics=extras.metrics if extras is not None else None,
+            kv_flush=extras.kv_flush if extras is not None else None,
+            sanitizer=extras.tracker if extras is not None else None, depth=depth,
         )
         self.remote_address: tuple[str, int] | None = None
+        self._kv_events = extras.publisher if extras is not None else None
 
     # ------------------------------------------------------------------ plumbing
 
@@ -105,6 +114,17 @@ class Engine:
     @property
     def executors(self) -> tuple[RankExecutor, ...]:
         return self._executors
+
+    @property
+    def kv_events(self) -> Any:
+        """The KV event publisher (``kvledger.kvevents.KVEventPublisher``) of ``open_engine(...,
+        kv_events=...)``, or None; ``kv_events.endpoint`` is the PUB endpoint as bound."""
+        return self._kv_events
+
+    @property
+    def sanitize(self) -> bool:
+        """Whether the engine runs in sanitize mode (``open_engine(..., sanitize=True)``)."""
+        return self._steps.sanitizer is not None
 
     @property
     def leader(self) -> Any:
@@ -202,6 +222,35 @@ class Engine:
             return
         await self._access.call(self._ledger.complete_restore, pages, request=request, snapshot=snapshot)
 
+    async def publish(self, request: int, hashes: Sequence[int | bytes], token_ids: Sequence[int], *,
+                      start: int | None = None, parent_hash: int | bytes | None = None, lora_id: int | None = None,
+                      lora_name: str | None = None) -> tuple[int, ...]:
+        """``Ledger.publish``: full KV pages of ``request`` (written in a completed step) gain block
+        hashes; a KV event publisher sends them with the next batch."""
+        kw: dict[str, Any] = {"start": start, "parent_hash": parent_hash, "lora_id": lora_id, "lora_name": lora_name}
+        if self._access.direct:
+            return self._ledger.publish(request, hashes, token_ids, **kw)
+        return await self._access.call(self._ledger.publish, request, hashes, token_ids, **kw)
+
+    async def lookup(self, hashes: Iterable[int | bytes], *, tenant: str | None = None) -> int:
+        """``Ledger.lookup``: how many leading blocks of ``hashes`` are ready to ``share``."""
+        if self._access.direct:
+            return self._ledger.lookup(hashes, tenant=tenant)
+        return await self._access.call(self._ledger.lookup, hashes, tenant=tenant)
+
+    async def share(self, request: int, hashes: Sequence[int | bytes], *, tenant: str | None = None
+                    ) -> tuple[int, ...]:
+        """``Ledger.share``: the pages holding ``hashes`` join ``request``'s block table."""
+        if self._access.direct:
+            return self._ledger.share(request, hashes, tenant=tenant)
+        return await self._access.call(self._ledger.share, request, hashes, tenant=tenant)
+
+    async def evict(self, n: int | None = None, *, pages: Iterable[int] | None = None) -> tuple[int, ...]:
+        """``Ledger.evict``: cached pages go free (the ``n`` least recently used, the named ones, or all)."""
+        if self._access.direct:
+            return self._ledger.evict(n, pages=pages)
+        return await self._access.call(self._ledger.evict, n, pages=pages)
+
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(ledger, *args)`` with exclusive access to the ledger, where its commands
         run (on the loop, or in the worker thread for a log that fsyncs inline): several
@@ -222,6 +271,23 @@ class Engine:
             raise ConfigurationError("this engine has no log to flush")
         await self._access.blocking(self._ledger.sync)  # type: ignore[attr-defined]
 
+    async def wait_durable(self, seq: int) -> None:
+        """Wait, without blocking the loop and without writing anything, until event ``seq`` is
+        on stable storage (``DurableLedger.wait_durable_async``): with the log's writer thread,
+        a sealed step's events are durable shortly after the seal. Cancellable.
+
+        Raises ``ConfigurationError`` for an engine without a log, ``InvalidArgumentError``
+        for a ``seq`` not yet appended (``0 <= seq < engine.seq``), ``EngineClosedError``
+        once closing began, ``LogIOError`` when the writer failed, and ``LogClosedError``
+        when the log will not make ``seq`` durable by itself (a log that fsyncs inline:
+        its events become durable at the next seal or ``flush``)."""
+        if not self._access.durable:
+            raise ConfigurationError("this engine has no log to wait for")
+        if type(seq) is not int or not 0 <= seq < self._ledger.seq:
+            raise InvalidArgumentError(f"seq must be an event of the log, 0 <= seq < {self._ledger.seq}; got {seq!r}")
+        self._access.check_open()
+        await self._ledger.wait_durable_async(seq)  # type: ignore[attr-defined]
+
     # ------------------------------------------------------------------ steps
 
     async def run_step(self, step: int, inputs: Any = None, *, payload: bytes = b"") -> StepResult:
@@ -241,6 +307,11 @@ class Engine:
         open, to be run again; one that lands after the seal records the step as
         aborted first.
 
+        With ``depth`` > 1 (``open_engine``), the call holds one of ``depth`` slots from
+        the seal until the step settled: the next step may be sealed meanwhile, and its
+        ranks run once this one settled; if an earlier step's abort reached this one,
+        it runs nothing and raises ``StepFailedError`` naming that step.
+
         With remote ranks, ``payload`` (bytes) travels in the PREPARE to every peer
         (its ``on_launch`` gets it); the step runs locally only once every peer is
         READY (see ``kvledger.engine``).
@@ -251,8 +322,8 @@ class Engine:
         access = self._access
         if access.state != "open":
             access.check_open()
-        async with self._step_lock:  # one step at a time; cancelled before it holds the lock: nothing sealed
-            if access.state != "open":  # closing began while this call waited for the previous step
+        async with self._slots:  # at most depth steps sealed; cancelled before it holds a slot: nothing sealed
+            if access.state != "open":  # closing began while this call waited for a slot
                 access.check_open()
             return await self._steps.run(step, per_rank, payload if type(payload) is bytes else bytes(payload))
 
@@ -294,8 +365,11 @@ class Engine:
         self._access.begin_close()
         if abort:
             self._steps.abort_in_flight()
-        async with self._step_lock:
-            pass
+        if self.depth == 1:
+            async with self._slots:
+                pass
+        else:
+            await self._steps.wait_settled()
 
     async def _serve_rank(self, rank: int, jobs: Any, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         """Rank ``rank``'s executor task (``RankExecutor.serve``); a step waiting on it learns when it ends."""

@@ -9,8 +9,25 @@
                    a rank failed: cancel the others, wait for them (drain_timeout_s at most)
                    the caller cancelled: the same, shielded, then the cancellation re-raised
                    the engine closes after an error: the same, then EngineClosedError
-              ─► record (shielded): StepCompleted per rank that finished, StepAborted if any did not
-              ─► StepResult, or StepFailedError naming the first failed rank
+              ─► record (shielded): [SanitizerViolation per violation a rank's check found,]
+                 StepAborted if any rank did not complete, StepCompleted per rank that finished,
+                 [the KV event publisher's flush]
+              ─► StepResult, or StepFailedError naming the first failed rank (SanitizerError,
+                 chained to it, when the sanitizer found violations)
+
+Sanitize mode (``sanitizer``, a ``SanitizerTracker``): after the seal, every local
+rank's job carries the plan's poison and committed lists (``sanitizer.py``).
+``metrics`` (a ``LedgerMetrics``) hears of every completed or failed step, every
+wire decision and every violation; ``kv_flush`` (a publisher's ``flush``) runs
+after each step's outcome is recorded, on the ledger's path. Each is None when
+unused, and then costs one attribute test per step.
+
+Steps in flight (``depth`` > 1): ``run`` seals under the seal lock and joins a
+chain of events (each step's set once it settled), yields once so that a
+scheduler task may seal the next step, then waits for the previous step's event
+before its ranks run. An abort recorded for step k (``_abort``, on the ledger's
+path) names every later step in flight in ``_cascaded``; each of those, when its
+turn comes, runs nothing and raises ``StepFailedError`` naming step k.
 
 Nothing is recorded before the seal: a caller cancelled while the seal waits
 for the worker thread leaves the step open. After the seal every exit records
@@ -21,7 +38,7 @@ the ledger (``access.py``); a failure to record it breaks the engine.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import anyio
@@ -33,6 +50,7 @@ from kvledger.core.events import StepPlan
 from kvledger.executors.executor import RankExecutor, RankOutcome, RankTiming, StepInputs, StepJob, StepReplies
 
 from .access import LedgerAccess
+from .sanitizer import SanitizerTracker
 
 __all__ = ["StepResult", "StepRunner"]
 
@@ -48,7 +66,8 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
 
 class StepRunner:
-    """Runs the engine's steps, one at a time (the engine holds its step lock around ``run``).
+    """Runs the engine's steps: one at a time (``depth`` 1: the engine holds its slot lock
+    around ``run``), or up to ``depth`` sealed at once, run on the ranks one after the other.
 
     ``inline``: every local rank runs synchronously (planes on the CPU, a graph that
     is a plain function or none): its job runs in ``run``'s own task, rank after
@@ -56,7 +75,9 @@ class StepRunner:
     """
 
     def __init__(self, access: LedgerAccess, executors: Sequence[RankExecutor], senders: Sequence[Any], *,
-                 inline: bool, drain_timeout_s: float, logger: Any) -> None:
+                 inline: bool, drain_timeout_s: float, logger: Any, metrics: Any = None,
+                 kv_flush: Callable[[], Any] | None = None, sanitizer: SanitizerTracker | None = None,
+                 depth: int = 1) -> None:
         self._access = access
         self._ledger = access.ledger
         self._executors = tuple(executors)
@@ -75,6 +96,13 @@ class StepRunner:
         self.leader: Any = None  # the wire leader, while remote ranks are attached
         self.remote: Any = None  # their RemoteRanks
         self.steps_completed = self.steps_aborted = self.pages_cleared = 0
+        self.metrics = metrics
+        self.kv_flush = kv_flush
+        self.sanitizer = sanitizer
+        self.depth = depth
+        self._seal_lock = _fast_lock() if depth > 1 else None  # seal, take the lists, join the chain
+        self._tail: anyio.Event | None = None  # set once the last sealed step settled (depth > 1)
+        self._cascaded: dict[int, tuple[int, int, str]] = {}  # step -> (aborting step, its rank, reason)
 
     def close(self) -> None:
         """No more plans: the executors stop after their current one."""
@@ -91,27 +119,97 @@ class StepRunner:
     async def run(self, step: int, per_rank: list[StepInputs], payload: bytes = b"") -> StepResult:
         """Seal ``step``, run it on every rank, record the outcome: a ``StepResult``, or
         ``StepFailedError`` / ``EngineClosedError`` once the abort is recorded."""
+        if self._seal_lock is not None:
+            return await self._run_in_flight(step, per_rank, payload)
         t0 = time.perf_counter()
         plan = await self._seal(step)
+        lists = self.sanitizer.take(step) if self.sanitizer is not None else _NO_LISTS
+        return await self._run_plan(plan, lists, per_rank, payload, t0)
+
+    async def _run_in_flight(self, step: int, per_rank: list[StepInputs], payload: bytes) -> StepResult:
+        """``run`` with steps in flight together (``depth`` > 1): seal now, in order; run on
+        the ranks once the step sealed before it settled (a rank runs one step at a time,
+        in step order); a step an earlier one's abort reached runs nothing and raises
+        (``_wait_turn``). The next step's wait ends when this one settled."""
+        t0 = time.perf_counter()
+        assert self._seal_lock is not None
+        async with self._seal_lock:
+            plan = await self._seal(step)
+            lists = self.sanitizer.take(step) if self.sanitizer is not None else _NO_LISTS
+            prev, mine = self._tail, anyio.Event()
+            self._tail = mine
+        try:
+            await self._wait_turn(plan, prev)
+            return await self._run_plan(plan, lists, per_rank, payload, t0)
+        finally:
+            mine.set()
+
+    async def _wait_turn(self, plan: StepPlan, prev: anyio.Event | None) -> None:
+        """Yield once (a scheduler task may seal the next step before this one runs, also
+        with inline ranks, which never yield while they run), then wait until the step sealed
+        before ``plan`` (``prev``'s) settled. Raises, with nothing run:
+        ``StepFailedError`` (``EngineClosedError`` while the engine closes after an error)
+        when that step's abort, or an earlier one's, reached this one (recorded by that
+        abort: one ``StepAborted`` for them all); on cancellation, this step's abort is
+        recorded at once, then the wait goes on shielded (the ranks never run two steps
+        at once) and the cancellation is re-raised."""
+        step = plan.step
+        try:
+            await anyio.lowlevel.checkpoint()
+            if prev is not None:
+                await prev.wait()
+        except BaseException:
+            await self.settle(step, (), "cancelled before it ran", rank=-1, only_in_flight=True)
+            if prev is not None:
+                with anyio.CancelScope(shield=True):
+                    await prev.wait()
+            self._cascaded.pop(step, None)
+            raise
+        cause = self._cascaded.pop(step, None)
+        if cause is None:
+            return
+        first, rank, reason = cause
+        self.steps_aborted += 1
+        if self._aborting:
+            raise EngineClosedError(f"the engine closed before step {step} ran; it was aborted with step {first}")
+        raise StepFailedError(step, rank, (), f"aborted with step {first} ({reason})", plan.clear_list)
+
+    async def _run_plan(self, plan: StepPlan, lists: tuple, per_rank: list[StepInputs], payload: bytes,
+                        t0: float) -> StepResult:
+        """A sealed plan on every rank, and its outcome recorded (``run``)."""
+        step = plan.step
         if self._aborting:  # sealed while the engine began closing after an error
-            await self._settle(step, (), "engine closed")
+            await self.settle(step, (), "engine closed")
             raise EngineClosedError(f"the engine closed before step {step} ran; it was recorded as aborted")
         if self._inline and self.leader is None:
-            outcomes = await self._run_inline(plan, per_rank)
+            outcomes = await self._run_inline(plan, per_rank, lists)
         else:
-            outcomes = await self._run_waiting(plan, per_rank, payload)
+            outcomes = await self._run_waiting(plan, per_rank, payload, lists)
         if len(outcomes) == self.world_size:
             for o in outcomes:
                 if o.status != "ok":
                     break
             else:
-                return await self._complete(plan, outcomes, t0)
+                result = await self._complete(plan, outcomes, t0)
+                if self.metrics is not None:
+                    self.metrics.step_completed(result)
+                return result
         ok_ranks = tuple(sorted(o.rank for o in outcomes if o.status == "ok"))
-        await self._fail(plan, outcomes, ok_ranks)
+        await self._fail(plan, outcomes, ok_ranks, lists[1])
+
+    async def wait_settled(self) -> None:
+        """Closing: wait until every sealed step settled (with ``depth`` > 1; the engine's
+        slot lock does it for one step at a time). No step is sealed meanwhile."""
+        if self._seal_lock is None:
+            return
+        async with self._seal_lock:
+            tail = self._tail
+            if tail is not None:
+                await tail.wait()
 
     async def _complete(self, plan: StepPlan, outcomes: list[RankOutcome], t0: float) -> StepResult:
         """Every rank completed: record it, and the ``StepResult``."""
-        await self._settle(plan.step, self._all_ranks, None)
+        await self.settle(plan.step, self._all_ranks, None)
         self.pages_cleared += len(plan.clear_list)
         timings: list[Any] = [o.timing for o in outcomes]
         if not self._inline:
@@ -131,7 +229,7 @@ class StepRunner:
                 if self.leader is not None:
                     with anyio.CancelScope(shield=True):
                         await self._wire_catch_up(box[0])
-                await self._settle(step, (), "cancelled before dispatch")
+                await self.settle(step, (), "cancelled before dispatch")
             raise  # not sealed (StepOrderError, closed, or cancelled before the seal): nothing recorded
 
     def _seal_into(self, step: int, box: list) -> StepPlan:
@@ -139,7 +237,8 @@ class StepRunner:
         box.append(plan)
         return plan
 
-    async def _run_waiting(self, plan: StepPlan, per_rank: list[StepInputs], payload: bytes) -> list[RankOutcome]:
+    async def _run_waiting(self, plan: StepPlan, per_rank: list[StepInputs], payload: bytes,
+                           lists: tuple) -> list[RankOutcome]:
         """The handshake with the peers and the ranks' parts, in a scope the engine's close
         may cancel (the step is then recorded as aborted and this raises ``EngineClosedError``)."""
         with anyio.CancelScope() as scope:
@@ -148,17 +247,18 @@ class StepRunner:
                 if self.leader is not None:
                     await self._remote_handshake(plan, payload)
                 if self._inline:
-                    return await self._run_inline(plan, per_rank)
-                return await self._dispatch(plan, per_rank)
+                    return await self._run_inline(plan, per_rank, lists)
+                return await self._dispatch(plan, per_rank, lists)
             finally:
                 self._scope = None
         await anyio.lowlevel.checkpoint_if_cancelled()  # our caller's own cancellation comes first
         raise EngineClosedError(f"the engine closed while step {plan.step} ran; it was recorded as aborted")
 
-    async def _run_inline(self, plan: StepPlan, per_rank: list[StepInputs]) -> list[RankOutcome]:
+    async def _run_inline(self, plan: StepPlan, per_rank: list[StepInputs], lists: tuple) -> list[RankOutcome]:
         """Every rank's job here, in rank order, through its executor's ``run_job`` (the same
         copies -> clears -> graph, counters and outcomes). After a rank failed, the later
-        ranks' jobs are cancelled before they start (they answer "cancelled", run nothing)."""
+        ranks' jobs are cancelled before they start (they answer "cancelled", run nothing).
+        ``lists``: the sanitizer's (poison, committed), or (None, None)."""
         sink, new_scope = self._sink, self._new_scope
         if sink is None:
             sink = self._sink = StepReplies(0)
@@ -167,19 +267,21 @@ class StepRunner:
             new_scope = self._new_scope = type(anyio.CancelScope())
         outcomes: list[RankOutcome] = []
         stop = False
+        poison, committed = lists
         try:
             for rank, ex in enumerate(self._executors):
                 scope = new_scope()
                 if stop:
                     scope.cancel()
-                outcome = await ex.run_job(StepJob(plan, per_rank[rank], scope, sink))
+                outcome = await ex.run_job(StepJob(plan, per_rank[rank], scope, sink, poison=poison,
+                                                   committed=committed))
                 outcomes.append(outcome)
                 if outcome.status != "ok":
                     stop = True
         except BaseException as exc:  # only a graph that awaited can be interrupted
             with anyio.CancelScope(shield=True):
                 ok = tuple(o.rank for o in outcomes if o.status == "ok")
-                await self._settle(plan.step, ok, self._reason(exc))
+                await self.settle(plan.step, ok, self._reason(exc))
             raise
         return outcomes
 
@@ -188,15 +290,16 @@ class StepRunner:
             return repr(exc)
         return "engine closed" if self._aborting else "cancelled"
 
-    async def _dispatch(self, plan: StepPlan, per_rank: list[StepInputs]) -> list[RankOutcome]:
+    async def _dispatch(self, plan: StepPlan, per_rank: list[StepInputs], lists: tuple) -> list[RankOutcome]:
         """Hand every rank its job and collect the outcomes; on cancellation, settle and re-raise."""
         n = self.world_size
         scopes = [anyio.CancelScope() for _ in range(n)]
         replies = self._replies = StepReplies(n)
         sent = 0
+        poison, committed = lists
         try:
             for rank in range(n):
-                job = StepJob(plan, per_rank[rank], scopes[rank], replies)
+                job = StepJob(plan, per_rank[rank], scopes[rank], replies, poison=poison, committed=committed)
                 sender = self._senders[rank]
                 try:
                     sender.send_nowait(job)
@@ -210,7 +313,7 @@ class StepRunner:
             with anyio.CancelScope(shield=True):
                 await self._drain(scopes, replies, sent)
                 ok = tuple(sorted(o.rank for o in replies.outcomes if o.status == "ok"))
-                await self._settle(plan.step, ok, self._reason(exc))
+                await self.settle(plan.step, ok, self._reason(exc))
             raise
         finally:
             self._replies = None
@@ -251,38 +354,76 @@ class StepRunner:
         if self._replies is not None:
             self._replies.event.set()
 
-    async def _fail(self, plan: StepPlan, outcomes: list[RankOutcome], ok_ranks: tuple[int, ...]) -> NoReturn:
-        """Record a step some rank did not complete, and raise ``StepFailedError`` naming it."""
+    async def _fail(self, plan: StepPlan, outcomes: list[RankOutcome], ok_ranks: tuple[int, ...],
+                    committed: Any = ()) -> NoReturn:
+        """Record a step some rank did not complete, and raise ``StepFailedError`` naming it
+        (``SanitizerError`` chained to it when a rank's sanitizer check found violations,
+        each recorded first)."""
         step = plan.step
         failures = [(o.rank, o.error) for o in outcomes if o.status == "failed" and o.error is not None]
+        found = [(o.rank, v) for o in outcomes for v in o.violations]
         if failures:
             first_rank, first = failures[0]
             reason = f"rank {first_rank} failed: {type(first).__name__}: {first}"
         else:  # a rank answered "cancelled" unasked, or its executor task ended without answering
             first_rank = min(set(range(self.world_size)).difference(ok_ranks))
             reason = f"rank {first_rank} cancelled"
-        await self._settle(step, ok_ranks, reason)
+        await self.settle(step, ok_ranks, reason, found, rank=first_rank)
         err = StepFailedError(step, first_rank, failures, "" if failures else "cancelled", plan.clear_list)
+        if self.metrics is not None:
+            self._count_failure(err, found)
+        if found and self.sanitizer is not None:
+            raise self.sanitizer.error(plan, committed or (), found) from err
         if failures:
             raise err from failures[0][1]
         raise err
 
+    def _count_failure(self, err: StepFailedError, found: list) -> None:
+        metrics = self.metrics
+        metrics.step_failed(err)
+        kinds: dict[tuple[int, str], int] = {}
+        for rank, v in found:
+            kinds[rank, v.kind] = kinds.get((rank, v.kind), 0) + 1
+        for (rank, kind), count in kinds.items():
+            metrics.sanitizer_violation(rank, kind, "other", count)
+
     # ------------------------------------------------------------------ recording
 
-    def _record(self, step: int, ok_ranks: tuple[int, ...], reason: str | None) -> None:
-        """A failed step is aborted first, then the ranks that did run their part are recorded
-        (once every reporting rank has completed a step, it can no longer be aborted)."""
+    def _record(self, step: int, ok_ranks: tuple[int, ...], reason: str | None, found: Sequence = (),
+                rank: int = -1, only_in_flight: bool = False) -> None:
+        """What the sanitizer found first, then a failed step is aborted (``_abort``), then the
+        ranks that did run their part are recorded (once every reporting rank has completed a
+        step, it can no longer be aborted); then the KV events folded so far leave as a batch."""
         ledger = self._ledger
+        for r, v in found:
+            ledger.record_violation(step, r, v.plane, v.page, v.kind)
         if reason is not None:
-            ledger.abort_step(step, reason)
-        for rank in ok_ranks:
-            ledger.complete_step(step, rank)
+            self._abort(step, reason, rank, only_in_flight)
+        for r in ok_ranks:
+            ledger.complete_step(step, r)
+        if self.kv_flush is not None:
+            self.kv_flush()
 
-    async def _settle(self, step: int, ok_ranks: tuple[int, ...], reason: str | None) -> None:
+    def _abort(self, step: int, reason: str, rank: int, only_in_flight: bool) -> None:
+        """``StepAborted(step)``; the later steps in flight it reaches learn it (``_cascaded``).
+        ``only_in_flight``: nothing when an earlier abort reached ``step`` already (checked
+        here, on the ledger's path, where no other record can come in between)."""
+        ledger = self._ledger
+        in_flight = ledger.state.in_flight
+        if only_in_flight and not any(plan.step == step for plan in in_flight):
+            return
+        later = [plan.step for plan in in_flight if plan.step > step] if len(in_flight) > 1 else ()
+        ledger.abort_step(step, reason)
+        for s in later:
+            self._cascaded[s] = (step, rank, reason)
+
+    async def settle(self, step: int, ok_ranks: tuple[int, ...], reason: str | None, found: Sequence = (), *,
+                      rank: int = -1, only_in_flight: bool = False) -> None:
         """Record a sealed step's outcome through the engine's one path to the ledger, shielded
-        from cancellation (in place when the ledger cannot block). A failure here breaks the engine."""
+        from cancellation (in place when the ledger cannot block): every outcome, local or
+        remote, goes through here. A failure here breaks the engine."""
         try:
-            await self._access.record(self._record, step, ok_ranks, reason)
+            await self._access.record(self._record, step, ok_ranks, reason, found, rank, only_in_flight)
         except BaseException as exc:
             self._log.error("step_outcome_not_recorded", step=step, error=repr(exc))
             raise
@@ -299,14 +440,17 @@ class StepRunner:
         is recorded as aborted (no rank ran it) and this raises: ``StepFailedError``
         naming the culprit rank for an ABORT, or what interrupted it (cancellation)."""
         step = plan.step
+        t0 = time.perf_counter()
         try:
             decision = await self.leader.run_step(plan, payload, timeout=self.remote.timeout)
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await self._wire_catch_up(plan)
                 reason = "cancelled" if isinstance(exc, anyio.get_cancelled_exc_class()) else repr(exc)
-                await self._settle(step, (), f"remote handshake: {reason}")
+                await self.settle(step, (), f"remote handshake: {reason}")
             raise
+        if self.metrics is not None:
+            self.metrics.wire_decision(decision, time.perf_counter() - t0)
         if decision.launch:
             return
         from kvledger.wire.codec import NO_RANK
@@ -315,8 +459,11 @@ class StepRunner:
         rank = base + decision.rank if decision.rank != NO_RANK else self.world_size
         cause = WireProtocolError(decision.code, decision.detail or "aborted", remote=True)
         reason = f"rank {rank} aborted the step over the wire: code {int(decision.code)}: {decision.detail}"
-        await self._settle(step, (), reason)
-        raise StepFailedError(step, rank, [(rank, cause)], reason, plan.clear_list) from cause
+        await self.settle(step, (), reason)
+        err = StepFailedError(step, rank, [(rank, cause)], reason, plan.clear_list)
+        if self.metrics is not None:
+            self.metrics.step_failed(err)
+        raise err from cause
 
     async def _wire_catch_up(self, plan: StepPlan) -> None:
         """A sealed step that never reached the wire (the caller was cancelled first):
@@ -332,6 +479,17 @@ class StepRunner:
             await leader.run_step(plan, b"", timeout=1e-9)
         except Exception as exc:  # the peers will refuse the next step: it aborts, naming them
             self._log.error("wire_catch_up_failed", step=plan.step, error=repr(exc))
+
+
+_NO_LISTS: tuple = (None, None)  # a job's poison and committed lists without the sanitizer: the defaults
+
+
+def _fast_lock() -> anyio.Lock:
+    """A lock that does not yield when it is free (anyio >= 4.5), or a plain one."""
+    try:
+        return anyio.Lock(fast_acquire=True)
+    except TypeError:
+        return anyio.Lock()
 
 
 def _by_rank(t: RankTiming) -> int:

@@ -1,0 +1,114 @@
+"""``Extras``: what ``open_engine`` wires in besides the ledger and the ranks, and in which order.
+
+    open_engine(..., metrics=, kv_events=, sanitize=, observers=)
+      Extras(...)        check the arguments; build a KVEventPublisher for an endpoint; a
+                         SanitizerTracker in sanitize mode
+      .start()           the publisher starts (binds its sockets) before the ledger opens
+      .observer          one Ledger observer for all of them (kvledger.durable.chain_observers:
+                         none at all when nothing observes, the one itself when one does):
+                         metrics.observe, publisher.observe, tracker.observe, then the caller's
+      .log_options()     a durable ledger's layer: metrics.timed_layer() unless the caller gave one
+      .attach(engine)    tracker.attach(ledger); metrics.track_engine(engine)
+      ... steps: StepRunner calls metrics.step_completed / step_failed / wire_decision /
+          sanitizer_violation, publisher.flush after each settled step (on the ledger's path),
+          tracker.take after each seal
+      .stop()            after the ledger closed (the last step settled): the publisher sends
+                         what it holds and closes its sockets (in a worker thread)
+
+Nothing here is imported or called for an engine opened without them: no prometheus_client,
+no pyzmq, no per-event call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import anyio
+
+from kvledger.core.errors import InvalidArgumentError
+from kvledger.durable import chain_observers
+
+from .sanitizer import SanitizerTracker
+
+__all__ = ["Extras"]
+
+_METRICS_HOOKS = ("observe", "track_engine", "step_completed", "step_failed", "wire_decision",
+                  "sanitizer_violation", "timed_layer")
+_PUBLISHER_CALLS = ("observe", "flush", "start", "stop")
+
+
+class Extras:
+    """The optional parts of one engine (module docstring). Raises ``InvalidArgumentError`` for
+    a ``metrics`` that is not a ``LedgerMetrics``, a ``kv_events`` that is neither an endpoint
+    nor a publisher, an observer that is not callable; ``ConfigurationError`` for a bad
+    endpoint or a missing pyzmq. Nothing is opened by the constructor."""
+
+    def __init__(self, *, sanitize: bool = False, metrics: Any = None, kv_events: Any = None,
+                 observers: Iterable[Any] = ()) -> None:
+        if metrics is not None and not all(callable(getattr(metrics, n, None)) for n in _METRICS_HOOKS):
+            raise InvalidArgumentError(f"metrics must be a kvledger.metrics.LedgerMetrics, got {metrics!r}")
+        if type(sanitize) is not bool:
+            raise InvalidArgumentError(f"sanitize must be True or False, got {sanitize!r}")
+        if isinstance(observers, (str, bytes)) or not isinstance(observers, Iterable):
+            raise InvalidArgumentError(f"observers must be a sequence of callables, got {observers!r}")
+        self.metrics = metrics
+        self.publisher = _publisher(kv_events)
+        self.tracker = SanitizerTracker() if sanitize else None
+        self.observer = chain_observers(
+            metrics.observe if metrics is not None else None,
+            self.publisher.observe if self.publisher is not None else None,
+            self.tracker.observe if self.tracker is not None else None,
+            *observers,
+        )
+
+    @property
+    def kv_flush(self) -> Any:
+        """``publisher.flush`` (closes the pending KV events into a batch), or None."""
+        return self.publisher.flush if self.publisher is not None else None
+
+    def start(self) -> None:
+        """Start the publisher unless it is running already (``ConfigurationError``: its endpoint
+        cannot be bound; nothing left open)."""
+        pub = self.publisher
+        if pub is not None and not getattr(pub, "running", False):
+            pub.start()
+
+    def log_options(self, given: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The durable ledger's extra options: ``given``, plus the metrics' timed file layer
+        unless ``given`` names a layer."""
+        if given is not None and not isinstance(given, Mapping):
+            raise InvalidArgumentError(f"log_options must be a mapping of open_ledger options, got {given!r}")
+        out = dict(given or {})
+        if self.metrics is not None and out.get("layer") is None:
+            out["layer"] = self.metrics.timed_layer(None)
+        return out
+
+    def attach(self, engine: Any) -> None:
+        """The engine exists: the tracker reads its ledger, the metrics serve its figures."""
+        if self.tracker is not None:
+            self.tracker.attach(engine.ledger)
+        if self.metrics is not None:
+            self.metrics.track_engine(engine)
+
+    async def stop(self) -> None:
+        """Stop the publisher (it sends its last batch and what is queued), in a worker thread,
+        shielded. Idempotent; raises nothing the publisher's stop does not."""
+        if self.publisher is not None:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.publisher.stop)
+
+
+def _publisher(kv_events: Any) -> Any:
+    """A publisher for ``kv_events``: None, an endpoint (a ``KVEventPublisher`` is built on it),
+    or a publisher (anything with observe, flush, start and stop)."""
+    if kv_events is None:
+        return None
+    if isinstance(kv_events, str):
+        from kvledger.kvevents import KVEventPublisher
+
+        return KVEventPublisher(kv_events)
+    if all(callable(getattr(kv_events, n, None)) for n in _PUBLISHER_CALLS):
+        return kv_events
+    raise InvalidArgumentError(f"kv_events must be a ZMQ endpoint or a kvledger.kvevents.KVEventPublisher, "
+                               f"got {kv_events!r}")

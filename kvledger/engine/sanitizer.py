@@ -1,0 +1,302 @@
+"""The engine's side of the sanitizer (SPEC "The sanitizer"): what every rank poisons and checks, and why.
+
+    ledger observer (sanitize mode only)   SanitizerTracker.observe(seq, event, effects)
+      PagesMarked effects                  pages marked since the last plan: candidates for poison
+      RestoreStarted                       its pages leave the candidates (the restore rewrites them)
+      PagesCommitted                       the step's committed pages: to check for poison
+      StepSealed                           the plan's two lists (below), handed to take(step)
+      StepAborted                          the aborted plans' poison becomes a candidate again
+      every event                          one line in the history of each page it touched
+
+    at the seal of step s:
+      poison    = candidates still marked for everyone, or in s's clear list (zeroed right after);
+                  never a page a restore is writing (kept for the next plan while still marked);
+                  a page freed and reserved again in between is poisoned all the same: its bytes
+                  are nobody's to read
+      committed = the pages committed for s, still held by a request, not marked now
+
+    run_step ─► seal ─► take(s) ─► StepJob(poison=, committed=) on every local rank:
+                input copies -> poison -> clear -> check -> graph (RankExecutor(sanitize=True))
+             ─► a rank found violations ─► SanitizerViolation per violation, StepAborted (the log)
+                                        ─► error(): SanitizerError naming rank, plane, page,
+                                           its request now, the step, the kind, the policy,
+                                           and the page's lifecycle from this tracker
+
+Pages marked under ``cross_tenant`` for one tenant only are not poisoned: that tenant may
+read them back without a clear. The history keeps the last ``HISTORY`` events per page
+that touched it, as ``(seq, event, holder before, holder after, note)``, formatted only
+when an error is raised. Memory: O(pages touched x HISTORY) and one set of pages per
+live request and snapshot. Nothing here runs unless the engine was opened with
+``sanitize=True``. Remote peers are not sanitized (the wire carries clear lists only).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from kvledger.core.errors import SanitizerError
+from kvledger.core.events import (
+    CacheConfigured,
+    ClearPages,
+    PagesCommitted,
+    PagesEvicted,
+    PagesMarked,
+    PagesPublished,
+    PagesReserved,
+    PagesShared,
+    RequestCancelled,
+    RequestFinished,
+    ReservationReturned,
+    RestoreCompleted,
+    RestoreStarted,
+    SanitizerViolation,
+    SnapshotAliased,
+    SnapshotReleased,
+    StepAborted,
+    StepPlan,
+    StepSealed,
+)
+from kvledger.core.state.table import MARK_ALL, MAX_IN_FLIGHT
+
+__all__ = ["HISTORY", "SanitizerTracker"]
+
+HISTORY = 16  # events kept per page
+_KIND_ORDER = {"not_zero": 0, "poison": 1}
+_PAGE_EVENTS = (PagesReserved, ReservationReturned, PagesCommitted, PagesShared, SnapshotAliased,
+                RestoreStarted, RestoreCompleted, PagesPublished, PagesEvicted)
+
+
+class _Found:
+    """A history note: what the sanitizer found on one page before one step's graph."""
+
+    __slots__ = ("step", "found")
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.found: dict[tuple[int, str], list[int]] = {}  # (rank, kind) -> planes
+
+    def add(self, rank: int, plane: int, kind: str) -> None:
+        self.found.setdefault((rank, kind), []).append(plane)
+
+    def __str__(self) -> str:
+        what = "; ".join(f"{kind} on rank {rank} in plane{'s' if len(planes) > 1 else ''} "
+                         f"{', '.join(map(str, planes))}" for (rank, kind), planes in self.found.items())
+        return f"the sanitizer found {what}, before step {self.step}'s graph"
+
+
+def _tag(event: object) -> str:
+    return type(event).__struct_config__.tag  # type: ignore[attr-defined]
+
+
+class SanitizerTracker:
+    """The sanitize-mode ledger observer (module docstring). ``attach(ledger)`` once the
+    ledger exists; ``take(step)`` after each seal; ``error(...)`` when a rank found violations."""
+
+    def __init__(self) -> None:
+        self._state: Any = None
+        self.policy = ""
+        self._fresh = False  # saw CacheConfigured: an untouched page was free
+        self._pending: dict[int, int] = {}  # candidates for poison -> seq of the mark
+        self._committed: dict[int, list[int]] = {}  # step -> pages committed for it
+        self._ready: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None  # (step, poison, committed)
+        self._plans: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # step -> (clear list, poison)
+        self._requests: dict[int, dict[int, None]] = {}  # request -> its pages, in order
+        self._snapshots: dict[int, dict[int, None]] = {}
+        self._history: dict[int, deque] = {}
+        self._holder: dict[int, str] = {}  # page -> its holder after the last event that touched it
+        self._marked_at: dict[int, tuple[int, str]] = {}  # page -> (seq, event) of its last mark
+        self._listed: dict[int, int] = {}  # page -> the step whose clear list last named it
+
+    def attach(self, ledger: Any) -> None:
+        """Read ``ledger``'s state from now on. A ledger opened on an existing log starts with
+        its marked pages as candidates (the bytes behind them are nobody's) and its requests'
+        and snapshots' pages known."""
+        st = self._state = ledger.state
+        self.policy = st.policy
+        for p, mark in st.marks.items():
+            if mark == MARK_ALL:
+                self._pending.setdefault(p, st.seq)
+        for r, rec in st.requests.items():
+            self._requests[r] = dict.fromkeys([*rec.reserved, *rec.kv])
+        for s, pages in st.snapshots.items():
+            self._snapshots[s] = dict.fromkeys(pages)
+
+    # ------------------------------------------------------------------ the observer
+
+    def observe(self, seq: int, event: Any, effects: tuple) -> None:
+        """The ``Ledger`` observer: candidates, committed pages, plans, histories. Never raises
+        for an event the ledger folded."""
+        t = type(event)
+        if t is StepSealed:
+            self._seal(seq, effects[0])
+            return
+        if t is StepAborted:
+            self._abort(seq, event, effects)
+            return
+        if t is CacheConfigured:
+            self._fresh = True
+            return
+        if t is SanitizerViolation:
+            self._violation(seq, event)
+            return
+        pages = self._pages_of(event, t)
+        if pages is None:
+            return
+        marked: set[int] = set()
+        listed: dict[int, int] = {}
+        for eff in effects:
+            te = type(eff)
+            if te is PagesMarked:
+                marked.update(eff.page_ids)
+            elif te is ClearPages:
+                listed.update(dict.fromkeys(eff.page_ids, eff.step))
+        tag = _tag(event)
+        for p in pages:
+            note = ""
+            if p in marked:
+                note = "marked"
+                self._pending[p] = seq
+                self._marked_at[p] = (seq, tag)
+            if p in listed:
+                note = f"listed for step {listed[p]}" if not note else f"{note}, listed for step {listed[p]}"
+                self._listed[p] = listed[p]
+            self._line(p, seq, tag, note)
+
+    def _pages_of(self, event: Any, t: type) -> Sequence[int] | None:
+        """The pages ``event`` touched (None: none to note), keeping the request and snapshot maps."""
+        if t in _PAGE_EVENTS:
+            pages = event.page_ids
+            if t is PagesReserved or t is PagesShared:
+                self._requests.setdefault(event.request, {}).update(dict.fromkeys(pages))
+            elif t is ReservationReturned:
+                held = self._requests.get(event.request, {})
+                for p in pages:
+                    held.pop(p, None)
+            elif t is PagesCommitted:
+                self._committed.setdefault(event.step, []).extend(pages)
+            elif t is SnapshotAliased:
+                self._snapshots.setdefault(event.snapshot, {}).update(dict.fromkeys(pages))
+            elif t is RestoreStarted:
+                for p in pages:
+                    self._pending.pop(p, None)  # the restore rewrites it: its bytes are the restore's
+            return pages
+        if t is RequestCancelled or t is RequestFinished:
+            return tuple(self._requests.pop(event.request, ()))
+        if t is SnapshotReleased:
+            return tuple(self._snapshots.pop(event.snapshot, ()))
+        return None
+
+    def _seal(self, seq: int, plan: StepPlan) -> None:
+        """The plan's poison and committed lists (module docstring), ready for ``take``."""
+        st, step = self._state, plan.step
+        marks, restoring, holder = st.marks, st.restore_targets, st.holder
+        clear = plan.clear_list
+        in_clear = set(clear)
+        poison: list[int] = []
+        keep: dict[int, int] = {}
+        for p, at in self._pending.items():
+            if p in restoring:
+                if p in marks:
+                    keep[p] = at  # poisoned in a later plan, once the restore is done with it
+            elif marks.get(p) == MARK_ALL or p in in_clear:
+                poison.append(p)
+        self._pending = keep
+        committed = [p for p in dict.fromkeys(self._committed.pop(step, ()))
+                     if p not in marks and holder[p] >= 0 and p not in restoring]
+        self._ready = (step, tuple(poison), tuple(committed))
+        self._plans[step] = (clear, self._ready[1])
+        if len(self._plans) > MAX_IN_FLIGHT:
+            del self._plans[min(self._plans)]
+        poisoned = set(poison)
+        for p in poison:
+            self._line(p, seq, "step_sealed", f"poisoned before step {step}'s clear"
+                       + (", then in its clear list" if p in in_clear else ""))
+        for p in clear:
+            self._listed[p] = step
+            if p not in poisoned:
+                self._line(p, seq, "step_sealed", f"in step {step}'s clear list")
+
+    def _abort(self, seq: int, event: StepAborted, effects: tuple) -> None:
+        """Aborted plans: their poison is a candidate again, their pages noted; marks as usual."""
+        marked: set[int] = set()
+        for eff in effects:
+            if type(eff) is PagesMarked:
+                marked.update(eff.page_ids)
+        for step in [s for s in self._plans if s >= event.step]:
+            clear, poison = self._plans.pop(step)
+            for p in poison:
+                self._pending.setdefault(p, seq)
+            for p in clear:
+                if p not in marked:
+                    self._line(p, seq, "step_aborted", f"step {step} aborted: carried into the next clear list")
+        for p in marked:
+            self._pending[p] = seq
+            self._marked_at[p] = (seq, "step_aborted")
+            self._line(p, seq, "step_aborted", f"step {event.step} aborted: marked again")
+
+    def _violation(self, seq: int, e: SanitizerViolation) -> None:
+        """One line per page and step for what the ranks found (the planes and kinds merged)."""
+        lines = self._history.get(e.page_id)
+        last = lines[-1] if lines else None
+        if last is not None and type(last[4]) is _Found and last[4].step == e.step:
+            last[4].add(e.rank, e.plane, e.kind)
+            return
+        found = _Found(e.step)
+        found.add(e.rank, e.plane, e.kind)
+        self._line(e.page_id, seq, "sanitizer_violation", found)
+
+    def _line(self, page: int, seq: int, tag: str, note: object) -> None:
+        before = self._holder.get(page)
+        if before is None:
+            before = "free" if self._fresh else "?"
+        after = self._state.holder_of(page) if self._state is not None else before
+        self._holder[page] = after
+        lines = self._history.get(page)
+        if lines is None:
+            lines = self._history[page] = deque(maxlen=HISTORY)
+        lines.append((seq, tag, before, after, note))
+
+    # ------------------------------------------------------------------ the engine's side
+
+    def take(self, step: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(poison, committed)`` for the plan of ``step`` just sealed (empty lists for another step)."""
+        ready, self._ready = self._ready, None
+        if ready is None or ready[0] != step:
+            return (), ()
+        return ready[1], ready[2]
+
+    def history(self, page: int) -> list[str]:
+        """The page's last ``HISTORY`` events, one line each:
+        ``seq 12 snapshot_released: alias({3}) -> free, marked``."""
+        return [f"seq {seq} {tag}: {before} -> {after}" + (f", {note}" if note else "")
+                for seq, tag, before, after, note in self._history.get(page, ())]
+
+    def error(self, plan: StepPlan, committed: Sequence[int], found: Sequence[tuple[int, Any]]) -> SanitizerError:
+        """The ``SanitizerError`` for a step whose ranks found ``found`` (``(rank, Violation)``):
+        it names the first violation (the lowest rank; then the page read first: clear-list
+        order, then commit order; then the plane; not_zero before poison) and every other."""
+        order = {p: i for i, p in enumerate(plan.clear_list)}
+        for p in committed:
+            order.setdefault(p, len(order))
+        rank, v = min(found, key=lambda rv: (rv[0], order.get(rv[1].page, len(order)), rv[1].plane,
+                                              _KIND_ORDER.get(rv[1].kind, 2)))
+        holders = self._state.holders_of(v.page)
+        request = holders[0] if holders else (self._state.holder[v.page] if self._state.holder[v.page] >= 0
+                                              else None)
+        lines = [*self.history(v.page), self._verdict(plan, v.page)]
+        return SanitizerError(rank=rank, plane=v.plane, page_id=v.page, step=plan.step, kind=v.kind,
+                              request=request, lifecycle=lines, policy=self.policy,
+                              violations=[(r, x.plane, x.page, x.kind) for r, x in found])
+
+    def _verdict(self, plan: StepPlan, page: int) -> str:
+        """When the page was marked and which step should have zeroed it."""
+        marked = self._marked_at.get(page)
+        when = f"marked at seq {marked[0]} ({marked[1]})" if marked is not None else "no mark seen by the sanitizer"
+        if page in plan.clear_list:
+            return f"{when}; step {plan.step}'s clear should have zeroed it on every rank and plane"
+        listed = self._listed.get(page)
+        if listed is not None and listed != plan.step:
+            return f"{when}; step {listed}'s clear list named it, and that clear should have zeroed it"
+        return f"{when}; no clear list named it, yet step {plan.step} commits it to a request"

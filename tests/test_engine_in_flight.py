@@ -1,0 +1,258 @@
+"""Steps in flight together in the engine (``open_engine(..., depth=2)``), on real inline CPU ranks.
+
+Step k+1 is sealed while step k has not run yet; the ranks run them in step order. If
+step k fails, one ``StepAborted(k)`` aborts k and k+1, recorded before k's completions;
+k+1 runs nothing and raises ``StepFailedError`` naming step k; every page of both clear
+lists is listed again for the next step and zeroed there. A page freed in step k and
+committed in step k+1 is cleared after step k's graph (the rank runs k, then k+1's clear).
+
+The tasks are started before either yields (asyncio runs ready tasks in order): step 0's
+task seals and yields once, step 1's task seals while step 0 has not run.
+"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvledger import (  # noqa: E402
+    ConfigurationError,
+    Geometry,
+    InvalidArgumentError,
+    StepFailedError,
+    check_invariants,
+    replay,
+)
+from kvledger.core.events import StepAborted, StepCompleted, StepSealed  # noqa: E402
+from kvledger.core.log import open_view  # noqa: E402
+from kvledger.engine import RankSpec, RemoteRanks, open_engine  # noqa: E402
+
+G = Geometry(num_pages=16, page_tokens=4)
+ROW = 0x7F  # the bytes a released snapshot leaves behind
+
+
+def planes_of_rank():
+    return [torch.full((G.num_pages, 4, 8), 0x11, dtype=torch.uint8) for _ in range(2)]
+
+
+def is_zero(plane, p) -> bool:
+    return int(plane[p].count_nonzero()) == 0
+
+
+def events_of(engine):
+    """The ledger's events: recorded in memory, or read back from its log."""
+    ledger = engine.ledger
+    if getattr(ledger, "log", None) is None:
+        return ledger.events
+    ledger.sync()
+    with open_view(ledger.log.path) as view:
+        return [e for _, e, _ in view.iter_events()]
+
+
+def step_events(engine):
+    """The step records in log order: ("sealed", k), ("aborted", k), ("completed", k, rank)."""
+    out = []
+    for e in events_of(engine):
+        t = type(e)
+        if t is StepSealed:
+            out.append(("sealed", e.step))
+        elif t is StepAborted:
+            out.append(("aborted", e.step))
+        elif t is StepCompleted:
+            out.append(("completed", e.step, e.rank))
+    return out
+
+
+def assert_consistent(engine):
+    check_invariants(engine.ledger.state)
+    assert replay(events_of(engine), check=True).digest() == engine.ledger.digest()
+
+
+async def listed_pages(engine, all_planes, *, snapshot, request, n, step):
+    """A snapshot writes ROW into n pages and is released; ``request`` commits them for ``step``."""
+    rows = await engine.alias_snapshot(snapshot, n)
+    for planes in all_planes:
+        for plane in planes:
+            plane[list(rows)] = ROW
+    await engine.release_snapshot(snapshot)
+    await engine.reserve(request, n)
+    listed = await engine.commit(request, step, n)
+    assert sorted(listed) == sorted(rows)
+    return rows
+
+
+def recording_graph(ran, fail_at=None):
+    def graph(ctx, step, inputs):
+        ran.append((step, ctx.rank))
+        if (step, ctx.rank) == fail_at:
+            raise RuntimeError(f"rank {ctx.rank} broke at step {step}")
+
+    return graph
+
+
+@pytest.mark.asyncio
+async def test_two_steps_in_flight_run_in_step_order_and_both_complete():
+    ran: list = []
+    planes = [planes_of_rank(), planes_of_rank()]
+    specs = [RankSpec(planes=p, graph=recording_graph(ran)) for p in planes]
+    results = {}
+    async with open_engine(G, ranks=specs, record=True, check=True, depth=2) as engine:
+        rows0 = await listed_pages(engine, planes, snapshot=7, request=1, n=2, step=0)
+        rows1 = await listed_pages(engine, planes, snapshot=8, request=2, n=3, step=1)
+
+        async def run(k):
+            results[k] = await engine.run_step(k)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, 0)
+            tg.start_soon(run, 1)
+        assert step_events(engine) == [("sealed", 0), ("sealed", 1), ("completed", 0, 0), ("completed", 0, 1),
+                                       ("completed", 1, 0), ("completed", 1, 1)]
+        assert ran == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert sorted(results[0].clear_list) == sorted(rows0)
+        assert sorted(results[1].clear_list) == sorted(rows1)
+        assert all(is_zero(plane, p) for rp in planes for plane in rp for p in rows0 + rows1)
+        assert engine.ledger.state.in_flight == []
+        assert_consistent(engine)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("log", ["memory", "fsync_inline"])
+async def test_a_failed_step_aborts_the_later_sealed_step_which_runs_nothing(log, tmp_path):
+    """In memory, and with a log that fsyncs inline (every ledger call in the worker thread)."""
+    ran: list = []
+    planes = [planes_of_rank(), planes_of_rank()]
+    specs = [RankSpec(planes=p, graph=recording_graph(ran, fail_at=(0, 1))) for p in planes]
+    errors: dict = {}
+    opts = {"record": True} if log == "memory" else {"log": tmp_path / "l.kvlog", "background": False}
+    async with open_engine(G, ranks=specs, check=True, depth=2, **opts) as engine:
+        rows0 = await listed_pages(engine, planes, snapshot=7, request=1, n=2, step=0)
+        rows1 = await listed_pages(engine, planes, snapshot=8, request=2, n=3, step=1)
+
+        async def run(k):
+            with pytest.raises(StepFailedError) as info:
+                await engine.run_step(k)
+            errors[k] = info.value
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, 0)
+            tg.start_soon(run, 1)
+        # one abort reaches both, recorded before the completion of the rank that ran step 0
+        assert step_events(engine) == [("sealed", 0), ("sealed", 1), ("aborted", 0), ("completed", 0, 0)]
+        assert ran == [(0, 0), (0, 1)]  # step 1's graph never ran
+        assert errors[0].step == 0 and errors[0].rank == 1
+        later = errors[1]
+        assert later.step == 1 and later.rank == 1 and later.failures == ()
+        assert "aborted with step 0" in str(later) and "rank 1 failed" in str(later)
+        assert sorted(later.clear_list) == sorted(rows1)
+        assert {0, 1} <= engine.ledger.state.aborted_steps and engine.ledger.state.in_flight == []
+        assert engine.statistics()["steps_aborted"] == 2
+        assert_consistent(engine)
+        # both clear lists carry into the next step, the oldest plan's pages first, and are zeroed there
+        result = await engine.run_step(2)
+        assert list(result.clear_list) == [*errors[0].clear_list, *later.clear_list]
+        assert sorted(result.clear_list) == sorted(rows0 + rows1)
+        assert all(is_zero(plane, p) for rp in planes for plane in rp for p in rows0 + rows1)
+        assert_consistent(engine)
+
+
+@pytest.mark.asyncio
+async def test_a_page_freed_in_step_k_and_committed_in_step_k1_is_cleared_after_step_ks_graph():
+    seen: dict = {}
+    planes = [planes_of_rank()]
+
+    def graph(ctx, step, inputs):
+        seen[step] = [bool(is_zero(plane, p)) for plane in ctx.planes for p in seen["rows"]]
+
+    async with open_engine(G, ranks=[RankSpec(planes=p, graph=graph) for p in planes], record=True, check=True,
+                           depth=2) as engine:
+        rows = seen["rows"] = await engine.alias_snapshot(7, 3)
+        for plane in planes[0]:
+            plane[list(rows)] = ROW
+        await engine.reserve(1, 1)
+        await engine.commit(1, 0, 1)
+
+        async def scheduler():
+            # step 0 is sealed and has not run: free the snapshot's pages and commit them for step 1
+            assert engine.open_step == 1
+            await engine.release_snapshot(7)
+            await engine.reserve(2, 3)
+            listed = await engine.commit(2, 1, 3)
+            assert sorted(listed) == sorted(rows)
+            seen["result"] = await engine.run_step(1)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.run_step, 0)
+            tg.start_soon(scheduler)
+        assert seen[0] == [False] * 6  # step 0's graph read the snapshot's bytes: not cleared under it
+        assert seen[1] == [True] * 6  # step 1's clear ran before its graph
+        assert sorted(seen["result"].clear_list) == sorted(rows)
+        assert step_events(engine) == [("sealed", 0), ("sealed", 1), ("completed", 0, 0), ("completed", 1, 0)]
+        assert_consistent(engine)
+
+
+@pytest.mark.asyncio
+async def test_a_sealed_step_cancelled_before_it_ran_is_aborted_and_the_earlier_one_completes():
+    ran: list = []
+    planes = [planes_of_rank(), planes_of_rank()]
+    specs = [RankSpec(planes=p, graph=recording_graph(ran)) for p in planes]
+    async with open_engine(G, ranks=specs, record=True, check=True, depth=2) as engine:
+        await listed_pages(engine, planes, snapshot=7, request=1, n=2, step=0)
+        rows1 = await listed_pages(engine, planes, snapshot=8, request=2, n=3, step=1)
+        scope = anyio.CancelScope()
+
+        async def second():
+            with scope:
+                await engine.run_step(1)
+
+        async def cancel():
+            scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.run_step, 0)
+            tg.start_soon(second)
+            tg.start_soon(cancel)  # runs after both seals
+        assert scope.cancelled_caught
+        # the cancellation reaches step 1's task when it resumes, after step 0 ran
+        assert step_events(engine) == [("sealed", 0), ("sealed", 1), ("completed", 0, 0), ("completed", 0, 1),
+                                       ("aborted", 1)]
+        assert ran == [(0, 0), (0, 1)]
+        result = await engine.run_step(2)
+        assert sorted(result.clear_list) == sorted(rows1)
+        assert_consistent(engine)
+
+
+@pytest.mark.asyncio
+async def test_depth_bounds_the_steps_sealed_at_once():
+    planes = [planes_of_rank()]
+    async with open_engine(G, ranks=[RankSpec(planes=p) for p in planes], record=True, depth=2) as engine:
+        sealed_while_first_waits: list = []
+
+        async def run(k):
+            await engine.run_step(k)
+            sealed_while_first_waits.append((k, engine.open_step))
+
+        async with anyio.create_task_group() as tg:
+            for k in range(3):
+                tg.start_soon(run, k)
+        # step 2 waited for a slot: it was sealed only after step 0 settled
+        assert step_events(engine)[:3] == [("sealed", 0), ("sealed", 1), ("completed", 0, 0)]
+        assert [k for k, _ in sealed_while_first_waits] == [0, 1, 2]
+        assert_consistent(engine)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("depth", [0, 17, "2", 1.0, True])
+async def test_bad_depth_opens_nothing(depth):
+    with pytest.raises(InvalidArgumentError, match="depth"):
+        async with open_engine(G, ranks=1, depth=depth):
+            pass
+
+
+@pytest.mark.asyncio
+async def test_depth_with_remote_ranks_is_refused():
+    with pytest.raises(ConfigurationError, match="depth"):
+        async with open_engine(G, ranks=1, depth=2, remote=RemoteRanks(world_size=2, listen=None)):
+            pass
