@@ -256,3 +256,51 @@ async def test_depth_with_remote_ranks_is_refused():
     with pytest.raises(ConfigurationError, match="depth"):
         async with open_engine(G, ranks=1, depth=2, remote=RemoteRanks(world_size=2, listen=None)):
             pass
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", ["torch", "cuda", "triton"])
+async def test_on_the_gpu_a_page_freed_in_k_and_committed_in_k1_is_zeroed_after_ks_graph_read_it(backend):
+    """Step k's graph is slow and reads the snapshot's pages at its end; step k+1 lists them.
+    The clear runs on the same model stream after step k's graph, so k reads the snapshot's
+    bytes (never zeros) and k+1 reads zeros, whatever the host does meanwhile."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    if backend == "cuda":
+        pytest.importorskip("cuda.bindings.driver")
+    stream = torch.cuda.Stream()
+    planes = [torch.full((G.num_pages, 4, 8), 0x11, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    reads: dict = {}
+
+    def graph(ctx, step, inputs):
+        assert torch.cuda.current_stream() == ctx.stream
+        if step == 0:
+            torch.cuda._sleep(50_000_000)  # long enough that step 1 is sealed and sent meanwhile
+        reads[step] = torch.stack([plane[list(reads["rows"])] for plane in ctx.planes])  # on the stream
+
+    spec = RankSpec(planes=planes, graph=graph, stream=stream, backend=backend)
+    async with open_engine(G, ranks=[spec], record=True, check=True, depth=2) as engine:
+        rows = reads["rows"] = await engine.alias_snapshot(7, 3)
+        with torch.cuda.stream(stream):
+            for plane in planes:
+                plane[list(rows)] = ROW
+        await engine.reserve(1, 1)
+        await engine.commit(1, 0, 1)
+
+        async def scheduler():
+            await engine.release_snapshot(7)
+            await engine.reserve(2, 3)
+            assert sorted(await engine.commit(2, 1, 3)) == sorted(rows)
+            reads["result"] = await engine.run_step(1)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.run_step, 0)
+            tg.start_soon(scheduler)
+        stream.synchronize()
+        assert bool((reads[0] == ROW).all()), "step 0's graph read zeros: the clear overtook it"
+        assert int(reads[1].count_nonzero()) == 0, "step 1's graph read stale bytes"
+        assert sorted(reads["result"].clear_list) == sorted(rows)
+        assert step_events(engine) == [("sealed", 0), ("sealed", 1), ("completed", 0, 0), ("completed", 1, 0)]
+        assert_consistent(engine)
