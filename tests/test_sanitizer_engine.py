@@ -364,3 +364,43 @@ async def test_sanitize_needs_backends_that_poison_and_check():
     with pytest.raises(ConfigurationError, match="poison"):
         async with open_engine(G, ranks=[RankSpec(planes=rank_planes(), backend=ClearOnly())], sanitize=True):
             pass
+
+
+def cuda_rank_planes():
+    return [t.cuda() for t in rank_planes()]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", ["torch", "cuda", "triton"])
+async def test_on_the_gpu_the_sanitizer_finds_nothing_when_clears_work(backend):
+    pytest.importorskip({"torch": "torch", "cuda": "cuda.bindings.driver", "triton": "triton"}[backend])
+    all_planes = [cuda_rank_planes(), cuda_rank_planes()]
+    work = Workload(11, all_planes)
+    cleared = 0
+    async with open_engine(G, ranks=specs_for(all_planes, lambda r, p: backend), sanitize=True,
+                           record=True, check=True) as engine:
+        for step in range(40):
+            cleared += len((await work.step(engine, step)).clear_list)
+        events = recorded(engine)
+    assert cleared > 10
+    assert not any(type(e) in (SanitizerViolation, StepAborted) for e in events)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.asyncio
+async def test_on_the_gpu_a_skipped_clear_is_named_at_the_first_step_that_reads_it():
+    ref = await reference(5, "released_aliases", 60)
+    bad_step = next(i for i, (clear, _) in enumerate(ref) if clear)
+    all_planes = [cuda_rank_planes(), cuda_rank_planes()]
+    work = Workload(5, all_planes)
+    async with open_engine(G, ranks=specs_for(all_planes, lambda r, p: NoClear(p)), sanitize=True,
+                           record=True) as engine:
+        for step in range(bad_step):
+            await work.step(engine, step)
+        with pytest.raises(SanitizerError) as info:
+            await work.step(engine, bad_step)
+    err = info.value
+    assert (err.step, err.rank, err.plane, err.page_id) == (bad_step, 0, 0, ref[bad_step][0][0])
