@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -36,6 +37,30 @@ class RunResult:
     snapshots_skipped: int = 0
     snapshot_rows_intact: int = 0  # snapshots whose rows still held their state at release
     nan_bytes_written: int = 0  # FP8 NaN bytes (0x7F / 0xFF) written through snapshot rows
+    # per step, the slowest rank's clear phase, over the steps with a clear list: host time
+    # enqueuing it (RankTiming.clear_host_s) and its own time (clear_s: CUDA event time on a GPU)
+    clear_host_sum_s: float = 0.0
+    clear_host_max_s: float = 0.0
+    clear_dev_sum_s: float = 0.0
+    clear_dev_max_s: float = 0.0
+    overhead_sum_s: float = 0.0  # every step: run_step wall time - the slowest rank's graph time
+    overhead_max_s: float = 0.0
+    bare_steps: int = 0  # steps also run bare, without the engine (bare.py)
+    bare_graph_s: float = 0.0
+    bare_engine_overhead_s: float = 0.0  # the engine's overhead on those steps
+    bare_engine_overhead_max_s: float = 0.0
+    bare_overhead_s: float = 0.0  # the bare loop's: its wall time - the graph's own time
+    bare_overhead_max_s: float = 0.0
+    bare_mismatch: int = 0  # requests whose bare-run logits differ from the engine's in any bit
+    # --prefix-cache
+    prefix_requests: int = 0  # admitted with a prefix lookup
+    prefix_hits: int = 0  # ... that shared the prefix
+    prefix_tokens_looked: int = 0  # their prompt tokens
+    prefix_hit_tokens: int = 0  # ... whose K/V came from shared pages
+    pages_shared: int = 0
+    pages_published: int = 0
+    pages_evicted: int = 0  # cached pages evicted by reservations and snapshot aliases
+    pages_cached_end: int = 0  # cached pages once every request ended
     page_budget: int = 0
     events: int = 0
     digest: str = ""
@@ -50,7 +75,36 @@ class RunResult:
         out["failed_requests"] = list(self.failed_requests)
         out["step_mean_s"] = self.step_s / self.steps if self.steps else 0.0
         out["clear_share"] = self.clear_s / self.step_s if self.step_s else 0.0
+        cs, bs = self.steps_with_clears, self.bare_steps
+        out["clear_host_mean_s"] = self.clear_host_sum_s / cs if cs else 0.0
+        out["clear_dev_mean_s"] = self.clear_dev_sum_s / cs if cs else 0.0
+        out["overhead_mean_s"] = self.overhead_sum_s / self.steps if self.steps else 0.0
+        out["bare_engine_overhead_mean_s"] = self.bare_engine_overhead_s / bs if bs else 0.0
+        out["bare_overhead_mean_s"] = self.bare_overhead_s / bs if bs else 0.0
+        looked = self.prefix_tokens_looked
+        out["prefix_hit_rate"] = self.prefix_hit_tokens / looked if looked else 0.0
         return out
+
+    def add_step(self, result: Any) -> None:
+        """Count one completed step (a ``StepResult``): its wall, clear and graph times."""
+        self.steps += 1
+        self.step_s += result.wall_s
+        clear_dev = max(t.clear_s for t in result.ranks)
+        graph = max(t.graph_s for t in result.ranks)
+        self.clear_s += clear_dev
+        self.graph_s += graph
+        over = result.wall_s - graph
+        self.overhead_sum_s += over
+        self.overhead_max_s = max(self.overhead_max_s, over)
+        if result.clear_list:
+            clear_host = max(t.clear_host_s for t in result.ranks)
+            self.steps_with_clears += 1
+            self.clear_step_s += result.wall_s
+            self.pages_listed += len(result.clear_list)
+            self.clear_host_sum_s += clear_host
+            self.clear_host_max_s = max(self.clear_host_max_s, clear_host)
+            self.clear_dev_sum_s += clear_dev
+            self.clear_dev_max_s = max(self.clear_dev_max_s, clear_dev)
 
 
 def compare_logits(run: RunResult, ref: RunResult) -> dict:
