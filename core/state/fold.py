@@ -228,7 +228,8 @@ def pages_committed(st: LedgerState, e: PagesCommitted) -> tuple:
                     pend[p] = e.step
                     listed.append(p)
     reserved, k = rec.reserved, len(pages)
-    if tuple(reserved[:k]) == pages:  # commits take the reservation in order: its head
+    memo = st.head
+    if (memo[1] is pages and memo[0] == st.seq) or tuple(reserved[:k]) == pages:  # the usual commit: the head
         del reserved[:k]
     else:
         _remove(reserved, pages)
