@@ -3,6 +3,7 @@
     kvledger demo                       # 143 requests, clears on: 0 failures, logits == reference
     kvledger demo --no-clear            # the seed's failure: INVALID_SPECULATION > 0
     kvledger demo --prefix-cache        # tenants' system prompts shared: hit rate, pages shared / evicted
+    kvledger demo --sanitize            # the sanitizer's debug mode: 0 violations (with --no-clear: > 0)
     kvledger demo --metrics-port 9400   # Prometheus metrics on 127.0.0.1:9400 while it runs
     python -m kvledger.demo --requests 12 --prompt-tokens 128,256
 
@@ -78,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     k = parser.add_argument_group("ledger and executors")
     k.add_argument("--no-clear", action="store_true",
                    help="the seed's failure: the ledger lists pages but the executors do not zero them")
+    k.add_argument("--sanitize", action="store_true",
+                   help="the engine's sanitizer (debug mode): poison marked pages, check after every clear; "
+                        "a violation stops the step before its graph reads a stale byte")
     k.add_argument("--keep-going", action="store_true",
                    help="count INVALID_SPECULATION but keep decoding (the schedule then matches a run with "
                         "clears on: for step-time comparisons)")
@@ -148,6 +152,7 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         prefix_cache=args.prefix_cache,
         system_tokens=args.system_tokens,
         bare_every=args.bare_every,
+        sanitize=args.sanitize,
     ).validate()
 
 
@@ -268,6 +273,8 @@ def _run_and_report(args: argparse.Namespace, config: DemoConfig, log_path: str,
         err.print(f"kvledger demo: the run failed: {type(exc).__name__}: {exc}", markup=False, highlight=False)
         return 1
     out.print(render_table(report))
+    if report.run.sanitizer_first:
+        out.print(f"sanitizer, first violation: {report.run.sanitizer_first}", markup=False, highlight=False)
     out.print(f"event log: {log_path}", markup=False, highlight=False)
     out.print(f"  kvledger replay {log_path}", markup=False, highlight=False)
     out.print(f"  kvledger audit --check {log_path}", markup=False, highlight=False)

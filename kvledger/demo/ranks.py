@@ -26,6 +26,7 @@ from kvledger.core.errors import ConfigurationError
 from kvledger.core.events import Geometry
 from kvledger.engine import StepInputs
 from kvledger.executors.backend import check_page_ids
+from kvledger.executors.torch_backend import TorchClearBackend
 
 from .model import HybridDecoder, ModelConfig, RankModel
 from .workload import DemoConfig
@@ -40,16 +41,33 @@ class SkipClearBackend:
     """``--no-clear``: the seed's unfixed executor. Validates each clear list exactly as a
     real backend does (``PageOutOfRangeError`` / ``DuplicatePageError``) and counts the
     pages, but zeroes nothing, so the ledger's plan is intact and only the zeroing is
-    missing. Used by the demo only; it is not in the backend registry."""
+    missing. For ``--sanitize`` it poisons and checks like the torch backend over the
+    same planes (``poison``, ``start_verify``): only the clear is skipped. Used by the
+    demo only; it is not in the backend registry."""
 
     name = "none (--no-clear)"
 
     def __init__(self, planes: Sequence[torch.Tensor]) -> None:
         self.num_pages = int(planes[0].shape[0])
         self.pages_skipped = 0
+        self._planes = tuple(planes)
+        self._sanitizer: TorchClearBackend | None = None
 
     def clear(self, page_ids: Sequence[int]) -> None:
         self.pages_skipped += len(check_page_ids(page_ids, self.num_pages))
+
+    def _torch(self) -> TorchClearBackend:
+        if self._sanitizer is None:
+            self._sanitizer = TorchClearBackend(self._planes)
+        return self._sanitizer
+
+    def poison(self, page_ids: Sequence[int]) -> None:
+        """Fill every plane of the listed pages with 0xFF (``TorchClearBackend.poison``)."""
+        self._torch().poison(page_ids)
+
+    def start_verify(self, cleared_ids: Sequence[int], committed_ids: Sequence[int]) -> Any:
+        """The sanitizer's check over the planes (``TorchClearBackend.start_verify``)."""
+        return self._torch().start_verify(cleared_ids, committed_ids)
 
 
 class AllReduce:

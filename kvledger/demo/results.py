@@ -35,6 +35,7 @@ class RunResult:
     snapshots_made: int = 0
     snapshots_released: int = 0
     snapshots_skipped: int = 0
+    snapshots_dropped: int = 0  # --sanitize: made for a step it stopped, released unwritten
     snapshot_rows_intact: int = 0  # snapshots whose rows still held their state at release
     nan_bytes_written: int = 0  # FP8 NaN bytes (0x7F / 0xFF) written through snapshot rows
     # per step, the slowest rank's clear phase, over the steps with a clear list: host time
@@ -52,6 +53,13 @@ class RunResult:
     bare_overhead_s: float = 0.0  # the bare loop's: its wall time - the graph's own time
     bare_overhead_max_s: float = 0.0
     bare_mismatch: int = 0  # requests whose bare-run logits differ from the engine's in any bit
+    # --sanitize: the slowest rank's poison + check per completed step, and what it stopped
+    sanitize_sum_s: float = 0.0
+    sanitize_max_s: float = 0.0
+    sanitizer_violations: int = 0  # (rank, plane, page) violations the checks found
+    sanitizer_steps: int = 0  # steps the sanitizer stopped before their graph
+    sanitizer_stopped: int = 0  # requests of those steps (failed: none got its token)
+    sanitizer_first: str = ""  # the first SanitizerError: rank, plane, page, request, step, lifecycle
     # --prefix-cache
     prefix_requests: int = 0  # admitted with a prefix lookup
     prefix_hits: int = 0  # ... that shared the prefix
@@ -81,6 +89,7 @@ class RunResult:
         out["overhead_mean_s"] = self.overhead_sum_s / self.steps if self.steps else 0.0
         out["bare_engine_overhead_mean_s"] = self.bare_engine_overhead_s / bs if bs else 0.0
         out["bare_overhead_mean_s"] = self.bare_overhead_s / bs if bs else 0.0
+        out["sanitize_mean_s"] = self.sanitize_sum_s / self.steps if self.steps else 0.0
         looked = self.prefix_tokens_looked
         out["prefix_hit_rate"] = self.prefix_hit_tokens / looked if looked else 0.0
         return out
@@ -94,6 +103,9 @@ class RunResult:
         self.clear_s += clear_dev
         self.graph_s += graph
         over = result.wall_s - graph
+        checked = max(t.sanitize_s for t in result.ranks)
+        self.sanitize_sum_s += checked
+        self.sanitize_max_s = max(self.sanitize_max_s, checked)
         self.overhead_sum_s += over
         self.overhead_max_s = max(self.overhead_max_s, over)
         if result.clear_list:
@@ -105,6 +117,15 @@ class RunResult:
             self.clear_host_max_s = max(self.clear_host_max_s, clear_host)
             self.clear_dev_sum_s += clear_dev
             self.clear_dev_max_s = max(self.clear_dev_max_s, clear_dev)
+
+    def add_stop(self, error: Any, requests: int) -> None:
+        """Count a step the sanitizer stopped with ``error`` (a ``SanitizerError``) before its
+        graph read anything, and its ``requests`` (all failed); keep the first error's text."""
+        self.sanitizer_violations += max(1, len(error.violations))
+        self.sanitizer_steps += 1
+        self.sanitizer_stopped += requests
+        if not self.sanitizer_first:
+            self.sanitizer_first = str(error)
 
 
 def compare_logits(run: RunResult, ref: RunResult) -> dict:

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from kvledger.core.errors import ConfigurationError, StepFailedError
+from kvledger.core.errors import ConfigurationError, SanitizerError, StepFailedError
 from kvledger.core.events import Geometry
 from kvledger.engine import RankSpec, StepInputs, open_engine
 from kvledger.executors.backend import backend_class
@@ -58,6 +58,7 @@ from .prefix import PrefixCache, alias_counting, reserve_counting
 from .ranks import RankState, SkipClearBackend, StepWork, backend_bytes, devices, make_graph, warm_kernels, warm_up
 from .snapshots import Snap, SnapshotCache
 from .results import DemoReport, RunResult, compare_logits
+from .sanitize import engine_options
 from .workload import DemoConfig, RequestSpec
 
 __all__ = ["model_config", "run_demo", "simulate"]
@@ -162,6 +163,7 @@ class _Serving:
         self.clear = clear = config.clear or reference
         if clear:
             backend_class(config.backend)  # an unknown or unavailable backend fails here, before any log exists
+        self.engine_options = engine_options(config, reference)  # --sanitize without a sanitizer: here too
         self.ranks = [RankState(r, self.world, self.devices[r], self.geometry, model) for r in range(self.world)]
         graph = make_graph(self.ranks, self.world)
         self.rank_specs = [RankSpec(planes=rk.planes, graph=graph,
@@ -189,7 +191,7 @@ class _Serving:
         res = self.res
         warm_up(self.ranks, self.mc, self.pt)
         async with open_engine(self.geometry, log=self.log_path, ranks=self.rank_specs,
-                               policy=self.config.policy) as engine:
+                               policy=self.config.policy, **self.engine_options) as engine:
             self.engine = engine
             warm_kernels(engine, self.devices)
             if self.metrics is not None:  # --no-clear zeroes nothing: no bytes to count
@@ -230,8 +232,8 @@ class _Serving:
         await self._prefill(admit, step)
         for spec in admit:
             await self._snapshots(spec.request, work)
-        await self._run_model(step, admit, work)
-        prefilled = self._verify(work)
+        ran = await self._run_model(step, admit, work)
+        prefilled = self._verify(work) if ran else []
         if self.prefix is not None:
             await self.prefix.publish(engine, prefilled)
             self.prefix.end_step([a.request for a in admit])
@@ -365,8 +367,9 @@ class _Serving:
             res.snapshots_made += 1
             work.snapshots.setdefault(request, []).append((k, pages, snap))
 
-    async def _run_model(self, step: int, admit: list[RequestSpec], work: StepWork) -> None:
-        """Block tables from the ledger, then the step: clears, then the model, on every rank."""
+    async def _run_model(self, step: int, admit: list[RequestSpec], work: StepWork) -> bool:
+        """Block tables from the ledger, then the step: clears, then the model, on every rank.
+        False when the sanitizer stopped the step before its graph (``_stopped``)."""
         engine, res = self.engine, self.res
         prefill_q = [self.running[s.request] for s in admit]
         decode_q = [q for q in self.running.values() if q.generated]
@@ -376,7 +379,11 @@ class _Serving:
         work.decode = list(zip(decode_q, tables[len(prefill_q):], strict=True))
         bare = self.bare
         shadow = bare.prepare(work) if bare is not None and bare.due(res.steps) else None
-        result = await self._run_step(step, work)
+        try:
+            result = await self._run_step(step, work)
+        except SanitizerError as exc:
+            await self._stopped(exc, work)
+            return False
         if shadow is not None:
             await bare.run([ex.context for ex in engine.executors], step, work, shadow, result)  # type: ignore[union-attr]
         res.add_step(result)
@@ -384,6 +391,19 @@ class _Serving:
             res.pages_zeroed += len(result.clear_list)
             res.bytes_zeroed += len(result.clear_list) * self.plane_bytes
         res.nan_bytes_written += sum(work.nan_bytes)
+        return True
+
+    async def _stopped(self, error: SanitizerError, work: StepWork) -> None:
+        """``--sanitize``: the sanitizer stopped the step before its graph read anything (the
+        engine recorded the violations and aborted it). Every request of the step fails (none
+        got its token); the snapshots made for it are dropped (their rows were never written)."""
+        rids = [q.spec.request for q, _ in work.prefill + work.decode]
+        self.res.add_stop(error, len(rids))
+        for rid in rids:
+            self.res.failed_requests.append(rid)
+            self.retire_failed.append(rid)
+            del self.running[rid]
+        await self.snaps.drop_unwritten(self.engine)
 
     async def _run_step(self, step: int, work: StepWork) -> Any:
         """``engine.run_step``; its outcome also goes to the metrics, when there are any."""

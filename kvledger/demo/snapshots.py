@@ -3,6 +3,7 @@
     victim      the snapshot to release next (never one whose rows this step writes or reads)
     evict       check its rows still hold the state written into them, then release it: its
                 pages go free and marked, holding row bytes until a request commits them
+    drop_unwritten  release the snapshots of a step that never ran (--sanitize stopped it)
     note_reuse  count pages taken again, and those that were released rows (future tails)
 """
 
@@ -67,6 +68,17 @@ class SnapshotCache:
             self.prefix.forget_snapshot(sid)
         self.released_rows.update(snap.pages)
         self.res.snapshots_released += 1
+
+    async def drop_unwritten(self, engine: Any) -> None:
+        """Release every snapshot whose rows no step wrote (made for a step the sanitizer
+        stopped before its graph): nothing to check them against, no prefix state to keep."""
+        for sid in [sid for sid, snap in self.live.items() if snap.saved[0] is None]:
+            snap = self.live.pop(sid)
+            await engine.release_snapshot(sid)
+            if self.prefix is not None:
+                self.prefix.forget_snapshot(sid)
+            self.released_rows.update(snap.pages)
+            self.res.snapshots_dropped += 1
 
     def note_reuse(self, pages: Sequence[int]) -> int:
         """Count pages taken again; return how many of them were released snapshot pages

@@ -84,7 +84,11 @@ def render_table(report) -> Table:
         row("pages shared / published", lambda r: f"{r.pages_shared} / {r.pages_published}", ref_too=False)
         row("cached pages evicted", lambda r: str(r.pages_evicted), ref_too=False)
         row("pages cached at end", lambda r: str(r.pages_cached_end), ref_too=False)
-    row("snapshots made / freed", lambda r: f"{r.snapshots_made} / {r.snapshots_released}")
+    if c.sanitize:
+        row("sanitizer violations", _violations, ref_too=False)
+        row("  poison + check, per step", lambda r: _mean_max(r.sanitize_sum_s, r.sanitize_max_s, r.steps),
+            ref_too=False)
+    row("snapshots made / freed", lambda r: f"{r.snapshots_made} / {r.snapshots_released + r.snapshots_dropped}")
     row("rows intact at release", lambda r: f"{r.snapshot_rows_intact} / {r.snapshots_released}")
     row("FP8 NaN bytes via rows", lambda r: f"{r.nan_bytes_written:,}")
     if report.oracle is None:
@@ -113,6 +117,13 @@ def _engine_overhead(r) -> str:
     if r.bare_steps:
         return _mean_max(r.bare_engine_overhead_s, r.bare_engine_overhead_max_s, r.bare_steps)
     return _mean_max(r.overhead_sum_s, r.overhead_max_s, r.steps)
+
+
+def _violations(r) -> str:
+    """``--sanitize``: violations found, and the steps and requests they stopped."""
+    if not r.sanitizer_steps:
+        return "0"
+    return f"{r.sanitizer_violations} ({r.sanitizer_steps} steps, {r.sanitizer_stopped} req. stopped)"
 
 
 def _hit_rate(r) -> str:

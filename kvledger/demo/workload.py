@@ -63,6 +63,8 @@ class DemoConfig:
     cache (``kvledger.demo.prefix``). ``bare_every``: every this many steps the run
     under pressure also runs the step's graph bare, without the engine, to measure the
     engine's per-step overhead against it (0: never; ``kvledger.demo.bare``).
+    ``sanitize=True`` (``--sanitize``): the run under pressure opens the engine with
+    ``sanitize=True`` (``kvledger.demo.sanitize``).
 
     ``page_budget``: pages in the cache under pressure; ``None`` picks one from
     ``pressure`` (the fraction of the pages ``max_running`` average requests would
@@ -99,6 +101,7 @@ class DemoConfig:
     prefix_cache: bool = False  # tenants' system prompts shared through the ledger's prefix cache
     system_tokens: int | None = None  # system prompt length (None: short_tokens // 2)
     bare_every: int = 8  # run the graph bare (no engine) every this many steps, for the overhead figure; 0: never
+    sanitize: bool = False  # the run under pressure in the engine's sanitizer mode (kvledger.demo.sanitize)
 
     def validate(self) -> DemoConfig:
         for name in ("requests", "short_tokens", "long_tokens", "gen_tokens", "page_tokens", "max_running",
@@ -122,6 +125,8 @@ class DemoConfig:
             raise ConfigurationError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.heads % self.ranks:
             raise ConfigurationError(f"heads ({self.heads}) must divide by ranks ({self.ranks})")
+        if type(self.sanitize) is not bool:
+            raise InvalidArgumentError(f"sanitize must be True or False, got {self.sanitize!r}")
         if type(self.bare_every) is not int or self.bare_every < 0:
             raise InvalidArgumentError(f"bare_every must be an int >= 0, got {self.bare_every!r}")
         if self.prefix_cache:
