@@ -151,8 +151,15 @@ def test_cli_both_ways_table_json_and_exit_status(tmp_path):
     p = _cli(*small, "--log", str(log), "--json", str(js))
     assert p.returncode == 0, p.stderr
     assert "INVALID_SPECULATION" in p.stdout and "yes (12/12" in p.stdout and str(log) in p.stdout
+    for row in ("clear, host", "clear, device", "engine overhead", "bare loop overhead"):
+        assert row in p.stdout
+    assert "prefix cache hit rate" not in p.stdout
     data = json.loads(js.read_text())
     assert data["ok"] is True and data["run"]["invalid_speculation"] == 0 and data["oracle"]["equal"] is True
+    run = data["run"]  # issue 15's figures: clear host and device time per step, the engine against a bare loop
+    assert 0 < run["clear_host_mean_s"] <= run["clear_host_max_s"] and run["clear_dev_mean_s"] > 0
+    assert run["bare_steps"] > 0 and run["bare_mismatch"] == 0
+    assert run["bare_engine_overhead_mean_s"] > 0 and run["bare_overhead_mean_s"] > 0
     assert data["log_path"] == str(log) and os.path.getsize(log) > 0
     js_off = tmp_path / "off.json"
     p = _cli(*small, "--no-clear", "--no-reference", "--json", str(js_off))

@@ -14,9 +14,19 @@ bit-identical to a reference run that never reuses a page.
     model.py      the decoder, paged FP8 attention, snapshot rows
     ranks.py      each rank's planes and model shard, the step graph, SkipClearBackend
     run.py        the serving simulation through kvledger.engine, run_demo
+    snapshots.py  the live snapshots: which to release next, releasing them, page reuse
+    prefix.py     --prefix-cache: system prompts shared through the ledger's prefix cache
+    bare.py       the engine's per-step overhead against the same graph run bare
     results.py    RunResult, the logits oracle, DemoReport
     table.py      progress bars and the final table      (rich)
     cli.py        add_arguments(parser), main(args)      (no torch at import)
+
+``--prefix-cache`` gives every prompt its tenant's system prompt and shares its pages
+between the tenant's requests (cached, shared, evicted under pressure through the
+ledger); the logits still equal a reference that shares nothing, and with clears off
+the seed's failure is back. Every run also reports the clear phase's host and device
+time per step and the engine's per-step overhead against a bare loop running the same
+graph (``bare.py``).
 
 Importing ``kvledger.demo`` does not import torch.
 """

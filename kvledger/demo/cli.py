@@ -2,6 +2,8 @@
 
     kvledger demo                       # 143 requests, clears on: 0 failures, logits == reference
     kvledger demo --no-clear            # the seed's failure: INVALID_SPECULATION > 0
+    kvledger demo --prefix-cache        # tenants' system prompts shared: hit rate, pages shared / evicted
+    kvledger demo --sanitize            # the sanitizer's debug mode: 0 violations (with --no-clear: > 0)
     kvledger demo --metrics-port 9400   # Prometheus metrics on 127.0.0.1:9400 while it runs
     python -m kvledger.demo --requests 12 --prompt-tokens 128,256
 
@@ -69,9 +71,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="prefill snapshots the recurrent state every this many tokens and at the prompt's end "
                         "(default %(default)s)")
     w.add_argument("--seed", type=int, default=_D.seed, help="model weights and prompts (default %(default)s)")
+    w.add_argument("--prefix-cache", action="store_true",
+                   help="every prompt starts with its tenant's system prompt, whose full pages the tenant's "
+                        "requests share through the ledger's prefix cache (cached, evicted under pressure)")
+    w.add_argument("--system-tokens", type=int, default=None, metavar="N",
+                   help="--prefix-cache: tokens of each tenant's system prompt (default: half the short prompt)")
     k = parser.add_argument_group("ledger and executors")
     k.add_argument("--no-clear", action="store_true",
                    help="the seed's failure: the ledger lists pages but the executors do not zero them")
+    k.add_argument("--sanitize", action="store_true",
+                   help="the engine's sanitizer (debug mode): poison marked pages, check after every clear; "
+                        "a violation stops the step before its graph reads a stale byte")
     k.add_argument("--keep-going", action="store_true",
                    help="count INVALID_SPECULATION but keep decoding (the schedule then matches a run with "
                         "clears on: for step-time comparisons)")
@@ -91,6 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON")
     o.add_argument("--no-reference", action="store_true", help="skip the reference run (no logits oracle)")
     o.add_argument("--no-progress", action="store_true", help="no progress bars")
+    o.add_argument("--bare-every", type=int, default=_D.bare_every, metavar="N",
+                   help="every N steps also run the step's graph bare, without the engine, for the engine's "
+                        "overhead figure (default %(default)s; 0: never)")
     x = parser.add_argument_group("metrics (pip install kvledger[metrics])")
     x.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics while the demo runs "
@@ -136,6 +149,10 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         heads=args.heads,
         head_dim=args.head_dim,
         d_model=max(_D.d_model, args.heads * args.head_dim),
+        prefix_cache=args.prefix_cache,
+        system_tokens=args.system_tokens,
+        bare_every=args.bare_every,
+        sanitize=args.sanitize,
     ).validate()
 
 
@@ -256,6 +273,8 @@ def _run_and_report(args: argparse.Namespace, config: DemoConfig, log_path: str,
         err.print(f"kvledger demo: the run failed: {type(exc).__name__}: {exc}", markup=False, highlight=False)
         return 1
     out.print(render_table(report))
+    if report.run.sanitizer_first:
+        out.print(f"sanitizer, first violation: {report.run.sanitizer_first}", markup=False, highlight=False)
     out.print(f"event log: {log_path}", markup=False, highlight=False)
     out.print(f"  kvledger replay {log_path}", markup=False, highlight=False)
     out.print(f"  kvledger audit --check {log_path}", markup=False, highlight=False)

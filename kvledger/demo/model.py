@@ -4,7 +4,9 @@ Random-initialised weights (seeded), a few layers, FP8 (``float8_e4m3fn``) paged
 Per layer, on each rank (heads are sharded across ranks, tensor-parallel style):
 
     x ─► rmsnorm ─┬─► q k v ─► write k, v into the request's pages (FP8)
-                  │          └► attention: prefill  causal SDPA over the prompt
+                  │          └► attention: prefill  causal SDPA over the prompt (--prefix-cache:
+                  │                                 over the block table's pages, shared ones
+                  │                                 included, gathered and masked causally)
                   │                        decode   gather the request's whole pages by
                   │                                 block table (the partially filled tail
                   │                                 page included), cast to float32, SDPA
@@ -26,6 +28,10 @@ Every per-request operation has the same shapes whatever physical pages the
 request holds, and the gather follows the block table, so two runs of the same
 requests give bit-identical logits on the CPU whichever pages they were given, as
 long as the masked slots hold finite bytes (a masked slot adds exactly 0).
+``prefill_span`` (``--prefix-cache``) keeps that property for prefixes: a span's
+arithmetic depends on its tokens, its bounds and the bytes of the pages it reads,
+so a prefix shared from another request's pages gives the logits of one computed
+by the request itself. ``read_snapshot`` is the inverse of ``write_snapshot``.
 
 Imports torch: import this module only where torch is wanted.
 """
@@ -45,6 +51,7 @@ __all__ = ["FP8", "ModelConfig", "HybridDecoder", "RankModel", "fp8_nan_bytes"]
 
 FP8 = torch.float8_e4m3fn
 NAN_BYTES = (0x7F, 0xFF)  # the two e4m3fn NaN encodings (S.1111.111)
+QUERY_CHUNK = 1024  # paged prefill attends in chunks of this many queries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +222,66 @@ class RankModel:
             x = self._mlp(x + allreduce(partial), w_1, w_2)
         return _rms(x[-1]) @ self.embedding.T, at
 
+    def prefill_span(
+        self,
+        tokens: torch.Tensor,
+        start: int,
+        end: int,
+        planes: Sequence[torch.Tensor],
+        block_table: torch.Tensor,
+        state: torch.Tensor,
+        allreduce: Callable[[torch.Tensor], torch.Tensor],
+        checkpoints: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Prefill positions ``start..end-1`` of the prompt ``tokens`` ([P] int64) with paged
+        attention (``--prefix-cache``): the K/V of positions before ``start`` are already in
+        the pages of ``block_table`` (this request's, or shared ones another request wrote)
+        and ``state`` is the recurrent state after them. Writes the span's K/V into its
+        pages, then every query attends over the pages ``0..ceil(end / page_tokens)`` of the
+        block table, gathered from the planes (the pages it did not write included), masked
+        causally. Advances ``state`` over the span. Returns the logits of position ``end-1``
+        and the states after ``checkpoints`` (absolute token counts in ``start+1..end``).
+
+        The arithmetic of a span depends only on its tokens, its bounds and the bytes of
+        the pages it reads, never on which physical pages they are, so a prefix computed
+        by the request itself and one shared from another request give bit-identical results
+        when the shared pages hold what the request would have written."""
+        pt = planes[0].shape[1]
+        pages = -(-end // pt)
+        table = block_table[:pages]
+        positions = torch.arange(start, end, device=self.device)
+        slots = self._slots_for(positions, block_table, pt)
+        x = self.embedding[tokens[start:end]]
+        at = [torch.empty_like(state) for _ in checkpoints]
+        local = [c - start for c in checkpoints]
+        for li, (w_in, w_o, w_ro, w_1, w_2) in enumerate(self.layers):
+            q, k, v, rq, rk, rv = self._split(_rms(x), w_in)
+            kp, vp = planes[2 * li], planes[2 * li + 1]
+            self._write(kp, slots, k.to(FP8))
+            self._write(vp, slots, v.to(FP8))
+            att = self._paged_attention(q, self._gather(kp, table, pages * pt), self._gather(vp, table, pages * pt),
+                                        positions)
+            y = self._recurrence_prefill(rq * self._scale, rk, rv, state[li], local, [a[li] for a in at])
+            n = end - start
+            partial = att.transpose(0, 1).reshape(n, -1) @ w_o + y.transpose(0, 1).reshape(n, -1) @ w_ro
+            x = self._mlp(x + allreduce(partial), w_1, w_2)
+        return _rms(x[-1]) @ self.embedding.T, at
+
+    @staticmethod
+    def _paged_attention(q: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """SDPA of ``q`` ([heads, n, dim], the queries at ``positions``) over gathered pages
+        ([1, heads, keys, dim]), each query seeing the keys at or before its position, in
+        chunks of ``QUERY_CHUNK`` queries (the mask and the scores of a 32k-token prompt
+        never exist whole). Returns [heads, n, dim]."""
+        n = q.shape[1]
+        keys = torch.arange(kg.shape[2], device=q.device)
+        out = []
+        for c0 in range(0, n, QUERY_CHUNK):
+            c1 = min(n, c0 + QUERY_CHUNK)
+            mask = (keys[None, :] <= positions[c0:c1, None]).view(1, 1, c1 - c0, -1)
+            out.append(F.scaled_dot_product_attention(q[None, :, c0:c1], kg, vg, attn_mask=mask)[0])
+        return torch.cat(out, dim=1) if len(out) > 1 else out[0]
+
     @staticmethod
     def _write(plane: torch.Tensor, slots: torch.Tensor, kv8: torch.Tensor) -> None:
         """Write ``kv8`` ([heads, T, head_dim] FP8) into token ``slots`` of ``plane``."""
@@ -320,6 +387,19 @@ class RankModel:
             nan += fp8_nan_bytes(row[:n].view(torch.uint8))
             at += n
         return nan
+
+    @staticmethod
+    def read_snapshot(rows: Sequence[torch.Tensor], state: torch.Tensor) -> None:
+        """Fill ``state`` from the rows (the inverse of ``write_snapshot``): a prefix hit
+        restores the recurrent state after the shared prefix from the prefix's snapshot."""
+        flat = state.view(-1)
+        at = 0
+        for row in rows:
+            if at >= flat.numel():
+                break
+            n = min(row.numel(), flat.numel() - at)
+            flat[at : at + n].copy_(row[:n])
+            at += n
 
     @staticmethod
     def snapshot_matches(state: torch.Tensor, rows: Sequence[torch.Tensor]) -> bool:

@@ -3,8 +3,10 @@
     RankState     one rank: its model shard, 2 x layers FP8 planes [pages, page_tokens, heads/rank, head_dim]
     StepWork      one step's work for the graphs (StepInputs.data), and what they report back
     make_graph    the graph every rank runs after its clears: prefill (write K/V, write the
-                  recurrent state through the snapshot rows), decode (gather pages, masked
-                  SDPA), verify (non-finite logits: INVALID_SPECULATION)
+                  recurrent state through the snapshot rows; --prefix-cache: read a prefix
+                  hit's state from its snapshot rows, attend over the block table's pages),
+                  decode (gather pages, masked SDPA), verify (non-finite logits:
+                  INVALID_SPECULATION)
     SkipClearBackend  ``--no-clear``: validates clear lists, zeroes nothing
 
 In-process ranks compute in worker threads and meet per layer in ``AllReduce``.
@@ -24,6 +26,7 @@ from kvledger.core.errors import ConfigurationError
 from kvledger.core.events import Geometry
 from kvledger.engine import StepInputs
 from kvledger.executors.backend import check_page_ids
+from kvledger.executors.torch_backend import TorchClearBackend
 
 from .model import HybridDecoder, ModelConfig, RankModel
 from .workload import DemoConfig
@@ -38,16 +41,33 @@ class SkipClearBackend:
     """``--no-clear``: the seed's unfixed executor. Validates each clear list exactly as a
     real backend does (``PageOutOfRangeError`` / ``DuplicatePageError``) and counts the
     pages, but zeroes nothing, so the ledger's plan is intact and only the zeroing is
-    missing. Used by the demo only; it is not in the backend registry."""
+    missing. For ``--sanitize`` it poisons and checks like the torch backend over the
+    same planes (``poison``, ``start_verify``): only the clear is skipped. Used by the
+    demo only; it is not in the backend registry."""
 
     name = "none (--no-clear)"
 
     def __init__(self, planes: Sequence[torch.Tensor]) -> None:
         self.num_pages = int(planes[0].shape[0])
         self.pages_skipped = 0
+        self._planes = tuple(planes)
+        self._sanitizer: TorchClearBackend | None = None
 
     def clear(self, page_ids: Sequence[int]) -> None:
         self.pages_skipped += len(check_page_ids(page_ids, self.num_pages))
+
+    def _torch(self) -> TorchClearBackend:
+        if self._sanitizer is None:
+            self._sanitizer = TorchClearBackend(self._planes)
+        return self._sanitizer
+
+    def poison(self, page_ids: Sequence[int]) -> None:
+        """Fill every plane of the listed pages with 0xFF (``TorchClearBackend.poison``)."""
+        self._torch().poison(page_ids)
+
+    def start_verify(self, cleared_ids: Sequence[int], committed_ids: Sequence[int]) -> Any:
+        """The sanitizer's check over the planes (``TorchClearBackend.start_verify``)."""
+        return self._torch().start_verify(cleared_ids, committed_ids)
 
 
 class AllReduce:
@@ -132,7 +152,10 @@ def _forward(ranks: list, work: StepWork, ctx: Any) -> None:
             for req, table in work.prefill:
                 rid = req.spec.request
                 bt = torch.tensor(table, dtype=torch.int64, device=dev)
-                out, at = m.prefill(req.prompt[r], planes, bt, req.states[r], reduce, req.checkpoints)
+                if req.split:
+                    out, at = _prefill_split(m, req, r, planes, bt, reduce)
+                else:
+                    out, at = m.prefill(req.prompt[r], planes, bt, req.states[r], reduce, req.checkpoints)
                 logits[rid] = out
                 # snapshot rows: the state at each checkpoint, written through the KV pages
                 for k, pages, snap in work.snapshots.get(rid, ()):
@@ -148,6 +171,25 @@ def _forward(ranks: list, work: StepWork, ctx: Any) -> None:
     except BaseException:
         work.allreduce.abort()
         raise
+
+
+def _prefill_split(m: RankModel, req: Any, r: int, planes: Sequence[torch.Tensor], bt: torch.Tensor,
+                   reduce: Callable) -> tuple[torch.Tensor, list]:
+    """``--prefix-cache``'s prefill of one request, in two spans split after the shared
+    prefix (``req.split`` tokens). A hit (``req.restore``: the prefix state's snapshot pages)
+    reads the recurrent state back from the snapshot rows and skips the first span, its
+    K/V being in the shared pages at the head of the block table; a miss computes it.
+    Returns the logits and the states at ``req.checkpoints``."""
+    split, prompt, state = req.split, req.prompt[r], req.states[r]
+    cps = req.checkpoints
+    if req.restore is not None:
+        m.read_snapshot(m.snapshot_rows(planes, req.restore), state)
+        first: list = []
+    else:
+        _, first = m.prefill_span(prompt, 0, split, planes, bt, state, reduce, [c for c in cps if c <= split])
+    out, rest = m.prefill_span(prompt, split, prompt.shape[0], planes, bt, state, reduce,
+                               [c for c in cps if c > split])
+    return out, first + rest
 
 
 def make_graph(ranks: list, world: int) -> Callable:
@@ -191,6 +233,7 @@ def warm_up(ranks: list, mc: ModelConfig, page_tokens: int) -> None:
         tokens = torch.zeros(page_tokens + 1, dtype=torch.int64, device=rk.device)
         with torch.no_grad():
             m.prefill(tokens, scratch, bt, state, identity, (1, page_tokens + 1))
+            m.prefill_span(tokens, page_tokens, page_tokens + 1, scratch, bt, state, identity, (page_tokens + 1,))
             m.decode(0, page_tokens + 1, scratch, table, bt, state, identity)
         if rk.device.type == "cuda":
             torch.cuda.synchronize(rk.device)

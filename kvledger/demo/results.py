@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -34,8 +35,40 @@ class RunResult:
     snapshots_made: int = 0
     snapshots_released: int = 0
     snapshots_skipped: int = 0
+    snapshots_dropped: int = 0  # --sanitize: made for a step it stopped, released unwritten
     snapshot_rows_intact: int = 0  # snapshots whose rows still held their state at release
     nan_bytes_written: int = 0  # FP8 NaN bytes (0x7F / 0xFF) written through snapshot rows
+    # per step, the slowest rank's clear phase, over the steps with a clear list: host time
+    # enqueuing it (RankTiming.clear_host_s) and its own time (clear_s: CUDA event time on a GPU)
+    clear_host_sum_s: float = 0.0
+    clear_host_max_s: float = 0.0
+    clear_dev_sum_s: float = 0.0
+    clear_dev_max_s: float = 0.0
+    overhead_sum_s: float = 0.0  # every step: run_step wall time - the slowest rank's graph time
+    overhead_max_s: float = 0.0
+    bare_steps: int = 0  # steps also run bare, without the engine (bare.py)
+    bare_graph_s: float = 0.0
+    bare_engine_overhead_s: float = 0.0  # the engine's overhead on those steps
+    bare_engine_overhead_max_s: float = 0.0
+    bare_overhead_s: float = 0.0  # the bare loop's: its wall time - the graph's own time
+    bare_overhead_max_s: float = 0.0
+    bare_mismatch: int = 0  # requests whose bare-run logits differ from the engine's in any bit
+    # --sanitize: the slowest rank's poison + check per completed step, and what it stopped
+    sanitize_sum_s: float = 0.0
+    sanitize_max_s: float = 0.0
+    sanitizer_violations: int = 0  # (rank, plane, page) violations the checks found
+    sanitizer_steps: int = 0  # steps the sanitizer stopped before their graph
+    sanitizer_stopped: int = 0  # requests of those steps (failed: none got its token)
+    sanitizer_first: str = ""  # the first SanitizerError: rank, plane, page, request, step, lifecycle
+    # --prefix-cache
+    prefix_requests: int = 0  # admitted with a prefix lookup
+    prefix_hits: int = 0  # ... that shared the prefix
+    prefix_tokens_looked: int = 0  # their prompt tokens
+    prefix_hit_tokens: int = 0  # ... whose K/V came from shared pages
+    pages_shared: int = 0
+    pages_published: int = 0
+    pages_evicted: int = 0  # cached pages evicted by reservations and snapshot aliases
+    pages_cached_end: int = 0  # cached pages once every request ended
     page_budget: int = 0
     events: int = 0
     digest: str = ""
@@ -50,7 +83,49 @@ class RunResult:
         out["failed_requests"] = list(self.failed_requests)
         out["step_mean_s"] = self.step_s / self.steps if self.steps else 0.0
         out["clear_share"] = self.clear_s / self.step_s if self.step_s else 0.0
+        cs, bs = self.steps_with_clears, self.bare_steps
+        out["clear_host_mean_s"] = self.clear_host_sum_s / cs if cs else 0.0
+        out["clear_dev_mean_s"] = self.clear_dev_sum_s / cs if cs else 0.0
+        out["overhead_mean_s"] = self.overhead_sum_s / self.steps if self.steps else 0.0
+        out["bare_engine_overhead_mean_s"] = self.bare_engine_overhead_s / bs if bs else 0.0
+        out["bare_overhead_mean_s"] = self.bare_overhead_s / bs if bs else 0.0
+        out["sanitize_mean_s"] = self.sanitize_sum_s / self.steps if self.steps else 0.0
+        looked = self.prefix_tokens_looked
+        out["prefix_hit_rate"] = self.prefix_hit_tokens / looked if looked else 0.0
         return out
+
+    def add_step(self, result: Any) -> None:
+        """Count one completed step (a ``StepResult``): its wall, clear and graph times."""
+        self.steps += 1
+        self.step_s += result.wall_s
+        clear_dev = max(t.clear_s for t in result.ranks)
+        graph = max(t.graph_s for t in result.ranks)
+        self.clear_s += clear_dev
+        self.graph_s += graph
+        over = result.wall_s - graph
+        checked = max(t.sanitize_s for t in result.ranks)
+        self.sanitize_sum_s += checked
+        self.sanitize_max_s = max(self.sanitize_max_s, checked)
+        self.overhead_sum_s += over
+        self.overhead_max_s = max(self.overhead_max_s, over)
+        if result.clear_list:
+            clear_host = max(t.clear_host_s for t in result.ranks)
+            self.steps_with_clears += 1
+            self.clear_step_s += result.wall_s
+            self.pages_listed += len(result.clear_list)
+            self.clear_host_sum_s += clear_host
+            self.clear_host_max_s = max(self.clear_host_max_s, clear_host)
+            self.clear_dev_sum_s += clear_dev
+            self.clear_dev_max_s = max(self.clear_dev_max_s, clear_dev)
+
+    def add_stop(self, error: Any, requests: int) -> None:
+        """Count a step the sanitizer stopped with ``error`` (a ``SanitizerError``) before its
+        graph read anything, and its ``requests`` (all failed); keep the first error's text."""
+        self.sanitizer_violations += max(1, len(error.violations))
+        self.sanitizer_steps += 1
+        self.sanitizer_stopped += requests
+        if not self.sanitizer_first:
+            self.sanitizer_first = str(error)
 
 
 def compare_logits(run: RunResult, ref: RunResult) -> dict:

@@ -42,16 +42,29 @@ class RequestSpec:
     def prompt_pages(self, page_tokens: int) -> int:
         return -(-self.prompt_tokens // page_tokens)
 
-    def checkpoints(self, every: int) -> tuple[int, ...]:
+    def checkpoints(self, every: int, prefix: int = 0) -> tuple[int, ...]:
         """Token counts after which prefill snapshots the recurrent state: every ``every``
-        tokens and at the end of the prompt (prefix caching for a hybrid model)."""
-        return tuple(range(every, self.prompt_tokens, every)) + (self.prompt_tokens,)
+        tokens and at the end of the prompt (prefix caching for a hybrid model), and after
+        the ``prefix`` tokens of a shared system prompt (``--prefix-cache``; 0: none)."""
+        out = tuple(range(every, self.prompt_tokens, every)) + (self.prompt_tokens,)
+        if 0 < prefix < self.prompt_tokens and prefix not in out:
+            out = tuple(sorted(out + (prefix,)))
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
     """Everything a demo run depends on. ``validate()`` raises ``InvalidArgumentError``
     / ``ConfigurationError`` naming the bad knob.
+
+    ``prefix_cache=True`` (``--prefix-cache``): every prompt starts with its tenant's
+    system prompt of ``system_tokens`` tokens (``None``: half the short prompt); the full
+    pages of it are shared between the tenant's requests through the ledger's prefix
+    cache (``kvledger.demo.prefix``). ``bare_every``: every this many steps the run
+    under pressure also runs the step's graph bare, without the engine, to measure the
+    engine's per-step overhead against it (0: never; ``kvledger.demo.bare``).
+    ``sanitize=True`` (``--sanitize``): the run under pressure opens the engine with
+    ``sanitize=True`` (``kvledger.demo.sanitize``).
 
     ``page_budget``: pages in the cache under pressure; ``None`` picks one from
     ``pressure`` (the fraction of the pages ``max_running`` average requests would
@@ -85,6 +98,10 @@ class DemoConfig:
     tenants: int = 3
     threads: int | None = 1  # torch intra-op threads on the CPU (None: leave torch's setting)
     keep_going: bool = False  # count INVALID_SPECULATION but keep decoding (same schedule either way: timing)
+    prefix_cache: bool = False  # tenants' system prompts shared through the ledger's prefix cache
+    system_tokens: int | None = None  # system prompt length (None: short_tokens // 2)
+    bare_every: int = 8  # run the graph bare (no engine) every this many steps, for the overhead figure; 0: never
+    sanitize: bool = False  # the run under pressure in the engine's sanitizer mode (kvledger.demo.sanitize)
 
     def validate(self) -> DemoConfig:
         for name in ("requests", "short_tokens", "long_tokens", "gen_tokens", "page_tokens", "max_running",
@@ -108,7 +125,30 @@ class DemoConfig:
             raise ConfigurationError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.heads % self.ranks:
             raise ConfigurationError(f"heads ({self.heads}) must divide by ranks ({self.ranks})")
+        if type(self.sanitize) is not bool:
+            raise InvalidArgumentError(f"sanitize must be True or False, got {self.sanitize!r}")
+        if type(self.bare_every) is not int or self.bare_every < 0:
+            raise InvalidArgumentError(f"bare_every must be an int >= 0, got {self.bare_every!r}")
+        if self.prefix_cache:
+            self._validate_prefix()
         return self
+
+    def _validate_prefix(self) -> None:
+        sys_tokens = self.system_prompt_tokens()
+        if type(sys_tokens) is not int or not self.page_tokens <= sys_tokens < min(self.short_tokens, self.long_tokens):
+            raise InvalidArgumentError(
+                f"system_tokens must be an int from page_tokens ({self.page_tokens}) to below the shortest prompt "
+                f"({min(self.short_tokens, self.long_tokens)}), got {sys_tokens!r}")
+
+    def system_prompt_tokens(self) -> int:
+        """Tokens of each tenant's system prompt (``--prefix-cache``)."""
+        return self.short_tokens // 2 if self.system_tokens is None else self.system_tokens
+
+    def prefix_tokens(self) -> int:
+        """Tokens of the shared prefix: the system prompt's full pages (0 without ``prefix_cache``)."""
+        if not self.prefix_cache:
+            return 0
+        return self.system_prompt_tokens() // self.page_tokens * self.page_tokens
 
     def specs(self) -> list[RequestSpec]:
         return requests_of(self)
