@@ -43,18 +43,7 @@ def render_table(report) -> Table:
     """The final table of a ``DemoReport``: one column for the run, one for the reference."""
     c = report.config
     run, ref = report.run, report.reference
-    title = (
-        f"kvledger demo: {c.requests} requests, {c.short_tokens}/{c.long_tokens}-token prompts alternating, "
-        f"{c.gen_tokens} tokens out\n"
-        f"hybrid decoder: {c.layers} layers, {c.heads} heads x {c.head_dim} + gated linear recurrence\n"
-        f"FP8 e4m3fn KV, {c.page_tokens}-token pages, {c.device}, {c.ranks} rank{'' if c.ranks == 1 else 's'}, "
-        f"policy {c.policy}\n"
-        "attention: torch scaled_dot_product_attention, masked over valid tokens"
-    )
-    if c.prefix_cache:
-        title += (f"\nprefix cache: {c.tenants} tenants, {c.system_prompt_tokens()}-token system prompts "
-                  f"({c.prefix_tokens() // c.page_tokens} shared pages each)")
-    t = Table(title=title, title_justify="left", header_style="bold")
+    t = Table(title=_title(c), title_justify="left", header_style="bold")
     t.add_column("")
     t.add_column(run.label, no_wrap=True)
     t.add_column("reference (no pressure)", no_wrap=True, style="dim")
@@ -100,6 +89,22 @@ def render_table(report) -> Table:
     row("events / digest", lambda r: f"{r.events} / {r.digest[:12]}")
     row("wall time", lambda r: f"{r.wall_s:.1f} s")
     return t
+
+
+def _title(c) -> str:
+    """The table's title: the workload, the model and the cache."""
+    title = (
+        f"kvledger demo: {c.requests} requests, {c.short_tokens}/{c.long_tokens}-token prompts alternating, "
+        f"{c.gen_tokens} tokens out\n"
+        f"hybrid decoder: {c.layers} layers, {c.heads} heads x {c.head_dim} + gated linear recurrence\n"
+        f"FP8 e4m3fn KV, {c.page_tokens}-token pages, {c.device}, {c.ranks} rank{'' if c.ranks == 1 else 's'}, "
+        f"policy {c.policy}\n"
+        "attention: torch scaled_dot_product_attention, masked over valid tokens"
+    )
+    if c.prefix_cache:
+        title += (f"\nprefix cache: {c.tenants} tenants, {c.system_prompt_tokens()}-token system prompts "
+                  f"({c.prefix_tokens() // c.page_tokens} shared pages each)")
+    return title
 
 
 def _mean_max(total: float, most: float, n: int) -> str:
