@@ -27,6 +27,8 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from ..errors import LogClosedError
+
 if TYPE_CHECKING:
     from .writer import EventLog
 
@@ -143,3 +145,20 @@ def _release(items: list) -> None:
     for item in items:
         if item[3] is not None:
             item[3].set()
+
+
+async def wait_durable_async(log, seq: int, poll: float = 0.05) -> None:
+    """Wait, without blocking the event loop, until ``log``'s event ``seq`` is durable.
+
+    Waits in a worker thread ``poll`` seconds at a time (cancellable between
+    polls). Raises ``LogIOError`` if the writer failed, ``LogClosedError`` if
+    the log closed (or is inline) before ``seq`` became durable.
+    """
+    import anyio
+
+    while not await anyio.to_thread.run_sync(log.wait_durable, seq, poll, abandon_on_cancel=True):
+        if log.closed or not log.background:
+            if log.durable_seq >= seq:
+                return
+            raise LogClosedError(f"{log.path}: seq {seq} is not durable and the log no longer syncs "
+                                 f"by itself (closed or inline; durable_seq {log.durable_seq})")

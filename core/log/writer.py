@@ -78,7 +78,7 @@ from .policy import (
     policy_mode,
 )
 from .scan import Scan
-from .syncer import Syncer
+from .syncer import Syncer, wait_durable_async
 
 __all__ = ["EventLog", "LogStatistics", "FSYNC_POLICIES", "DEFAULT_MAX_LAG_BYTES"]
 
@@ -342,20 +342,10 @@ class EventLog:
         return ok
 
     async def wait_durable_async(self, seq: int, poll: float = 0.05) -> None:
-        """Wait, without blocking the event loop, until event ``seq`` is durable.
-
-        Waits in a worker thread ``poll`` seconds at a time (cancellable between
-        polls). Raises ``LogIOError`` if the writer failed, ``LogClosedError`` if
-        the log closed (or is inline) before ``seq`` became durable.
-        """
-        import anyio
-
-        while not await anyio.to_thread.run_sync(self.wait_durable, seq, poll, abandon_on_cancel=True):
-            if self._closed or self._syncer is None:
-                if self._durable_seq >= seq:
-                    return
-                raise LogClosedError(f"{self.path}: seq {seq} is not durable and the log no longer syncs "
-                                     f"by itself (closed or inline; durable_seq {self._durable_seq})")
+        """Wait, without blocking the event loop, until event ``seq`` is durable
+        (``syncer.wait_durable_async``: raises ``LogIOError`` if the writer failed,
+        ``LogClosedError`` if the log closed or is inline before ``seq`` became durable)."""
+        await wait_durable_async(self, seq, poll)
 
     def close(self) -> None:
         """Sync, append a close record (it proves the whole file synced), sync, stamp, release the file.
