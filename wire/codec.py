@@ -39,10 +39,10 @@ Bodies (``<`` little-endian ``struct`` formats):
 LAUNCH is the commit frame this layout adds to SPEC's five (see
 ``kvledger.wire.protocol`` for why a READY alone cannot be the commit point).
 
-This module holds the frame values (small frozen msgspec Structs), the codes,
-and everything that turns frames or page ids into bytes (``encode``,
-``encode_prepare``, ``pack_page_ids``). Bytes back into frames, and the checks
-a receiver makes, are in ``kvledger.wire.decoder``.
+This module holds everything that turns frames or page ids into bytes
+(``encode``, ``encode_prepare``, ``pack_page_ids``) and re-exports the frame
+values and codes (their home is ``kvledger.wire.frames``). Bytes back into
+frames, and the checks a receiver makes, are in ``kvledger.wire.decoder``.
 """
 
 from __future__ import annotations
@@ -52,14 +52,24 @@ import hashlib
 import struct
 import sys
 import zlib
-from collections.abc import Callable, Iterable, Sequence
-from enum import IntEnum
+from collections.abc import Callable, Iterable
 from typing import Any
-
-import msgspec
 
 from ..core.errors import InvalidArgumentError
 from ..core.events import Geometry
+from .frames import (
+    LAYOUT,
+    NO_RANK,
+    Abort,
+    Frame,
+    FrameKind,
+    Hello,
+    Launch,
+    Prepare,
+    Ready,
+    Reject,
+    RejectCode,
+)
 
 __all__ = [
     "MAGIC",
@@ -90,10 +100,8 @@ __all__ = [
 ]
 
 MAGIC = b"KVLW"
-LAYOUT = 7
 HEADER = struct.Struct("<4sBBHIQI")
 HEADER_SIZE = HEADER.size  # 24
-NO_RANK = 0xFFFFFFFF
 MAX_DETAIL_BYTES = 1024
 DEFAULT_MAX_BODY = 8 << 20  # 8 MiB: two million page ids
 DEFAULT_MAX_PAYLOAD = 1 << 20  # what a peer accepts in one PREPARE's payload unless told otherwise
@@ -114,125 +122,6 @@ _crc32 = zlib.crc32
 # array typecode holding unsigned 32-bit ints here ('I' on every mainstream ABI).
 _ID_CODE = next(c for c in "ILH" if array.array(c).itemsize == 4)
 _LITTLE = sys.byteorder == "little"
-
-
-class FrameKind(IntEnum):
-    HELLO = 1
-    PREPARE = 2
-    READY = 3
-    REJECT = 4
-    ABORT = 5
-    LAUNCH = 6
-
-
-class RejectCode(IntEnum):
-    """Why a frame, a PREPARE or a whole step was refused (REJECT and ABORT bodies)."""
-
-    BAD_MAGIC = 1  # not a kvledger frame: framing lost
-    BAD_LAYOUT = 2  # layout byte is not 7 (e.g. a layout-6 rank)
-    BAD_KIND = 3  # unknown frame kind
-    BAD_FLAGS = 4  # reserved flag bits set
-    FRAME_TOO_LARGE = 5  # body_len, or a PREPARE's payload, over the receiver's cap
-    BAD_LENGTH = 6  # body_len or a length inside the body is inconsistent
-    BAD_CHECKSUM = 7  # CRC32 mismatch
-    TRUNCATED = 8  # the stream ended inside a frame
-    BAD_BODY = 9  # reserved field not zero, invalid UTF-8, ...
-    BAD_STEP = 10  # not the step the receiver expects
-    PAGE_OUT_OF_RANGE = 11  # a page id >= num_pages
-    DUPLICATE_PAGE = 12  # a page id listed twice
-    GEOMETRY_MISMATCH = 13  # HELLO: different page geometry
-    WORLD_SIZE_MISMATCH = 14  # HELLO: different world size
-    BAD_RANK = 15  # HELLO/READY: rank out of range, taken, or not the link's
-    UNEXPECTED_FRAME = 16  # a frame this state does not allow
-    CONFLICT = 17  # same step, different content or a contradicting decision
-    STALE_STEP = 18  # a frame for a step already decided
-    TIMEOUT = 19  # ABORT: a rank did not answer in time
-    PEER_LOST = 20  # ABORT: a rank's link closed or broke
-    PEER_FAILED = 21  # a rank refused for a local reason (its executor, ...)
-
-
-# ---------------------------------------------------------------------------- frames
-
-
-class _Frame(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    pass
-
-
-class Hello(_Frame, frozen=True):
-    """Who is on this link: ``rank`` of ``world_size``, over the geometry ``geometry_digest``.
-
-    ``step``: the leader's HELLO names the first step it will PREPARE; a peer's
-    names the step it expects (informational). ``layout`` is the header byte.
-    """
-
-    step: int
-    rank: int
-    world_size: int
-    geometry_digest: bytes
-    layout: int = LAYOUT
-
-
-class Prepare(_Frame, frozen=True):
-    """The step plan: zero ``clear_pages`` (distinct u32 page ids), run with ``payload``.
-
-    Decoded frames carry ``clear_pages`` as a read-only ``memoryview`` of format
-    ``'I'`` over the frame's bytes (``.tolist()`` for a list) and ``checksum``,
-    the frame's CRC32 as received; the encoder takes any sequence of ints and
-    ignores ``checksum``.
-    """
-
-    step: int
-    clear_pages: Sequence[int] = ()
-    payload: bytes = b""
-    checksum: int = 0
-
-    def __repr__(self) -> str:
-        ids = self.clear_pages
-        head = list(ids[:8]) if len(ids) else []
-        more = ", ..." if len(ids) > 8 else ""
-        return (
-            f"Prepare(step={self.step}, clear_pages={str(head)[:-1]}{more}] ({len(ids)} ids), "
-            f"payload={len(self.payload)} bytes, checksum={self.checksum:#x})"
-        )
-
-
-class Ready(_Frame, frozen=True):
-    """Rank ``rank`` validated the PREPARE of ``step`` whose frame checksum was ``prepare_checksum``."""
-
-    step: int
-    rank: int
-    prepare_checksum: int
-
-
-class Reject(_Frame, frozen=True):
-    """Rank ``rank`` refuses ``step`` (or the link): ``code`` is a ``RejectCode``."""
-
-    step: int
-    rank: int
-    code: int
-    detail: str = ""
-
-
-class Abort(_Frame, frozen=True):
-    """The leader aborts ``step`` on every rank: nothing of it is cleared or launched.
-
-    ``code`` says why (the REJECT code, TIMEOUT or PEER_LOST); ``rank`` names the
-    rank that caused it, ``NO_RANK`` if none.
-    """
-
-    step: int
-    code: int
-    rank: int = NO_RANK
-
-
-class Launch(_Frame, frozen=True):
-    """The leader commits ``step``: every rank answered READY for ``prepare_checksum``."""
-
-    step: int
-    prepare_checksum: int
-
-
-Frame = Hello | Prepare | Ready | Reject | Abort | Launch
 
 
 # ---------------------------------------------------------------------------- encoding

@@ -2,8 +2,9 @@
 
 Nothing here does I/O or keeps time. A link takes bytes in (``receive_data``),
 hands events out (``next_event``) and queues the bytes it must send
-(``data_to_send``); the drivers in ``kvledger.wire.rank`` move the bytes and
-decide timeouts, which they feed back in as events (``Leader.expire``).
+(``data_to_send``); the drivers in ``kvledger.wire.rank`` and
+``kvledger.wire.peer_driver`` move the bytes and decide timeouts, which they
+feed back in as events (``Leader.expire``).
 
     protocol.py   this overview, the events both ends hand out, the link base
     peer.py       PeerLink: a peer's end of its link, its state chart and table

@@ -1,8 +1,9 @@
-"""Async drivers: the leader and the peer loop over any byte stream (memory or TCP).
+"""The leader's async driver: ``open_leader`` / ``WireLeader`` over any byte stream (memory or TCP).
 
-They move bytes between a transport and the pure state machines (``PeerLink``,
-``LeaderLink``, the ``Leader`` decision rule) and own every clock: the leader's vote deadline
-(``run_step(..., timeout=)``), a peer's join deadline (``hello_timeout``).
+It moves bytes between the transports and the pure state machines (one
+``LeaderLink`` per peer, the ``Leader`` decision rule) and owns the leader's
+clock: the vote deadline (``run_step(..., timeout=)``). The peer's driver,
+``run_peer``, is in ``kvledger.wire.peer_driver`` (and still importable from here).
 
     leader process / task                          peer r (one per remote rank)
     ─────────────────────                          ────────────────────────────
@@ -30,35 +31,25 @@ nothing here configures output.
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
-import structlog
 from anyio.abc import ByteStream, TaskStatus
 
 from ..core.errors import InvalidArgumentError, WireProtocolError
 from ..core.events import Geometry, StepPlan
-from .codec import DEFAULT_MAX_PAYLOAD, RejectCode
+from .codec import RejectCode
 from .decision import Leader
 from .leader import LeaderLink, LeaderState
-from .peer import PeerLink
-from .protocol import NEED_DATA, Answered, ConnectionClosed, Decision, DropStep, Joined, PeerHello, RunStep
+from .peer_driver import STREAM_CLOSED, OnDrop, OnLaunch, run_peer, wire_logger
+from .protocol import NEED_DATA, ConnectionClosed, Decision, PeerHello
 from .transport import accept, listen_tcp, listener_address
 
 __all__ = ["WireLeader", "open_leader", "run_peer", "OnLaunch", "OnDrop"]
 
-OnLaunch = Callable[[int, Any, bytes], None | Awaitable[None]]
-OnDrop = Callable[[int, int, int], None | Awaitable[None]]
-
-_CLOSED = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
 _DECIDABLE = (LeaderState.IDLE, LeaderState.AWAITING, LeaderState.VOTED)  # a link that can take LAUNCH / ABORT
-
-
-def _logger(logger: Any) -> Any:
-    return logger if logger is not None else structlog.get_logger("kvledger.wire")
 
 
 class _Conn:
@@ -96,7 +87,7 @@ class WireLeader:
         self._rule = Leader(geometry, world_size=world_size, next_step=next_step)
         self._outbox = outbox_frames
         self._close_grace = close_grace
-        self._log = _logger(logger)
+        self._log = wire_logger(logger)
         self._tg: anyio.abc.TaskGroup | None = None
         self._conns: dict[int, _Conn] = {}
         self._all: set[_Conn] = set()
@@ -233,7 +224,7 @@ class WireLeader:
             async with conn.out_recv:
                 async for data in conn.out_recv:
                     await conn.stream.send(data)
-        except _CLOSED:
+        except STREAM_CLOSED:
             self._drop(conn)
         finally:
             conn.writer_done.set()
@@ -243,7 +234,7 @@ class WireLeader:
         while True:
             try:
                 data = await conn.stream.receive()
-            except _CLOSED:
+            except STREAM_CLOSED:
                 data = b""
             link.receive_data(data)
             while True:
@@ -387,112 +378,3 @@ async def open_leader(
         finally:
             await leader._shutdown()
             tg.cancel_scope.cancel()
-
-
-class _PeerIO:
-    """Bytes between one stream and one ``PeerLink``; answers go out before events are handed on."""
-
-    __slots__ = ("link", "stream", "open")
-
-    def __init__(self, link: PeerLink, stream: ByteStream) -> None:
-        self.link = link
-        self.stream = stream
-        self.open = True
-
-    async def flush(self) -> None:
-        data = self.link.data_to_send()
-        if data and self.open:
-            try:
-                await self.stream.send(data)
-            except _CLOSED:
-                self.open = False
-
-    async def next_event(self) -> Any:
-        link = self.link
-        while True:
-            try:
-                ev = link.next_event()
-            except WireProtocolError:
-                await self.flush()  # the REJECT naming what was wrong
-                raise
-            if ev is NEED_DATA:
-                await self.flush()
-                try:
-                    data = await self.stream.receive()
-                except _CLOSED:
-                    data = b""
-                link.receive_data(data)
-                continue
-            await self.flush()
-            return ev
-
-    async def join(self, timeout: float, log: Any) -> None:
-        """Send HELLO and wait up to ``timeout`` s to be accepted. Raises ``TimeoutError``,
-        or ``WireProtocolError`` when the leader refuses this rank or closes the link first."""
-        link = self.link
-        link.start()
-        await self.flush()
-        with anyio.fail_after(timeout):
-            ev = await self.next_event()
-        if type(ev) is ConnectionClosed:
-            detail = f"the leader closed the link before accepting rank {link.rank}"
-            raise WireProtocolError(RejectCode.PEER_LOST, detail, remote=True)
-        if type(ev) is not Joined:  # the link allows nothing else first; kept as a real check
-            raise WireProtocolError(RejectCode.UNEXPECTED_FRAME, f"expected to join, got {ev!r}", remote=True)
-        log.info("wire.joined", rank=link.rank, step=ev.step)
-
-
-async def run_peer(
-    stream: ByteStream,
-    geometry: Geometry,
-    *,
-    rank: int,
-    world_size: int,
-    on_launch: OnLaunch,
-    on_drop: OnDrop | None = None,
-    on_answer: Callable[[Answered], None] | None = None,
-    hello_timeout: float = 30.0,
-    max_payload: int = DEFAULT_MAX_PAYLOAD,
-    logger: Any = None,
-) -> dict[str, int]:
-    """Run peer ``rank`` over ``stream`` until the leader closes it; return the link's counters.
-
-    Sends HELLO and waits up to ``hello_timeout`` s to be accepted (``TimeoutError``
-    otherwise). Then every PREPARE is validated and answered READY or REJECT by
-    the link, ``on_launch(step, clear_pages, payload)`` runs for each LAUNCH (may
-    be async; it clears the pages and runs the step) and ``on_drop(step, code,
-    rank)`` for each ABORT (nothing to clear). A PREPARE whose payload is over
-    ``max_payload`` bytes is answered REJECT FRAME_TOO_LARGE (the step aborts on
-    every rank). Raises ``WireProtocolError`` when the leader breaks the protocol
-    (after telling it why) or refuses us (``HandshakeRefused``); whatever
-    ``on_launch`` raises propagates (this rank failed mid-step; the leader sees
-    the link close). Closes ``stream`` on exit.
-    """
-    log = _logger(logger)
-    link = PeerLink(geometry, rank=rank, world_size=world_size, max_payload=max_payload)
-    io = _PeerIO(link, stream)
-    try:
-        await io.join(hello_timeout, log)
-        while True:
-            ev = await io.next_event()
-            t = type(ev)
-            if t is RunStep:
-                r = on_launch(ev.step, ev.clear_pages, ev.payload)
-                if inspect.isawaitable(r):
-                    await r
-            elif t is DropStep:
-                log.info("wire.dropped", rank=rank, step=ev.step, code=int(ev.code), culprit=ev.rank)
-                if on_drop is not None:
-                    r = on_drop(ev.step, ev.code, ev.rank)
-                    if inspect.isawaitable(r):
-                        await r
-            elif t is Answered:
-                if on_answer is not None:
-                    on_answer(ev)
-                if not ev.ready:
-                    log.warning("wire.rejected", rank=rank, step=ev.step, code=int(ev.code), detail=ev.detail)
-            elif t is ConnectionClosed:
-                return link.statistics()
-    finally:
-        with anyio.CancelScope(shield=True):
-            await stream.aclose()
