@@ -5,8 +5,9 @@ and R13 on them.
     Sim: Leader rule + one LeaderLink per peer  <== per-direction frame queues ==>  PeerLinks
          every RunStep clears real torch planes on that rank (the torch clear backend)
 
-Printed figures: R11 frames per class and false READY; R12 schedules, faults
-injected and divergences; R13 fault schedules and safety violations.
+Printed figures: R11 frames per class, READY / REJECT answers counted at the peer
+(false READY, wrong code, no answer); R12 schedules, faults injected and
+divergences; R13 fault schedules and safety violations.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from kvledger.wire import (
     PeerState,
     RunStep,
 )
+from kvledger.wire.decoder import decode
 from kvledger.core.errors import HandshakeRefused
 
 HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
@@ -90,6 +92,7 @@ class Sim:
         self.ran = {r: [] for r in range(world_size)}  # rank -> [(step, ids, payload)]
         self.dropped = {r: [] for r in self.peers}
         self.answered = {r: [] for r in self.peers}
+        self.deliveries = {r: [] for r in self.peers}  # peer r: [(frame delivered, frames it answered)]
         self.votes: list = []
         self.perr: dict = {}
         self.lerr: dict = {}
@@ -138,10 +141,12 @@ class Sim:
     def deliver_down(self, r, frame):
         self.tick += 1
         link = self.plink[r]
-        if link.state in (PeerState.ERROR, PeerState.CLOSED):
+        if link is None or link.state in (PeerState.ERROR, PeerState.CLOSED):
             return
+        before = len(self.hist_up[r])
         link.receive_data(b"" if frame is EOF else frame)
         self.peer_events(r)
+        self.deliveries[r].append((frame, self.hist_up[r][before:]))
 
     def peer_events(self, r):
         link = self.plink[r]
@@ -681,7 +686,8 @@ def _bad_prepare(cls: str, rng, step: int, ids: list, payload: bytes):
         raw = bytearray(good)
         which = rng.randrange(3)
         if which == 0:  # n_ids
-            raw[24:28] = (n + rng.choice([-1, 1, 2, 1000])).to_bytes(4, "little", signed=True)[:4] if n else (1).to_bytes(4, "little")
+            wrong = n + rng.choice([-1, 1, 2, 1000]) if n else 1
+            raw[24:28] = wrong.to_bytes(4, "little")
         elif which == 1:  # payload_len
             raw[28:32] = (len(payload) + rng.choice([1, 3, 77])).to_bytes(4, "little")
         else:  # body_len shorter than the body (the rest follows as junk)
@@ -710,14 +716,27 @@ def _bad_prepare(cls: str, rng, step: int, ids: list, payload: bytes):
 R11_CLASSES = ["out_of_range", "duplicate", "wrong_layout", "bad_length", "bad_checksum", "truncated", "wrong_step"]
 
 
-@pytest.mark.parametrize("cls", R11_CLASSES)
-def test_r11_bad_prepare_frames_answer_reject_and_nothing_is_cleared(cls):
-    rng = random.Random(1000 + R11_CLASSES.index(cls))
-    per_class = 1000 * SCALE
-    false_ready = wrong_code = cleared = 0
-    controls = 0
+def _answers_at_the_peer(sim, r, frame, end_stream: bool) -> list | None:
+    """The frames peer ``r`` itself wrote in answer to ``frame`` (and to the end of the stream
+    that follows it, for a truncated one), decoded; None if ``frame`` never reached it."""
+    entries = sim.deliveries[r]
+    i = next((i for i, (f, _) in enumerate(entries) if f is frame), None)
+    if i is None:
+        return None
+    out = list(entries[i][1])
+    if end_stream:
+        out += next((o for f, o in entries[i + 1 :] if f is EOF), [])
+    return [decode(f) for f in out]
+
+
+def _r11_class(cls: str, n: int, seed: int) -> dict:
+    """``n`` bad PREPAREs of class ``cls``, each swapped in for one peer's PREPARE of a fresh
+    step. Every figure is counted from what that peer itself answered to that frame (READY,
+    or REJECT and its code), and from the planes: nothing is carried over between frames."""
+    rng = random.Random(seed)
+    c = dict(frames=0, false_ready=0, right_code=0, wrong_code={}, no_answer=0, cleared=0, controls=0, control_ready=0)
     sim = None
-    for case in range(per_class):
+    for case in range(n):
         if sim is None or sim.lerr or sim.perr or sim.lclosed:
             sim = Sim(4, planes=True)
             sim.connect()
@@ -728,49 +747,92 @@ def test_r11_bad_prepare_frames_answer_reject_and_nothing_is_cleared(cls):
         target = rng.choice(sim.peers)
         bad, end_stream, code = _bad_prepare(cls, rng, step, ids, payload)
         data, crc = sim.begin(step, ids, payload)
-        # swap the target's PREPARE for the bad one
         q = sim.down[target]
         assert q[-1] == data
-        q[-1] = bad
+        q[-1] = bad  # the target gets the bad PREPARE instead of the leader's
         if end_stream:
             sim.close_leader_side(target)
         sim.run_fifo(rng=rng)
-        if step not in sim.decisions:  # the bad peer said nothing the leader could count: its deadline
+        if step not in sim.decisions:  # the target said nothing the leader could count: its deadline
             sim.expire()
             sim.run_fifo(rng=rng)
-        d = sim.decisions[step]
-        # the target answered REJECT with the class's code, never READY
-        votes = [v for r, v in sim.votes if r == target and v.step == step]
-        if any(type(v) is Ready for v in votes):
-            false_ready += 1
-        rejects = [a for a in sim.answered[target] if a.step == step or not a.ready] + (
-            [sim.perr[target]] if target in sim.perr else []
-        )
-        if not any(getattr(a, "code", None) == code for a in rejects):
-            wrong_code += 1
-        assert not d.launch
-        # nothing cleared or run anywhere for that step
-        for r in range(4):
-            if any(s == step for s, _, _ in sim.ran[r]):
-                cleared += 1
+        c["frames"] += 1
+        answers = _answers_at_the_peer(sim, target, bad, end_stream)
+        if answers is None or not answers:
+            c["no_answer"] += 1
+        else:
+            c["false_ready"] += any(type(a) is Ready for a in answers)
+            rejects = [a for a in answers if type(a) is Reject]
+            if rejects and rejects[0].code == code:
+                c["right_code"] += 1
+            else:
+                got = RejectCode(rejects[0].code).name if rejects else "READY only"
+                c["wrong_code"][got] = c["wrong_code"].get(got, 0) + 1
+        assert not sim.decisions[step].launch
+        for r in range(4):  # nothing cleared or run anywhere for that step
+            c["cleared"] += any(s == step for s, _, _ in sim.ran[r])
             assert torch.equal(sim.planes[r], snap[r])
         for r in sim.peers:
-            if r not in sim.perr and r != target or (r == target and target not in sim.perr):
+            if r not in sim.perr:
                 assert step in sim.dropped[r]
-        # a control step every 50 cases shows the same harness does clear
-        if case % 50 == 0 and not (sim.lerr or sim.perr or sim.lclosed):
-            s2 = sim.rule.next_step
-            good_ids = clear_list(rng, n=3)
-            sim.begin(s2, good_ids)
-            sim.run_fifo(rng=rng)
-            assert sim.decisions[s2].launch
-            for r in range(4):
-                assert int(sim.planes[r][sorted(good_ids)].sum()) == 0
-                sim.planes[r].fill_(0xAB)
-            controls += 1
-    print("R11", cls, "frames", per_class, "false READY", false_ready, "wrong code", wrong_code,
-          "steps cleared", cleared, "control steps cleared", controls)
-    assert false_ready == 0 and cleared == 0 and wrong_code == 0
+        if case % 50 == 0:  # a control step, on a fresh group if the bad frame broke a link
+            if sim.lerr or sim.perr or sim.lclosed:
+                sim = Sim(4, planes=True)
+                sim.connect()
+                snap = {r: p.clone() for r, p in sim.planes.items()}
+            c["controls"] += 1
+            c["control_ready"] += _r11_control(sim, rng)
+    return c
+
+
+def _r11_control(sim, rng) -> int:
+    """A good step through the same harness: every peer answers READY (counted the same way,
+    at the peer) and every rank clears. Returns the READYs counted."""
+    s2 = sim.rule.next_step
+    good_ids = clear_list(rng, n=3)
+    sim.begin(s2, good_ids)
+    sent = {r: sim.down[r][-1] for r in sim.peers}
+    sim.run_fifo(rng=rng)
+    assert sim.decisions[s2].launch
+    for r in range(4):
+        assert int(sim.planes[r][sorted(good_ids)].sum()) == 0
+        sim.planes[r].fill_(0xAB)  # back to the snapshot the bad frames are compared with
+    return sum(any(type(a) is Ready for a in _answers_at_the_peer(sim, r, sent[r], False)) for r in sim.peers)
+
+
+@pytest.mark.parametrize("cls", R11_CLASSES)
+def test_r11_bad_prepare_frames_answer_reject_at_the_peer_and_nothing_is_cleared(cls):
+    per_class = 1000 * SCALE
+    c = _r11_class(cls, per_class, 1000 + R11_CLASSES.index(cls))
+    print("R11", cls, "frames", c["frames"], "false READY (at the peer)", c["false_ready"],
+          "REJECT with the right code", c["right_code"], "wrong code", c["wrong_code"], "no answer", c["no_answer"],
+          "steps cleared", c["cleared"], "control steps", c["controls"], "READY seen in them", c["control_ready"])
+    assert c["frames"] == per_class and c["right_code"] == per_class
+    assert c["false_ready"] == 0 and c["wrong_code"] == {} and c["no_answer"] == 0 and c["cleared"] == 0
+    assert c["controls"] > 0 and c["control_ready"] == 3 * c["controls"]  # the counter does see a READY
+
+
+@pytest.mark.parametrize(
+    "cls,mutant",
+    [("out_of_range", "accepts id == num_pages"), ("duplicate", "READY without checking duplicates")],
+)
+def test_r11_counts_catch_a_peer_that_answers_ready_wrongly(monkeypatch, cls, mutant):
+    """The R11 figures can fail: with the peer's page check mutated, the same counting (at the
+    peer) sees the false READYs. The mutants are applied here by monkeypatching, not in the code."""
+    import kvledger.wire.peer as peer_module
+
+    real = peer_module.page_ids_problem
+    if mutant == "accepts id == num_pages":
+        def mutated(raw, num_pages):
+            return real(raw, num_pages + 1)
+    else:
+        def mutated(raw, num_pages):
+            problem = real(raw, num_pages)
+            return None if problem and problem[0] == RejectCode.DUPLICATE_PAGE else problem
+    monkeypatch.setattr(peer_module, "page_ids_problem", mutated)
+    c = _r11_class(cls, 300, 7)
+    print("R11 with the mutant", repr(mutant), cls, ": false READY", c["false_ready"], "of", c["frames"])
+    assert c["false_ready"] > 0 and c["wrong_code"]
 
 
 # ---------------------------------------------------------------------------- R12
