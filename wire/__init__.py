@@ -1,4 +1,4 @@
-"""kvledger.wire: tensor-parallel PREPARE/READY/LAUNCH over layout-7 frames.
+"""kvledger.wire: tensor-parallel PREPARE/READY/LAUNCH/COMPLETE over layout-8 frames.
 
     frames       the frame values and codes (small frozen msgspec Structs)
     codec        their byte layout and the encoders (``struct``, CRC32, golden bytes)
@@ -7,9 +7,10 @@
     peer         PeerLink: a peer's end of its link (pure state machine)
     leader       LeaderLink: the leader's end of one link (pure state machine)
     decision     Leader: the leader's decision rule over all links (pure)
+    completion   Completions: which peers completed which launched step (pure)
     transport    in-process memory pipes and anyio TCP streams       (loaded on first use)
-    rank         the leader's driver: open_leader / WireLeader.run_step  (same)
-    peer_driver  the peer's driver: run_peer                             (same)
+    rank         the leader's driver: open_leader / WireLeader.run_step, wait_completed  (same)
+    peer_driver  the peer's driver: run_peer                                          (same)
 
 Importing this package loads only the sans-I/O half (msgspec, no anyio, no
 clock): the transports and the drivers, which need anyio and structlog, load
@@ -19,9 +20,11 @@ when one of their names is first used. Never torch, triton or CUDA.
 from typing import TYPE_CHECKING
 
 from .codec import (
+    FLAG_SANITIZE,
     LAYOUT,
     NO_RANK,
     Abort,
+    Complete,
     FrameKind,
     Hello,
     Launch,
@@ -29,10 +32,12 @@ from .codec import (
     Ready,
     Reject,
     RejectCode,
+    Sanitize,
     encode,
     encode_prepare,
     geometry_digest,
 )
+from .completion import Completions, StepCompletion
 from .decision import Leader
 from .decoder import FrameDecoder, decode, page_ids_problem
 from .leader import LeaderLink, LeaderState
@@ -40,6 +45,7 @@ from .peer import PeerLink, PeerState
 from .protocol import (
     NEED_DATA,
     Answered,
+    Completed,
     ConnectionClosed,
     Decision,
     DropStep,
@@ -82,9 +88,13 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "FLAG_SANITIZE",
     "LAYOUT",
     "NO_RANK",
     "Abort",
+    "Complete",
+    "Completed",
+    "Completions",
     "FrameDecoder",
     "FrameKind",
     "Hello",
@@ -93,6 +103,8 @@ __all__ = [
     "Ready",
     "Reject",
     "RejectCode",
+    "Sanitize",
+    "StepCompletion",
     "decode",
     "encode",
     "encode_prepare",

@@ -1,7 +1,7 @@
 """The wire's frame values and codes: small frozen msgspec Structs, no bytes. Pure.
 
     FrameKind    the header's kind byte      RejectCode   why something was refused
-    Hello  Prepare  Ready  Reject  Abort  Launch
+    Hello  Prepare (+ Sanitize)  Ready  Reject  Abort  Launch  Complete
 
 Their byte layout, the encoders and the constants of the header are in
 ``kvledger.wire.codec`` (which re-exports every name here); the decoder, which
@@ -21,15 +21,17 @@ __all__ = [
     "FrameKind",
     "RejectCode",
     "Hello",
+    "Sanitize",
     "Prepare",
     "Ready",
     "Reject",
     "Abort",
     "Launch",
+    "Complete",
     "Frame",
 ]
 
-LAYOUT = 7  # the header's layout byte
+LAYOUT = 8  # the header's layout byte: 7 had no COMPLETE and no sanitizer lists
 NO_RANK = 0xFFFFFFFF  # ABORT: no culprit rank
 
 
@@ -40,13 +42,14 @@ class FrameKind(IntEnum):
     REJECT = 4
     ABORT = 5
     LAUNCH = 6
+    COMPLETE = 7
 
 
 class RejectCode(IntEnum):
     """Why a frame, a PREPARE or a whole step was refused (REJECT and ABORT bodies)."""
 
     BAD_MAGIC = 1  # not a kvledger frame: framing lost
-    BAD_LAYOUT = 2  # layout byte is not 7 (e.g. a layout-6 rank)
+    BAD_LAYOUT = 2  # layout byte is not 8 (e.g. a layout-7 or layout-6 rank)
     BAD_KIND = 3  # unknown frame kind
     BAD_FLAGS = 4  # reserved flag bits set
     FRAME_TOO_LARGE = 5  # body_len, or a PREPARE's payload, over the receiver's cap
@@ -66,6 +69,7 @@ class RejectCode(IntEnum):
     TIMEOUT = 19  # ABORT: a rank did not answer in time
     PEER_LOST = 20  # ABORT: a rank's link closed or broke
     PEER_FAILED = 21  # a rank refused for a local reason (its executor, ...)
+    UNSUPPORTED = 22  # the PREPARE asks for what this rank cannot do (sanitize mode, no sanitizer)
 
 
 # ---------------------------------------------------------------------------- frames
@@ -89,27 +93,49 @@ class Hello(_Frame, frozen=True):
     layout: int = LAYOUT
 
 
+def _ids_repr(ids: Sequence[int]) -> str:
+    head = ", ".join(str(p) for p in ids[:8]) + (", ..." if len(ids) > 8 else "")
+    return f"[{head}] ({len(ids)} ids)"
+
+
+class Sanitize(_Frame, frozen=True):
+    """A sanitize-mode PREPARE's two extra lists (SPEC, "The sanitizer").
+
+    ``poison_pages``: pages to fill with 0xFF before the clear; ``committed_pages``:
+    pages committed this step, which must hold no poison after it. Each list holds
+    distinct u32 page ids; decoded frames carry them as read-only memoryviews of
+    format ``'I'``, like ``Prepare.clear_pages``.
+    """
+
+    poison_pages: Sequence[int] = ()
+    committed_pages: Sequence[int] = ()
+
+    def __repr__(self) -> str:
+        poison, committed = _ids_repr(self.poison_pages), _ids_repr(self.committed_pages)
+        return f"Sanitize(poison_pages={poison}, committed_pages={committed})"
+
+
 class Prepare(_Frame, frozen=True):
     """The step plan: zero ``clear_pages`` (distinct u32 page ids), run with ``payload``.
 
     Decoded frames carry ``clear_pages`` as a read-only ``memoryview`` of format
     ``'I'`` over the frame's bytes (``.tolist()`` for a list) and ``checksum``,
     the frame's CRC32 as received; the encoder takes any sequence of ints and
-    ignores ``checksum``.
+    ignores ``checksum``. ``sanitize`` is set for a sanitize-mode step (the
+    SANITIZE flag): its poison and committed lists.
     """
 
     step: int
     clear_pages: Sequence[int] = ()
     payload: bytes = b""
     checksum: int = 0
+    sanitize: Sanitize | None = None
 
     def __repr__(self) -> str:
-        ids = self.clear_pages
-        head = list(ids[:8]) if len(ids) else []
-        more = ", ..." if len(ids) > 8 else ""
+        extra = "" if self.sanitize is None else f", sanitize={self.sanitize!r}"
         return (
-            f"Prepare(step={self.step}, clear_pages={str(head)[:-1]}{more}] ({len(ids)} ids), "
-            f"payload={len(self.payload)} bytes, checksum={self.checksum:#x})"
+            f"Prepare(step={self.step}, clear_pages={_ids_repr(self.clear_pages)}, "
+            f"payload={len(self.payload)} bytes, checksum={self.checksum:#x}{extra})"
         )
 
 
@@ -149,4 +175,16 @@ class Launch(_Frame, frozen=True):
     prepare_checksum: int
 
 
-Frame = Hello | Prepare | Ready | Reject | Abort | Launch
+class Complete(_Frame, frozen=True):
+    """Rank ``rank`` ran the launched ``step`` (PREPARE ``prepare_checksum``): its clears and
+    graph are done (``ok``), or it failed (``ok`` false, ``detail`` says why; at most
+    ``MAX_DETAIL_BYTES`` of UTF-8 on the wire)."""
+
+    step: int
+    rank: int
+    prepare_checksum: int
+    ok: bool = True
+    detail: str = ""
+
+
+Frame = Hello | Prepare | Ready | Reject | Abort | Launch | Complete
