@@ -58,9 +58,12 @@ from _common import fmt_count, fmt_rate, interleaved, interleaved_segments, prin
 import bench_fold  # noqa: E402
 from kvledger import Geometry, Ledger, OutOfPagesError, replay  # noqa: E402
 from kvledger.durable import open_ledger  # noqa: E402
+from kvledger.core.log import open_view  # noqa: E402
+from kvledger.core.log.fold import fold_records, rebuild_state, start_state  # noqa: E402
 from kvledger.replay_log import replay_log  # noqa: E402
 
-TARGETS = {"append_ratio": (">=", 0.5), "replay_ratio": (">=", 0.7)}
+TARGETS = {"append_ratio": (">=", 0.9), "replay_trusted_vs_commands": (">=", 0.7),
+           "pages_ratio": ("<=", 1.3)}
 GEOMETRY = Geometry(num_pages=bench_fold.NUM_PAGES, page_tokens=bench_fold.PAGE_TOKENS)
 QUIET = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 
@@ -104,7 +107,7 @@ class _Run:
 
     def path(self, name: str) -> str:
         self.n += 1
-        p = os.path.join(self.directory, "%s-%s-%d.kvlog" % (self.variant, name, self.n))
+        p = os.path.join(self.directory, f"{self.variant}-{name}-{self.n}.kvlog")
         if os.path.exists(p):
             os.unlink(p)
         return p
@@ -132,7 +135,9 @@ def _append_side(segments: list, run: _Run, background: bool):
 
     def build():
         path = run.path("bg" if background else "inline")
-        led = open_ledger(path, GEOMETRY, background=background, logger=QUIET)
+        # background: the defaults (writer thread, group commit); inline: fsync="per_step" (opt-in)
+        led = open_ledger(path, GEOMETRY, logger=QUIET) if background else \
+            open_ledger(path, GEOMETRY, fsync="per_step", logger=QUIET)
         calls = bench_fold.ledger_calls(led)
 
         def segment(i: int) -> None:
@@ -167,13 +172,24 @@ def _replay_cases(events: list, run: _Run) -> dict:
         def case() -> float:
             dt, s = time_call(lambda: replay_log(run.log, invariants=invariants))
             if not s.ok:
-                raise RuntimeError("replay failed: %s" % (s.error,))
+                raise RuntimeError(f"replay failed: {s.error}")
             run.digests["replay_" + invariants] = s.digest
             return dt
 
         return case
 
-    return {"fold_events": fold_events, "replay": from_disk("none"), "replay_auto": from_disk("auto")}
+    def trusted() -> float:
+        def work():
+            with open_view(run.log) as v:
+                st, _, _ = rebuild_state(v, from_checkpoint=False, trusted=True)
+            return st
+
+        dt, st = time_call(work)
+        run.digests["replay_trusted"] = st.digest()
+        return dt
+
+    return {"fold_events": fold_events, "replay": from_disk("none"), "replay_auto": from_disk("auto"),
+            "trusted": trusted}
 
 
 def run(quick: bool, *, ten_million: bool | None = None) -> dict:
@@ -186,7 +202,8 @@ def run(quick: bool, *, ten_million: bool | None = None) -> dict:
     figures: dict = {"pages": GEOMETRY.num_pages, "steps": steps, "repeats": repeats, "segments": SEGMENTS,
                      "gc": "disabled while timed", "fsync": "per_step"}
     rows = []
-    ratios = {"append_ratio": [], "append_inline_ratio": [], "replay_ratio": [], "replay_auto_ratio": []}
+    ratios = {"append_ratio": [], "append_inline_ratio": [], "replay_ratio": [], "replay_auto_ratio": [],
+              "replay_trusted_vs_commands": [], "replay_checked_vs_commands": []}
     try:
         figures["fsync_latency_ms"] = _fsync_latency(directory) * 1e3
         for variant in bench_fold.VARIANTS:
@@ -204,12 +221,13 @@ def run(quick: bool, *, ten_million: bool | None = None) -> dict:
             tr = interleaved(_replay_cases(events, run_), repeats + 2)
             want = rec.digest()
             if any(d != want for d in run_.digests.values()):
-                raise RuntimeError("the runs of %s disagree on the final state digest: %s" % (variant, run_.digests))
+                raise RuntimeError(f"the runs of {variant} disagree on the final state digest: {run_.digests}")
             n_ev, n_tr = len(events), trace.transitions
             size = os.path.getsize(run_.log)
             mem, bg = ta["memory"].best, ta["background"].best
             mem_i, inl = ti["memory"].best, ti["inline"].best
             fe, rp, ra = tr["fold_events"].best, tr["replay"].best, tr["replay_auto"].best
+            tt = tr["trusted"].best
             v = variant + "_"
             figures.update({
                 v + "events": n_ev,
@@ -222,7 +240,8 @@ def run(quick: bool, *, ten_million: bool | None = None) -> dict:
                 v + "append_transitions_per_s": n_tr / bg,
                 v + "append_ratio": mem / bg,
                 v + "append_fsyncs": run_.syncs["background"],
-                v + "append_ratio_run_min": min(m / b for m, b in zip(ta["memory"].runs.samples, ta["background"].runs.samples)),
+                v + "append_ratio_run_min": min(m / b for m, b in zip(ta["memory"].runs.samples,
+                                                                      ta["background"].runs.samples, strict=True)),
                 v + "append_inline_events_per_s": n_ev / inl,
                 v + "append_inline_ratio": mem_i / inl,
                 v + "append_inline_fsyncs": run_.syncs["inline"],
@@ -231,6 +250,9 @@ def run(quick: bool, *, ten_million: bool | None = None) -> dict:
                 v + "replay_transitions_per_s": n_tr / rp,
                 v + "replay_mb_per_s": size / rp / 1e6,
                 v + "replay_ratio": fe / rp,
+                v + "replay_trusted_events_per_s": n_ev / tt,
+                v + "replay_trusted_vs_commands": mem / tt,
+                v + "replay_checked_vs_commands": mem / rp,
                 v + "replay_auto_ratio": fe / ra,
                 v + "memory_spread": ta["memory"].runs.spread,
                 v + "append_spread": ta["background"].runs.spread,
@@ -240,6 +262,8 @@ def run(quick: bool, *, ten_million: bool | None = None) -> dict:
             ratios["append_inline_ratio"].append(mem_i / inl)
             ratios["replay_ratio"].append(fe / rp)
             ratios["replay_auto_ratio"].append(fe / ra)
+            ratios["replay_trusted_vs_commands"].append(mem / tt)
+            ratios["replay_checked_vs_commands"].append(mem / rp)
             pct = lambda x: "%.0f%%" % (100 * x)  # noqa: E731
             rows += [
                 (variant, "in-memory fold (commands)", fmt_rate(n_ev / mem, " ev/s"), fmt_rate(n_tr / mem, " tr/s"),
@@ -254,27 +278,111 @@ def run(quick: bool, *, ten_million: bool | None = None) -> dict:
                  "%.3f" % (fe / rp), "-", pct(tr["replay"].spread)),
                 (variant, "replay, invariants auto", fmt_rate(n_ev / ra, " ev/s"), fmt_rate(n_tr / ra, " tr/s"),
                  "%.3f" % (fe / ra), "-", pct(tr["replay_auto"].spread)),
+                (variant, "trusted fold from disk (vs commands)", fmt_rate(n_ev / tt, " ev/s"),
+                 fmt_rate(n_tr / tt, " tr/s"), "%.3f" % (mem / tt), "-", pct(tr["trusted"].spread)),
+                (variant, "checked replay from disk (vs commands)", fmt_rate(n_ev / rp, " ev/s"),
+                 fmt_rate(n_tr / rp, " tr/s"), "%.3f" % (mem / rp), "-", pct(tr["replay"].spread)),
             ]
             if run_.log and os.path.exists(run_.log):
                 os.unlink(run_.log)
         for k, vals in ratios.items():
             figures[k] = min(vals)
         print_table(
-            "log: append and replay vs the in-memory fold, %s pages, %d steps per variant; append: %d repeats x %d "
-            "segments (sum of per-segment bests), replay: best of %d; fsync (4 KiB append + fdatasync) %.2f ms now"
-            % (fmt_count(GEOMETRY.num_pages), steps, repeats, SEGMENTS, repeats + 2, figures["fsync_latency_ms"]),
+            f"log: append and replay vs the in-memory fold, {fmt_count(GEOMETRY.num_pages)} pages, {steps} steps per "
+            f"variant; append: {repeats} repeats x {SEGMENTS} segments (sum of per-segment bests), replay: best of "
+            f"{repeats + 2}; fsync (4 KiB append + fdatasync) {figures['fsync_latency_ms']:.2f} ms now",
             ("order", "case", "events/s", "transitions/s", "ratio", "fsyncs", "spread"), rows)
-        print("append ratio = in-memory command fold time / append time with per-step fsync (target >= 0.5: the\n"
-              "background writer; the inline run pays every fsync on the critical path); replay ratio = in-memory\n"
-              "fold of the event objects / replay from the file (target >= 0.7). Worse variant: append %.3f\n"
-              "(inline %.3f), replay %.3f (with the auto invariant schedule %.3f). spread: (worst - best) / best."
-              % (figures["append_ratio"], figures["append_inline_ratio"], figures["replay_ratio"],
-                 figures["replay_auto_ratio"]))
+        print("append ratio = in-memory command time / append time with the defaults (writer thread; target\n"
+              ">= 0.9; the inline per-step run pays every fsync on the critical path); replay ratios: the fold of\n"
+              "the event objects / checked replay from the file, and the command time / the trusted fold from disk\n"
+              f"(target >= 0.7). Worse variant: append {figures['append_ratio']:.3f} (inline "
+              f"{figures['append_inline_ratio']:.3f}), checked replay {figures['replay_ratio']:.3f} (auto invariants "
+              f"{figures['replay_auto_ratio']:.3f}), trusted fold vs commands "
+              f"{figures['replay_trusted_vs_commands']:.3f}. spread: (worst - best) / best.")
+        figures.update(_pages_scaling(directory, quick))
         if ten_million:
             figures.update(_ten_million(directory, figures))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return figures
+
+
+# ---------------------------------------------------------------------- 1 k pages vs 1 M pages
+
+SMALL, LARGE = 1 << 10, 1 << 20
+
+
+def _scaling_side(ops_segments: list, run: _Run, num_pages: int, every):
+    last = len(ops_segments) - 1
+
+    def build():
+        path = run.path(f"pages{num_pages}")
+        g = Geometry(num_pages=num_pages, page_tokens=bench_fold.PAGE_TOKENS)
+        led = open_ledger(path, g, checkpoint_every=every, logger=QUIET)
+        calls = bench_fold.ledger_calls(led)
+
+        def segment(i: int) -> None:
+            bench_fold.drive(calls, ops_segments[i])
+            if i == last:
+                led.flush()
+
+        def check() -> None:
+            run.digests[num_pages] = led.log.statistics().checkpoints
+            led.log.abandon()
+            os.unlink(path)
+
+        return segment, check
+
+    return build
+
+
+def _checkpoint_seconds(num_pages: int, trace_ops: list) -> float:
+    """One checkpoint of the state the trace leaves on a ``num_pages`` cache (best of 3)."""
+    led = Ledger(Geometry(num_pages=num_pages, page_tokens=bench_fold.PAGE_TOKENS))
+    bench_fold.drive(bench_fold.ledger_calls(led), trace_ops)
+    import hashlib
+
+    def one():
+        cb = led.state.canonical_bytes()
+        return hashlib.blake2b(cb, digest_size=32).hexdigest()
+
+    return min(time_call(one)[0] for _ in range(3))
+
+
+def _pages_scaling(directory: str, quick: bool) -> dict:
+    """Durable append, default settings, of one command stream on a 1 Ki-page and a 1 Mi-page cache."""
+    from kvledger.durable import auto_checkpoint_every
+
+    steps = 1500 if quick else 6000
+    trace = bench_fold.make_trace("lifo", steps=steps, num_pages=SMALL)
+    segs = _segments(trace.ops, SEGMENTS)
+    run_ = _Run(directory, "pages")
+    out: dict = {}
+    rows = []
+    for label, every in (("auto", "auto"), ("every 10,000", 10_000)):
+        t = interleaved_segments({"small": _scaling_side(segs, run_, SMALL, every),
+                                  "large": _scaling_side(segs, run_, LARGE, every)}, SEGMENTS, 2 if quick else 3)
+        n = len(trace.ops)
+        small, large = t["small"].best / n * 1e6, t["large"].best / n * 1e6
+        key = "pages" if every == "auto" else "pages_every_10k"
+        out.update({f"{key}_small_us_per_command": small, f"{key}_large_us_per_command": large,
+                    f"{key}_ratio": large / small, f"{key}_large_checkpoints": run_.digests[LARGE]})
+        rows.append((label, f"{small:.2f}", f"{large:.2f}", f"{large / small:.3f}", str(run_.digests[LARGE])))
+    cp = _checkpoint_seconds(LARGE, trace.ops)
+    every_large = auto_checkpoint_every(LARGE)
+    events_per_command = 1.0  # (each command appends one event)
+    amortized = cp / every_large * events_per_command * 1e6
+    out.update({"pages_commands": len(trace.ops), "checkpoint_1m_pages_s": cp,
+                "checkpoint_auto_every_1m": every_large, "pages_amortized_checkpoint_us": amortized,
+                "pages_ratio_with_amortized_checkpoint": (out["pages_large_us_per_command"] + amortized)
+                / out["pages_small_us_per_command"]})
+    print_table(f"log: durable append (defaults: writer thread) of {fmt_count(len(trace.ops))} commands on "
+                f"{fmt_count(SMALL)} vs {fmt_count(LARGE)} pages; one checkpoint at 1 Mi pages {cp * 1e3:.0f} ms",
+                ("checkpoints", "µs/command 1 Ki", "µs/command 1 Mi", "ratio", "checkpoints at 1 Mi"), rows)
+    print(f"auto checkpoints: every max(10,000, 4 x num_pages) events = {fmt_count(every_large)} at 1 Mi pages, "
+          f"so the checkpoint costs {amortized:.3f} µs per command amortized; ratio with it added "
+          f"{out['pages_ratio_with_amortized_checkpoint']:.3f} (target <= 1.3)")
+    return out
 
 
 # ---------------------------------------------------------------------- 10 million events
@@ -347,31 +455,64 @@ def _serve(led, rng: random.Random, steps: int, state: dict) -> None:
         led.seal_step(step)
 
 
+def _page_question(path: str, page: int) -> tuple[float, int]:
+    """What ``kvledger audit --page N`` needs for recent history, timed: the last segment's view, its
+    opening checkpoint (verified), the trusted fold of the rest, the events that touch the page."""
+    def work():
+        with open_view(path, since=1 << 62) as v:
+            st, start, _ = start_state(v, trusted=True)
+            hits = 0
+
+            def watch(seq, ev):
+                nonlocal hits
+                if page in getattr(ev, "page_ids", ()) or getattr(ev, "clear_list", None) and page in ev.clear_list:
+                    hits += 1
+
+            fold_records(v, st, start, trusted=True, on_event=watch)
+            return hits
+
+    return time_call(work)
+
+
 def _ten_million(directory: str, figures: dict, target: int = 10_000_000) -> dict:
-    path = os.path.join(directory, "ten-million.kvlog")
+    """Write a ``target``-event log of the serving shape on a 1 Mi-page cache (defaults, a directory of
+    64 MiB segments), then fold it from disk: trusted (``rebuild_state(trusted=True)`` from seq 0),
+    checked (``replay_log``), and the recent history of one page (``_page_question``)."""
+    path = os.path.join(directory, "ten-million")
     rng = random.Random(10_000_000)
     state = {"growing": [], "done": [], "need": {}, "snaps": [], "next_r": 0, "next_s": 0}
+    g = Geometry(num_pages=LARGE, page_tokens=bench_fold.PAGE_TOKENS)
     t0 = time.perf_counter()
-    with open_ledger(path, GEOMETRY, background=True, logger=QUIET) as led:
+    with open_ledger(path, g, segment_bytes=64 << 20, logger=QUIET) as led:
         while led.seq < target:
             _serve(led, rng, 200, state)
         events = led.seq
     write_s = time.perf_counter() - t0
-    size = os.path.getsize(path)
-    out = {"ten_million_events": events, "ten_million_log_bytes": size, "ten_million_write_s": write_s}
+    segs = [os.path.join(path, n) for n in os.listdir(path) if n.endswith(".kvlog")]
+    size = sum(os.path.getsize(p) for p in segs)
+    out = {"ten_million_events": events, "ten_million_log_bytes": size, "ten_million_write_s": write_s,
+           "ten_million_pages": LARGE, "ten_million_segments": len(segs)}
     gc.collect()
-    for inv in ("none", "auto"):
-        dt, s = time_call(lambda: replay_log(path, invariants=inv))
-        if not s.ok:
-            raise RuntimeError("10M replay failed: %s" % (s.error,))
-        out["ten_million_replay_%s_s" % inv] = dt
-        out["ten_million_replay_%s_events_per_s" % inv] = events / dt
-    print_table("log: a %s-event log (%s MB, written in %.0f s with per-step fsync, background writer)"
-                % (fmt_count(events), fmt_count(size // 1_000_000), write_s),
-                ("replay", "seconds", "events/s", "MB/s"),
-                [(inv, "%.1f" % out["ten_million_replay_%s_s" % inv],
-                  fmt_rate(out["ten_million_replay_%s_events_per_s" % inv], " ev/s"),
-                  "%.0f" % (size / out["ten_million_replay_%s_s" % inv] / 1e6)) for inv in ("none", "auto")])
+
+    def trusted():
+        with open_view(path) as v:
+            return rebuild_state(v, from_checkpoint=False, trusted=True)[0]
+
+    dt, st = time_call(trusted)
+    out["ten_million_trusted_s"] = dt
+    rows = [("trusted fold from seq 0", f"{dt:.1f}", fmt_rate(events / dt, " ev/s"), f"{size / dt / 1e6:.0f}")]
+    dt, s = time_call(lambda: replay_log(path, invariants="none"))
+    if not s.ok or s.digest != st.digest():
+        raise RuntimeError(f"10M replay failed or disagrees: {s.error}")
+    out["ten_million_replay_none_s"] = dt
+    rows.append(("checked replay_log, invariants none", f"{dt:.1f}", fmt_rate(events / dt, " ev/s"),
+                 f"{size / dt / 1e6:.0f}"))
+    dt, hits = _page_question(path, 12345)
+    out["ten_million_page_question_s"] = dt
+    rows.append((f"page 12,345 since the last segment's checkpoint ({hits} events)", f"{dt:.2f}", "-", "-"))
+    print_table(f"log: a {fmt_count(events)}-event log on {fmt_count(LARGE)} pages ({fmt_count(size // 1_000_000)} MB "
+                f"in {len(segs)} segments, written in {write_s:.0f} s with the default writer thread)",
+                ("replay", "seconds", "events/s", "MB/s"), rows)
     return out
 
 

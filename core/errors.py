@@ -31,6 +31,7 @@ command leaves state, log and effects exactly as they were.
      │    └── RecordTooLargeError   an event or checkpoint over the size limit
      ├── ReplayMismatchError        replay re-derived different effects/digest
      ├── InvariantViolation         check mode found a broken invariant (a bug)
+     ├── SanitizerError             the sanitizer caught stale or poisoned bytes a request would read
      ├── WireProtocolError          a bad or unexpected frame, with a code
      │    ├── LocalProtocolError    this side broke the protocol
      │    └── RemoteProtocolError   the peer broke it
@@ -68,6 +69,7 @@ __all__ = [
     "TornLogError",
     "ReplayMismatchError",
     "InvariantViolation",
+    "SanitizerError",
     "WireProtocolError",
     "LogVersionError",
     "LogExistsError",
@@ -247,6 +249,39 @@ class InvariantViolation(KVLedgerError, AssertionError):
     def __init__(self, invariant: int, detail: str) -> None:
         self.invariant = invariant
         super().__init__(f"invariant {invariant} violated: {detail}")
+
+
+class SanitizerError(KVLedgerError):
+    """Sanitize mode found a page that is not what the ledger says it must be.
+
+    ``rank``, ``plane`` (index), ``page_id``, ``step``; ``kind``: ``"not_zero"`` (a
+    listed page still holds non-zero bytes after the clear) or ``"poison"`` (a page
+    committed this step still holds the 0xFF poison of a mark: its clear was
+    skipped); ``request``: the request the page was committed to (or None);
+    ``lifecycle``: the page's history from the ledger, one line per event (who
+    held it, when and why it was marked, which step should have zeroed it).
+    ``violations``: every violation the check found, as (rank, plane, page, kind).
+    """
+
+    def __init__(self, *, rank: int, plane: int, page_id: int, step: int, kind: str, request: int | None = None,
+                 lifecycle: Sequence[str] = (), violations: Sequence[tuple] = (), policy: str = "") -> None:
+        self.rank = rank
+        self.plane = plane
+        self.page_id = page_id
+        self.step = step
+        self.kind = kind
+        self.request = request
+        self.lifecycle = tuple(lifecycle)
+        self.violations = tuple(violations)
+        self.policy = policy
+        what = ("still holds non-zero bytes after its clear" if kind == "not_zero"
+                else "still holds the sanitizer's poison: its clear never ran")
+        head = (f"step {step}, rank {rank}, plane {plane}: page {page_id}"
+                + (f" (request {request})" if request is not None else "") + f" {what}"
+                + (f"; policy {policy}" if policy else ""))
+        more = f" (+{len(self.violations) - 1} more)" if len(self.violations) > 1 else ""
+        body = "".join(f"\n    {line}" for line in self.lifecycle)
+        super().__init__(head + more + (f"\n  lifecycle of page {page_id}:" + body if body else ""))
 
 
 class WireProtocolError(KVLedgerError):

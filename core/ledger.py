@@ -36,6 +36,7 @@ from .events.events import (
     RequestFinished,
     ReservationReturned,
     RestoreCompleted,
+    SanitizerViolation,
     RestoreStarted,
     SnapshotAliased,
     SnapshotReleased,
@@ -67,11 +68,34 @@ def _plain_hashes(hashes: tuple) -> bool:
     """Every hash a plain int in the signed 64-bit range (the common case), or 1-64 bytes."""
     kinds = set(map(type, hashes))
     if kinds == {int}:
-        return -(1 << 63) <= min(hashes) and max(hashes) < (1 << 63)
+        return min(hashes) >= -(1 << 63) and max(hashes) < (1 << 63)
     if kinds == {bytes}:
         sizes = list(map(len, hashes))
-        return 0 < min(sizes) and max(sizes) <= 64
-    return False
+        return min(sizes) > 0 and max(sizes) <= 64
+    return not hashes
+
+
+def _hash_list(hashes, what: str) -> tuple:
+    """``hashes`` as a tuple of block hashes (ints in the signed 64-bit range or 1-64 bytes).
+
+    Raises ``InvalidArgumentError`` naming the first bad one; a single bytes or str value
+    is refused (it would read as a sequence of hashes).
+    """
+    if isinstance(hashes, (bytes, str)):
+        raise InvalidArgumentError(f"{what}: give a sequence of block hashes, not one {type(hashes).__name__}")
+    try:
+        out = tuple(hashes)
+    except TypeError:
+        raise InvalidArgumentError(f"{what}: block hashes must be a sequence, got {hashes!r}") from None
+    if not _plain_hashes(out):
+        for h in out:
+            ok = (type(h) is int and -(1 << 63) <= h < (1 << 63)) or (type(h) is bytes and 0 < len(h) <= 64)
+            if not ok:
+                raise InvalidArgumentError(f"{what}: a block hash is a signed 64-bit int or 1-64 bytes, got {h!r}")
+    return out
+
+
+_MAX_ID = checks.MAX_ID  # (a module global: read on every command)
 
 
 class Ledger:
@@ -149,16 +173,16 @@ class Ledger:
         nothing changed. Returns the event's effects.
         """
         st = self.state
-        row = st.transitions[type(event)]  # a Ledger's state is configured from its first event on
-        row.validate(st, event)
+        validate, apply = st.dispatch[type(event)]  # a Ledger's state is configured from its first event on
+        validate(st, event)
         if self._plain:
-            return row.apply(st, event)
+            return apply(st, event)
         seq = st.seq
         if self._sink is not None:
             self._sink(seq, event)
         if self.events is not None:
             self.events.append(event)
-        effects = row.apply(st, event)
+        effects = apply(st, event)
         if self._check:
             check_invariants(st)
         if self._observer is not None:
@@ -231,7 +255,7 @@ class Ledger:
         same one). Raises ``OutOfPagesError`` (nothing changed) when fewer than ``n``
         are reservable, ``TenantMismatchError`` when a known request names another tenant.
         """
-        if type(request) is not int or not 0 <= request <= checks.MAX_ID:
+        if type(request) is not int or not 0 <= request <= _MAX_ID:
             checks.ident(request, "request")
         if type(n) is not int or n < 1:
             checks.count(n, "n")
@@ -251,7 +275,17 @@ class Ledger:
         self._submit(ev)
         return ev.page_ids
 
-    def _evict_for(self, n: int, who: str) -> list[int]:
+    def allocate(self, request: int, step: int, n: int, *, tenant: str | None = None) -> tuple[int, ...]:
+        """``reserve(request, n)`` then ``commit`` those pages for ``step``: the usual way a
+        scheduler grows a request (vLLM's ``get_new_blocks``). Two events, as the two
+        commands write them; returns the pages. If the commit is refused (a sealed step),
+        the reservation stands: return it with ``return_reservation``.
+        """
+        pages = self.reserve(request, n, tenant=tenant)
+        self.commit(request, step, n)
+        return pages
+
+    def _evict_for(self, n: int, who: str) -> tuple[int, ...]:
         """Too few free pages for ``n``: evict the least recently used cached pages that make
         up the difference (``PagesEvicted``), then return the allocator's ``n`` pages.
 
@@ -307,13 +341,14 @@ class Ledger:
                     f"request {request} has {len(rec.reserved)} reserved pages, cannot commit {n}"
                 )
             ids = tuple(rec.reserved[:n])
+            st.head = (st.seq, ids)  # the command's own decision: the precondition and the fold may trust it
         else:
             _one_of(n, pages, "commit")
             if pages is None:
                 checks.count(n, "n")  # not a positive int (the branch above took those)
                 raise AssertionError("unreachable")
             ids = checks.page_ids(pages, st.num_pages, allow_empty=False)
-        if not 0 <= step <= checks.MAX_ID or not 0 <= request <= checks.MAX_ID:
+        if not 0 <= step <= _MAX_ID or not 0 <= request <= _MAX_ID:
             checks.ident(request, "request")
             checks.ident(step, "step")
         effects = self._submit(PagesCommitted(request=request, step=step, page_ids=ids))
@@ -321,13 +356,13 @@ class Ledger:
 
     def cancel(self, request: int) -> None:
         """The request is aborted: its reserved and KV pages go back to the free list."""
-        if type(request) is not int or not 0 <= request <= checks.MAX_ID:
+        if type(request) is not int or not 0 <= request <= _MAX_ID:
             checks.ident(request, "request")
         self._submit(RequestCancelled(request=request))
 
     def finish(self, request: int) -> None:
         """The request completed: its reserved and KV pages go back to the free list."""
-        if type(request) is not int or not 0 <= request <= checks.MAX_ID:
+        if type(request) is not int or not 0 <= request <= _MAX_ID:
             checks.ident(request, "request")
         self._submit(RequestFinished(request=request))
 
@@ -405,7 +440,7 @@ class Ledger:
         rec = st.requests.get(request)
         if rec is None:
             raise UnknownRequestError(request)
-        hashes = tuple(hashes)
+        hashes = _hash_list(hashes, "publish")
         if start is None:
             start = 0
             while start < len(rec.kv) and rec.kv[start] in st.page_hash:
@@ -420,14 +455,19 @@ class Ledger:
             parent_hash = st.page_hash.get(rec.kv[start - 1])
         ev = PagesPublished(request=request, page_ids=pages, hashes=hashes, parent_hash=parent_hash,
                             token_ids=tuple(token_ids), lora_id=lora_id, lora_name=lora_name)
-        if not _plain_hashes(hashes) or set(map(type, ev.token_ids)) - {int}:
-            ev = typed(ev)  # names the ill-typed field (the common case skips the round trip)
+        if (set(map(type, ev.token_ids)) - {int} or not (parent_hash is None or _plain_hashes((parent_hash,)))
+                or not (lora_id is None or type(lora_id) is int) or not (lora_name is None or type(lora_name) is str)):
+            ev = typed(ev)  # names the ill-typed field (the common case skips the msgpack round trip)
         self._submit(ev)
         return pages
 
-    def lookup(self, hashes: Iterable[int | bytes]) -> int:
-        """How many leading blocks of ``hashes`` are cached or held (ready to ``share``)."""
-        return self.state.lookup(hashes)
+    def lookup(self, hashes: Iterable[int | bytes], *, tenant: str | None = None) -> int:
+        """How many leading blocks of ``hashes`` are cached or held, ready to ``share``.
+
+        Under ``cross_tenant`` / ``all_reused`` only blocks ``tenant`` itself wrote count
+        (``share`` refuses the others).
+        """
+        return self.state.lookup(_hash_list(hashes, "lookup"), tenant)
 
     def share(self, request: int, hashes: Sequence[int | bytes], *, tenant: str | None = None) -> tuple[int, ...]:
         """Share the pages that hold ``hashes`` into ``request``'s block table, in order.
@@ -439,21 +479,26 @@ class Ledger:
         """
         checks.ident(request, "request")
         checks.tenant(tenant)
+        hashes = _hash_list(hashes, "share")
         get = self.state.hash_page.get
-        pages = tuple([get(h) for h in hashes])
-        if None in pages:
-            h = hashes[pages.index(None)]
+        found = [get(h) for h in hashes]
+        if None in found:
+            h = hashes[found.index(None)]
             raise UnknownBlockHashError(h, f"request {request} cannot share it")
+        pages: tuple[int, ...] = tuple(found)  # type: ignore[arg-type]
         ev = PagesShared(request=request, page_ids=pages, tenant=tenant)
         self._submit(ev)
         return ev.page_ids
 
     def evict(self, n: int | None = None, *, pages: Iterable[int] | None = None) -> tuple[int, ...]:
-        """Evict cached pages: the ``n`` least recently used, or the named ones (all by default).
+        """Evict cached pages: the ``n`` least recently used (fewer if fewer are cached), or the
+        named ones, or all of them by default.
 
-        Returns the page ids; the fold's effect is a ``BlocksRemoved`` KV event.
+        Returns the page ids evicted; the fold's effect is a ``BlocksRemoved`` KV event.
         """
         st = self.state
+        if n is not None and pages is not None:
+            raise InvalidArgumentError("evict: give n= or pages=, not both")
         if pages is None:
             k = len(st.cached) if n is None else checks.count(n, "n")
             ids = tuple(st.evictable(k))
@@ -474,6 +519,16 @@ class Ledger:
     def complete_step(self, step: int, rank: int) -> None:
         """Rank ``rank`` ran step ``step``'s input copies, clears and graph."""
         self._submit(StepCompleted(step=checks.ident(step, "step"), rank=checks.ident(rank, "rank")))
+
+    def record_violation(self, step: int, rank: int, plane: int, page_id: int,
+                         kind: Literal["not_zero", "poison"]) -> None:
+        """Record what the sanitizer found on ``rank``'s ``plane`` before step ``step``'s graph
+        (``kind``: "not_zero" or "poison"); ``kvledger audit --page`` shows it."""
+        if kind not in ("not_zero", "poison"):
+            raise InvalidArgumentError(f"kind must be 'not_zero' or 'poison', got {kind!r}")
+        self._submit(SanitizerViolation(step=checks.ident(step, "step"), rank=checks.ident(rank, "rank"),
+                                        plane=checks.ident(plane, "plane"), page_id=checks.ident(page_id, "page"),
+                                        kind=kind))
 
     def abort_step(self, step: int, reason: str = "") -> None:
         """The last sealed step did not run everywhere: its clear list is carried into the next."""

@@ -20,6 +20,10 @@ registry loads it by name).
 
 The page ids are checked by ``kvledger.core.checks.page_ids`` before anything is
 enqueued; :func:`describe_planes` is shared with the Triton backend.
+
+The sanitizer (``kvledger.executors.sanitize``): ``poison(ids)`` is the same
+memset with 0xFF; ``start_verify`` / ``verify`` run the Triton check kernel when
+triton is importable, else the torch check, on the model stream.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from ..core import checks
 from ..core.errors import ConfigurationError
 from . import cuda_driver
 from .backend import coalesce_runs
+from .sanitize import SanitizerCheck, TorchVerifier, Violation
 
 __all__ = ["CudaClearBackend", "PlaneLayout", "describe_planes", "stream_handle"]
 
@@ -143,6 +148,8 @@ class CudaClearBackend:
         self._clears = 0
         self._pages = 0
         self._calls = 0
+        self._verifier: Any = None
+        self._stream_arg = stream
 
     def _current_stream(self) -> Any:
         return cuda_driver.as_custream(torch.cuda.current_stream(self._device).cuda_stream)
@@ -158,6 +165,12 @@ class CudaClearBackend:
         ids = checks.page_ids(page_ids, self.num_pages)
         if not ids:
             return
+        self._calls += self._memset(ids, 0)
+        self._clears += 1
+        self._pages += len(ids)
+
+    def _memset(self, ids: tuple[int, ...], value: int) -> int:
+        """Enqueue ``value`` over every listed page of every plane; returns the driver calls made."""
         stream = self._stream if self._stream is not None else self._current_stream()
         pushed = cuda_driver.device_of_current_context() != self._device
         if pushed:
@@ -168,20 +181,37 @@ class CudaClearBackend:
             if self.mode == "per_page":
                 for ptr, pb in self._pairs:
                     for p in ids:
-                        memset(ptr + p * pb, 0, pb, stream)
+                        memset(ptr + p * pb, value, pb, stream)
                     calls += len(ids)
             else:
                 runs = coalesce_runs(sorted(ids))
                 for ptr, pb in self._pairs:
                     for start, stop in runs:
-                        memset(ptr + start * pb, 0, (stop - start) * pb, stream)
+                        memset(ptr + start * pb, value, (stop - start) * pb, stream)
                     calls += len(runs)
         finally:
             if pushed:
                 cuda_driver.pop_context()
-        self._clears += 1
-        self._pages += len(ids)
-        self._calls += calls
+        return calls
+
+    # ------------------------------------------------------------------ the sanitizer
+
+    def poison(self, page_ids: Sequence[int]) -> None:
+        """Fill every plane of the listed pages with 0xFF bytes (memsets); raises what ``clear`` raises."""
+        ids = checks.page_ids(page_ids, self.num_pages)
+        if ids:
+            self._memset(ids, 0xFF)
+
+    def start_verify(self, cleared_ids: Sequence[int], committed_ids: Sequence[int]) -> SanitizerCheck:
+        """Enqueue the sanitizer's check on the model stream (Triton kernel, else torch); the pending check."""
+        if self._verifier is None:
+            self._verifier = _verifier(self.planes, self._stream_arg)
+        check: SanitizerCheck = self._verifier.start(cleared_ids, committed_ids)
+        return check
+
+    def verify(self, cleared_ids: Sequence[int], committed_ids: Sequence[int]) -> tuple[Violation, ...]:
+        """The check's violations, sorted (waits for the device: not for an event loop)."""
+        return self.start_verify(cleared_ids, committed_ids).result()
 
     def statistics(self) -> dict[str, int]:
         """Counters since construction: clears, pages listed, driver memset calls."""
@@ -189,3 +219,17 @@ class CudaClearBackend:
 
     def __repr__(self) -> str:
         return f"CudaClearBackend(planes={len(self._pairs)}, num_pages={self.num_pages}, mode={self.mode!r})"
+
+
+def _verifier(planes: tuple[torch.Tensor, ...], stream: Any) -> Any:
+    """The Triton check over ``planes`` when triton imports here, else the torch one (same results)."""
+    device = planes[0].device
+    ts = None
+    if stream is not None:
+        ts = stream if isinstance(stream, torch.cuda.Stream) else torch.cuda.ExternalStream(
+            stream_handle(stream), device=device)
+    try:
+        from .triton_verify import TritonVerifier
+    except ImportError:
+        return TorchVerifier(planes, ts)
+    return TritonVerifier(planes, ts)

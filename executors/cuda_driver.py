@@ -15,6 +15,12 @@ The binding is imported on first use, never at import time, so this module can
 be imported (and its errors caught) on a machine without CUDA. Missing
 cuda-python raises :class:`CudaUnavailableError`.
 
+Hot calls (the ones a clear makes every step: copies, launches, events, stream
+waits, memsets) can go straight to ``libcuda`` through ctypes
+(``KVLEDGER_CUDA_CTYPES=1``, :mod:`cuda_direct`; off by default: it measured
+slower than the binding on the H200); their results are checked the same way.
+Handles may be cuda-python objects or raw ints.
+
 What a failure leaves behind: a failed call changed nothing the driver reports
 as changed, except where the CUDA documentation says an error is sticky (an
 illegal address inside a kernel poisons the context); such errors surface at the
@@ -23,6 +29,7 @@ next checked call with their own code.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -33,19 +40,30 @@ __all__ = [
     "address_free",
     "address_reserve",
     "allocation_granularity",
+    "as_cufunction",
+    "as_cugraphexec",
     "as_custream",
     "device_of_current_context",
     "driver",
+    "event_create",
+    "event_query",
+    "event_record",
+    "event_synchronize",
+    "graph_launch",
+    "launch_kernel",
     "mem_create",
     "mem_map",
     "mem_release",
     "mem_unmap",
+    "memcpy_dtoh_async",
     "memcpy_htod_async",
+    "memset_d32_async",
     "memset_d8_async",
     "pop_context",
     "push_primary_context",
     "set_access",
     "stream_synchronize",
+    "stream_wait_event",
 ]
 
 _D: Any = None  # the cuda.bindings.driver module, once loaded
@@ -79,6 +97,35 @@ def driver() -> Any:
         _D = mod
         _initialised = True
         return _D
+
+
+_C: Any = None  # libcuda's hot functions through ctypes (cuda_direct.load), False when off or unavailable
+_NOT_READY = 600  # CUDA_ERROR_NOT_READY
+_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
+
+
+def _direct() -> Any:
+    """libcuda's hot functions with ctypes argument types, or False (not asked for, or not loadable)."""
+    global _C
+    if _C is None:
+        driver()  # cuInit first, through the binding
+        from .cuda_direct import load
+
+        _C = load() or False
+    return _C
+
+
+def _h(handle: Any) -> int:
+    """The raw value of a handle (a cuda-python CUstream / CUevent / ... or an int)."""
+    return handle if type(handle) is int else int(handle)
+
+
+def _fail_code(call: str, code: int, detail: str) -> CudaDriverError:
+    d = _D if _initialised else driver()
+    try:
+        return _fail(call, d.CUresult(code), detail)
+    except ValueError:
+        return CudaDriverError(call, code, "CUresult", detail)
 
 
 def _fail(call: str, err: Any, detail: str) -> CudaDriverError:
@@ -125,6 +172,15 @@ def as_custream(handle: int) -> Any:
 def device_of_current_context() -> int | None:
     """The device ordinal of this thread's current context, or None when it has none."""
     d = _D if _initialised else driver()
+    c = _C if _C is not None else _direct()
+    if c:
+        dev = ctypes.c_int()
+        code = c.ctx_get_device(ctypes.byref(dev))
+        if code == _INVALID_CONTEXT:
+            return None
+        if code:
+            raise _fail_code("cuCtxGetDevice", code, "")
+        return dev.value
     try:
         err, dev = d.cuCtxGetDevice()
     except RuntimeError as exc:
@@ -157,6 +213,132 @@ def stream_synchronize(stream: Any) -> None:
     _checked("cuStreamSynchronize", stream)
 
 
+# --------------------------------------------------------------------------- events (hot path: no per-call lookups)
+
+def event_create() -> Any:
+    """A new ``CUevent`` without timing (``CU_EVENT_DISABLE_TIMING``): the cheapest to record and query."""
+    d = _D if _initialised else driver()
+    return _checked("cuEventCreate", d.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+
+
+def event_record(event: Any, stream: Any) -> None:
+    """Enqueue ``event`` on ``stream`` (a CUstream); it completes when the work before it has."""
+    c = _C if _C is not None else _direct()
+    if c:
+        code = c.event_record(_h(event), _h(stream))
+        if code:
+            raise _fail_code("cuEventRecord", code, "")
+        return
+    d = _D if _initialised else driver()
+    try:
+        (err,) = d.cuEventRecord(event, stream)
+    except RuntimeError as exc:
+        raise CudaDriverError("cuEventRecord", None, "RuntimeError", str(exc)) from None
+    if err:
+        raise _fail("cuEventRecord", err, "")
+
+
+def event_query(event: Any) -> bool:
+    """True when ``event`` has completed (or was never recorded); False while work before it runs.
+
+    Never blocks. Raises CudaDriverError for any other result (a sticky error of the context).
+    """
+    c = _C if _C is not None else _direct()
+    if c:
+        code = c.event_query(_h(event))
+        if not code:
+            return True
+        if code == _NOT_READY:
+            return False
+        raise _fail_code("cuEventQuery", code, "")
+    d = _D if _initialised else driver()
+    try:
+        (err,) = d.cuEventQuery(event)
+    except RuntimeError as exc:
+        raise CudaDriverError("cuEventQuery", None, "RuntimeError", str(exc)) from None
+    if not err:
+        return True
+    if err == d.CUresult.CUDA_ERROR_NOT_READY:
+        return False
+    raise _fail("cuEventQuery", err, "")
+
+
+def event_synchronize(event: Any) -> None:
+    """Block the calling thread until ``event`` has completed (never call it on an event loop)."""
+    _checked("cuEventSynchronize", event)
+
+
+def stream_wait_event(stream: Any, event: Any) -> None:
+    """Make later work on ``stream`` wait for ``event`` on the device (the host does not wait)."""
+    c = _C if _C is not None else _direct()
+    if c:
+        code = c.stream_wait(_h(stream), _h(event), 0)
+        if code:
+            raise _fail_code("cuStreamWaitEvent", code, "")
+        return
+    d = _D if _initialised else driver()
+    try:
+        (err,) = d.cuStreamWaitEvent(stream, event, 0)
+    except RuntimeError as exc:
+        raise CudaDriverError("cuStreamWaitEvent", None, "RuntimeError", str(exc)) from None
+    if err:
+        raise _fail("cuStreamWaitEvent", err, "")
+
+
+# --------------------------------------------------------------------------- launches
+
+def as_cufunction(handle: int) -> Any:
+    """A ``CUfunction`` for a raw function handle (an int, e.g. a compiled Triton kernel's ``function``)."""
+    d = _D if _initialised else driver()
+    return d.CUfunction(int(handle))
+
+
+def as_cugraphexec(handle: int) -> Any:
+    """A ``CUgraphExec`` for a raw executable-graph handle (``torch.cuda.CUDAGraph.raw_cuda_graph_exec()``)."""
+    d = _D if _initialised else driver()
+    return d.CUgraphExec(int(handle))
+
+
+def launch_kernel(function: Any, grid: int, threads: int, shared: int, stream: Any, params: int) -> None:
+    """Enqueue ``function`` on ``stream``: ``grid`` x 1 x 1 blocks of ``threads`` threads.
+
+    ``params`` is the address of a ``void*[]`` holding one pointer per kernel
+    parameter (the driver copies the values at the call, so the caller may change
+    them afterwards). Raises CudaDriverError when the driver refuses the launch;
+    nothing is enqueued then.
+    """
+    c = _C if _C is not None else _direct()
+    if c:
+        code = c.launch(_h(function), grid, 1, 1, threads, 1, 1, shared, _h(stream), params, None)
+        if code:
+            raise _fail_code("cuLaunchKernel", code, f"grid={grid} threads={threads} shared={shared}")
+        return
+    d = _D if _initialised else driver()
+    try:
+        (err,) = d.cuLaunchKernel(function, grid, 1, 1, threads, 1, 1, shared, stream, params, 0)
+    except RuntimeError as exc:
+        raise CudaDriverError("cuLaunchKernel", None, "RuntimeError", str(exc)) from None
+    if err:
+        raise _fail("cuLaunchKernel", err, f"grid={grid} threads={threads} shared={shared}")
+
+
+def graph_launch(graph_exec: Any, stream: Any) -> None:
+    """Enqueue one replay of an executable graph (a ``CUgraphExec``) on ``stream``."""
+    c = _C if _C is not None else _direct()
+    if c:
+        code = c.graph_launch(_h(graph_exec), _h(stream))
+        if code:
+            raise _fail_code("cuGraphLaunch", code, "")
+        return
+    d = _D if _initialised else driver()
+    try:
+        (err,) = d.cuGraphLaunch(graph_exec, stream)
+    except RuntimeError as exc:
+        raise CudaDriverError("cuGraphLaunch", None, "RuntimeError", str(exc)) from None
+    if err:
+        raise _fail("cuGraphLaunch", err, "")
+
+
 # --------------------------------------------------------------------------- memory operations
 
 def memset_d8_async(dptr: int, value: int, nbytes: int, stream: Any) -> None:
@@ -165,6 +347,12 @@ def memset_d8_async(dptr: int, value: int, nbytes: int, stream: Any) -> None:
     Hot path: no argument checks beyond the driver's own. ``stream`` should be a
     ``CUstream`` (see :func:`as_custream`) so the binding does not convert it per call.
     """
+    c = _C if _C is not None else _direct()
+    if c:
+        code = c.memset_d8(dptr, value, nbytes, _h(stream))
+        if code:
+            raise _fail_code("cuMemsetD8Async", code, f"dptr=0x{dptr:x} nbytes={nbytes}")
+        return
     d = _D if _initialised else driver()
     try:
         (err,) = d.cuMemsetD8Async(dptr, value, nbytes, stream)
@@ -174,8 +362,42 @@ def memset_d8_async(dptr: int, value: int, nbytes: int, stream: Any) -> None:
         raise _fail("cuMemsetD8Async", err, f"dptr=0x{dptr:x} nbytes={nbytes}")
 
 
+def memset_d32_async(dptr: int, value: int, count: int, stream: Any) -> None:
+    """Enqueue ``cuMemsetD32Async``: ``count`` 32-bit words at ``dptr`` (4-byte aligned) set to ``value``."""
+    d = _D if _initialised else driver()
+    try:
+        (err,) = d.cuMemsetD32Async(dptr, value, count, stream)
+    except RuntimeError as exc:
+        raise CudaDriverError("cuMemsetD32Async", None, "RuntimeError", str(exc)) from None
+    if err:
+        raise _fail("cuMemsetD32Async", err, f"dptr=0x{dptr:x} count={count}")
+
+
+def memcpy_dtoh_async(host_ptr: int, dptr: int, nbytes: int, stream: Any) -> None:
+    """Enqueue a device-to-host copy of ``nbytes`` into ``host_ptr`` (pinned, or the copy is synchronous)."""
+    c = _C if _C is not None else _direct()
+    if c:
+        code = c.memcpy_dtoh(host_ptr, dptr, nbytes, _h(stream))
+        if code:
+            raise _fail_code("cuMemcpyDtoHAsync", code, f"dptr=0x{dptr:x} nbytes={nbytes}")
+        return
+    d = _D if _initialised else driver()
+    try:
+        (err,) = d.cuMemcpyDtoHAsync(host_ptr, dptr, nbytes, stream)
+    except RuntimeError as exc:
+        raise CudaDriverError("cuMemcpyDtoHAsync", None, "RuntimeError", str(exc)) from None
+    if err:
+        raise _fail("cuMemcpyDtoHAsync", err, f"dptr=0x{dptr:x} nbytes={nbytes}")
+
+
 def memcpy_htod_async(dptr: int, host_ptr: int, nbytes: int, stream: Any) -> None:
     """Enqueue a host-to-device copy of ``nbytes`` from ``host_ptr`` (pinned for true asynchrony)."""
+    c = _C if _C is not None else _direct()
+    if c:
+        code = c.memcpy_htod(dptr, host_ptr, nbytes, _h(stream))
+        if code:
+            raise _fail_code("cuMemcpyHtoDAsync", code, f"dptr=0x{dptr:x} nbytes={nbytes}")
+        return
     d = _D if _initialised else driver()
     try:
         (err,) = d.cuMemcpyHtoDAsync(dptr, host_ptr, nbytes, stream)

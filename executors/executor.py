@@ -9,6 +9,13 @@
                                              │                     in a worker thread; CPU: done
     engine ◄──(job.reply: RankOutcome)───────┘
 
+With ``sanitize=True`` (a debug mode, SPEC "The sanitizer") each plan runs
+input copies -> poison(job.poison) -> clears -> check(clear_list, job.committed)
+-> the graph, and the graph runs only when the device check found nothing; a
+violation fails the job with ``InvariantViolation`` (invariant 2, on the device)
+and the outcome's ``violations`` name each (plane, page, kind). With it off the
+job's poison and committed lists are never looked at.
+
 An executor never lets a job's failure escape its task: an exception from a copy,
 the clear or the graph becomes a failed ``RankOutcome`` (the engine turns it into
 ``StepFailedError`` naming the rank) and the executor goes on serving. A job is
@@ -34,8 +41,9 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ..core import checks
-from ..core.errors import ConfigurationError, InvalidArgumentError
+from ..core.errors import ConfigurationError, InvalidArgumentError, InvariantViolation
 from ..core.events import StepPlan
+from .sanitize import Violation
 
 __all__ = [
     "RankContext",
@@ -101,7 +109,12 @@ class RankTiming(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Where one rank spent one step, in seconds.
 
     ``copies_s``/``clear_s``/``graph_s``: the three phases (CUDA event time on the
-    model stream for CUDA ranks; host time on the CPU, where the work is synchronous).
+    model stream for CUDA ranks: ``clear_s`` is the clear's device time; host time
+    on the CPU, where the work is synchronous).
+    ``clear_host_s``: host time spent enqueuing the clear (the backend's ``clear``
+    call, id checks included), on every device.
+    ``sanitize_s``: poison + check (device time on CUDA, host time on the CPU); 0
+    when the sanitizer is off.
     ``total_s``: host time from the executor taking the plan to seeing it complete.
     """
 
@@ -110,6 +123,8 @@ class RankTiming(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     clear_s: float
     graph_s: float
     total_s: float
+    clear_host_s: float = 0.0
+    sanitize_s: float = 0.0
 
 
 class RankOutcome(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -120,6 +135,7 @@ class RankOutcome(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     status: str
     timing: RankTiming | None = None
     error: BaseException | None = None
+    violations: tuple[Violation, ...] = ()
 
 
 class StepReplies:
@@ -154,15 +170,24 @@ class StepReplies:
 
 class StepJob:
     """One plan for one rank. ``scope`` cancels this rank's part of the step only;
-    ``reply`` (a ``StepReplies``) receives exactly one ``RankOutcome``, never blocking."""
+    ``reply`` (a ``StepReplies``) receives exactly one ``RankOutcome``, never blocking.
 
-    __slots__ = ("plan", "inputs", "scope", "reply")
+    For the sanitizer: ``poison``, the pages to fill with 0xFF before the clear, and
+    ``committed``, the pages committed this step (checked for poison after it);
+    each defaults to the plan's attribute of that name when it has one, else empty.
+    Read only by an executor with ``sanitize=True``.
+    """
 
-    def __init__(self, plan: StepPlan, inputs: StepInputs, scope: anyio.CancelScope, reply: StepReplies) -> None:
+    __slots__ = ("plan", "inputs", "scope", "reply", "poison", "committed")
+
+    def __init__(self, plan: StepPlan, inputs: StepInputs, scope: anyio.CancelScope, reply: StepReplies, *,
+                 poison: Sequence[int] | None = None, committed: Sequence[int] | None = None) -> None:
         self.plan = plan
         self.inputs = inputs
         self.scope = scope
         self.reply = reply
+        self.poison = getattr(plan, "poison", ()) if poison is None else poison
+        self.committed = getattr(plan, "committed", ()) if committed is None else committed
 
 
 class RankExecutor:
@@ -173,8 +198,11 @@ class RankExecutor:
     ``graph``: ``graph(ctx, step, inputs)``, sync or async, or ``None``.
     ``device``/``stream``: where the work runs; for a CUDA device and no stream, the
     device's current stream at construction is the model stream.
+    ``sanitize``: poison, clear, check, then the graph (module docstring); the
+    backend must offer ``poison`` and ``start_verify`` (every kvledger backend does).
 
-    Raises ``ConfigurationError`` for a negative rank or a rank outside ``world_size``.
+    Raises ``ConfigurationError`` for a negative rank or a rank outside ``world_size``,
+    and for ``sanitize`` with a backend that cannot poison and check.
     """
 
     def __init__(
@@ -188,35 +216,45 @@ class RankExecutor:
         device: Any = None,
         stream: Any = None,
         world_size: int = 1,
+        sanitize: bool = False,
     ) -> None:
         if type(rank) is not int or not 0 <= rank < world_size:
             raise ConfigurationError(f"rank must be an int in [0, {world_size}), got {rank!r}")
         if graph is not None and not callable(graph):
             raise ConfigurationError(f"graph must be callable, got {graph!r}")
+        if sanitize and backend is not None and not (hasattr(backend, "poison") and hasattr(backend, "start_verify")):
+            raise ConfigurationError(f"sanitize=True needs a backend with poison and start_verify, got {backend!r}")
         self.rank = rank
         self.num_pages = num_pages
         self.backend = backend
         self.graph = graph
+        self.sanitize = bool(sanitize) and backend is not None
         self._torch: Any = None  # the torch module, for CUDA ranks
         self._cuda = device is not None and getattr(device, "type", None) == "cuda"
+        self._marks: list[Any] = []
         if self._cuda:
             import torch
 
             self._torch = torch
             if stream is None:
                 stream = torch.cuda.current_stream(device)
+            a, b, c, d, e, f = (torch.cuda.Event(enable_timing=True) for _ in range(6))
+            # start, copied, poisoned, cleared, checked, done; without the sanitizer the
+            # poisoned and checked marks are the copied and cleared ones (zero-length phases)
+            self._marks = [a, b, c, d, e, f] if self.sanitize else [a, b, b, d, d, f]
         self.context = RankContext(
             rank=rank, world_size=world_size, device=device, stream=stream, planes=tuple(planes), backend=backend
         )
-        self._ok = self._failed = self._cancelled = self._pages = 0
+        self._ok = self._failed = self._cancelled = self._pages = self._violations = 0
 
     def statistics(self) -> dict[str, int]:
-        """Plans run to completion, failed, cancelled; pages this rank zeroed."""
+        """Plans run to completion, failed, cancelled; pages this rank zeroed; sanitizer violations seen."""
         return {
             "plans_completed": self._ok,
             "plans_failed": self._failed,
             "plans_cancelled": self._cancelled,
             "pages_cleared": self._pages,
+            "sanitizer_violations": self._violations,
         }
 
     async def serve(
@@ -248,12 +286,12 @@ class RankExecutor:
         if scope.cancel_called:
             return self._answer(job, RankOutcome(rank=self.rank, step=step, status="cancelled"))
         t0 = time.perf_counter()
-        timing: RankTiming | None = None
+        ran: tuple[RankTiming, tuple[Violation, ...]] | None = None
         error: Exception | None = None
         try:
             with scope:
                 try:
-                    timing = await self._execute(job.plan, job.inputs, t0)
+                    ran = await self._execute(job, t0)
                 except Exception as exc:  # a rank failure, reported, never escapes the task
                     error = exc
         except BaseException:
@@ -264,9 +302,15 @@ class RankExecutor:
         if error is not None:
             self._failed += 1
             return self._answer(job, RankOutcome(rank=self.rank, step=step, status="failed", error=error))
-        if timing is None:  # the job's scope was cancelled mid-way
+        if ran is None:  # the job's scope was cancelled mid-way
             self._cancelled += 1
             return self._answer(job, RankOutcome(rank=self.rank, step=step, status="cancelled"))
+        timing, found = ran
+        if found:
+            self._failed += 1
+            self._violations += len(found)
+            return self._answer(job, RankOutcome(rank=self.rank, step=step, status="failed", timing=timing,
+                                                 error=_violation_error(self.rank, step, found), violations=found))
         self._ok += 1
         self._pages += len(job.plan.clear_list)
         return self._answer(job, RankOutcome(rank=self.rank, step=step, status="ok", timing=timing))
@@ -278,22 +322,30 @@ class RankExecutor:
 
     # ------------------------------------------------------------------ one plan
 
-    async def _execute(self, plan: StepPlan, inputs: StepInputs, t0: float) -> RankTiming:
+    async def _execute(self, job: StepJob, t0: float) -> tuple[RankTiming, tuple[Violation, ...]]:
         if self._cuda:
-            return await self._execute_cuda(plan, inputs, t0)
-        clear_list = plan.clear_list
+            return await self._execute_cuda(job, t0)
+        plan, inputs = job.plan, job.inputs
         for src, dst in inputs.copies:
             dst.copy_(src, non_blocking=True)
-        t1 = time.perf_counter()
-        self._clear(clear_list)
-        t2 = time.perf_counter()
+        t1 = t2 = time.perf_counter()
+        if self.sanitize:
+            self.backend.poison(job.poison)
+            t2 = time.perf_counter()
+        self._clear(plan.clear_list)
+        t3 = t4 = time.perf_counter()
+        found: tuple[Violation, ...] = ()
+        if self.sanitize:
+            found = self.backend.start_verify(plan.clear_list, job.committed).result()
+            t4 = time.perf_counter()
         graph = self.graph
-        if graph is not None:
+        if graph is not None and not found:
             result = graph(self.context, plan.step, inputs)
             if inspect.isawaitable(result):
                 await result
-        t3 = time.perf_counter()
-        return RankTiming(rank=self.rank, copies_s=t1 - t0, clear_s=t2 - t1, graph_s=t3 - t2, total_s=t3 - t0)
+        t5 = time.perf_counter()
+        return RankTiming(rank=self.rank, copies_s=t1 - t0, clear_s=t3 - t2, graph_s=t5 - t4, total_s=t5 - t0,
+                          clear_host_s=t3 - t2, sanitize_s=(t2 - t1) + (t4 - t3)), found
 
     def _clear(self, clear_list: Sequence[int]) -> None:
         backend = self.backend
@@ -303,32 +355,54 @@ class RankExecutor:
         elif clear_list:
             checks.page_ids(clear_list, self.num_pages)
 
-    async def _execute_cuda(self, plan: StepPlan, inputs: StepInputs, t0: float) -> RankTiming:
+    async def _execute_cuda(self, job: StepJob, t0: float) -> tuple[RankTiming, tuple[Violation, ...]]:
         torch = self._torch
         stream = self.context.stream
-        marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-        result = None
+        start, copied, poisoned, cleared, checked, done = self._marks
+        plan, inputs = job.plan, job.inputs
+        check = None
         with torch.cuda.stream(stream):
-            marks[0].record(stream)
+            start.record(stream)
             for src, dst in inputs.copies:
                 dst.copy_(src, non_blocking=True)
-            marks[1].record(stream)
+            copied.record(stream)
+            if self.sanitize:
+                self.backend.poison(job.poison)
+                poisoned.record(stream)
+            h0 = time.perf_counter()
             self._clear(plan.clear_list)
-            marks[2].record(stream)
+            clear_host = time.perf_counter() - h0
+            cleared.record(stream)
+            if self.sanitize:
+                check = self.backend.start_verify(plan.clear_list, job.committed)
+                checked.record(stream)
+        found: tuple[Violation, ...] = ()
+        if check is not None:
+            await wait_cuda_event(check)  # the graph runs only on pages the check passed
+            found = check.result()
+        result = None
+        with torch.cuda.stream(stream):
             graph = self.graph
-            if graph is not None:
+            if graph is not None and not found:
                 result = graph(self.context, plan.step, inputs)
             if not inspect.isawaitable(result):
-                marks[3].record(stream)
+                done.record(stream)
         if inspect.isawaitable(result):
             await result
-            marks[3].record(stream)
-        await wait_cuda_event(marks[3])
+            done.record(stream)
+        await wait_cuda_event(done)
         total = time.perf_counter() - t0
-        ms = (marks[0].elapsed_time(marks[1]), marks[1].elapsed_time(marks[2]), marks[2].elapsed_time(marks[3]))
-        return RankTiming(
-            rank=self.rank, copies_s=ms[0] * 1e-3, clear_s=ms[1] * 1e-3, graph_s=ms[2] * 1e-3, total_s=total
-        )
+        ms = [a.elapsed_time(b) * 1e-3 for a, b in ((start, copied), (copied, poisoned), (poisoned, cleared),
+                                                      (cleared, checked), (checked, done))]
+        return RankTiming(rank=self.rank, copies_s=ms[0], clear_s=ms[2], graph_s=ms[4], total_s=total,
+                          clear_host_s=clear_host, sanitize_s=ms[1] + ms[3]), found
+
+
+def _violation_error(rank: int, step: int, found: Sequence[Violation]) -> InvariantViolation:
+    """The error of a job whose sanitizer check failed: invariant 2, checked on the device."""
+    shown = ", ".join(f"plane {v.plane} page {v.page} {v.kind}" for v in found[:8])
+    more = f" (+{len(found) - 8} more)" if len(found) > 8 else ""
+    return InvariantViolation(2, f"sanitizer on rank {rank}, step {step}: {shown}{more}")
 
 
 async def wait_cuda_event(event: Any, spin_s: float = _SPIN_S) -> None:

@@ -23,6 +23,10 @@ runs takes one indexed fill per plane.
 
 On CUDA planes the work is enqueued on ``stream`` (the rank's model stream; the
 current stream when ``None``) and ``clear`` returns without waiting for it.
+
+The sanitizer's device side (``kvledger.executors.sanitize``): ``poison(page_ids)``
+fills pages with 0xFF bytes by the same two ways; ``start_verify`` / ``verify``
+check with :class:`~kvledger.executors.sanitize.TorchVerifier`.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any, NamedTuple
 from ..core import checks
 from ..core.errors import ConfigurationError
 from .backend import coalesce_runs
+from .sanitize import SanitizerCheck, TorchVerifier, Violation
 
 __all__ = ["STRATEGIES", "TorchClearBackend"]
 
@@ -101,6 +106,7 @@ class TorchClearBackend:
         self._fixed = fixed
         self._per_page = tuple(per_row + pb * per_byte for pb in layout.page_bytes)
         self._calls = self._pages = self._bytes = self._slice_fills = self._index_fills = 0
+        self._verifier: TorchVerifier | None = None
 
     # ------------------------------------------------------------------ the hot path
 
@@ -113,13 +119,20 @@ class TorchClearBackend:
         ids = checks.page_ids(page_ids, self.num_pages)
         if not ids:
             return
+        self._on_stream(ids, False)
+        self._calls += 1
+        self._pages += len(ids)
+        self._bytes += len(ids) * self._page_bytes_total
+
+    def _on_stream(self, ids: tuple[int, ...], ones: bool) -> None:
         if self.stream is not None:  # CUDA planes with a named model stream
             with self._torch.cuda.stream(self.stream):
-                self._zero(ids)
+                self._fill(ids, ones)
         else:  # the CPU, or CUDA on the current stream
-            self._zero(ids)
+            self._fill(ids, ones)
 
-    def _zero(self, ids: tuple[int, ...]) -> None:
+    def _fill(self, ids: tuple[int, ...], ones: bool) -> None:
+        """Every byte of the listed pages := 0 (``ones`` false) or 0xFF, by runs or one indexed fill per plane."""
         k = len(ids)
         srt = sorted(ids)
         # runs = pages - adjacent pairs (C-level: no Python loop over the ids)
@@ -132,17 +145,15 @@ class TorchClearBackend:
             if strategy == "runs" or (strategy == "auto" and nruns <= fixed + k * per_page):
                 if runs is None:
                     runs = coalesce_runs(srt)
+                value = _ones(rows) if ones else 0
                 for a, b in runs:
-                    rows[a:b].zero_()
+                    rows[a:b].fill_(value)
                 slices += nruns
             else:
                 if index is None:
                     index = self._index(srt)
-                rows.index_fill_(0, index, 0)
+                rows.index_fill_(0, index, _ones(rows) if ones else 0)
                 fills += 1
-        self._calls += 1
-        self._pages += k
-        self._bytes += k * self._page_bytes_total
         self._slice_fills += slices
         self._index_fills += fills
 
@@ -153,6 +164,27 @@ class TorchClearBackend:
             return host
         # Non-blocking from pinned memory: the host never waits for the model stream.
         return host.pin_memory().to(self.device, non_blocking=True)
+
+    # ------------------------------------------------------------------ the sanitizer
+
+    def poison(self, page_ids: Sequence[int]) -> None:
+        """Fill every plane of the listed pages with 0xFF bytes (enqueued on ``stream`` for CUDA).
+
+        Raises what ``clear`` raises, before touching any plane.
+        """
+        ids = checks.page_ids(page_ids, self.num_pages)
+        if ids:
+            self._on_stream(ids, True)
+
+    def start_verify(self, cleared_ids: Sequence[int], committed_ids: Sequence[int]) -> SanitizerCheck:
+        """Enqueue the sanitizer's check (``kvledger.executors.sanitize``); returns the pending check."""
+        if self._verifier is None:
+            self._verifier = TorchVerifier(self.planes, self.stream)
+        return self._verifier.start(cleared_ids, committed_ids)
+
+    def verify(self, cleared_ids: Sequence[int], committed_ids: Sequence[int]) -> tuple[Violation, ...]:
+        """The check's violations, sorted (waits for the device on CUDA: not for an event loop)."""
+        return self.start_verify(cleared_ids, committed_ids).result()
 
     # ------------------------------------------------------------------ introspection
 
@@ -215,6 +247,11 @@ def _plane_shape(torch: Any, plane: Any, i: int) -> tuple[int, Any]:
     if plane.requires_grad:
         raise ConfigurationError(f"plane {i} requires grad; cache planes must not")
     return int(plane.shape[0]), plane.device
+
+
+def _ones(rows: Any) -> int:
+    """The fill value whose bytes are all 0xFF in ``rows``' dtype (-1 signed, 255 for uint8)."""
+    return -1 if rows.dtype.is_signed else 255
 
 
 def _widest(torch: Any, u8: Any) -> Any:

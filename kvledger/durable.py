@@ -37,21 +37,26 @@ import time
 
 import msgspec
 
+from kvledger.core import checks
 from kvledger.core.errors import (
     ConfigurationError,
     InvalidArgumentError,
     LogError,
 )
 from kvledger.core.events.events import CLEAR_POLICIES, ClearPages, Geometry, StepSealed
-from kvledger.core.log import EventLog, LogView
-from kvledger.core.log.fold import rebuild_state
-from kvledger.core.log.files import default_layer
 from kvledger.core.ledger import Ledger
-from kvledger.core import checks
+from kvledger.core.log import (
+    DEFAULT_MAX_LAG_BYTES,
+    DEFAULT_MAX_PAGES,
+    EventLog,
+    LogView,
+)
+from kvledger.core.log.files import default_layer
+from kvledger.core.log.fold import rebuild_state
 from kvledger.core.state import LedgerState
 from kvledger.logs import get_logger
 
-__all__ = ["DurableLedger", "Recovery", "open_ledger"]
+__all__ = ["DurableLedger", "Recovery", "auto_checkpoint_every", "open_ledger"]
 
 
 class Recovery(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -64,11 +69,17 @@ class Recovery(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     folded: int  # events folded on top of it
     truncated_at: int | None  # offset of the torn tail that was cut off
     truncated_bytes: int
+    lost_events: int | None  # events the torn record held (lost past the last synced point); None: unknown
     closed_cleanly: bool  # the previous writer closed the log (no crash)
     seconds: float
 
 
 # ---------------------------------------------------------------------- the ledger
+
+
+def auto_checkpoint_every(num_pages: int) -> int:
+    """Events between checkpoints for ``checkpoint_every="auto"``: max(10,000, 4 x num_pages)."""
+    return max(10_000, 4 * num_pages)
 
 
 def _debug_enabled(logger) -> bool:
@@ -92,14 +103,21 @@ class DurableLedger(Ledger):
     Checkpoints: before the event that would fold past ``checkpoint_every``
     events since the last one, the sink appends a checkpoint of the state as it
     is (so a checkpoint never changes what a command did). The ledger decides
-    when; the log only writes what it is given.
+    when; the log only writes what it is given. A checkpoint costs O(num_pages)
+    (the canonical state and its digest), so ``"auto"`` (the default) takes one
+    every max(10,000, 4 x num_pages) events: O(1) per command amortized on any
+    cache size, and a reopen or replay starts at most that many events before
+    any seq.
     """
 
     def __init__(self, log: EventLog, *, state: LedgerState | None = None, policy: str = "released_aliases",
-                 check: bool = False, checkpoint_every: int | None = 10_000, logger=None,
+                 check: bool = False, checkpoint_every: int | str | None = "auto", logger=None,
                  recovery: Recovery | None = None) -> None:
+        if checkpoint_every == "auto":
+            checkpoint_every = auto_checkpoint_every(log.header.geometry.num_pages)
         if checkpoint_every is not None and (type(checkpoint_every) is not int or checkpoint_every < 1):
-            raise InvalidArgumentError(f"checkpoint_every must be a positive int or None, got {checkpoint_every!r}")
+            raise InvalidArgumentError(f"checkpoint_every must be a positive int, 'auto' or None, "
+                                       f"got {checkpoint_every!r}")
         self.log = log
         self.recovery = recovery
         self._every = checkpoint_every
@@ -117,10 +135,22 @@ class DurableLedger(Ledger):
             raise ConfigurationError(f"state at seq {self.state.seq} for a log at seq {log.seq}")
 
     def _append(self, seq: int, event) -> None:
-        """The sink: a checkpoint when one is due, then the event (durable per the fsync policy)."""
-        if seq >= self._next_checkpoint:
-            self.checkpoint()
+        """The sink: a checkpoint (or a new segment, which opens with one) when due, then the event."""
+        if seq >= self._next_checkpoint or self.log.rotation_due:
+            self._checkpoint_or_rotate()
         self._append_next(event)
+
+    def _checkpoint_or_rotate(self) -> None:
+        log = self.log
+        if not log.rotation_due:
+            self.checkpoint()
+            return
+        if self._every:
+            self._next_checkpoint = self.state.seq + self._every
+        seq, digest, state = self._checkpoint_state()
+        log.rotate(seq, digest, state)  # (raises LogIOError: the command fails, nothing folded)
+        self._logger.info("segment_rotated", seq=seq, segment=log._segment,
+                          segments_deleted=log.segments_deleted)
 
     @property
     def durable_seq(self) -> int:
@@ -174,9 +204,15 @@ class DurableLedger(Ledger):
         """Make every event so far durable (``durable_seq == seq - 1``). Raises ``LogIOError``."""
         self.log.sync()
 
+    flush = sync
+
     def wait_durable(self, seq: int, timeout: float | None = None) -> bool:
         """Block until event ``seq`` is durable (background logs); see ``EventLog.wait_durable``."""
         return self.log.wait_durable(seq, timeout)
+
+    async def wait_durable_async(self, seq: int) -> None:
+        """Wait without blocking the event loop until event ``seq`` is durable (``EventLog.wait_durable_async``)."""
+        await self.log.wait_durable_async(seq)
 
     def close(self) -> None:
         """Checkpoint (if anything changed since the last one), sync, close the log. Idempotent."""
@@ -200,22 +236,36 @@ class DurableLedger(Ledger):
         self.close()
 
 
-def open_ledger(path, geometry: Geometry | None = None, *, policy: str | None = None, fsync: str = "per_step",
-                checkpoint_every: int | None = 10_000, check: bool = False, background: bool = False,
-                layer=None, logger=None) -> DurableLedger:
+def open_ledger(path, geometry: Geometry | None = None, *, policy: str | None = None, fsync: str = "background",
+                checkpoint_every: int | str | None = "auto", check: bool = False, background: bool | None = None,
+                layer=None, logger=None, max_pages: int = DEFAULT_MAX_PAGES,
+                max_lag_bytes: int = DEFAULT_MAX_LAG_BYTES, segment_bytes: int | None = None,
+                retain_bytes: int | None = None, retain_segments: int | None = None) -> DurableLedger:
     """Open the durable ledger at ``path``, creating the log if it does not exist.
 
     Creating needs ``geometry``; ``policy`` defaults to ``"released_aliases"``.
     An existing log keeps its own geometry and policy (giving different ones
     raises ``ConfigurationError``). Opening verifies every record, rebuilds the
     state from the last checkpoint and the events after it, truncates a torn
-    tail (``recovery`` and a ``log_truncated`` warning report it) and refuses
-    corruption with ``CorruptLogError`` (offset and seq; the file is untouched).
+    tail (``recovery`` and a ``log_truncated`` warning report it, with the
+    events lost when the torn record says) and refuses corruption with
+    ``CorruptLogError`` (offset and seq; the file is untouched), including
+    damage to what the log's sync stamp proves was synced.
     ``check=True`` runs every invariant after every command (and once on open).
-    ``background=True`` fsyncs in a writer thread (see ``EventLog``): a sealed
-    step is durable once ``durable_seq`` reaches it, not when ``seal_step``
-    returns. ``layer`` swaps the file layer (fault injection). Raises
-    ``LogLockedError`` when another writer has the log open.
+
+    ``fsync``: ``"background"`` (default: a writer thread group-commits and
+    fsyncs; a sealed step is durable once ``durable_seq`` reaches it, which
+    ``flush()`` / ``wait_durable`` wait for), or the opt-in inline policies
+    ``"per_step"`` / ``"per_event"``, or ``"none"`` (see ``EventLog``).
+    ``max_lag_bytes`` bounds what the writer thread may fall behind before
+    appends block. ``max_pages`` bounds the geometry a log may claim (what an
+    untrusted file can make the reader allocate). ``segment_bytes``: create
+    ``path`` as a log directory of segments of about that size, each opening
+    with a checkpoint (``core/log/segments.py``), with the retention bounds
+    ``retain_bytes`` / ``retain_segments`` (oldest segments deleted while the
+    server runs); an existing directory is reopened as one (default segments of
+    64 MiB). ``layer`` swaps the file layer (fault injection). Raises ``LogLockedError`` when another writer has the
+    log open, ``LogError`` for a path that is not a regular file of this user.
     """
     t0 = time.perf_counter()
     lay = layer if layer is not None else default_layer
@@ -227,48 +277,60 @@ def open_ledger(path, geometry: Geometry | None = None, *, policy: str | None = 
         if not isinstance(geometry, Geometry):
             raise InvalidArgumentError(f"geometry must be a Geometry, got {geometry!r}")
         checks.geometry(geometry)
+    opts = {"fsync": fsync, "background": background, "layer": lay, "max_pages": max_pages,
+            "max_lag_bytes": max_lag_bytes, "segment_bytes": segment_bytes, "retain_bytes": retain_bytes,
+            "retain_segments": retain_segments}
+    led_opts = {"check": check, "checkpoint_every": checkpoint_every, "logger": base}
     if not lay.exists(path):
         if geometry is None:
             raise ConfigurationError(f"{path} does not exist: give a geometry to create it")
-        pol = policy or "released_aliases"
-        log = EventLog.create(path, geometry, policy=pol, fsync=fsync, background=background, layer=lay)
-        try:
-            led = DurableLedger(log, policy=pol, check=check, checkpoint_every=checkpoint_every, logger=base)
-            log.sync()
-        except BaseException:
-            log.abandon()
-            raise
-        led.recovery = Recovery(path=path, created=True, events=led.seq, checkpoint_seq=None, folded=0,
-                                truncated_at=None, truncated_bytes=0, closed_cleanly=False,
-                                seconds=time.perf_counter() - t0)
-        led._logger.info("log_created", geometry=[geometry.num_pages, geometry.page_tokens], policy=pol, fsync=fsync)
-        return led
+        return _create(path, geometry, policy or "released_aliases", opts, led_opts, t0)
+    return _reopen(path, geometry, policy, opts, led_opts, t0)
 
+
+def _create(path: str, geometry: Geometry, policy: str, opts: dict, led_opts: dict, t0: float) -> DurableLedger:
+    log = EventLog.create(path, geometry, policy=policy, **opts)
+    try:
+        led = DurableLedger(log, policy=policy, **led_opts)
+        log.sync()
+    except BaseException:
+        log.abandon()
+        raise
+    led.recovery = Recovery(path=path, created=True, events=led.seq, checkpoint_seq=None, folded=0,
+                            truncated_at=None, truncated_bytes=0, lost_events=None, closed_cleanly=False,
+                            seconds=time.perf_counter() - t0)
+    led._logger.info("log_created", geometry=[geometry.num_pages, geometry.page_tokens], policy=policy,
+                     fsync=opts["fsync"])
+    return led
+
+
+def _reopen(path: str, geometry: Geometry | None, policy: str | None, opts: dict, led_opts: dict,
+            t0: float) -> DurableLedger:
     def load(view: LogView):
         hdr = view.header
         if geometry is not None and geometry != hdr.geometry:
             raise ConfigurationError(f"{path} holds geometry {hdr.geometry}, not {geometry}")
         if policy is not None and policy != hdr.policy:
             raise ConfigurationError(f"{path} uses clear policy {hdr.policy!r}, not {policy!r}")
-        return rebuild_state(view, check=check)
+        return rebuild_state(view, check=led_opts["check"])
 
-    log = EventLog.open(path, fsync=fsync, background=background, layer=lay, loader=load)
+    log = EventLog.open(path, loader=load, **opts)
     res = log.recovery
     state, ck, folded = log.loaded
     log.loaded = None
     try:
-        led = DurableLedger(log, state=state, policy=log.header.policy, check=check,
-                            checkpoint_every=checkpoint_every, logger=base)
+        led = DurableLedger(log, state=state, policy=log.header.policy, **led_opts)
         if state is None:
             log.sync()  # the log held no events: seq 0 (CacheConfigured) was just appended
     except BaseException:
         log.abandon()
         raise
     led.recovery = Recovery(path=path, created=False, events=led.seq, checkpoint_seq=ck, folded=folded,
-                            truncated_at=res.torn_at, truncated_bytes=res.torn_bytes, closed_cleanly=res.closed,
-                            seconds=time.perf_counter() - t0)
+                            truncated_at=res.torn_at, truncated_bytes=res.torn_bytes, lost_events=res.torn_events,
+                            closed_cleanly=res.closed, seconds=time.perf_counter() - t0)
     if res.torn_at is not None:
-        led._logger.warning("log_truncated", offset=res.torn_at, bytes=res.torn_bytes, events=led.seq)
+        led._logger.warning("log_truncated", offset=res.torn_at, bytes=res.torn_bytes, events=led.seq,
+                            lost_events=res.torn_events)
     led._logger.info("log_opened", events=led.seq, checkpoint_seq=ck, folded=folded,
                      closed_cleanly=res.closed, seconds=round(led.recovery.seconds, 4))
     return led

@@ -27,6 +27,16 @@ from kvledger.core.events import StepAborted, StepCompleted, StepSealed  # noqa:
 from kvledger.engine import RankSpec, StepInputs, StepResult, open_engine  # noqa: E402
 from kvledger.executors.torch_backend import TorchClearBackend  # noqa: E402
 
+def _last_abort(events):
+    """The last StepAborted, provided nothing but completions of the ranks that ran follows it
+    (a failed step is aborted first, then the ranks that did run their part are recorded)."""
+    i = max((i for i, e in enumerate(events) if type(e) is StepAborted), default=None)
+    if i is None:
+        return None
+    assert all(type(e) is StepCompleted for e in events[i + 1:]), events[i + 1:]
+    return events[i]
+
+
 G = Geometry(num_pages=16, page_tokens=4)
 ROW = 0x7F  # an FP8 e4m3fn NaN byte, what released snapshot rows leave behind
 
@@ -227,7 +237,7 @@ async def test_cancellation_mid_step_leaves_the_ledger_consistent():
         events = engine.ledger.events
         assert StepCompleted(step=0, rank=0) in events
         assert StepCompleted(step=0, rank=1) not in events
-        assert events[-1] == StepAborted(step=0, reason="cancelled")
+        assert events.index(StepAborted(step=0, reason="cancelled")) < events.index(StepCompleted(step=0, rank=0))
         assert engine.executors[1].statistics()["plans_cancelled"] == 1
         assert_consistent(engine)
         # both executors are free again; the carried clear list runs in the next step
@@ -247,7 +257,7 @@ async def test_fail_after_at_the_call_site_raises_timeout_and_records_the_abort(
         with pytest.raises(TimeoutError):
             with anyio.fail_after(0.05):
                 await engine.run_step(0)
-        assert engine.ledger.events[-1] == StepAborted(step=0, reason="cancelled")
+        assert _last_abort(engine.ledger.events) == StepAborted(step=0, reason="cancelled")
         assert not [e for e in engine.ledger.events if type(e) is StepCompleted]
         assert_consistent(engine)
         await engine.run_step(1)
@@ -329,7 +339,7 @@ async def test_a_rank_cancellation_cannot_reach_does_not_hang_a_failed_step():
                 await engine.run_step(0)
         assert info.value.rank == 1
         assert not [e for e in engine.ledger.events if type(e) is StepCompleted]
-        assert type(engine.ledger.events[-1]) is StepAborted
+        assert _last_abort(engine.ledger.events) is not None
         collective.set()  # rank 0 finishes its old plan; its late answer is dropped
         result = await engine.run_step(1)  # and the next plan runs on it
         assert [t.rank for t in result.ranks] == [0, 1]
@@ -416,7 +426,8 @@ async def test_with_a_log_every_ledger_call_runs_in_a_worker_thread(tmp_path):
             await anyio.sleep_forever()
 
     loop_thread = threading.get_ident()
-    async with open_engine(G, log=path, ranks=[RankSpec(planes=p, graph=graph) for p in planes]) as engine:
+    specs = [RankSpec(planes=p, graph=graph) for p in planes]
+    async with open_engine(G, log=path, ranks=specs, fsync="per_step", background=False) as engine:  # fsync inline
         assert await engine.call(lambda ledger: threading.get_ident()) != loop_thread
         rows = await released_then_committed(engine, planes)
         with anyio.move_on_after(0.05) as scope:
@@ -434,6 +445,124 @@ async def test_with_a_log_every_ledger_call_runs_in_a_worker_thread(tmp_path):
     async with open_engine(None, log=path, ranks=2) as engine:
         assert await engine.digest() == live
         assert engine.open_step == 2
+
+
+@pytest.mark.asyncio
+async def test_inline_ranks_run_in_the_callers_task_without_a_task_switch():
+    # CPU ranks whose graph is a plain function run in run_step's own task, with no
+    # checkpoint (a ticker task never runs meanwhile); an async graph, or an object whose
+    # __call__ is async, runs in the rank's executor task
+    seen: dict[str, set] = {"plain": set(), "async": set()}
+
+    def plain(ctx, step, inputs):
+        seen["plain"].add(anyio.get_current_task().id)
+
+    class AsyncGraph:
+        async def __call__(self, ctx, step, inputs):
+            seen["async"].add(anyio.get_current_task().id)
+
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.sleep(0)
+
+    me = anyio.get_current_task().id
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        async with open_engine(G, ranks=[RankSpec(planes=make_planes(), graph=plain)] * 2, record=True) as engine:
+            await anyio.sleep(0)
+            for step in range(3):
+                before = ticks
+                await engine.run_step(step)
+                assert ticks == before  # no task switch inside the step
+            assert seen["plain"] == {me}
+            assert_consistent(engine)
+        async with open_engine(G, ranks=[RankSpec(graph=plain), RankSpec(graph=AsyncGraph())]) as engine:
+            await engine.run_step(0)
+            assert me not in seen["async"] and len(seen["async"]) == 1
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.asyncio
+async def test_inline_a_failing_rank_stops_the_later_ranks_before_they_start():
+    ran = []
+
+    def graph(ctx, step, inputs):
+        ran.append((step, ctx.rank))
+        if step == 0 and ctx.rank == 1:
+            raise ValueError("rank 1 failed")
+
+    planes = [make_planes() for _ in range(3)]
+    async with open_engine(G, ranks=[RankSpec(planes=p, graph=graph) for p in planes], record=True) as engine:
+        rows = await released_then_committed(engine, planes)
+        with pytest.raises(StepFailedError) as info:
+            await engine.run_step(0)
+        assert info.value.rank == 1 and [r for r, _ in info.value.failures] == [1]
+        assert ran == [(0, 0), (0, 1)]  # rank 2 never started
+        assert engine.executors[2].statistics()["plans_completed"] == 0
+        assert not any(page_is_zero(planes[2][0], p) for p in rows)  # rank 2 cleared nothing
+        events = engine.ledger.events
+        assert StepCompleted(step=0, rank=0) in events
+        assert not {e.rank for e in events if type(e) is StepCompleted} & {1, 2}
+        assert "rank 1" in _last_abort(events).reason
+        result = await engine.run_step(1)  # the carried clear list, zeroed on every rank
+        assert sorted(result.clear_list) == sorted(rows) and [t.rank for t in result.ranks] == [0, 1, 2]
+        assert all(page_is_zero(plane, p) for rank_planes in planes for plane in rank_planes for p in rows)
+        assert_consistent(engine)
+
+
+@pytest.mark.asyncio
+async def test_a_background_log_takes_the_commands_on_the_loop(tmp_path):
+    # the log writes and fsyncs in its own thread: commands and run_step run on the loop
+    # (no thread hop); flush waits for the disk in the engine's worker thread
+    pytest.importorskip("kvledger.durable")
+    from kvledger.durable import open_ledger
+
+    path = tmp_path / "background.kvlog"
+    loop_thread = threading.get_ident()
+    planes = [make_planes(), make_planes()]
+    async with open_engine(G, log=path, ranks=[RankSpec(planes=p) for p in planes], fsync="per_step",
+                           background=True) as engine:
+        assert engine.ledger.log.background
+        assert await engine.call(lambda ledger: threading.get_ident()) == loop_thread
+        rows = await released_then_committed(engine, planes)
+        result = await engine.run_step(0)
+        assert sorted(result.clear_list) == sorted(rows)
+        flushed_in = []
+        sync = engine.ledger.sync
+        engine.ledger.sync = lambda: (flushed_in.append(threading.get_ident()), sync())  # type: ignore[method-assign]
+        await engine.flush()
+        assert flushed_in and flushed_in[0] != loop_thread
+        assert engine.ledger.durable_seq == engine.seq - 1
+        live = await engine.digest()
+    with open_ledger(path) as reopened:
+        assert reopened.digest() == live
+        assert reopened.state.completed == {0: 0, 1: 0}
+
+
+@pytest.mark.asyncio
+async def test_a_log_that_may_block_sends_the_calls_to_the_worker_thread(tmp_path, monkeypatch):
+    # assumed log attribute: may_block (True while an append could wait for the disk)
+    pytest.importorskip("kvledger.durable")
+    from kvledger.core.log import EventLog
+
+    blocking = {"on": False}
+    monkeypatch.setattr(EventLog, "may_block", property(lambda log: blocking["on"]), raising=False)
+    loop_thread = threading.get_ident()
+    async with open_engine(G, log=tmp_path / "lag.kvlog", ranks=1, fsync="per_step", background=True) as engine:
+        where = lambda ledger: threading.get_ident()  # noqa: E731
+        assert await engine.call(where) == loop_thread
+        blocking["on"] = True
+        assert await engine.call(where) != loop_thread
+        await engine.reserve(1, 2)
+        await engine.commit(1, 0, 2)
+        await engine.run_step(0)
+        blocking["on"] = False
+        assert await engine.call(where) == loop_thread
+        assert await engine.digest() == engine.ledger.digest()
 
 
 @pytest.mark.gpu

@@ -54,7 +54,8 @@ async def test_jobs_run_in_order_and_each_gets_one_answer():
         (outcome,) = replies.outcomes
         assert (outcome.rank, outcome.step, outcome.status) == (0, s, "ok")
     assert [int(planes[0][p].sum()) for p in range(NUM_PAGES)] == [0, 0, 0, 0] + [16] * 4
-    assert ex.statistics() == {"plans_completed": 4, "plans_failed": 0, "plans_cancelled": 0, "pages_cleared": 4}
+    assert ex.statistics() == {"plans_completed": 4, "plans_failed": 0, "plans_cancelled": 0, "pages_cleared": 4,
+                               "sanitizer_violations": 0}
 
 
 @pytest.mark.asyncio

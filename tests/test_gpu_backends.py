@@ -30,7 +30,8 @@ from kvledger import (
     PageOutOfRangeError,
 )
 
-BACKENDS = ["torch", "cuda", "cuda-per-page", "triton", "triton-jit", "triton-graph"]
+BACKENDS = ["torch", "cuda", "cuda-per-page", "triton", "triton-jit", "triton-launcher", "triton-chunked",
+            "triton-graph"]
 SLEEP_CYCLES = 40_000_000  # ~20 ms at ~2 GHz: long enough for the host to enqueue everything after it
 
 
@@ -57,9 +58,14 @@ def make_backend(name, planes, stream=None):
         return CudaClearBackend(planes, stream=stream, mode="per_page" if name == "cuda-per-page" else "coalesced")
     pytest.importorskip("cuda.bindings")
     pytest.importorskip("triton")
-    from kvledger.executors.triton_backend import TritonClearBackend
+    from kvledger.executors.triton_backend import FillConfig, TritonClearBackend
 
-    backend = TritonClearBackend(planes, stream=stream, fast_launch=name != "triton-jit")
+    knobs: dict = {
+        "triton-jit": {"fast_launch": False},  # Triton's JIT launch, list copied on the model stream
+        "triton-launcher": {"launch": "triton", "prefetch": False},  # the compiled kernel's own launcher
+        "triton-chunked": {"config": FillConfig(block_bytes=2048, chunked=True, plane_major=True, programs_per_sm=2)},
+    }.get(name, {})
+    backend = TritonClearBackend(planes, stream=stream, **knobs)
     return _GraphClear(backend) if name == "triton-graph" else backend
 
 

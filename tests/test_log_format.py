@@ -17,8 +17,8 @@ from kvledger.core.log.format import (
     KIND_CLOSE,
     KIND_EVENTS,
     max_record_bytes,
-    scan,
 )
+from kvledger.core.log.scan import scan
 from kvledger.core.errors import LogVersionError
 from kvledger.core.events.events import (
     CacheConfigured,
@@ -57,7 +57,7 @@ def _chain(log_id: bytes, data: bytes) -> bytes:
 
 def test_golden_bytes_header_and_first_record(tmp_path):
     p = tmp_path / "g.kvlog"
-    log = EventLog.create(p, G, log_id=LOG_ID)
+    log = EventLog.create(p, G, log_id=LOG_ID, fsync="per_step")
     log.append(0, CC)
     log.append(1, StepSealed(step=0, clear_list=(3, 1)))  # per_step: this append writes and fsyncs
     assert log.durable_seq == 1
@@ -94,7 +94,7 @@ def test_golden_bytes_header_and_first_record(tmp_path):
 
 def test_round_trip_and_scan_of_a_valid_log(tmp_path):
     p = tmp_path / "rt.kvlog"
-    events = [CC] + [PagesReserved(request=i, page_ids=(i, i + 100), tenant="t%d" % i) for i in range(50)]
+    events = [CC] + [PagesReserved(request=i, page_ids=(i, i + 100), tenant=f"t{i}") for i in range(50)]
     events += [StepSealed(step=0), StepAborted(step=0, reason="x" * 100)]
     with EventLog.create(p, G) as log:
         for i, ev in enumerate(events):
@@ -181,7 +181,7 @@ def test_header_problems(tmp_path):
             scan(bytes(d), "h")
         assert ei.value.offset == 0
     d = bytearray(data)
-    d[8] = 2  # version 2, with a consistent crc
+    d[8] = 3  # version 3 (a future format), with a consistent crc
     d[60:64] = struct.pack("<I", zlib.crc32(bytes(d[:60])))
     with pytest.raises(LogVersionError):
         scan(bytes(d))
@@ -200,6 +200,11 @@ def test_torn_tail_repair_and_refusal(tmp_path):
     whole = p.read_bytes()
     cut = len(whole) - 40 - 7  # inside the last events record (before the close record)
     p.write_bytes(whole[:cut])
+    # the log was closed: its sync stamp proves those bytes were synced, so this is loss, not a torn tail
+    with pytest.raises(CorruptLogError, match="synced events were lost"):
+        EventLog.open(p)
+    assert p.read_bytes() == whole[:cut]
+    os.unlink(f"{p}.sync")  # as if the writer had crashed before it closed the log
     with pytest.raises(TornLogError) as ei:
         EventLog.open(p, repair=False)
     assert ei.value.nbytes > 0 and p.read_bytes() == whole[:cut]
@@ -226,7 +231,7 @@ def test_a_garbage_length_reads_nothing_and_is_tail_damage():
 
 def test_io_failures_close_the_log_to_appends(tmp_path):
     faults = FaultInjector(fail_sync=2)  # sync 1 is the explicit sync after CacheConfigured
-    log = EventLog.create(tmp_path / "f.kvlog", G, layer=faults)
+    log = EventLog.create(tmp_path / "f.kvlog", G, layer=faults, fsync="per_step")
     log.append(0, CC)
     log.sync()
     log.append(1, PagesReserved(request=1, page_ids=(0,)))

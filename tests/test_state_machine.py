@@ -1,353 +1,77 @@
 """R8: a hypothesis state machine over every ledger command, against a reference model.
 
-The reference model (``Model``) is written from SPEC's event table with plain
-dicts, lists and sets: no flat arrays, no free stack, no pending flags. It
-predicts every page's holder, mark and restoring flag, each commit's clear list
-and each step's plan. The machine drives two ledgers with the same commands: one
-that records its events (replayed at the end of every run) and one on the hot
-path (no check, no record, no sink); both must agree with each other and with
-the model after every step, and ``check_invariants`` must pass.
+The reference model (``r8_model.Model``) is written from SPEC's event tables
+with plain dicts, lists and sets. It predicts every page's holder, mark,
+restoring flag and block hash, the cache's least-recently-used order, each
+commit's clear list and each step's plan (in order), the steps in flight (sealed
+without completing, several at once, at most ``MAX_IN_FLIGHT``), what an abort
+of an older step in flight does to it and every later one, which completions
+retire plans, which pages ``reserve`` / ``alias_snapshot`` evict, every
+``BlocksStored`` / ``BlocksRemoved`` effect and every page a ``PagesMarked``
+effect names. It never reads the ledger's state to decide anything. The machine
+drives two ledgers with the same commands: one that records its events
+(replayed at the end of every run) and one on the hot path (no check, no record,
+no sink, no observer); both must agree with each other and with the model after
+every step, and ``check_invariants`` must pass.
 
-On top of the model, a second, semantic oracle (``Bytes``) follows what every
-page physically holds: zeros, snapshot-row bytes, or KV data of a request.
-At each sealed step it executes the plan (zero the listed pages), then lets
-every request read the pages committed for that step or earlier, then writes
-them. It asserts the two promises of RELIABILITY.md:
-  * zero before first read: no request reads bytes its policy forbids;
-  * exactly once: a plan never zeroes a page that already holds zeros
-    (released_aliases) nor a page holding its reader's own KV data (any policy),
-and, restated as the issue asks, every page that entered a request's KV while
-marked appears in exactly one (non-aborted) sealed plan, in the step it was
-committed for (or the step an abort carried it to).
-
-Invalid commands are tried too: each must raise the error class the model
-predicts and leave digest, seq and the recorded events unchanged.
+On top of the model, a second, semantic oracle (``r8_bytes.Bytes``) follows
+what every page physically holds and asserts RELIABILITY.md's promises at every
+sealed step (zero before first read, exactly once), undoing aborted steps.
+Invalid commands are tried too (``r8_invalid``): each must raise the error class
+the model predicts and leave digest, seq and the recorded events unchanged.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from r8_bytes import Bytes
+from r8_invalid import invalid_commands
+from r8_model import MAX_IN_FLIGHT, Model
+from r8_prefix import PrefixRules
 
 from kvledger import (
-    DuplicatePageError,
     Geometry,
-    InvalidArgumentError,
     KVLedgerError,
     Ledger,
     OutOfPagesError,
-    PageNotHeldError,
-    PageOutOfRangeError,
     RestoringPageError,
-    StepOrderError,
-    TenantMismatchError,
-    UnknownRequestError,
-    UnknownSnapshotError,
     check_invariants,
     replay,
 )
-from kvledger.core.events import PagesReserved
+from kvledger.core.events import BlocksRemoved, PagesEvicted, PagesMarked, StepAborted
 
 NUM_PAGES = 16
-GEOMETRY = Geometry(num_pages=NUM_PAGES, page_tokens=16)
+PAGE_TOKENS = 16
+GEOMETRY = Geometry(num_pages=NUM_PAGES, page_tokens=PAGE_TOKENS)
 REQUEST_IDS = (0, 1, 2, 3)
 SNAPSHOT_IDS = (0, 1, 2)
 TENANTS = ("a", "b", None)
-ALL = "all"
+RANKS = (0, 1, 2)
 
 STATS: dict[str, Counter] = {}
 
 
-# --------------------------------------------------------------------------- the model
-
-class Req:
-    """One request incarnation (an id may be reused after cancel/finish)."""
-
-    def __init__(self, rid, tenant, inc):
-        self.rid, self.tenant, self.inc = rid, tenant, inc
-        self.reserved: list[int] = []
-        self.kv: list[tuple[int, int]] = []  # (page, step it was committed for), in order
-        self.restored: set[int] = set()
-
-    def kv_pages(self):
-        return [p for p, _ in self.kv]
-
-
-class Model:
-    """SPEC's event table, slowly and obviously."""
-
-    def __init__(self, n, policy):
-        self.n, self.policy = n, policy
-        self.where: list[Req | None] = [None] * n  # request holding the page
-        self.aliases: list[set] = [set() for _ in range(n)]
-        self.mark: list = [None] * n  # None | ALL | ("tenant", t)
-        self.restoring: dict[int, tuple[str, int]] = {}
-        self.requests: dict[int, Req] = {}
-        self.snapshots: dict[int, list[int]] = {}
-        self.open_step = 0
-        self.listings: list[list] = []  # live [step, page, inc], in listing order
-        self.last_plan = None  # (step, [pages])
-        self.restored_since_seal: dict[int, int] = {}  # page -> inc of the request that restored it
-        self.incs = 0
-
-    # queries
-    def kind(self, p):
-        r = self.where[p]
-        if r is not None:
-            return "reserved" if p in r.reserved else "kv"
-        return "alias" if self.aliases[p] else "free"
-
-    def holder(self, p):
-        k = self.kind(p)
-        if k in ("reserved", "kv"):
-            return "%s(%d)" % (k, self.where[p].rid)
-        if k == "alias":
-            return "alias({" + ",".join(str(s) for s in sorted(self.aliases[p])) + "})"
-        return "free"
-
-    def free(self):
-        return [p for p in range(self.n) if self.kind(p) == "free"]
-
-    def reservable(self):
-        return [p for p in self.free() if p not in self.restoring]
-
-    def listed(self, p):
-        return any(x[1] == p for x in self.listings)
-
-    # transitions
-    def reserve(self, rid, pages, tenant):
-        r = self.requests.get(rid)
-        if r is None:
-            self.incs += 1
-            r = self.requests[rid] = Req(rid, tenant, self.incs)
-        for p in pages:
-            self.where[p] = r
-        r.reserved.extend(pages)
-
-    def _dirty(self, pages, tenant):
-        if self.policy == "all_reused":
-            for p in pages:
-                self.mark[p] = ALL
-        elif self.policy == "cross_tenant":
-            for p in pages:
-                if self.mark[p] != ALL:
-                    self.mark[p] = ("tenant", tenant)
-
-    def return_(self, rid, pages):
-        r = self.requests[rid]
-        for p in pages:
-            r.reserved.remove(p)
-            self.where[p] = None
-        dirty = [p for p in pages if p in r.restored]
-        r.restored.difference_update(pages)
-        if self.policy != "released_aliases":
-            self._dirty(dirty, r.tenant)
-
-    def commit(self, rid, step, pages):
-        r = self.requests[rid]
-        listed = []
-        for p in pages:
-            m = self.mark[p]
-            self.mark[p] = None
-            if m is None or m == ("tenant", r.tenant):
-                continue
-            listed.append(p)
-            self.listings.append([step, p, r.inc])
-        for p in pages:
-            r.reserved.remove(p)
-            r.kv.append((p, step))
-        r.restored.difference_update(pages)
-        return listed
-
-    def gone(self, rid):
-        r = self.requests.pop(rid)
-        kv = r.kv_pages()
-        for p in kv:
-            if any(x[1] == p and x[2] == r.inc for x in self.listings):
-                # listed, never zeroed: the mark comes back
-                self.listings = [x for x in self.listings if x[1] != p]
-                self.mark[p] = ALL
-        for p in r.reserved + kv:
-            self.where[p] = None
-        if self.policy != "released_aliases":
-            self._dirty(kv + [p for p in r.reserved if p in r.restored], r.tenant)
-        return r
-
-    def alias(self, sid, pages):
-        for p in pages:
-            self.aliases[p].add(sid)
-        self.snapshots.setdefault(sid, []).extend(pages)
-
-    def release(self, sid):
-        for p in self.snapshots.pop(sid):
-            self.aliases[p].discard(sid)
-            if not self.aliases[p]:
-                self.mark[p] = ALL
-
-    def start_restore(self, into, target, pages):
-        for p in pages:
-            self.restoring[p] = (into, target)
-        if into == "request":
-            r = self.requests[target]
-            r.restored.update(pages)
-            for p in pages:
-                self.mark[p] = None
-                self.restored_since_seal[p] = r.inc
-
-    def complete_restore(self, pages):
-        for p in pages:
-            del self.restoring[p]
-
-    def seal(self, step):
-        plan = []
-        keep = []
-        for x in self.listings:
-            if x[0] == step:
-                if x[1] not in plan:
-                    plan.append(x[1])
-            else:
-                keep.append(x)
-        self.listings = keep
-        self.open_step = step + 1
-        self.last_plan = (step, plan)
-        self.restored_since_seal = {}
-        return plan
-
-    def abort(self, step):
-        _, plan = self.last_plan
-        self.last_plan = None
-        carry = []
-        for p in plan:
-            r = self.where[p]
-            if r is not None and self.restored_since_seal.get(p) == r.inc:
-                continue  # its holder's restore overwrote it whole since the seal
-            if p in self.restoring and self.restoring[p][0] == "request":
-                continue  # a restore is overwriting it whole right now
-            if self.kind(p) == "kv":
-                if not self.listed(p):
-                    carry.append([self.open_step, p, r.inc])
-            else:
-                self.mark[p] = ALL
-        self.listings = carry + self.listings
-
-
-# --------------------------------------------------------------------------- the bytes oracle
-
-ZERO, ROW = "zero", "row"
-
-
-class Bytes:
-    """What each page physically holds; checks the promises at every sealed step."""
-
-    def __init__(self, model: Model):
-        self.m = model
-        self.content = [ZERO] * model.n
-        self.sealed_prev: dict[int, object] = {}  # page -> content before the last seal touched it
-        self.touched: set[int] = set()  # pages written by anything since the last seal
-        self.owed: dict[int, list] = {}  # page -> [step, inc, times zeroed]
-        self.retired: dict[int, tuple] = {}  # owed entries settled by the last seal
-
-    def own(self, r):
-        return ("kv", r.tenant, r.inc)
-
-    def acceptable(self, c, r):
-        pol = self.m.policy
-        if pol == "released_aliases":
-            return c != ROW
-        if pol == "cross_tenant":
-            return c == ZERO or (c[0] == "kv" and c[1] == r.tenant)
-        return c == ZERO or c == self.own(r)
-
-    def write(self, p, c):
-        self.content[p] = c
-        self.touched.add(p)
-
-    def aliased(self, pages):
-        for p in pages:
-            self.write(p, ROW)
-
-    def restored_into_request(self, pages, r):
-        for p in pages:
-            self.write(p, self.own(r))
-
-    def let_go(self, pages, r):
-        """``r`` gave the pages back: what it wrote there is no longer data it will read
-        (a later reservation by the same request starts over), only its tenant's bytes."""
-        for p in pages:
-            if self.content[p] == self.own(r):
-                self.content[p] = ("kv", r.tenant, -r.inc)
-
-    def committed(self, listed, step, r):
-        for p in listed:
-            self.owed[p] = [step, r.inc, 0]
-
-    def left_kv(self, pages):
-        for p in pages:
-            self.owed.pop(p, None)
-
-    def seal(self, step, plan):
-        m = self.m
-        self.sealed_prev = {}
-        self.touched = set()
-        for p in plan:
-            r = m.where[p]
-            c = self.content[p]
-            assert r is not None and m.kind(p) == "kv", ("plan lists a page no request holds", p)
-            assert c != self.own(r), ("plan zeroes its reader's own KV data", step, p)
-            if m.policy == "released_aliases":
-                assert c != ZERO, ("plan zeroes a page that already holds zeros", step, p)
-            self.sealed_prev.setdefault(p, c)
-            self.content[p] = ZERO
-            if p in self.owed:
-                self.owed[p][2] += 1
-        # the step's graph reads every page committed for this step or earlier, then writes it
-        for r in m.requests.values():
-            for p, s in r.kv:
-                if s <= step:
-                    assert self.acceptable(self.content[p], r), (
-                        "request %d reads page %d holding %r in step %d" % (r.rid, p, self.content[p], step))
-                    if self.content[p] != self.own(r):
-                        self.sealed_prev.setdefault(p, self.content[p])
-                        self.content[p] = self.own(r)
-        # every marked page that entered a KV list appears in exactly one plan by its step
-        self.retired = {}
-        for p, (s, inc, times) in list(self.owed.items()):
-            if s <= step:
-                assert times == 1, ("page listed at commit was zeroed %d times by step %d" % (times, step), p)
-                self.retired[p] = (s, inc)
-                del self.owed[p]
-
-    def abort(self, step, plan):
-        for p, prev in self.sealed_prev.items():
-            if p not in self.touched:
-                self.content[p] = prev  # nothing of the aborted step can be assumed done
-        m = self.m
-        for p, (s, inc) in self.retired.items():
-            r = m.where[p]
-            if r is not None and r.inc == inc and m.kind(p) == "kv" and m.listed(p):
-                self.owed[p] = [m.open_step, inc, 0]
-        for p in plan:
-            if p in self.owed and p not in self.retired:
-                self.owed[p][2] -= 1  # zeroed early by the aborted plan: not done after all
-        self.sealed_prev = {}
-        self.retired = {}
-
-
-# --------------------------------------------------------------------------- the machine
-
-class LedgerMachine(RuleBasedStateMachine):
+class LedgerMachine(PrefixRules, RuleBasedStateMachine):
     policy = "released_aliases"
+    page_tokens = PAGE_TOKENS
+    tenants = TENANTS
 
     def __init__(self):
         super().__init__()
-        self.L = Ledger(GEOMETRY, policy=self.policy, record=True)
+        self.seen: list[tuple] = []  # (event, effects) of every event L folded
+        self.L = Ledger(GEOMETRY, policy=self.policy, record=True,
+                        observer=lambda seq, ev, eff: self.seen.append((ev, eff)))
         self.hot = Ledger(GEOMETRY, policy=self.policy)  # the plain hot path
         self.m = Model(NUM_PAGES, self.policy)
         self.b = Bytes(self.m)
         self.ok = True
+        self.hashes_made = 0
+        self.marks_checked = 0  # len(self.seen) when the PagesMarked effects were last checked
         self.stats = STATS.setdefault(self.policy, Counter())
         self.stats["runs"] += 1
 
@@ -368,17 +92,57 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def rejected(self, call, exc):
         """``call`` must raise ``exc`` and change nothing, on both ledgers."""
-        digest, seq, n_events = self.L.digest(), self.L.seq, len(self.L.events)
+        digest, seq, n_events, n_seen = self.L.digest(), self.L.seq, len(self.L.events), len(self.seen)
         hot_digest = self.hot.digest()
         with pytest.raises(exc) as ei:
             self.both(call)
         assert type(ei.value) is exc, (type(ei.value), exc)
-        assert (self.L.digest(), self.L.seq, len(self.L.events)) == (digest, seq, n_events)
+        assert (self.L.digest(), self.L.seq, len(self.L.events), len(self.seen)) == (digest, seq, n_events, n_seen)
         assert self.hot.digest() == hot_digest
         self.stats["rejected"] += 1
 
     def draw_subset(self, data, pool, max_size=None):
         return data.draw(st.lists(st.sampled_from(sorted(pool)), min_size=1, max_size=max_size, unique=True))
+
+    def new_hash(self):
+        """A block hash never used before in this run: ints of both signs and 16-byte strings."""
+        self.hashes_made += 1
+        k = self.hashes_made
+        if k % 3 == 0:
+            return hashlib.blake2b(k.to_bytes(4, "little"), digest_size=16).digest()
+        return k if k % 3 == 1 else -k
+
+    def expect_folded(self, since, expected):
+        """The events folded since ``len(self.seen) == since`` are ``expected`` [(event, effects)]."""
+        assert self.seen[since:] == expected, (self.seen[since:], expected)
+        self.stats["kv events checked"] += sum(1 for _, eff in expected if eff)
+
+    def _evicted(self, pages, hashes):
+        """The eviction event and its effects: BlocksRemoved, and under the isolating policies the
+        pages marked (for their writer's tenant, or for everyone)."""
+        marked = () if self.policy == "released_aliases" else (PagesMarked(page_ids=tuple(pages)),)
+        return (PagesEvicted(page_ids=tuple(pages)), (BlocksRemoved(hashes=tuple(hashes)), *marked))
+
+    def _allocate(self, n, call, who):
+        """Run an allocation of ``n`` pages (``call``) with the eviction the model predicts.
+        Returns the pages, or None after checking an ``OutOfPagesError``."""
+        evict = self.m.to_evict(n)
+        if evict is None:
+            self.rejected(call, OutOfPagesError)
+            return None
+        reservable = set(self.m.reservable())
+        since = len(self.seen)
+        pages = self.both(call)
+        assert len(pages) == n and len(set(pages)) == n
+        if evict:
+            hashes = self.m.evict(evict)
+            self.b.evicted(evict)
+            self.expect_folded(since, [self._evicted(evict, hashes), (self.seen[-1][0], ())])
+            assert set(pages) == reservable | set(evict), (pages, reservable, evict)  # everything free, then these
+            self.stats[f"evicted by {who}"] += len(evict)
+        else:
+            assert len(self.seen) == since + 1 and set(pages) <= reservable
+        return pages
 
     # -- reserve / return
 
@@ -389,13 +153,9 @@ class LedgerMachine(RuleBasedStateMachine):
     def _reserve(self, data, rid, n):
         r = self.m.requests.get(rid)
         tenant = data.draw(st.sampled_from(TENANTS if r is None else (None, r.tenant)))
-        if n > len(self.m.reservable()):
-            self.rejected(lambda L: L.reserve(rid, n, tenant=tenant), OutOfPagesError)
-            return None
-        pages = self.both(lambda L: L.reserve(rid, n, tenant=tenant))
-        assert len(pages) == n and len(set(pages)) == n
-        assert all(self.m.kind(p) == "free" and p not in self.m.restoring for p in pages)
-        self.m.reserve(rid, pages, tenant if r is None else r.tenant)
+        pages = self._allocate(n, lambda L: L.reserve(rid, n, tenant=tenant), "reserve")
+        if pages is not None:
+            self.m.reserve(rid, pages, tenant if r is None else r.tenant)
         return pages
 
     @rule(data=st.data(), rid=st.sampled_from(REQUEST_IDS), n=st.integers(1, 3), ahead=st.integers(0, 1))
@@ -403,8 +163,7 @@ class LedgerMachine(RuleBasedStateMachine):
         """The common lifecycle step, as two commands: reserve n pages, commit them."""
         pages = self._reserve(data, rid, n)
         if pages is not None:
-            step = self.m.open_step + ahead
-            self._commit(self.m.requests[rid], step, list(pages), lambda L: L.commit(rid, step, pages=pages))
+            self._commit_pages(rid, self.m.open_step + ahead, pages)
 
     def _with_reserved(self):
         return [r for r in self.m.requests.values() if r.reserved]
@@ -420,6 +179,9 @@ class LedgerMachine(RuleBasedStateMachine):
         self.b.let_go(pages, r)
 
     # -- commit
+
+    def _commit_pages(self, rid, step, pages):
+        self._commit(self.m.requests[rid], step, list(pages), lambda L: L.commit(rid, step, pages=pages))
 
     def _commit(self, r, step, pages, call):
         if any(p in self.m.restoring for p in pages):
@@ -452,11 +214,13 @@ class LedgerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.m.requests)
     @rule(data=st.data(), finished=st.booleans())
     def request_gone(self, data, finished):
-        rid = data.draw(st.sampled_from(sorted(self.m.requests)))
+        self._gone(data.draw(st.sampled_from(sorted(self.m.requests))), finished)
+
+    def _gone(self, rid, finished):
         self.both(lambda L: L.finish(rid) if finished else L.cancel(rid))
-        r = self.m.gone(rid)
-        self.b.left_kv(r.kv_pages())
-        self.b.let_go(r.reserved + r.kv_pages(), r)
+        r, freed = self.m.gone(rid)
+        self.b.left_kv(freed, r)
+        self.b.let_go(r.reserved + freed, r)
         self.stats["finished" if finished else "cancelled"] += 1
 
     # -- snapshots
@@ -466,12 +230,9 @@ class LedgerMachine(RuleBasedStateMachine):
         self._alias_n(sid, n)
 
     def _alias_n(self, sid, n):
-        if n > len(self.m.reservable()):
-            self.rejected(lambda L: L.alias_snapshot(sid, n), OutOfPagesError)
+        pages = self._allocate(n, lambda L: L.alias_snapshot(sid, n), "alias")
+        if pages is None:
             return False
-        pages = self.both(lambda L: L.alias_snapshot(sid, n))
-        assert len(set(pages)) == n
-        assert all(self.m.kind(p) == "free" and p not in self.m.restoring for p in pages)
         self.m.alias(sid, pages)
         self.b.aliased(pages)
         return True
@@ -546,109 +307,91 @@ class LedgerMachine(RuleBasedStateMachine):
         self.both(lambda L: L.complete_restore(pages, **{into: target}))
         self.m.complete_restore(pages)
 
-    # -- steps
+    # -- steps: sealed, in flight, completed (retired) or aborted
 
     @rule()
     def seal(self):
+        self._seal()
+
+    @rule(k=st.sampled_from((2, 3, MAX_IN_FLIGHT + 1)))
+    def seal_several(self, k):
+        """Steps sealed back to back, none completed: several in flight, now and then past the cap."""
+        for _ in range(k):
+            self._seal()
+
+    def _seal(self):
         step = self.m.open_step
         plan = self.both(lambda L: L.seal_step(step))
-        expect = self.m.seal(step)
+        expect, dropped = self.m.seal(step)
         assert plan.step == step
-        assert len(set(plan.clear_list)) == len(plan.clear_list)
-        assert set(plan.clear_list) == set(expect), (step, plan.clear_list, expect)
-        self.b.seal(step, list(plan.clear_list))
+        assert plan.clear_list == tuple(expect), (step, plan.clear_list, expect)
+        self.b.seal(step, expect)
+        if dropped is not None:
+            self.b.retire([dropped])
+            self.stats["plans past the cap"] += 1
         self.stats["steps sealed"] += 1
         self.stats["pages cleared"] += len(plan.clear_list)
+        self.stats["most in flight"] = max(self.stats["most in flight"], len(self.m.in_flight))
+        return step
+
+    def _complete(self, step, rank):
+        self.both(lambda L: L.complete_step(step, rank))
+        retired = self.m.complete(step, rank)
+        self.b.retire(retired)
+        self.stats["steps retired"] += len(retired)
 
     @precondition(lambda self: self.m.open_step > 0)
-    @rule(data=st.data(), rank=st.integers(0, 2))
+    @rule(data=st.data(), rank=st.sampled_from(RANKS))
     def complete_step(self, data, rank):
-        step = data.draw(st.integers(0, self.m.open_step - 1))
-        self.both(lambda L: L.complete_step(step, rank))
+        """One rank reports a step (any sealed one: late, repeated or out of order)."""
+        self._complete(data.draw(st.integers(max(0, self.m.open_step - 4), self.m.open_step - 1)), rank)
 
-    @precondition(lambda self: self.m.last_plan is not None)
     @rule()
-    def abort_step(self):
-        step, plan = self.m.last_plan
+    def seal_and_complete(self):
+        """The step runs everywhere: sealed, then completed on every rank (so its pages can be published)."""
+        step = self._seal()
+        for rank in RANKS:
+            self._complete(step, rank)
+
+    @precondition(lambda self: self.m.in_flight)
+    @rule(data=st.data())
+    def abort_step(self, data):
+        """A step in flight fails: it and every later step in flight abort."""
+        self._abort(data.draw(st.sampled_from(self.m.in_flight_steps())))
+
+    @rule(data=st.data(), rid=st.sampled_from(REQUEST_IDS), k=st.integers(1, 3), n=st.integers(1, 3),
+          which=st.integers(0, 2), leave=st.booleans())
+    def listed_steps_then_abort(self, data, rid, k, n, which, leave):
+        """k steps in flight, each committing pages a released snapshot row left (listed for its
+        plan); then (``leave``) the request may go, and one of those steps fails."""
+        sealed = []
+        for _ in range(k):
+            self.alias_then_release(data.draw(st.sampled_from(SNAPSHOT_IDS)), n)
+            pages = self._reserve(data, rid, n)
+            if pages is not None:
+                self._commit_pages(rid, self.m.open_step, pages)
+            sealed.append(self._seal())
+        if leave and rid in self.m.requests:
+            self._gone(rid, data.draw(st.booleans()))
+        flying = [s for s in sealed if s in self.m.in_flight_steps()]
+        if flying:
+            self._abort(flying[min(which, len(flying) - 1)])
+
+    def _abort(self, step):
         self.both(lambda L: L.abort_step(step, "rank failed"))
-        self.m.abort(step)
-        self.b.abort(step, plan)
-        self.stats["steps aborted"] += 1
+        steps, carried = self.m.abort(step)
+        self.b.abort(steps, carried)
+        self.stats["aborts"] += 1
+        self.stats["plans aborted"] += len(steps)
+        self.stats["aborts of several plans"] += len(steps) > 1
+        self.stats["pages carried"] += len(carried)
 
     # -- invalid commands
 
-    def _invalid_candidates(self):
-        m = self.m
-        out = []
-        kinds = {p: m.kind(p) for p in range(NUM_PAGES)}
-        known = sorted(m.requests)
-        unknown = [r for r in REQUEST_IDS if r not in m.requests]
-        for p, k in kinds.items():
-            if k != "free":
-                rid = known[0] if known else 0
-                tenant = m.requests[rid].tenant if known else None
-                ev = PagesReserved(request=rid, page_ids=(p,), tenant=tenant)
-                out.append((lambda L, ev=ev: L.submit(ev), PageNotHeldError))
-            elif p in m.restoring:
-                out.append((lambda L, p=p: L.submit(PagesReserved(request=99, page_ids=(p,))), RestoringPageError))
-            if k in ("reserved", "kv"):
-                out.append((lambda L, p=p: L.alias_snapshot(0, pages=[p]), PageNotHeldError))
-            elif p in m.restoring:
-                out.append((lambda L, p=p: L.alias_snapshot(0, pages=[p]), RestoringPageError))
-            if p not in m.restoring:
-                out.append((lambda L, p=p: L.complete_restore([p], request=0), PageNotHeldError))
-        for rid in known:
-            r = m.requests[rid]
-            mine = set(r.reserved)
-            for p in range(NUM_PAGES):
-                if p not in mine:
-                    out.append((lambda L, rid=rid, p=p: L.commit(rid, m.open_step, pages=[p]), PageNotHeldError))
-                    out.append((lambda L, rid=rid, p=p: L.return_reservation(rid, [p]), PageNotHeldError))
-                    out.append((lambda L, rid=rid, p=p: L.start_restore([p], request=rid), PageNotHeldError))
-            for p in r.reserved:
-                if p in m.restoring:
-                    out.append((lambda L, rid=rid, p=p: L.commit(rid, m.open_step, pages=[p]), RestoringPageError))
-                    out.append((lambda L, rid=rid, p=p: L.start_restore([p], request=rid), RestoringPageError))
-                elif m.open_step > 0:
-                    out.append((lambda L, rid=rid, p=p: L.commit(rid, m.open_step - 1, pages=[p]), StepOrderError))
-            other = [t for t in TENANTS if t is not None and t != r.tenant]
-            out.append((lambda L, rid=rid, t=other[0]: L.reserve(rid, 1, tenant=t), TenantMismatchError))
-            out.append((lambda L, rid=rid: L.commit(rid, m.open_step, pages=[]), InvalidArgumentError))
-        for rid in unknown:
-            out.append((lambda L, rid=rid: L.cancel(rid), UnknownRequestError))
-            out.append((lambda L, rid=rid: L.finish(rid), UnknownRequestError))
-            out.append((lambda L, rid=rid: L.commit(rid, m.open_step, pages=[0]), UnknownRequestError))
-            out.append((lambda L, rid=rid: L.start_restore([0], request=rid), UnknownRequestError))
-        for sid in SNAPSHOT_IDS:
-            if sid not in m.snapshots:
-                out.append((lambda L, sid=sid: L.release_snapshot(sid), UnknownSnapshotError))
-                out.append((lambda L, sid=sid: L.start_restore([0], snapshot=sid), UnknownSnapshotError))
-            else:
-                mine = m.snapshots[sid]
-                for p in mine:
-                    if p not in m.restoring:
-                        out.append((lambda L, sid=sid, p=p: L.alias_snapshot(sid, pages=[p]), DuplicatePageError))
-                for p in range(NUM_PAGES):
-                    if p not in mine:
-                        out.append((lambda L, sid=sid, p=p: L.start_restore([p], snapshot=sid), PageNotHeldError))
-        out.append((lambda L: L.reserve(98, len(m.reservable()) + 1), OutOfPagesError))
-        out.append((lambda L: L.alias_snapshot(0, len(m.reservable()) + 1), OutOfPagesError))
-        out.append((lambda L: L.seal_step(m.open_step + 1), StepOrderError))
-        out.append((lambda L: L.complete_step(m.open_step, 0), StepOrderError))
-        last = m.last_plan[0] if m.last_plan else None
-        out.append((lambda L: L.abort_step(m.open_step), StepOrderError))
-        if m.open_step > 0:
-            out.append((lambda L: L.seal_step(m.open_step - 1), StepOrderError))
-            if last != m.open_step - 1:
-                out.append((lambda L: L.abort_step(m.open_step - 1), StepOrderError))
-        out.append((lambda L: L.alias_snapshot(0, pages=[NUM_PAGES]), PageOutOfRangeError))
-        out.append((lambda L: L.alias_snapshot(0, pages=[-1]), PageOutOfRangeError))
-        out.append((lambda L: L.alias_snapshot(0, pages=[1, 1]), DuplicatePageError))
-        return out
-
     @rule(data=st.data())
     def invalid_command(self, data):
-        call, exc = data.draw(st.sampled_from(self._invalid_candidates()))
+        out = invalid_commands(self.m, NUM_PAGES, REQUEST_IDS, SNAPSHOT_IDS, TENANTS, PAGE_TOKENS)
+        call, exc = data.draw(st.sampled_from(out))
         self.rejected(call, exc)
 
     # -- checks after every step
@@ -657,9 +400,12 @@ class LedgerMachine(RuleBasedStateMachine):
     def agrees_with_the_model(self):
         try:
             self._agrees_with_the_model()
+            self._marks_agree()
         except BaseException:
             self.stats["violations"] += 1  # counted where it is seen, then reported by hypothesis
             raise
+        self.stats["steps checked"] += 1
+        self.ok = True
 
     def _agrees_with_the_model(self):
         L, m = self.L, self.m
@@ -671,9 +417,17 @@ class LedgerMachine(RuleBasedStateMachine):
             # (a tenant mark vs a mark for everyone shows in which commits list the page)
             assert L.is_marked(p) == (m.mark[p] is not None), (p, L.is_marked(p), m.mark[p])
             assert L.is_restoring(p) == (p in m.restoring), p
+            assert L.block_hash(p) == m.hashes.get(p), (p, L.block_hash(p), m.hashes.get(p))
+            holders = tuple(r.rid for r in m.held[p]) if m.kind(p) == "kv" else ()
+            assert L.holders_of(p) == holders, (p, L.holders_of(p), holders)
+        assert list(L.state.cached) == m.lru, (list(L.state.cached), m.lru)  # the LRU order
+        assert L.cached_count == len(m.lru)
         assert L.free_count == len(m.free())
-        assert L.reservable_count == len(m.reservable())
+        assert L.reservable_count == len(m.reservable()) + len(m.lru)
         assert L.open_step == m.open_step
+        flying = [(plan.step, list(plan.clear_list)) for plan in L.state.in_flight]
+        assert flying == m.in_flight, (flying, m.in_flight)
+        assert L.state.completed_step == m.done() and L.state.aborted_steps == m.aborted
         assert sorted(L.state.requests) == sorted(m.requests)
         for rid, r in m.requests.items():
             assert L.reserved_pages(rid) == tuple(r.reserved)
@@ -681,15 +435,24 @@ class LedgerMachine(RuleBasedStateMachine):
         assert sorted(L.state.snapshots) == sorted(m.snapshots)
         for sid, pages in m.snapshots.items():
             assert L.snapshot_pages(sid) == tuple(pages)
-        self.stats["steps checked"] += 1
-        self.ok = True
+
+    def _marks_agree(self):
+        """The pages the PagesMarked effects named since the last check are the ones the model marked."""
+        got = [p for _, effects in self.seen[self.marks_checked:] for eff in effects
+               if type(eff) is PagesMarked for p in eff.page_ids]
+        self.marks_checked = len(self.seen)
+        want = self.m.take_marked()
+        assert set(got) == set(want), ("PagesMarked effects", sorted(set(got)), sorted(set(want)))
+        self.stats["marked"] += len(set(got))
 
     def teardown(self):
+        self.stats["shared reads"] += self.b.shared_reads
         if not self.ok:
             return  # a rule failed: let hypothesis report that
         L = self.L
         assert replay(L.events, check=True).digest() == L.digest()
-        # drain: every restore completes, every request and snapshot goes; all pages come back
+        # drain: every restore completes, every request and snapshot goes; all pages come back,
+        # free or cached, and evicting the cache frees them all
         for (into, target) in sorted(set(self.m.restoring.values())):
             pages = [p for p, t in self.m.restoring.items() if t == (into, target)]
             L.complete_restore(pages, **{into: target})
@@ -698,7 +461,10 @@ class LedgerMachine(RuleBasedStateMachine):
             L.cancel(rid)
         for sid in sorted(self.m.snapshots):
             L.release_snapshot(sid)
-        assert L.free_count == NUM_PAGES and L.reservable_count == NUM_PAGES
+        assert L.free_count + L.cached_count == NUM_PAGES and L.reservable_count == NUM_PAGES
+        assert L.cached_count == len(L.state.page_hash)  # every hashed page is cached now
+        L.evict()
+        assert L.free_count == NUM_PAGES and L.cached_count == 0 and L.lookup(list(self.m.pages_of)) == 0
         check_invariants(L.state)
         assert replay(L.events, check=True).digest() == L.digest()
         self.stats["replays"] += 2
@@ -716,17 +482,43 @@ TestReleasedAliases = LedgerMachine.TestCase
 TestCrossTenant = CrossTenantMachine.TestCase
 TestAllReused = AllReusedMachine.TestCase
 
+def test_an_abort_names_each_marked_page_once():
+    L = Ledger(Geometry(num_pages=8, page_tokens=4), policy="all_reused", check=True)
+    L.alias_snapshot(9, 1)
+    L.release_snapshot(9)
+    (p,) = L.reserve(1, 1)
+    L.commit(1, 0, 1)
+    assert L.seal_step(0).clear_list == (p,)
+    L.finish(1)  # marked for everyone again (all_reused): the next commit lists it again
+    assert L.reserve(2, 1) == (p,)
+    L.commit(2, 1, 1)
+    assert L.seal_step(1).clear_list == (p,)
+    L.finish(2)  # out of KV: the abort marks it instead of carrying it
+    (marked,) = L.submit(StepAborted(step=0))
+    assert type(marked) is PagesMarked and marked.page_ids == (p,)
+
+
+REPORTED = [
+    # (label, counter)
+    ("runs", "runs"), ("steps", "steps checked"), ("commands", "commands"), ("rejected", "rejected"),
+    ("listed", "listed"), ("cleared", "pages cleared"), ("marked", "marked"), ("sealed", "steps sealed"),
+    ("retired", "steps retired"), ("most-in-flight", "most in flight"), ("past-cap", "plans past the cap"),
+    ("aborts", "aborts"), ("plans-aborted", "plans aborted"), ("multi-aborts", "aborts of several plans"),
+    ("carried", "pages carried"), ("cancelled", "cancelled"), ("finished", "finished"), ("released", "released"),
+    ("restores-req", "restores into requests"), ("restores-snap", "restores into snapshots"),
+    ("alias-reuse", "alias pages reused"), ("published", "pages published"), ("lookups", "lookups"),
+    ("lookups-cut-by-tenant", "lookups cut by the tenant"),
+    ("shared", "pages shared"), ("shared-from-cache", "pages shared from the cache"),
+    ("shared-reads", "shared reads"), ("evicted-by-evict", "evicted by evict"),
+    ("evicted-by-reserve", "evicted by reserve"), ("evicted-by-alias", "evicted by alias"),
+    ("kv-events", "kv events checked"), ("replays", "replays"), ("violations", "violations"),
+]
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _report_counts():
     yield
     for policy, c in sorted(STATS.items()):
-        print(
-            "\nR8 state machine [%s]: runs=%d steps=%d commands=%d rejected=%d listed=%d cleared=%d "
-            "sealed=%d aborted=%d cancelled=%d finished=%d released=%d restores(req/snap)=%d/%d "
-            "alias-reuse=%d replays=%d violations=%d"
-            % (policy, c["runs"], c["steps checked"], c["commands"], c["rejected"], c["listed"],
-               c["pages cleared"], c["steps sealed"], c["steps aborted"], c["cancelled"], c["finished"],
-               c["released"], c["restores into requests"], c["restores into snapshots"],
-               c["alias pages reused"], c["replays"], c["violations"])
-        )
+        figures = " ".join(f"{label}={c[key]}" for label, key in REPORTED)
+        refused = " ".join(f"{k}={v}" for k, v in sorted(c.items()) if k.endswith(")"))
+        print(f"\nR8 state machine [{policy}]: {figures}\n  refusals predicted: {refused}")

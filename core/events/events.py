@@ -50,6 +50,7 @@ __all__ = [
     "StepSealed",
     "StepCompleted",
     "StepAborted",
+    "SanitizerViolation",
     "PagesPublished",
     "PagesShared",
     "PagesEvicted",
@@ -174,6 +175,19 @@ class StepAborted(_Event, frozen=True, kw_only=True, tag="step_aborted"):
     reason: str = ""
 
 
+class SanitizerViolation(_Event, frozen=True, kw_only=True, tag="sanitizer_violation"):
+    """Sanitize mode found a page that is not what the ledger says it must be, on ``rank``'s
+    ``plane``, before step ``step``'s graph: ``kind`` is "not_zero" (a listed page was not
+    zeroed) or "poison" (a page committed for the step still holds the poison of a mark).
+    A record for audits: the fold changes nothing (the step is aborted separately)."""
+
+    step: Id
+    rank: Id
+    plane: Id
+    page_id: Annotated[int, msgspec.Meta(ge=0, le=MAX_PAGES - 1)]
+    kind: Literal["not_zero", "poison"]
+
+
 class PagesPublished(_Event, frozen=True, kw_only=True, tag="pages_published"):
     """Full KV pages of ``request`` (it wrote them, in a step that completed) gain block hashes.
 
@@ -223,6 +237,7 @@ Event = (
     | StepSealed
     | StepCompleted
     | StepAborted
+    | SanitizerViolation
     | PagesPublished
     | PagesShared
     | PagesEvicted

@@ -1,19 +1,28 @@
 """The event log (``kvledger.core.log``): the one part of the core that does file I/O.
 
-    format.py   the byte layout (header, records, hash chain) and the scan: sans-I/O
-    files.py    the file layer (real files; a simulated disk and a fault injector for tests)
+    format.py   the byte layout (header, records, hash chain, sync stamps): sans-I/O
+    scan.py     the scan: verify records, tell a torn tail from corruption: sans-I/O
+    segments.py a log as a directory of segments: rotation, retention, linking
+    files.py    the real file layer (atomic create, locks, no links, replace-not-truncate, stamps)
+    simdisk.py  test layers: a simulated disk (power loss) and a fault injector
     writer.py   EventLog: appends, group commit, fsync policies, checkpoints, close
+    syncer.py   the background writer thread (group commit, back-pressure)
+    opening.py  creating and reopening a log (verify, repair a torn tail, stamp)
     reader.py   open_view / LogView: verified read-only access to a log's records
     fold.py     the one loop that folds a log into a state (reopen, replay, audit)
 """
 
-from .files import FaultInjector, OsFileLayer, SimulatedDisk
+from .files import OsFileLayer
 from .fold import check_first_event, fold_records, rebuild_state, start_state, state_from_checkpoint
-from .format import Checkpoint, LogHeader, RecordInfo, Scan, scan
+from .format import DEFAULT_MAX_PAGES, Checkpoint, LogHeader, RecordInfo, SyncStamp
 from .reader import LogView, open_view
-from .writer import FSYNC_POLICIES, EventLog, LogStatistics
+from .scan import Scan, scan
+from .simdisk import FaultInjector, SimulatedDisk
+from .writer import DEFAULT_MAX_LAG_BYTES, FSYNC_POLICIES, EventLog, LogStatistics
 
 __all__ = [
+    "DEFAULT_MAX_LAG_BYTES",
+    "DEFAULT_MAX_PAGES",
     "FSYNC_POLICIES",
     "Checkpoint",
     "EventLog",
@@ -25,6 +34,7 @@ __all__ = [
     "RecordInfo",
     "Scan",
     "SimulatedDisk",
+    "SyncStamp",
     "check_first_event",
     "fold_records",
     "open_view",

@@ -1,32 +1,56 @@
-"""File layers under the event log: the real one, a power-loss simulator, a fault injector.
+"""The real file layer under the event log (``OsFileLayer``) and what every layer offers.
 
 The log does all its I/O through a *layer* (``create``, ``open``, ``read``,
-``exists``) and the *handles* it returns (``write`` appends, ``sync``,
-``truncate``, ``read``, ``close``). Swapping the layer is how the reliability
-tests crash the disk and fail writes without touching the log's code.
+``exists``, ``read_stamp``, ``write_stamp``) and the *handles* it returns
+(``write`` appends, ``sync``, ``truncate``, ``read``, ``close``). Swapping the
+layer is how the reliability tests crash the disk and fail writes without
+touching the log's code (``simdisk.py``: ``SimulatedDisk``, ``FaultInjector``).
 
-    OsFileLayer      real files: atomic create (temp file, fsync, link, fsync dir),
-                     an exclusive flock per writer, fdatasync, mmap for reads
-    SimulatedDisk    in-memory files that remember what was synced; ``crash()``
-                     keeps an arbitrary subset of the unsynced writes, sector by
-                     sector, torn or whole, in any order (power loss)
-    FaultInjector    wraps a layer and fails the n-th write or sync with EIO,
-                     optionally after writing part of the data
+What ``OsFileLayer`` guarantees:
 
-Handles raise ``OSError`` (the log turns it into ``LogIOError``), except lock
-conflicts (``LogLockedError``) and creating an existing path (``LogExistsError``).
+    create     a temp file (mode 0600, O_EXCL, never through a link), locked,
+               written, fsynced, hard-linked to the path, directory fsynced:
+               the log appears complete or not at all
+    open       O_NOFOLLOW: a symbolic link is refused, never written through;
+               only a regular file owned by this process's user is opened for
+               writing; an exclusive ``flock`` per writer, and the path must
+               still name the locked file (a concurrent recovery may replace it)
+    read       readers take no lock and never block: a FIFO, a directory or a
+               device is refused at once (O_NONBLOCK, then ``fstat``); the file
+               is memory-mapped
+    truncate   never in place: the kept prefix is copied to a temp file,
+               fsynced and renamed over the path (directory fsynced). A reader
+               that mapped the file before keeps the old bytes whole, so no
+               reader ever touches pages a writer cut off (SIGBUS)
+    stamps     ``<path>.sync``: a 52-byte file replaced atomically (temp file,
+               fsync, rename, directory fsync) that says how much of the log
+               was synced (``format.SyncStamp``)
+
+Appends go only at the end and nothing else changes a log's bytes in place, so
+a mapping taken at any moment shows a prefix of the log that never changes.
+
+Errors: handles raise ``OSError`` (the log turns it into ``LogIOError``), except
+lock conflicts (``LogLockedError``), creating an existing path
+(``LogExistsError``) and files that are not logs (``LogError``). A directory
+fsync that fails is an error like any other (``EINVAL``/``EOPNOTSUPP``, a
+filesystem that cannot sync directories, excepted).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno as _errno
 import os
 import random
+import stat
 from typing import Protocol
 
-from ..errors import LogExistsError, LogLockedError
+from ..errors import LogError, LogExistsError, LogLockedError
 
-__all__ = ["FileHandle", "FileLayer", "OsFileLayer", "SimulatedDisk", "FaultInjector", "release_buffer"]
+__all__ = ["FileHandle", "FileLayer", "OsFileLayer", "default_layer", "release_buffer", "stamp_path"]
+
+LOG_MODE = 0o600
+_NOT_SUPPORTED = (_errno.EINVAL, _errno.EOPNOTSUPP)
 
 
 class FileHandle(Protocol):
@@ -45,6 +69,13 @@ class FileLayer(Protocol):
     def create(self, path: str, data: bytes) -> FileHandle: ...
     def open(self, path: str) -> FileHandle: ...
     def read(self, path: str): ...  # read-only buffer, no lock
+    def read_stamp(self, path: str) -> bytes | None: ...
+    def write_stamp(self, path: str, data: bytes) -> None: ...
+
+
+def stamp_path(path: str) -> str:
+    """Where the sync stamp of the log at ``path`` lives."""
+    return f"{path}.sync"
 
 
 def release_buffer(buf) -> None:
@@ -54,7 +85,122 @@ def release_buffer(buf) -> None:
         close()
 
 
-# ---------------------------------------------------------------------- real files
+# ---------------------------------------------------------------------- system calls
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
+                       (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(path: str, flags: int, *, follow: bool) -> int:
+    """Open ``path`` if it is a regular file, without ever blocking; return the fd.
+
+    Raises ``LogError`` for a directory, FIFO, device, socket or (``follow=False``)
+    a symbolic link, ``FileNotFoundError`` / ``OSError`` otherwise.
+    """
+    fl = flags | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, fl)
+    except OSError as exc:
+        if exc.errno == _errno.ELOOP and not follow:
+            raise LogError(f"{path} is a symbolic link: a log is never written through a link") from None
+        if exc.errno == _errno.EISDIR:
+            raise LogError(f"{path} is a directory, not a log file") from None
+        if exc.errno == _errno.ENXIO:
+            raise LogError(f"{path} is not a regular file (a FIFO or socket)") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise LogError(f"{path} is {_kind(st.st_mode)}, not a log file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def fsync_dir(path: str) -> None:
+    """fsync the directory holding ``path`` (a new or renamed entry is durable after it).
+
+    Raises ``OSError``; a filesystem that cannot sync directories (EINVAL,
+    EOPNOTSUPP) is let through.
+    """
+    d = os.path.dirname(os.path.abspath(path))
+    fd = os.open(d, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in _NOT_SUPPORTED:
+            raise
+    finally:
+        os.close(fd)
+
+
+def _lock(fd: int, path: str) -> None:
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise LogLockedError(f"{path} is open for writing elsewhere") from None
+
+
+def _temp_file(path: str) -> tuple[str, int]:
+    tmp = f"{path}.tmp-{random.getrandbits(64):016x}"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, LOG_MODE)
+    try:
+        os.fchmod(fd, LOG_MODE)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    return tmp, fd
+
+
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data)
+    done, total = 0, len(view)
+    with view:
+        while done < total:
+            done += os.write(fd, view[done:])
+
+
+def _copy_prefix(src: int, dst: int, size: int) -> None:
+    done = 0
+    while done < size:
+        n = os.copy_file_range(src, dst, size - done, done, done) if hasattr(os, "copy_file_range") else 0
+        if n <= 0:
+            chunk = os.pread(src, min(size - done, 1 << 20), done)
+            if not chunk:
+                raise OSError(_errno.EIO, f"file ended at {done} bytes while copying {size}")
+            n = os.pwrite(dst, chunk, done)
+        done += n
+
+
+def _link_new(tmp: str, path: str) -> bool:
+    """Give the file ``tmp`` the new name ``path`` (never replacing anything); True when done."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise LogExistsError(f"{path} already exists") from None
+    except OSError as exc:
+        if exc.errno not in (_errno.EPERM, _errno.EOPNOTSUPP, _errno.EXDEV, _errno.EMLINK):
+            raise
+        if os.path.lexists(path):  # no hard links here: rename, checking first
+            raise LogExistsError(f"{path} already exists") from None
+        os.rename(tmp, path)
+    return True
+
+
+def _set_append(fd: int) -> None:
+    import fcntl
+
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
 
 
 def _mmap_fd(fd: int):
@@ -64,6 +210,9 @@ def _mmap_fd(fd: int):
     if size == 0:
         return b""
     return mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+
+
+# ---------------------------------------------------------------------- real files
 
 
 class _OsHandle:
@@ -80,18 +229,31 @@ class _OsHandle:
         return _mmap_fd(self._fd)
 
     def write(self, data) -> None:
-        view = memoryview(data)
-        fd = self._fd
-        done, total = 0, len(view)
-        with view:
-            while done < total:
-                done += os.write(fd, view[done:])
+        _write_all(self._fd, data)
 
     def sync(self) -> None:
         os.fdatasync(self._fd)
 
     def truncate(self, size: int) -> None:
-        os.ftruncate(self._fd, size)
+        """Keep the first ``size`` bytes: a copy renamed over the path (see the module docstring).
+
+        On failure the path still names the old, whole file and this handle is unchanged.
+        """
+        tmp, fd = _temp_file(self.path)
+        try:
+            _lock(fd, tmp)
+            _copy_prefix(self._fd, fd, size)
+            os.fsync(fd)
+            os.rename(tmp, self.path)
+        except BaseException:
+            os.close(fd)
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+            raise
+        old, self._fd = self._fd, fd
+        os.close(old)
+        _set_append(fd)
+        fsync_dir(self.path)
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -99,295 +261,115 @@ class _OsHandle:
             os.close(fd)
 
 
-def _fsync_dir(path: str) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    try:
-        fd = os.open(d, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on directories
-    finally:
-        os.close(fd)
-
-
 class OsFileLayer:
-    """Real files. Writers hold an exclusive ``flock``; readers take no lock."""
+    """Real files (see the module docstring). Writers hold an exclusive ``flock``; readers take no lock."""
 
     def exists(self, path: str) -> bool:
-        return os.path.exists(path)
+        return os.path.lexists(path)
 
     def create(self, path: str, data: bytes) -> _OsHandle:
-        """Create ``path`` holding ``data``, durably and atomically: it appears complete or not at all."""
-        tmp = "%s.tmp-%016x" % (path, random.getrandbits(64))
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            try:
-                _OsHandle(tmp, fd).write(data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                raise LogExistsError(f"{path} already exists") from None
-            except OSError as exc:
-                if exc.errno not in (_errno.EPERM, _errno.EOPNOTSUPP, _errno.EXDEV, _errno.EMLINK):
-                    raise
-                if os.path.exists(path):  # no hard links here: rename, checking first
-                    raise LogExistsError(f"{path} already exists") from None
-                os.rename(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        _fsync_dir(path)
-        return self.open(path)
+        """Create ``path`` holding ``data``, durably and atomically; returns the locked handle.
 
-    def open(self, path: str) -> _OsHandle:
-        import fcntl
-
-        fd = os.open(path, os.O_RDWR | os.O_APPEND)
+        Raises ``LogExistsError`` if ``path`` exists (a link or anything else), ``OSError``.
+        """
+        tmp, fd = _temp_file(path)
+        linked = False
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise LogLockedError(f"{path} is open for writing elsewhere") from None
+            _lock(fd, tmp)
+            _write_all(fd, data)
+            os.fsync(fd)
+            linked = _link_new(tmp, path)
+            fsync_dir(path)
+            _set_append(fd)
         except BaseException:
             os.close(fd)
+            if linked:
+                os.unlink(path)  # its entry may not be durable: leave nothing behind
             raise
+        finally:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
         return _OsHandle(path, fd)
 
+    def open(self, path: str) -> _OsHandle:
+        """Open an existing log for appending (see the module docstring for what is refused)."""
+        for _ in range(8):
+            fd = open_regular(path, os.O_RDWR | os.O_APPEND, follow=False)
+            try:
+                st = os.fstat(fd)
+                if st.st_uid != os.geteuid():
+                    raise LogError(f"{path} belongs to uid {st.st_uid}, not to this process (uid {os.geteuid()}): "
+                                   "a log is written only by its owner")
+                _lock(fd, path)
+                now = os.stat(path, follow_symlinks=False)
+            except FileNotFoundError:
+                os.close(fd)
+                continue
+            except BaseException:
+                os.close(fd)
+                raise
+            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                return _OsHandle(path, fd)
+            os.close(fd)  # recovery replaced the file while we waited: open the new one
+        raise LogLockedError(f"{path} keeps being replaced by another writer")
+
     def read(self, path: str):
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path, os.O_RDONLY, follow=True)
         try:
             return _mmap_fd(fd)
         finally:
             os.close(fd)
 
+    # directories (a segmented log)
 
-# ---------------------------------------------------------------------- power-loss simulator
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(path) and not os.path.islink(path)
 
+    def makedir(self, path: str) -> None:
+        """Create a log directory (mode 0700), durably. Raises ``FileExistsError``, ``OSError``."""
+        os.mkdir(path, 0o700)
+        fsync_dir(path)
 
-class _SimFile:
-    __slots__ = ("data", "durable", "ops", "locked")
+    def listdir(self, path: str) -> list[str]:
+        return os.listdir(path)
 
-    def __init__(self, data: bytes) -> None:
-        self.data = bytearray(data)  # what reads see now (the page cache)
-        self.durable = bytearray(data)  # what survives a crash for certain
-        self.ops: list[tuple] = []  # writes ("w", offset, bytes) and truncates ("t", size) since the last sync
-        self.locked = False
+    def size_of(self, path: str) -> int:
+        return os.stat(path, follow_symlinks=False).st_size
 
+    def remove(self, path: str) -> None:
+        """Delete a file, durably (a reader that has it mapped keeps reading it)."""
+        os.unlink(path)
+        fsync_dir(path)
 
-class _SimHandle:
-    __slots__ = ("path", "_disk", "_file", "_gen", "_open")
+    def remove_stamp(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(stamp_path(path))
 
-    def __init__(self, disk: "SimulatedDisk", path: str, f: _SimFile) -> None:
-        self.path = path
-        self._disk = disk
-        self._file = f
-        self._gen = disk.generation
-        self._open = True
+    def read_stamp(self, path: str) -> bytes | None:
+        try:
+            fd = open_regular(stamp_path(path), os.O_RDONLY, follow=False)
+        except FileNotFoundError:
+            return None
+        try:
+            return os.pread(fd, 4096, 0)
+        finally:
+            os.close(fd)
 
-    def _live(self) -> _SimFile:
-        if not self._open or self._gen != self._disk.generation:
-            raise OSError(_errno.EIO, "simulated disk: handle died in a crash or was closed")
-        return self._file
-
-    def size(self) -> int:
-        return len(self._live().data)
-
-    def read(self):
-        return bytes(self._live().data)
-
-    def write(self, data) -> None:
-        f = self._live()
-        data = bytes(data)
-        f.ops.append(("w", len(f.data), data))
-        f.data += data
-
-    def sync(self) -> None:
-        f = self._live()
-        f.durable = bytearray(f.data)
-        f.ops.clear()
-
-    def truncate(self, size: int) -> None:
-        f = self._live()
-        del f.data[size:]
-        f.ops.append(("t", size))
-
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            if self._gen == self._disk.generation:
-                self._file.locked = False
-
-
-class SimulatedDisk:
-    """In-memory files with a power-loss model (a ``FileLayer``).
-
-    Bytes reach the "platter" only through ``sync``. ``crash(rng)`` models power
-    loss: starting from the synced contents, each unsynced write is cut into
-    ``sector``-aligned pieces and every piece independently survives, is lost, or
-    (rarely) survives torn at a byte; unsynced truncates survive or not; the file
-    size ends at the last surviving byte or at the full pre-crash size (holes read
-    as zeros). Later writes can survive without earlier ones, so reordering is
-    covered. Every handle dies with the crash.
-    """
-
-    def __init__(self, sector: int = 512) -> None:
-        self.sector = sector
-        self.files: dict[str, _SimFile] = {}
-        self.generation = 0
-
-    def exists(self, path: str) -> bool:
-        return path in self.files
-
-    def create(self, path: str, data: bytes) -> _SimHandle:
-        if path in self.files:
-            raise LogExistsError(f"{path} already exists")
-        self.files[path] = _SimFile(data)  # atomic and durable, like OsFileLayer.create
-        return self.open(path)
-
-    def open(self, path: str) -> _SimHandle:
-        f = self.files.get(path)
-        if f is None:
-            raise FileNotFoundError(_errno.ENOENT, "no such simulated file", path)
-        if f.locked:
-            raise LogLockedError(f"{path} is open for writing elsewhere")
-        f.locked = True
-        return _SimHandle(self, path, f)
-
-    def read(self, path: str):
-        f = self.files.get(path)
-        if f is None:
-            raise FileNotFoundError(_errno.ENOENT, "no such simulated file", path)
-        return bytes(f.data)
-
-    def durable_bytes(self, path: str) -> bytes:
-        return bytes(self.files[path].durable)
-
-    def put(self, path: str, data: bytes) -> None:
-        """Make ``path`` hold ``data``, durably (a file as another machine or a crash left it)."""
-        self.files[path] = _SimFile(data)
-
-    def crash(self, rng: random.Random) -> None:
-        """Lose power: every file becomes one of the images a real disk could leave."""
-        self.generation += 1
-        sector = self.sector
-        for f in self.files.values():
-            img = bytearray(f.durable)
-            keep = rng.choice((0.0, 0.2, 0.5, 0.8, 1.0))
-            for op in f.ops:
-                if op[0] == "t":
-                    if rng.random() < 0.5:
-                        del img[op[1]:]
-                    continue
-                _, offset, data = op
-                pos, end = offset, offset + len(data)
-                while pos < end:
-                    piece_end = min(end, (pos // sector + 1) * sector)
-                    if rng.random() < keep:
-                        if rng.random() < 0.05:
-                            piece_end = rng.randrange(pos, piece_end + 1)  # torn inside a sector
-                        if len(img) < pos:
-                            img.extend(bytes(pos - len(img)))
-                        img[pos:piece_end] = data[pos - offset : piece_end - offset]
-                    pos = (pos // sector + 1) * sector
-            if len(img) < len(f.data) and rng.random() < 0.5:
-                img.extend(bytes(len(f.data) - len(img)))  # size reached the disk, data did not
-            f.data = img
-            f.durable = bytearray(img)
-            f.ops = []
-            f.locked = False
-
-
-# ---------------------------------------------------------------------- fault injection
-
-
-class _FaultyHandle:
-    __slots__ = ("path", "_inner", "_faults")
-
-    def __init__(self, inner, faults: "FaultInjector") -> None:
-        self.path = inner.path
-        self._inner = inner
-        self._faults = faults
-
-    def size(self) -> int:
-        return self._inner.size()
-
-    def read(self):
-        return self._inner.read()
-
-    def write(self, data) -> None:
-        fl = self._faults
-        fl.writes += 1
-        if fl.writes == fl.fail_write:
-            fl.injected += 1
-            if fl.partial and len(data) > 1:
-                self._inner.write(bytes(data)[: len(data) // 2])
-            raise fl._error("write", fl.writes)
-        self._inner.write(data)
-
-    def sync(self) -> None:
-        fl = self._faults
-        fl.syncs += 1
-        if fl.syncs == fl.fail_sync:
-            fl.injected += 1
-            raise fl._error("fsync", fl.syncs)
-        self._inner.sync()
-
-    def truncate(self, size: int) -> None:
-        fl = self._faults
-        fl.truncates += 1
-        if fl.truncates == fl.fail_truncate:
-            fl.injected += 1
-            raise fl._error("truncate", fl.truncates)
-        self._inner.truncate(size)
-
-    def close(self) -> None:
-        self._inner.close()
-
-
-class FaultInjector:
-    """A layer that fails the ``fail_write``-th write, ``fail_sync``-th sync or
-    ``fail_truncate``-th truncate (1-based, counted over all its handles) with EIO.
-
-    ``partial=True`` writes the first half of the failing write before raising,
-    like a disk that filled up mid-write. ``error(op, n)`` builds the exception
-    instead of ``OSError(EIO)`` (a test's "power cut" raises its own exception:
-    the log then did not see a failure, it just stopped). The counters
-    (``writes``, ``syncs``, ``truncates``, ``injected``) also count a clean run.
-    """
-
-    def __init__(self, inner=None, *, fail_write: int | None = None, fail_sync: int | None = None,
-                 fail_truncate: int | None = None, partial: bool = False, error=None) -> None:
-        self.inner = inner if inner is not None else OsFileLayer()
-        self.error = error
-        self.fail_write = fail_write
-        self.fail_sync = fail_sync
-        self.fail_truncate = fail_truncate
-        self.partial = partial
-        self.writes = self.syncs = self.truncates = 0
-        self.injected = 0  # failures raised so far
-
-    def _error(self, op: str, n: int) -> BaseException:
-        if self.error is not None:
-            return self.error(op, n)
-        return OSError(_errno.EIO, "injected %s failure #%d" % (op, n))
-
-    def exists(self, path: str) -> bool:
-        return self.inner.exists(path)
-
-    def create(self, path: str, data: bytes):
-        return _FaultyHandle(self.inner.create(path, data), self)
-
-    def open(self, path: str):
-        return _FaultyHandle(self.inner.open(path), self)
-
-    def read(self, path: str):
-        return self.inner.read(path)
+    def write_stamp(self, path: str, data: bytes) -> None:
+        """Replace the sync stamp atomically and durably. Raises ``OSError``."""
+        dest = stamp_path(path)
+        tmp, fd = _temp_file(dest)
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+            os.rename(tmp, dest)
+        except BaseException:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+            raise
+        finally:
+            os.close(fd)
+        fsync_dir(dest)
 
 
 default_layer = OsFileLayer()

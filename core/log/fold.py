@@ -5,10 +5,12 @@
                             ─► fold_records: for each record from there on
                                    events      decode ─► [seq 0: check_first_event]
                                                ─► apply(seq, event) for each event
-                                                  (default: state.fold; a rejected
-                                                  event is a CorruptLogError naming
-                                                  its record's offset and its seq)
-                                   checkpoint  on_checkpoint(record, checkpoint)
+                                                  (checked, the default: state.fold;
+                                                  a rejected event is a CorruptLogError
+                                                  naming its record's offset and seq;
+                                                  trusted: state.apply, no validation)
+                                   checkpoint  on_checkpoint(record, checkpoint); trusted:
+                                               digest + invariants, amortized
                                    after each  on_record(record)
 
 ``rebuild_state`` is the two in a row with the defaults (what ``open_ledger``
@@ -22,7 +24,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from ..errors import CorruptLogError, KVLedgerError
+from ..errors import CorruptLogError, InvalidArgumentError, KVLedgerError
 from ..events.events import CacheConfigured
 from ..state.invariants import check_invariants
 from ..state.state import LedgerState
@@ -47,13 +49,15 @@ def _int_list(x, n: int | None, lo: int, hi: int) -> bool:
     return all(type(v) is int and lo <= v < hi for v in x)
 
 
-def state_from_checkpoint(cp: Checkpoint, header: LogHeader, *, path: str = "<memory>", offset: int = 0) -> LedgerState:
+def state_from_checkpoint(cp: Checkpoint, header: LogHeader, *, path: str = "<memory>", offset: int = 0,
+                          invariants: bool = True) -> LedgerState:
     """Rebuild and verify the state a checkpoint holds.
 
     The state must decode, fit the header's geometry and policy, re-encode to
-    exactly the recorded bytes, reproduce the recorded digest and pass every
-    invariant; otherwise ``CorruptLogError`` names ``offset`` and the
-    checkpoint's seq. Only the layout ``LedgerState.canonical()`` writes is
+    exactly the recorded bytes, reproduce the recorded digest and (unless
+    ``invariants=False``: O(num_pages), for a trusted start that checks the
+    state it reaches instead) pass every invariant; otherwise ``CorruptLogError``
+    names ``offset`` and the checkpoint's seq. Only the layout ``LedgerState.canonical()`` writes is
     accepted, whatever it is (this module does not duplicate it).
     """
     g = header.geometry
@@ -72,16 +76,17 @@ def state_from_checkpoint(cp: Checkpoint, header: LogHeader, *, path: str = "<me
                   f"and seq {cp.seq}")
     try:
         st = LedgerState.from_canonical(data)
-        if st.num_pages != n or not _int_list(st.holder, n, -2, 1 << 63) \
+        if st.num_pages != n or not _int_list(st.holder, n, -3, 1 << 63) \
                 or not _int_list(st.alias_count, n, 0, 1 << 63) or not _int_list(st.free_stack, None, 0, n):
             raise bad("page table does not match the geometry")
-        version = data.get("v")  # checkpoints of an older kvledger keep their own layout
+        version = int(data["v"])  # checkpoints of an older kvledger keep their own layout
         if st.canonical_bytes(version) != cp.state:
             raise bad("state does not re-encode to the recorded bytes")
         digest = st.digest(version)
         if digest != cp.digest:
             raise bad(f"state digest {digest[:16]}... differs from the recorded {cp.digest[:16]}...")
-        check_invariants(st)
+        if invariants:
+            check_invariants(st)
     except CorruptLogError:
         raise
     except (KVLedgerError, ValueError, TypeError, KeyError, IndexError, OverflowError, AttributeError) as exc:
@@ -89,17 +94,100 @@ def state_from_checkpoint(cp: Checkpoint, header: LogHeader, *, path: str = "<me
     return st
 
 
-def start_state(view: LogView, *, at: int | None = None) -> tuple[LedgerState, int, RecordInfo | None]:
+def start_state(view: LogView, *, at: int | None = None,
+                trusted: bool = False) -> tuple[LedgerState, int, RecordInfo | None]:
     """Where a fold starts: ``(state, index of the first record to fold, checkpoint record or None)``.
 
     The state of the last checkpoint with seq <= ``at`` (any checkpoint when ``at`` is
-    None), verified by ``state_from_checkpoint``; a fresh state and index 0 when there is none.
+    None), verified by ``state_from_checkpoint`` (``trusted``: bytes and digest, not the O(num_pages)
+    invariants: a trusted fold checks the state it reaches); a fresh state and index 0 when there is none.
     """
     i = view.last_checkpoint(at)
     if i < 0:
         return LedgerState(), 0, None
     rec = view.records[i]
-    return state_from_checkpoint(view.checkpoint(rec), view.header, path=view.path, offset=rec.offset), i + 1, rec
+    st = state_from_checkpoint(view.checkpoint(rec), view.header, path=view.paths[rec.segment], offset=rec.offset,
+                               invariants=not trusted)
+    return st, i + 1, rec
+
+
+def _fold_checked(st: LedgerState, events: list, rec: RecordInfo, path: str) -> None:
+    """Validate and apply each event (``st.fold``); a rejection is corruption at the event's seq."""
+    fold = st.fold
+    i = 0
+    try:
+        for i, ev in enumerate(events):  # noqa: B007  (i names the failing event)
+            fold(ev)
+    except KVLedgerError as exc:
+        seq = rec.seq + i
+        raise CorruptLogError(path, rec.offset, seq, f"{type(events[i]).__name__} at seq {seq} is "
+                              f"rejected by the fold: {exc}") from exc
+
+
+def _fold_trusted(st: LedgerState, events: list, rec: RecordInfo, path: str, on_event=None) -> None:
+    """Apply each event without its precondition (a verified log of this library's own writing).
+
+    Refuses a ``CacheConfigured`` after seq 0 (it would allocate a page table); anything an applier
+    raises on an event that would not have validated is corruption at its seq.
+    """
+    table = st.transitions
+    i = 0
+    try:
+        for i, ev in enumerate(events):  # noqa: B007
+            t = type(ev)
+            if t is CacheConfigured and rec.seq + i:
+                raise CorruptLogError(path, rec.offset, rec.seq + i, "CacheConfigured after seq 0")
+            table[t].apply(st, ev)
+            if on_event is not None:
+                on_event(rec.seq + i, ev)
+    except CorruptLogError:
+        raise
+    except (KVLedgerError, LookupError, ValueError, TypeError, AttributeError) as exc:
+        seq = rec.seq + i
+        raise CorruptLogError(path, rec.offset, seq, f"{type(events[i]).__name__} at seq {seq} cannot be "
+                              f"applied (trusted fold): {type(exc).__name__}: {exc}") from exc
+
+
+class _Verifier:
+    """Trusted mode: at checkpoints at least ``gap`` events apart, the state digest must equal the
+    recorded one and every invariant must hold (O(num_pages) each: amortized over ``gap`` events)."""
+
+    def __init__(self, st: LedgerState, gap: int) -> None:
+        self.st, self.gap, self.last, self.checks = st, gap, st.seq, 0
+
+    def __call__(self, rec: RecordInfo, cp: Checkpoint, path: str) -> None:
+        st = self.st
+        if rec.seq != st.seq or st.seq - self.last < self.gap:
+            return
+        digest = st.digest()
+        if digest != cp.digest:
+            raise CorruptLogError(path, rec.offset, rec.seq, f"trusted fold reached state digest {digest[:16]}..., "
+                                  f"the checkpoint recorded {cp.digest[:16]}...")
+        try:
+            check_invariants(st)
+        except KVLedgerError as exc:
+            raise CorruptLogError(path, rec.offset, rec.seq, f"state breaks an invariant: {exc}") from exc
+        self.last = st.seq
+        self.checks += 1
+
+
+def _fold_events(view: LogView, st: LedgerState, rec: RecordInfo, until: int | None, apply: Apply | None,
+                 trusted: bool, on_event) -> int:
+    """Decode one events record (up to seq ``until``) and fold it the chosen way; returns its event count."""
+    events = view.events(rec)
+    if until is not None and rec.seq + len(events) - 1 > until:
+        events = events[: until - rec.seq + 1]
+    path = view.paths[rec.segment]
+    if rec.seq == 0:
+        check_first_event(events[0], view.header, path, rec.offset)
+    if apply is not None:
+        for seq, ev in enumerate(events, rec.seq):
+            apply(seq, ev)
+    elif trusted:
+        _fold_trusted(st, events, rec, path, on_event)
+    else:
+        _fold_checked(st, events, rec, path)
+    return len(events)
 
 
 def fold_records(
@@ -111,69 +199,75 @@ def fold_records(
     apply: Apply | None = None,
     on_checkpoint: Callable[[RecordInfo, Checkpoint], object] | None = None,
     on_record: Callable[[RecordInfo], object] | None = None,
+    trusted: bool = False,
+    verify_gap: int | None = None,
+    on_event: Callable[[int, object], object] | None = None,
 ) -> int:
     """Fold the records from index ``start`` into ``st``, up to the event with seq ``until``.
 
-    ``apply(seq, event)`` folds one event (default ``st.fold``, whose rejection is
-    raised as ``CorruptLogError`` naming the record's offset and the seq; a custom
-    ``apply`` raises what it raises). Returns the number of events handed to it.
-    Raises ``CorruptLogError`` for a payload that does not decode or a first event
-    that does not match the header.
+    Checked (default): ``apply(seq, event)`` folds one event (default
+    ``st.fold``, validate + apply, whose rejection is raised as
+    ``CorruptLogError`` naming the record's offset and the seq; a custom
+    ``apply`` raises what it raises). Trusted (``trusted=True``, for a log whose
+    CRCs and hash chain verified: every record a view holds did): each event is
+    applied without re-validating it (``LedgerState.apply``), and at
+    checkpoints at least ``verify_gap`` events apart (default 16 x num_pages)
+    the state digest is compared with the recorded one and every invariant is
+    checked; ``on_event(seq, event)`` sees each event right after it was
+    applied (a tool watching a trusted fold). Returns the number of events folded. Raises ``CorruptLogError``
+    for a payload that does not decode, a first event that does not match the
+    header, or (trusted) a digest mismatch, a broken invariant or an event that
+    cannot be applied.
     """
     recs = view.records
-    header, path = view.header, view.path
     folded = 0
-    fold = st.fold
+    verify = None
+    if trusted:
+        if apply is not None:
+            raise InvalidArgumentError("fold_records: trusted folds apply events themselves (watch them with "
+                                       "on_event=, not apply=)")
+        verify = _Verifier(st, 16 * view.header.geometry.num_pages if verify_gap is None else verify_gap)
     for idx in range(start, len(recs)):
         rec = recs[idx]
         if until is not None and rec.seq > until:
             break
         kind = rec.kind
         if kind == KIND_EVENTS:
-            events = view.events(rec)
-            if until is not None and rec.seq + len(events) - 1 > until:
-                events = events[: until - rec.seq + 1]
-            if rec.seq == 0:
-                check_first_event(events[0], header, path, rec.offset)
-            if apply is None:
-                i = 0
-                try:
-                    for i, ev in enumerate(events):  # noqa: B007  (i names the failing event)
-                        fold(ev)
-                except KVLedgerError as exc:
-                    seq = rec.seq + i
-                    raise CorruptLogError(path, rec.offset, seq, f"{type(events[i]).__name__} at seq {seq} is "
-                                          f"rejected by the fold: {exc}") from exc
-            else:
-                for seq, ev in enumerate(events, rec.seq):
-                    apply(seq, ev)
-            folded += len(events)
-        elif kind == KIND_CHECKPOINT and on_checkpoint is not None:
-            on_checkpoint(rec, view.checkpoint(rec))
+            folded += _fold_events(view, st, rec, until, apply, trusted, on_event)
+        elif kind == KIND_CHECKPOINT and (on_checkpoint is not None or verify is not None):
+            cp = view.checkpoint(rec)
+            if verify is not None:
+                verify(rec, cp, view.path)
+            if on_checkpoint is not None:
+                on_checkpoint(rec, cp)
         if on_record is not None:
             on_record(rec)
     return folded
 
 
-def rebuild_state(view: LogView, *, from_checkpoint: bool = True, check: bool = False):
+def rebuild_state(view: LogView, *, from_checkpoint: bool = True, check: bool = False, trusted: bool = True):
     """Fold a verified log into a state: ``(state or None, checkpoint seq or None, events folded)``.
 
     Starts from the last checkpoint unless ``from_checkpoint`` is false; ``None``
-    for a log with no events. Raises ``CorruptLogError`` for a payload that does
-    not decode, a bad checkpoint, an event the fold rejects, a log that ends short
-    of its own seq, or (``check``) a final state that breaks an invariant.
+    for a log with no events. ``trusted`` (default): the events after the
+    checkpoint are applied without re-validation (the view's records passed
+    their CRC and chain checks) and the final state's invariants are checked
+    once; ``trusted=False`` validates every event. Raises ``CorruptLogError``
+    for a payload that does not decode, a bad checkpoint, an event the fold
+    rejects, a log that ends short of its own seq, or a final state that breaks
+    an invariant (checked when ``trusted`` or ``check``).
     """
     if view.scan.next_seq == 0:
         return None, None, 0
     if from_checkpoint:
-        st, start, ck = start_state(view)
+        st, start, ck = start_state(view, trusted=trusted)
     else:
         st, start, ck = LedgerState(), 0, None
-    folded = fold_records(view, st, start)
+    folded = fold_records(view, st, start, trusted=trusted)
     if st.seq != view.scan.next_seq:
         raise CorruptLogError(view.path, view.scan.end, st.seq,
                               f"state at seq {st.seq}, the log holds {view.scan.next_seq} events")
-    if check:
+    if check or trusted:
         try:
             check_invariants(st)
         except KVLedgerError as exc:

@@ -1,7 +1,11 @@
-"""The on-disk format of the event log: header, records, hash chain, and the scan.
+"""The on-disk format of the event log: headers, records, hash chain, sync stamps.
 
 Sans-I/O: everything here works on a buffer (``bytes``, ``bytearray`` or an
-``mmap``) and never touches a file. ``log.py`` does the I/O.
+``mmap``) and never touches a file; ``scan.py`` verifies a whole log, the
+writer and readers do the I/O. ``docs/LOG-FORMAT.md`` has all of it, with the
+version-2 segment header (a log directory: ``segments.py``) and the 52-byte
+sync stamp (``<log>.sync``: the first ``size`` bytes, up to ``next_seq``, with
+chain value ``chain``, were synced; ``SyncStamp``).
 
 File layout (all integers little-endian unless noted)::
 
@@ -50,8 +54,14 @@ when no intact record anywhere after it proves its bytes were synced; otherwise
 it is corruption (``CorruptLogError``), never skipped. A record that is intact
 by its CRC but does not continue the chain or the sequence is corruption
 wherever it is: no crash produces it. A log closed with ``EventLog.close`` ends
-with a close record that proves the whole file synced, so damage in any record
-but the last one of a closed log is corruption.
+with a close record, then gets a sync stamp covering all of it, so damage
+anywhere in a closed (or ``sync()``-ed) log is corruption; so is damage in a
+segment that has a successor.
+
+Limits (what an untrusted file can make a reader do): a header over
+``max_pages`` (``DEFAULT_MAX_PAGES``) is refused before anything is allocated;
+a record length must fit the file and ``max_record_bytes``; an events record's
+count must fit its payload.
 """
 
 from __future__ import annotations
@@ -59,7 +69,6 @@ from __future__ import annotations
 import hashlib
 import struct
 import zlib
-from typing import Any
 
 import msgspec
 
@@ -80,16 +89,22 @@ __all__ = [
     "Checkpoint",
     "LogHeader",
     "RecordInfo",
-    "Scan",
     "encode_header",
     "decode_header",
     "new_chain",
     "max_record_bytes",
     "max_event_bytes",
     "seal_record",
-    "scan",
     "decode_events",
     "decode_checkpoint",
+    "DEFAULT_MAX_PAGES",
+    "SEGMENT_HEADER_SIZE",
+    "SEGMENT_VERSION",
+    "encode_segment_header",
+    "STAMP_SIZE",
+    "SyncStamp",
+    "encode_stamp",
+    "decode_stamp",
 ]
 
 FILE_MAGIC = b"\x89KVLOG\r\n"
@@ -107,6 +122,14 @@ TRAILER_SIZE = 12  # chain (8) + crc (4)
 RECORD_OVERHEAD = PREFIX_SIZE + TRAILER_SIZE  # 40
 _PERSON = b"kvledger-log-v1"
 _U64_MAX = (1 << 64) - 1
+SEGMENT_VERSION = 2
+SEGMENT_HEADER_SIZE = 96
+_SEGMENT = struct.Struct("<QQQ8s")  # segment, first seq, previous segment's size and chain; at offset 60
+_HEADER_SIZES = {FORMAT_VERSION: HEADER_SIZE, SEGMENT_VERSION: SEGMENT_HEADER_SIZE}
+DEFAULT_MAX_PAGES = 1 << 22  # readers refuse a header claiming more pages unless given a larger max_pages
+STAMP_MAGIC = b"KVSYNC\r\n"
+_STAMP = struct.Struct("<8s16sQQ8s")  # 48 bytes, then the CRC
+STAMP_SIZE = _STAMP.size + 4
 
 
 
@@ -124,10 +147,19 @@ class Checkpoint(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
 
 class LogHeader(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """A file's header. Version 2 (a segment of a log directory) adds where the segment sits:
+    its index, the seq of its first record, and the final size and chain value of the segment
+    before it (zero for segment 0)."""
+
     version: int
     log_id: bytes
     geometry: Geometry
     policy: str
+    size: int = 64  # header bytes: where records start
+    segment: int = 0
+    first_seq: int = 0
+    prev_size: int = 0
+    prev_chain: bytes = bytes(8)
 
 
 class RecordInfo(msgspec.Struct, frozen=True, gc=False):
@@ -139,6 +171,7 @@ class RecordInfo(msgspec.Struct, frozen=True, gc=False):
     count: int
     length: int  # payload bytes
     synced: int
+    segment: int = 0  # which file of the view holds it (0 for a single-file log)
 
     @property
     def end(self) -> int:
@@ -175,36 +208,89 @@ def encode_header(geometry: Geometry, policy: str, log_id: bytes) -> bytes:
     return body + _U32.pack(zlib.crc32(body))
 
 
-def decode_header(buf, path: str = "<memory>") -> LogHeader:
-    """Parse and check the header. Raises ``CorruptLogError`` (offset 0) or ``LogVersionError``."""
+def encode_segment_header(geometry: Geometry, policy: str, log_id: bytes, *, segment: int, first_seq: int,
+                          prev_size: int, prev_chain: bytes) -> bytes:
+    """The 96-byte version-2 header of a segment (``docs/LOG-FORMAT.md``)."""
+    v1 = encode_header(geometry, policy, log_id)
+    body = v1[:8] + struct.pack("<HH", SEGMENT_VERSION, SEGMENT_HEADER_SIZE) + v1[12:60] \
+        + _SEGMENT.pack(segment, first_seq, prev_size, prev_chain)
+    return body + _U32.pack(zlib.crc32(body))
+
+
+def decode_header(buf, path: str = "<memory>", *, max_pages: int = DEFAULT_MAX_PAGES) -> LogHeader:
+    """Parse and check the header (version 1, or a version-2 segment's). Raises ``CorruptLogError``
+    (offset 0), ``LogVersionError``, or ``LogError`` for a geometry over ``max_pages`` (nothing
+    was allocated for it)."""
     size = len(buf)
     if size < 12 or bytes(buf[:8]) != FILE_MAGIC:
         if size < 8 and FILE_MAGIC.startswith(bytes(buf[:size])):
             raise CorruptLogError(path, 0, None, f"file is {size} bytes, shorter than the log header")
         raise CorruptLogError(path, 0, None, "not a kvledger log (bad magic)")
     version, hsize = struct.unpack_from("<HH", buf, 8)
-    if version != FORMAT_VERSION:
-        raise LogVersionError(f"{path}: log format version {version}; this kvledger reads version {FORMAT_VERSION}")
-    if hsize != HEADER_SIZE or size < HEADER_SIZE:
-        raise CorruptLogError(path, 0, None, f"header size {hsize}, file size {size}: expected a {HEADER_SIZE}-byte header")
-    (crc,) = _U32.unpack_from(buf, 60)
-    if zlib.crc32(bytes(buf[:60])) != crc:
+    if version not in _HEADER_SIZES:
+        raise LogVersionError(f"{path}: log format version {version}; this kvledger reads versions "
+                              f"{sorted(_HEADER_SIZES)}")
+    want = _HEADER_SIZES[version]
+    if hsize != want or size < want:
+        raise CorruptLogError(path, 0, None, f"header size {hsize}, file size {size}: expected a {want}-byte header")
+    (crc,) = _U32.unpack_from(buf, want - 4)
+    if zlib.crc32(bytes(buf[: want - 4])) != crc:
         raise CorruptLogError(path, 0, None, "header checksum mismatch")
+    extra: dict = {}
+    if version == SEGMENT_VERSION:
+        seg, first, prev_size, prev_chain = _SEGMENT.unpack_from(buf, 60)
+        if (seg == 0) != (first == 0 and prev_size == 0):
+            raise CorruptLogError(path, 0, None, f"segment {seg} header names first seq {first}, previous size "
+                                  f"{prev_size}")
+        extra = {"size": want, "segment": seg, "first_seq": first, "prev_size": prev_size, "prev_chain": prev_chain}
     _, _, _, log_id, n, t, policy = _HEADER.unpack_from(buf, 0)
     policy_s = policy.rstrip(b"\x00").decode("ascii", "replace")
     if policy_s not in CLEAR_POLICIES or not 0 < n <= (1 << 32) or t < 1:
         raise CorruptLogError(path, 0, None, f"header names an invalid geometry ({n}, {t}) or policy {policy_s!r}")
-    return LogHeader(version=version, log_id=log_id, geometry=Geometry(num_pages=n, page_tokens=t), policy=policy_s)
+    if n > max_pages:
+        raise LogError(f"{path}: the header claims {n:,} pages, more than max_pages={max_pages:,} (the limit on "
+                       "what a log may make a reader allocate; pass a larger max_pages to read it)")
+    return LogHeader(version=version, log_id=log_id, geometry=Geometry(num_pages=n, page_tokens=t), policy=policy_s,
+                     **extra)
+
+
+# ---------------------------------------------------------------------- sync stamps
+
+
+class SyncStamp(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """The log's first ``size`` bytes (records up to seq ``next_seq``, chain value ``chain``) were synced."""
+
+    log_id: bytes
+    size: int
+    next_seq: int
+    chain: bytes
+
+
+def encode_stamp(stamp: SyncStamp) -> bytes:
+    body = _STAMP.pack(STAMP_MAGIC, stamp.log_id, stamp.size, stamp.next_seq, stamp.chain)
+    return body + _U32.pack(zlib.crc32(body))
+
+
+def decode_stamp(data: bytes | None, header: LogHeader) -> SyncStamp | None:
+    """The stamp in ``data`` if it is one, intact, of this log; else None (no evidence either way)."""
+    if data is None or len(data) != STAMP_SIZE or data[:8] != STAMP_MAGIC:
+        return None
+    if zlib.crc32(data[: STAMP_SIZE - 4]) != _U32.unpack_from(data, STAMP_SIZE - 4)[0]:
+        return None
+    _, log_id, size, next_seq, chain = _STAMP.unpack_from(data, 0)
+    if log_id != header.log_id or size < header.size:
+        return None
+    return SyncStamp(log_id=log_id, size=size, next_seq=next_seq, chain=chain)
 
 
 # ---------------------------------------------------------------------- records
 
 
-def seal_record(buf: bytearray, start: int, chain) -> None:
+def seal_record(buf: bytearray, start: int, chain) -> bytes:
     """Append chain and CRC to the record whose prefix and payload sit at ``buf[start:]``.
 
     ``chain`` has seen every byte of the log before ``start``; it sees the whole
-    record (trailer included) afterwards.
+    record (trailer included) afterwards. Returns the record's chain value.
     """
     body = buf[start:]
     chain.update(body)
@@ -212,168 +298,7 @@ def seal_record(buf: bytearray, start: int, chain) -> None:
     trailer = ch + _U32.pack(zlib.crc32(ch, zlib.crc32(body)))
     chain.update(trailer)
     buf += trailer
-
-
-class Scan:
-    """What a full verification pass found in a log's bytes.
-
-    ``records``: every verified record, in order. ``end``: where the verified
-    records end (where appends continue). ``torn_at``/``torn_bytes``: tail damage
-    after ``end`` (None/0 when the file ends cleanly). ``error``: the
-    ``CorruptLogError`` that stopped the scan, if any (records before it are
-    verified). ``next_seq``: the seq the next event gets. ``closed``: the last
-    record is a close record. ``chain``: the chain hash after ``end`` (for the
-    writer). ``chain_head``: the chain value of the last record, hex.
-    """
-
-    __slots__ = ("path", "header", "records", "end", "size", "torn_at", "torn_bytes", "error",
-                 "next_seq", "closed", "chain", "chain_head", "synced")
-
-    def __init__(self, path: str, header: LogHeader, size: int) -> None:
-        self.path = path
-        self.header = header
-        self.records: list[RecordInfo] = []
-        self.end = HEADER_SIZE
-        self.size = size
-        self.torn_at: int | None = None
-        self.torn_bytes = 0
-        self.error: CorruptLogError | None = None
-        self.next_seq = 0
-        self.closed = False
-        self.chain: Any = None
-        self.chain_head = ""
-        self.synced = HEADER_SIZE
-
-    @property
-    def events(self) -> int:
-        return self.next_seq
-
-    def raise_error(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-
-def _intact(buf, pos: int, size: int, cap: int) -> int:
-    """The ``synced`` claim of an intact record at ``pos`` (CRC and structure), or -1."""
-    if size - pos < RECORD_OVERHEAD:
-        return -1
-    magic, kind, flags, n, seq, count, synced = PREFIX.unpack_from(buf, pos)
-    if magic != RECORD_MAGIC or flags or not 1 <= kind <= 3 or n > cap or size - pos - RECORD_OVERHEAD < n:
-        return -1
-    end = pos + RECORD_OVERHEAD + n
-    rec = buf[pos:end]
-    if zlib.crc32(memoryview(rec)[:-4]) != _U32.unpack_from(rec, len(rec) - 4)[0]:
-        return -1
-    return synced
-
-
-def _last_claim_after(buf, off: int, size: int, cap: int) -> tuple[int, int]:
-    """(offset, synced) of the last intact record that starts after ``off``, or (-1, -1)."""
-    end = size - RECORD_OVERHEAD + len(RECORD_MAGIC)
-    while end > off + 1:
-        pos = buf.rfind(RECORD_MAGIC, off + 1, end)
-        if pos < 0:
-            return -1, -1
-        claim = _intact(buf, pos, size, cap)
-        if claim >= 0:
-            return pos, claim
-        end = pos + 1
-    return -1, -1
-
-
-def scan(buf, path: str = "<memory>", *, until: int | None = None) -> Scan:
-    """Verify every record of a log held in ``buf``; never raises for bad record bytes.
-
-    ``until``: stop after the records that hold events up to seq ``until`` (a
-    partial replay need not verify the rest of a long log; ``end`` is then
-    where the scan stopped and nothing after it is reported).
-
-    Header problems raise (``CorruptLogError`` at offset 0, ``LogVersionError``).
-    Record problems end the scan: tail damage sets ``torn_at``/``torn_bytes``,
-    corruption sets ``error`` (see the module docstring for which is which).
-    Payloads are checked but not decoded (``decode_events``).
-    """
-    size = len(buf)
-    header = decode_header(buf, path)
-    res = Scan(path, header, size)
-    cap = max_record_bytes(header.geometry.num_pages)
-    chain = new_chain(header.log_id)
-    chain.update(buf[:HEADER_SIZE])
-    unpack = PREFIX.unpack_from
-    crc32 = zlib.crc32
-    records = res.records
-    append = records.append
-    off = HEADER_SIZE
-    expect = 0
-    synced_max = HEADER_SIZE
-    last_kind = 0
-    head = b""
-    damaged = False
-    stop = (1 << 64) if until is None else until + 1  # (a checkpoint at until + 1 holds the state after until)
-    while off < size:
-        if size - off < RECORD_OVERHEAD:
-            damaged = True
-            break
-        magic, kind, flags, n, seq, count, synced = unpack(buf, off)
-        if seq > stop:
-            break
-        if magic != RECORD_MAGIC or flags or not 1 <= kind <= 3 or n > cap or size - off - RECORD_OVERHEAD < n:
-            damaged = True
-            break
-        rec = buf[off : off + RECORD_OVERHEAD + n]
-        mv = memoryview(rec)
-        if crc32(mv[:-4]) != _U32.unpack_from(rec, n + PREFIX_SIZE + 8)[0]:
-            damaged = True
-            break
-        chain.update(mv[:-TRAILER_SIZE])
-        ch = chain.digest()
-        if ch != rec[n + PREFIX_SIZE : n + PREFIX_SIZE + 8]:
-            res.error = CorruptLogError(
-                path, off, expect,
-                f"{KIND_NAMES[kind]} record claiming seq {seq} does not continue the log's hash chain "
-                "(a record was deleted, duplicated, reordered, spliced in from another log, or edited)",
-            )
-            break
-        detail = None
-        if seq != expect:
-            detail = f"record has seq {seq}, expected {expect}"
-        elif kind == KIND_EVENTS:
-            if count < 1 or n < 5 or rec[PREFIX_SIZE] != 0xDD or int.from_bytes(rec[PREFIX_SIZE + 1 : PREFIX_SIZE + 5], "big") != count:
-                detail = f"events record with count {count} and a payload that is not an array of {count}"
-        elif count != 0 or (kind == KIND_CLOSE and n != 0):
-            detail = f"{KIND_NAMES[kind]} record with count {count} and {n} payload bytes"
-        if detail is None and not synced_max <= synced <= off:
-            detail = f"record claims {synced} bytes synced (previous claim {synced_max}, record offset {off})"
-        if detail is not None:
-            res.error = CorruptLogError(path, off, expect, detail)
-            break
-        chain.update(mv[-TRAILER_SIZE:])
-        synced_max = synced
-        append(RecordInfo(off, kind, seq, count, n, synced))
-        expect = seq + count
-        last_kind = kind
-        head = ch
-        off += RECORD_OVERHEAD + n
-    res.end = off
-    res.next_seq = expect
-    res.chain = chain
-    res.chain_head = head.hex()
-    res.synced = synced_max
-    if damaged:
-        pos, claim = _last_claim_after(buf, off, size, cap)
-        if claim > off:
-            res.error = CorruptLogError(
-                path, off, expect,
-                f"damaged record inside the synced part of the log (the intact record at offset {pos} "
-                f"proves the first {claim} bytes were synced)",
-            )
-        else:
-            res.torn_at = off
-            res.torn_bytes = size - off
-    res.closed = res.error is None and not damaged and last_kind == KIND_CLOSE
-    if res.error is not None:
-        res.chain = None  # the hash saw bytes of a bad record: no base for appends
-    return res
+    return ch
 
 
 # ---------------------------------------------------------------------- payloads
@@ -390,7 +315,8 @@ def decode_events(buf, rec: RecordInfo, path: str = "<memory>") -> list:
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise CorruptLogError(path, rec.offset, rec.seq, f"events payload does not decode: {exc}") from None
     if len(events) != rec.count:
-        raise CorruptLogError(path, rec.offset, rec.seq, f"record holds {len(events)} events, its header says {rec.count}")
+        raise CorruptLogError(path, rec.offset, rec.seq,
+                              f"record holds {len(events)} events, its header says {rec.count}")
     return events
 
 

@@ -11,9 +11,21 @@ from collections.abc import Iterator
 
 from ..errors import LogClosedError, LogError, LogIOError
 from .files import default_layer, release_buffer
-from .format import KIND_CHECKPOINT, KIND_EVENTS, Checkpoint, RecordInfo, Scan, decode_checkpoint, decode_events, scan
+from .format import (
+    DEFAULT_MAX_PAGES,
+    KIND_CHECKPOINT,
+    KIND_EVENTS,
+    SEGMENT_VERSION,
+    Checkpoint,
+    RecordInfo,
+    decode_checkpoint,
+    decode_events,
+    decode_header,
+    decode_stamp,
+)
+from .scan import Scan, scan
 
-__all__ = ["LogView", "open_view"]
+__all__ = ["LogView", "open_view", "read_stamp"]
 
 
 class LogView:
@@ -23,40 +35,50 @@ class LogView:
     chain, seq), ``scan.error`` is the corruption that stopped it (if any) and
     ``scan.torn_at`` a torn tail. Decoding a payload can still raise
     ``CorruptLogError`` (an intact record whose payload does not decode).
+
+    A view of a log directory holds one buffer per segment (``paths``, in
+    order; ``RecordInfo.segment`` says which holds a record); ``first_seq`` is
+    the seq its first record starts at (0, unless retention deleted the first
+    segments or the view starts at a later segment: then fold from its first
+    checkpoint, ``start_state``).
     """
 
-    def __init__(self, buf, result: Scan, path: str) -> None:
-        self._buf = buf
+    def __init__(self, buf, result: Scan, path: str, *, bufs: list | None = None,
+                 paths: list[str] | None = None) -> None:
+        self._bufs: list | None = [buf] if bufs is None else bufs
+        self.paths = [path] if paths is None else paths
         self.scan = result
         self.path = path
         self.header = result.header
+        recs = result.records
+        self.first_seq = recs[0].seq if recs else result.next_seq
 
     @property
     def records(self) -> list[RecordInfo]:
         return self.scan.records
 
     def close(self) -> None:
-        buf, self._buf = self._buf, None
-        if buf is not None:
+        bufs, self._bufs = self._bufs, None
+        for buf in bufs or ():
             release_buffer(buf)
 
-    def __enter__(self) -> "LogView":
+    def __enter__(self) -> LogView:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _live(self):
-        if self._buf is None:
+    def _live(self, rec: RecordInfo):
+        if self._bufs is None:
             raise LogClosedError(f"{self.path}: the view was released")
-        return self._buf
+        return self._bufs[rec.segment]
 
     def events(self, rec: RecordInfo) -> list:
         """The events of an events record, in seq order from ``rec.seq``."""
-        return decode_events(self._live(), rec, self.path)
+        return decode_events(self._live(rec), rec, self.paths[rec.segment])
 
     def checkpoint(self, rec: RecordInfo) -> Checkpoint:
-        return decode_checkpoint(self._live(), rec, self.path)
+        return decode_checkpoint(self._live(rec), rec, self.paths[rec.segment])
 
     def last_checkpoint(self, at_or_before: int | None = None) -> int:
         """Index in ``records`` of the last checkpoint with seq <= ``at_or_before`` (or any); -1 if none."""
@@ -70,7 +92,6 @@ class LogView:
     def iter_events(self, start: int = 0, until: int | None = None) -> Iterator[tuple[int, object, RecordInfo]]:
         """Yield ``(seq, event, record)`` for events records from index ``start`` on, up to seq ``until`` inclusive."""
         recs = self.scan.records
-        buf = self._live()
         for i in range(start, len(recs)):
             rec = recs[i]
             if rec.kind != KIND_EVENTS:
@@ -78,23 +99,49 @@ class LogView:
             if until is not None and rec.seq > until:
                 return
             seq = rec.seq
-            for ev in decode_events(buf, rec, self.path):
+            for ev in self.events(rec):
                 if until is not None and seq > until:
                     return
                 yield seq, ev, rec
                 seq += 1
 
 
-def open_view(path, *, layer=None, until: int | None = None) -> LogView:
+def read_stamp(layer, path: str) -> bytes | None:
+    """The raw sync stamp of the log at ``path`` (None: none, or a layer without stamps)."""
+    reader = getattr(layer, "read_stamp", None)
+    if reader is None:
+        return None
+    try:
+        return reader(path)
+    except (OSError, LogError):
+        return None  # an unreadable stamp is no evidence either way
+
+
+def open_view(path, *, layer=None, until: int | None = None, max_pages: int = DEFAULT_MAX_PAGES,
+              since: int | None = None) -> LogView:
     """Read and verify a log without locking or changing it (replay, audit, tools).
 
-    Raises ``CorruptLogError``/``LogVersionError`` only for a bad header;
-    problems in records are reported in ``view.scan`` (``error``, ``torn_at``).
+    Raises ``CorruptLogError``/``LogVersionError`` only for a bad header, and
+    ``LogError`` for a header over ``max_pages`` (``format.DEFAULT_MAX_PAGES``:
+    what an untrusted file may make a reader allocate), a missing file, or one
+    that is not a regular file (refused at once: a FIFO never blocks it).
+    Problems in records are reported in ``view.scan`` (``error``, ``torn_at``).
     ``until``: verify only the records up to the one holding seq ``until``.
-    A missing file raises ``LogError``.
+    ``since`` (a log directory): map and verify only from the last segment
+    that starts at or before seq ``since`` (its opening checkpoint is where a
+    fold that needs nothing earlier starts: ``start_state(view, at=since)``),
+    so a question about recent history costs one segment, not the whole log.
+
+    The view maps the file as it is now. Writers only append and replace a file
+    (never cut it in place), so the view stays a consistent prefix whatever a
+    writer does meanwhile.
     """
     layer = layer if layer is not None else default_layer
     path = os.fspath(path)
+    isdir = getattr(layer, "isdir", None)
+    if isdir is not None and isdir(path):
+        return _open_directory(layer, path, None, until, max_pages, since)
+    raw_stamp = read_stamp(layer, path)  # before the map: a stamp never claims more than the file then holds
     try:
         buf = layer.read(path)
     except FileNotFoundError:
@@ -104,8 +151,41 @@ def open_view(path, *, layer=None, until: int | None = None) -> LogView:
     except OSError as exc:
         raise LogIOError(path, "read", exc) from exc
     try:
-        res = scan(buf, path, until=until)
+        header = decode_header(buf, path, max_pages=max_pages)
+        if header.version == SEGMENT_VERSION:  # one segment of a log directory: start there
+            release_buffer(buf)
+            return _open_directory(layer, os.path.dirname(path) or ".", path, until, max_pages)
+        stamp = decode_stamp(raw_stamp, header)
+        res = scan(buf, path, until=until, stamp=stamp, max_pages=max_pages)
     except BaseException:
         release_buffer(buf)
         raise
     return LogView(buf, res, path)
+
+
+def _open_directory(layer, directory: str, start: str | None, until: int | None, max_pages: int,
+                    since: int | None = None) -> LogView:
+    """A view over the segments of a log directory, from ``start`` (a segment path), from the
+    segment holding seq ``since``, or from the first."""
+    from .segments import combine, list_segments, scan_segments, segment_name
+
+    for _ in range(8):  # retention may delete the oldest segment between the listing and the reads
+        paths = list_segments(layer, directory)
+        if since is not None:
+            earlier = [p for p in paths if os.path.basename(p) <= segment_name(since)]
+            start = earlier[-1] if earlier else None
+        if start is not None:
+            paths = [p for p in paths if os.path.basename(p) >= os.path.basename(start)]
+        if not paths:
+            raise LogError(f"{directory}: no segments (not a kvledger log directory)")
+        try:
+            bufs, scans = scan_segments(layer, paths, until=until, max_pages=max_pages)
+        except LogIOError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                continue
+            raise
+        for extra in bufs[len(scans) :]:
+            release_buffer(extra)
+        return LogView(bufs[0], combine(directory, scans), directory, bufs=bufs[: len(scans)],
+                       paths=paths[: len(scans)])
+    raise LogError(f"{directory}: segments keep disappearing while being read")

@@ -2,57 +2,56 @@
 
     Ledger command ─► validate ─► EventLog.append(seq, event) ─► fold
                                    │ encode into the open batch (no I/O)
-                                   │ StepSealed (per_step) / every event (per_event):
+                                   │ StepSealed (per step) / every event (per_event):
                                    └► seal the batch record ─► write ─► fsync ─► durable_seq
-                                      (inline, or in the background writer thread)
+                                      (in the background writer thread, or inline)
 
 ``EventLog.append`` has the signature of a ``Ledger`` sink. Events are encoded
 into an in-memory batch as they arrive; the batch becomes one record and is
 written and fsynced when the policy says so (group commit):
 
-    "per_step"   (default) when a ``StepSealed`` is appended
-    "per_event"  after every event
+    "background" (default) a ``StepSealed`` hands the step's record to the writer
+                 thread (``syncer.py``) and returns at once; the thread writes
+                 and fsyncs, one fsync for every step sealed meanwhile
+    "per_step"   inline: the ``StepSealed`` append writes and fsyncs before it returns
+    "per_event"  inline, after every event
     "none"       only on ``sync()`` / ``close()`` (and writes, unsynced, past 4 MiB)
 
 ``durable_seq`` is the highest seq known to be on stable storage (-1: none);
-nothing at or below it is lost by a crash.
+nothing at or below it is lost by a crash, and a crash loses at most the events
+after it (reopening reports the torn tail). ``sync()`` / ``flush()`` write,
+fsync and wait; ``wait_durable(seq)`` waits for the writer thread to reach an
+event, and ``wait_durable_async(seq)`` does the same without blocking an event
+loop. Durability never slows the step by default; waiting for it is opt-in.
 
-Inline (the default): the append that commits writes and fsyncs before it
-returns, so ``seal_step`` returns a durable step. A failed write or fsync raises
-``LogIOError`` from that append (the command fails, the ledger state is
-unchanged) and closes the log to appends: the bytes after the last durable
-point are unknown, and nothing is ever appended after an unknown region.
+Back-pressure: with the writer thread, an append that hands off a record while
+more than ``max_lag_bytes`` (default 64 MiB) are written-or-queued but not yet
+synced blocks until the disk catches up below that bound; memory never grows
+without limit because the disk is slow.
 
-Background (``background=True``): the committing append hands the sealed
-records to a writer thread and returns; the thread waits a millisecond for more
-steps to join, writes them, fsyncs once for all of them and advances
-``durable_seq`` (group commit). Folding the next steps overlaps the write and
-fsync of the last ones. ``wait_durable(seq)`` and ``sync()`` block until an
-event is durable. A write or fsync failure in the thread surfaces as
-``LogIOError`` from the next append, ``sync``, ``wait_durable`` or ``close``,
-and the log refuses appends from then on; events after ``durable_seq`` were
-never acknowledged and may be lost.
+Failures: a failed write or fsync closes the log to appends (the bytes after
+the last durable point are unknown, and nothing is ever appended after an
+unknown region). Inline, the append that committed raises ``LogIOError`` (the
+command fails, the ledger state is unchanged). In the background, the failure
+surfaces as ``LogIOError`` from the next append, ``sync``, ``wait_durable`` or
+``close``; events after ``durable_seq`` were never acknowledged and may be lost.
+Reopen the log to continue: open truncates a torn tail and refuses corruption
+(``format.py`` says how the two are told apart).
 
-Reopen the log to continue after a failure; open truncates a torn tail and
-refuses corruption (see ``codec`` for the format and how the two are told apart).
-
-All methods block on file I/O; async callers use ``anyio.to_thread.run_sync``.
-The log does not log (``kvledger.durable`` does).
+All methods block on file I/O, and one thread appends at a time (async callers
+use ``anyio.to_thread.run_sync``; ``wait_durable`` may be called from any
+thread). The log does not log (``kvledger.durable`` does, through ``notify``).
 """
 
 from __future__ import annotations
 
-import os
-import queue
-import struct
-import threading
-import time
+from collections.abc import Callable
 
 import msgspec
 
-from ..errors import InvalidArgumentError, LogError, TornLogError
+from ..errors import InvalidArgumentError, LogClosedError, LogError, LogIOError, RecordTooLargeError
+from ..events.events import Geometry
 from .format import (
-    HEADER_SIZE,
     KIND_CHECKPOINT,
     KIND_CLOSE,
     KIND_EVENTS,
@@ -61,53 +60,30 @@ from .format import (
     RECORD_MAGIC,
     Checkpoint,
     LogHeader,
-    Scan,
-    decode_header,
-    encode_header,
+    SyncStamp,
+    encode_stamp,
     max_event_bytes,
     max_record_bytes,
-    new_chain,
-    scan,
     seal_record,
 )
-from ..errors import LogClosedError, LogIOError, RecordTooLargeError
-from ..events.events import EVENT_TYPES, Geometry, StepSealed
-from .files import default_layer, release_buffer
-from .reader import LogView
+from .policy import (
+    _BATCH_BYTES,
+    _BATCH_HEAD,
+    _COUNT,
+    _EVENT_TYPES,
+    _FLUSH_BYTES,
+    DEFAULT_MAX_LAG_BYTES,
+    FSYNC_POLICIES,
+    LogStatistics,
+    policy_mode,
+)
+from .scan import Scan
+from .syncer import Syncer
 
-__all__ = ["EventLog", "LogStatistics", "FSYNC_POLICIES"]
-
-FSYNC_POLICIES = ("per_step", "per_event", "none")
-_BATCH_BYTES = 1 << 20  # close an events record past this size
-_FLUSH_BYTES = 4 << 20  # write (without fsync) past this much buffered
-_GROUP_DELAY = 0.001  # background: how long a woken writer waits for more steps to join its fsync
-_EVENT_TYPES = frozenset(EVENT_TYPES)
-_SYNC_TYPES = {1: frozenset((StepSealed,)), 2: _EVENT_TYPES, 0: frozenset()}  # per policy code: commit after these
-_BATCH_HEAD = bytes(PREFIX_SIZE + 5)  # prefix + array32 header, filled in when the batch is sealed
-_COUNT = struct.Struct(">I")
-_POLICY_CODES = {"per_step": 1, "per_event": 2, "none": 0}
-
-
-class LogStatistics(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    events: int  # events in the log (= the next seq)
-    durable_seq: int
-    appended: int  # events appended by this handle
-    records: int  # records written by this handle
-    bytes_written: int
-    syncs: int
-    checkpoints: int
-    size: int  # file size, buffered bytes excluded
-
-
-def _check_fsync(fsync: str) -> int:
-    code = _POLICY_CODES.get(fsync) if type(fsync) is str else None
-    if code is None:
-        raise InvalidArgumentError(f"fsync policy must be one of {FSYNC_POLICIES}, got {fsync!r}")
-    return code
-
+__all__ = ["EventLog", "LogStatistics", "FSYNC_POLICIES", "DEFAULT_MAX_LAG_BYTES"]
 
 class EventLog:
-    """An open, appendable event log. Build it with ``create`` or ``open``.
+    """An open, appendable event log. Build it with ``create`` or ``open`` (``opening.py``).
 
     After ``open``, ``recovery`` is the ``Scan`` of what was found (records,
     torn tail, whether it had been closed cleanly) and ``loaded`` what the
@@ -115,24 +91,41 @@ class EventLog:
     """
 
     __slots__ = (
-        "fsync", "background", "path", "header", "recovery", "loaded", "notify",
-        "_sync_types", "_handle", "_enc", "_encode_into", "_event_cap", "_record_cap", "_buf", "_batch_at",
-        "_batch_seq", "_chain", "_end", "_size", "_synced_end", "_next_seq", "_start_seq", "_durable_seq", "_ok",
-        "_failure", "_failed_op", "_reported", "_closed", "_records", "_bytes", "_syncs", "_checkpoints",
-        "_checkpoint_seq",
-        "_q", "_thread", "_written_seq",
+        "fsync", "background", "path", "header", "recovery", "loaded", "notify", "max_lag_bytes",
+        "_sync_types", "_handle", "_layer", "_enc", "_encode_into", "_event_cap", "_record_cap", "_buf",
+        "_batch_at", "_batch_seq", "_chain", "_head", "_end", "_size", "_synced_end", "_next_seq", "_start_seq",
+        "_durable_seq", "_ok", "_failure", "_failed_op", "_reported", "_closed", "_records", "_bytes", "_syncs",
+        "_checkpoints", "_checkpoint_seq", "_stalls", "_syncer", "_written_seq",
+        "segment_bytes", "retain_bytes", "retain_segments", "rotation_due", "segments_deleted", "_file", "_segment",
+        "_lock",
     )
 
-    def __init__(self, handle, header: LogHeader, *, fsync: str, size: int, next_seq: int, chain,
-                 background: bool = False) -> None:
-        code = _check_fsync(fsync)
+    def __init__(self, handle, header: LogHeader, *, fsync: str = "background", size: int, next_seq: int, chain,
+                 head: bytes = bytes(8), background: bool | None = None, layer=None,
+                 max_lag_bytes: int = DEFAULT_MAX_LAG_BYTES, segments: dict | None = None) -> None:
+        self._sync_types, bg = policy_mode(fsync, background)
+        if type(max_lag_bytes) is not int or max_lag_bytes < 1:
+            raise InvalidArgumentError(f"max_lag_bytes must be a positive int, got {max_lag_bytes!r}")
         self.fsync = fsync
-        self._sync_types = _SYNC_TYPES[code]
-        self.background = bool(background)
+        self.background = bg
+        self.max_lag_bytes = max_lag_bytes
         self.path = handle.path
         self.header = header
-        self.notify = None  # notify(name, fields): how the log tells its owner what happened
+        self._file = handle.path  # the file appends go to (the live segment of a log directory)
+        self._segment = header.segment
+        self._lock = None
+        self.segment_bytes = self.retain_bytes = self.retain_segments = None
+        self.rotation_due = False  # a log directory's live segment reached segment_bytes: rotate()
+        self.segments_deleted = 0
+        if segments is not None:  # a log directory: {"path", "segment_bytes", "retain_bytes", ...}
+            self.path = segments["path"]
+            self._lock = segments.get("lock")
+            self.segment_bytes = segments["segment_bytes"]
+            self.retain_bytes = segments.get("retain_bytes")
+            self.retain_segments = segments.get("retain_segments")
+        self.notify: Callable[[str, dict], object] | None = None  # how the log tells its owner what happened
         self._handle = handle
+        self._layer = layer
         self._enc = msgspec.msgpack.Encoder()
         self._encode_into = self._enc.encode_into
         self._event_cap = max_event_bytes(header.geometry.num_pages)
@@ -141,118 +134,37 @@ class EventLog:
         self._batch_at = -1
         self._batch_seq = 0
         self._chain = chain
+        self._head = head  # chain value of the last sealed record
         self._end = size  # end of everything handed over (written, or queued for the writer thread)
         self._size = size  # bytes written to the file
         self._synced_end = size  # bytes known to be on stable storage
-        self._next_seq = next_seq
-        self._start_seq = next_seq
-        self._durable_seq = next_seq - 1
-        self._written_seq = next_seq - 1  # highest seq in bytes handed to the file
+        self._next_seq = self._start_seq = next_seq
+        self._durable_seq = self._written_seq = next_seq - 1
         self._ok = True  # open and not failed: the one flag the hot path reads
         self._failure: BaseException | None = None  # the OSError that stopped the log
         self._failed_op = ""
-        self._reported = False
-        self._closed = False
-        self._records = self._bytes = self._syncs = self._checkpoints = 0
+        self._reported = self._closed = False
+        self._records = self._bytes = self._syncs = self._checkpoints = self._stalls = 0
         self._checkpoint_seq = -1
         self.recovery: Scan | None = None
         self.loaded = None
-        self._q = None
-        if self.background:
-            self._q = queue.SimpleQueue()  # (bytes or None, last seq, fsync?, Event or None); None stops
-            self._thread = threading.Thread(target=self._syncer, name="kvledger-log-fsync", daemon=True)
-            self._thread.start()
+        self._syncer = Syncer(self) if bg else None
 
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def create(cls, path, geometry: Geometry, *, policy: str = "released_aliases", fsync: str = "per_step",
-               background: bool = False, layer=None, log_id: bytes | None = None) -> "EventLog":
-        """Create a new log holding only its header, atomically and durably.
+    def create(cls, path, geometry: Geometry, **kw) -> EventLog:
+        """Create a new log holding only its header (``opening.create_log`` has the details)."""
+        from .opening import create_log
 
-        Raises ``LogExistsError`` if ``path`` exists, ``LogIOError`` if the file
-        cannot be written (nothing is left at ``path`` then).
-        """
-        _check_fsync(fsync)
-        if not isinstance(geometry, Geometry):
-            raise InvalidArgumentError(f"geometry must be a Geometry, got {geometry!r}")
-        layer = layer if layer is not None else default_layer
-        path = os.fspath(path)
-        header_bytes = encode_header(geometry, policy, log_id if log_id is not None else os.urandom(16))
-        try:
-            handle = layer.create(path, header_bytes)
-        except LogError:
-            raise
-        except OSError as exc:
-            raise LogIOError(path, "create", exc) from exc
-        chain = new_chain(header_bytes[12:28])
-        chain.update(header_bytes)
-        return cls(handle, decode_header(header_bytes, path), fsync=fsync, size=HEADER_SIZE, next_seq=0,
-                   chain=chain, background=background)
+        return create_log(cls, path, geometry, **kw)
 
     @classmethod
-    def open(cls, path, *, fsync: str = "per_step", background: bool = False, layer=None, repair: bool = True,
-             loader=None) -> "EventLog":
-        """Open an existing log for appending: verify it, repair a torn tail, fsync.
+    def open(cls, path, **kw) -> EventLog:
+        """Open an existing log for appending (``opening.open_log`` has the details)."""
+        from .opening import open_log
 
-        ``loader(view)``, if given, runs on the verified records before anything
-        is changed on disk (the ledger rebuilds its state there); its result is
-        ``self.loaded``. If it raises, the file is left exactly as it was.
-
-        Raises ``CorruptLogError`` (offset and seq of the first bad record; the
-        file is untouched), ``LogVersionError``, ``LogLockedError``,
-        ``TornLogError`` (``repair=False`` and the tail is torn), ``LogIOError``.
-        A torn tail is truncated and made durable before anything is appended;
-        ``recovery`` (the ``Scan``) reports it.
-        """
-        _check_fsync(fsync)
-        layer = layer if layer is not None else default_layer
-        path = os.fspath(path)
-        try:
-            handle = layer.open(path)
-        except LogError:
-            raise
-        except FileNotFoundError:
-            raise LogError(f"{path}: no such log") from None
-        except OSError as exc:
-            raise LogIOError(path, "open", exc) from exc
-        try:
-            try:
-                buf = handle.read()
-            except OSError as exc:
-                raise LogIOError(path, "read", exc) from exc
-            view = None
-            try:
-                res = scan(buf, path)
-                res.raise_error()
-                if res.torn_at is not None and not repair:
-                    raise TornLogError(path, res.torn_at, res.torn_bytes)
-                loaded = None
-                if loader is not None:
-                    view = LogView(buf, res, path)
-                    loaded = loader(view)
-            finally:
-                if view is not None:
-                    view.close()
-                else:
-                    release_buffer(buf)
-            if res.torn_at is not None:
-                try:
-                    handle.truncate(res.end)
-                except OSError as exc:
-                    raise LogIOError(path, "truncate", exc) from exc
-            try:
-                handle.sync()  # what we read may sit only in the page cache
-            except OSError as exc:
-                raise LogIOError(path, "fsync", exc) from exc
-        except BaseException:
-            handle.close()
-            raise
-        log = cls(handle, res.header, fsync=fsync, size=res.end, next_seq=res.next_seq, chain=res.chain,
-                  background=background)
-        log.recovery = res
-        log.loaded = loaded
-        return log
+        return open_log(cls, path, **kw)
 
     # ------------------------------------------------------------------ state
 
@@ -278,7 +190,8 @@ class EventLog:
         return LogStatistics(
             events=self._next_seq, durable_seq=self._durable_seq, appended=self._next_seq - self._start_seq,
             records=self._records, bytes_written=self._bytes, syncs=self._syncs,
-            checkpoints=self._checkpoints, size=self._size,
+            checkpoints=self._checkpoints, size=self._size, lag_bytes=self._end - self._synced_end,
+            stalls=self._stalls,
         )
 
     def _refuse(self, report: bool = True) -> None:
@@ -368,37 +281,75 @@ class EventLog:
             raise LogError(f"{self.path}: checkpoint at seq {seq}, the log is at seq {self._next_seq}")
         payload = self._enc.encode(Checkpoint(seq=seq, digest=digest, state=state))
         if len(payload) > self._record_cap:
-            raise RecordTooLargeError(f"checkpoint at seq {seq} is {len(payload)} bytes, the limit is {self._record_cap}")
+            raise RecordTooLargeError(f"checkpoint at seq {seq} is {len(payload)} bytes, "
+                                      f"the limit is {self._record_cap}")
         if self._batch_at >= 0:
             self._finish_batch()
         self._add_record(KIND_CHECKPOINT, seq, payload)
         self._checkpoints += 1
         self._checkpoint_seq = seq
 
+    def rotate(self, seq: int, digest: str, state: bytes) -> None:
+        """A log directory: close the live segment and open the next one with this checkpoint
+        (``segments.rotate``). Raises ``LogError`` for a single-file log, ``LogIOError``."""
+        if self.segment_bytes is None:
+            raise LogError(f"{self.path}: a single-file log has no segments to rotate")
+        from .segments import rotate
+
+        rotate(self, seq, digest, state)
+
+    # ------------------------------------------------------------------ durability
+
     def sync(self) -> None:
-        """Write and fsync everything appended so far and wait for it: afterwards
-        ``durable_seq == seq - 1``. Raises ``LogIOError`` / ``LogClosedError``."""
+        """Write and fsync everything appended so far, wait for it, and stamp the log:
+        afterwards ``durable_seq == seq - 1``. Raises ``LogIOError`` / ``LogClosedError``."""
         if self._failure is not None or self._closed:
             self._refuse()
         self._commit()
         if self.background:
-            self._wait_synced(None)
+            self._wait_synced()
+        self._stamp()
+
+    flush = sync
 
     def wait_durable(self, seq: int, timeout: float | None = None) -> bool:
-        """Block until event ``seq`` is durable (True), or ``timeout`` passes or the
-        event is still in an uncommitted batch (False). Raises ``LogIOError`` if an
-        fsync failed before ``seq`` became durable. Inline logs answer at once.
+        """Block until event ``seq`` is durable (True), or ``timeout`` passes (False).
+
+        Never writes: an event still in the open batch becomes durable when its
+        step is sealed (or at ``sync``). Answers False at once for an inline log
+        (whose durable point moves only in the appender's own calls) or a closed
+        one. Raises ``LogIOError`` if the writer failed before ``seq`` was durable.
+        Any thread may call it.
         """
         if self._durable_seq >= seq:
             return True
         if self._failure is not None:
             self._refuse()
-        if not self.background or seq >= self._next_seq or self._batch_at >= 0 and seq >= self._batch_seq:
+        if self._syncer is None or self._closed:
             return False
-        return self._wait_synced(timeout) and self._durable_seq >= seq
+        ok = self._syncer.wait(lambda: self._durable_seq >= seq, timeout)
+        if not ok and self._failure is not None:
+            self._refuse()
+        return ok
+
+    async def wait_durable_async(self, seq: int, poll: float = 0.05) -> None:
+        """Wait, without blocking the event loop, until event ``seq`` is durable.
+
+        Waits in a worker thread ``poll`` seconds at a time (cancellable between
+        polls). Raises ``LogIOError`` if the writer failed, ``LogClosedError`` if
+        the log closed (or is inline) before ``seq`` became durable.
+        """
+        import anyio
+
+        while not await anyio.to_thread.run_sync(self.wait_durable, seq, poll, abandon_on_cancel=True):
+            if self._closed or self._syncer is None:
+                if self._durable_seq >= seq:
+                    return
+                raise LogClosedError(f"{self.path}: seq {seq} is not durable and the log no longer syncs "
+                                     f"by itself (closed or inline; durable_seq {self._durable_seq})")
 
     def close(self) -> None:
-        """Sync, append a close record (it proves the whole file synced), sync, release the file.
+        """Sync, append a close record (it proves the whole file synced), sync, stamp, release the file.
 
         Idempotent. After a failure it only releases the file (raising the
         failure if it was never reported). Raises ``LogIOError`` if the final
@@ -410,34 +361,32 @@ class EventLog:
             if self._failure is None:
                 self._commit()
                 if self.background:
-                    self._wait_synced(None)  # the close record claims everything before it synced
+                    self._wait_synced()  # the close record claims everything before it synced
                 self._add_record(KIND_CLOSE, self._next_seq, b"")
                 self._commit()
                 if self.background:
-                    self._wait_synced(None)
+                    self._wait_synced()
+                self._stamp()
             elif not self._reported:
                 self._refuse()
         finally:
-            self._closed = True
-            self._ok = False
-            self._stop_syncer()
-            self._handle.close()
+            self._release()
 
     def abandon(self) -> None:
         """Release the file without writing anything more (a failed open built on this log)."""
-        if self._closed:
-            return
+        if not self._closed:
+            self._release()
+
+    def _release(self) -> None:
         self._closed = True
         self._ok = False
-        self._stop_syncer()
+        if self._syncer is not None:
+            self._syncer.stop()
         self._handle.close()
+        if self._lock is not None:
+            self._lock.close()
 
-    def _stop_syncer(self) -> None:
-        if self.background and self._thread.is_alive():
-            self._q.put(None)
-            self._thread.join()
-
-    def __enter__(self) -> "EventLog":
+    def __enter__(self) -> EventLog:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -452,7 +401,7 @@ class EventLog:
         PREFIX.pack_into(buf, start, RECORD_MAGIC, KIND_EVENTS, 0, n, self._batch_seq, count, self._synced_end)
         buf[start + PREFIX_SIZE] = 0xDD
         _COUNT.pack_into(buf, start + PREFIX_SIZE + 1, count)
-        seal_record(buf, start, self._chain)
+        self._head = seal_record(buf, start, self._chain)
         self._batch_at = -1
         self._records += 1
 
@@ -461,7 +410,7 @@ class EventLog:
         start = len(buf)
         buf += PREFIX.pack(RECORD_MAGIC, kind, 0, len(payload), seq, 0, self._synced_end)
         buf += payload
-        seal_record(buf, start, self._chain)
+        self._head = seal_record(buf, start, self._chain)
         self._records += 1
 
     def _commit(self) -> None:
@@ -471,16 +420,20 @@ class EventLog:
         self._hand_off(True)
 
     def _hand_off(self, sync: bool) -> None:
-        """Write what is sealed, then fsync it: here (inline), or in the background thread."""
+        """Write what is sealed, then fsync it: here (inline), or in the writer thread."""
         buf = self._buf
-        if self.background:
+        if self._syncer is not None:
             if buf:
                 self._buf = bytearray()
                 self._end += len(buf)
                 self._written_seq = self._next_seq - 1  # (buf held only sealed records)
             elif not sync:
                 return
-            self._q.put((buf or None, self._written_seq, sync, None))
+            self._syncer.hand_off(buf or None, self._written_seq, sync)
+            if self._end - self._synced_end > self.max_lag_bytes:
+                self._stall()
+            if self.segment_bytes is not None and self._end >= self.segment_bytes:
+                self.rotation_due = True
             return
         if buf:
             try:
@@ -501,86 +454,46 @@ class EventLog:
         self._syncs += 1
         self._synced_end = self._size
         self._durable_seq = self._next_seq - 1
+        if self.segment_bytes is not None and self._end >= self.segment_bytes:
+            self.rotation_due = True
 
-    def _fail(self, op: str, exc: OSError):
+    def _stall(self) -> None:
+        """Back-pressure: wait until no more than ``max_lag_bytes`` are unsynced."""
+        self._stalls += 1
+        bound = self.max_lag_bytes
+        self._syncer.wait(lambda: self._end - self._synced_end <= bound, None)  # type: ignore[union-attr]
+        if self._failure is not None:
+            self._refuse()
+
+    def _record_failure(self, op: str, exc: Exception) -> None:
+        """The log stops taking appends (writer thread or inline); tell the owner."""
         self._failure = exc
         self._failed_op = op
         self._ok = False
-        self._reported = True
         if self.notify is not None:
-            self.notify("write_failed", {"op": op, "errno": exc.errno, "durable_seq": self._durable_seq,
-                                         "error": str(exc)})
-        raise LogIOError(self.path, op, exc, f"events after seq {self._durable_seq} may be lost; reopen the log") from exc
+            self.notify("write_failed", {"op": op, "errno": getattr(exc, "errno", None),
+                                         "durable_seq": self._durable_seq, "error": str(exc)})
 
-    def _wait_synced(self, timeout: float | None) -> bool:
+    def _fail(self, op: str, exc: OSError):
+        self._record_failure(op, exc)
+        self._reported = True
+        raise LogIOError(self.path, op, exc, f"events after seq {self._durable_seq} may be lost; "
+                                             "reopen the log") from exc
+
+    def _wait_synced(self) -> None:
         """Background: wait until everything handed to the thread is written and fsynced."""
-        done = threading.Event()
-        self._q.put((None, self._written_seq, True, done))
-        ok = done.wait(timeout)
+        end = self._end
+        self._syncer.wait(lambda: self._synced_end >= end, None)  # type: ignore[union-attr]
         if self._failure is not None:
             self._refuse()
-        return ok
 
-    def _syncer(self) -> None:
-        """The background thread: write what was handed over, fsync, publish, repeat.
-
-        Hand-offs that queue up while it writes or fsyncs are served by the next
-        round: one fsync for all of them (group commit). It runs little Python:
-        the caller's thread holds the GIL most of the time, and the thread lets
-        go of it inside every write and fsync.
-        """
-        q, handle = self._q, self._handle
-        while True:
-            item = q.get()
-            if item is None:
-                return
-            if item[3] is None:
-                time.sleep(_GROUP_DELAY)  # let the steps of the next millisecond join this fsync
-            waiters = []
-            want = False
-            seq = -1
-            op = "write"
-            try:
-                while True:
-                    data, last, sync, done = item
-                    if data is not None:
-                        handle.write(data)
-                        self._size += len(data)
-                        self._bytes += len(data)
-                    if sync:
-                        want = True
-                    if last > seq:
-                        seq = last
-                    if done is not None:
-                        waiters.append(done)
-                    if q.empty():
-                        break
-                    item = q.get()
-                    if item is None:
-                        q.put(None)  # stop after this round
-                        break
-                if want:
-                    op = "fsync"
-                    handle.sync()
-            except OSError as exc:
-                self._failed_op = op
-                self._failure = exc
-                self._ok = False
-                if self.notify is not None:
-                    self.notify("write_failed", {"op": op, "errno": exc.errno,
-                                                 "durable_seq": self._durable_seq, "error": str(exc)})
-                for w in waiters:
-                    w.set()
-                while True:  # release later waiters too, write nothing more, stop when told
-                    item = q.get()
-                    if item is None:
-                        return
-                    if item[3] is not None:
-                        item[3].set()
-            if want:
-                self._syncs += 1
-                self._synced_end = self._size
-                if seq > self._durable_seq:
-                    self._durable_seq = seq
-            for w in waiters:
-                w.set()
+    def _stamp(self) -> None:
+        """Record out of band that every byte so far is synced (``format.SyncStamp``)."""
+        if self._layer is None or self._end != self._synced_end:
+            return
+        stamp = SyncStamp(log_id=self.header.log_id, size=self._synced_end, next_seq=self._next_seq,
+                          chain=self._head)
+        try:
+            self._layer.write_stamp(self._file, encode_stamp(stamp))
+        except OSError as exc:
+            self._fail("stamp", exc)

@@ -74,7 +74,7 @@ def canonical(st: LedgerState, version: int = DIGEST_VERSION) -> dict:
     if version == 1:
         if (st.page_hash or st.sharers or st.cached or st.aborted_steps or len(st.in_flight) > 1
                 or any(s != st.open_step for s in st.restored_since.values())):
-            raise ConfigurationError("this state (prefix-cache data, or steps in flight) has no version-1 canonical form")
+            raise ConfigurationError("this state (prefix-cache data, or steps in flight) has no version-1 form")
         return out
     del out["last_plan"], out["restored_since_seal"]
     out["in_flight"] = [[plan.step, list(plan.clear_list)] for plan in st.in_flight]

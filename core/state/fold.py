@@ -37,6 +37,7 @@ from ..events.events import (
     PagesReserved,
     PagesShared,
     ReservationReturned,
+    SanitizerViolation,
     RestoreCompleted,
     RestoreStarted,
     SnapshotAliased,
@@ -71,6 +72,7 @@ __all__ = [
     "reservation_returned",
     "restore_completed",
     "restore_started",
+    "sanitizer_violation",
     "snapshot_aliased",
     "snapshot_released",
     "step_aborted",
@@ -226,7 +228,8 @@ def pages_committed(st: LedgerState, e: PagesCommitted) -> tuple:
                     pend[p] = e.step
                     listed.append(p)
     reserved, k = rec.reserved, len(pages)
-    if tuple(reserved[:k]) == pages:  # commits take the reservation in order: its head
+    memo = st.head
+    if (memo[1] is pages and memo[0] == st.seq) or tuple(reserved[:k]) == pages:  # the usual commit: the head
         del reserved[:k]
     else:
         _remove(reserved, pages)
@@ -371,8 +374,27 @@ def step_sealed(st: LedgerState, e: StepSealed) -> tuple:
 
 
 def step_completed(st: LedgerState, e: StepCompleted) -> tuple:
+    """A rank ran the step. Once every rank that reports completions has completed a step,
+    its plan leaves the steps in flight: it can no longer be aborted (its pages may be
+    published from now on)."""
     if e.step > st.completed.get(e.rank, -1):
         st.completed[e.rank] = e.step
+        in_flight = st.in_flight
+        if in_flight and in_flight[0].step <= e.step:
+            done = st.completed_step
+            while in_flight and in_flight[0].step <= done:
+                del in_flight[0]
+            if not in_flight:
+                st.restored_since.clear()
+            else:  # a restore matters only to a plan sealed before it: the oldest in flight bounds them
+                oldest = in_flight[0].step
+                st.restored_since = {p: s for p, s in st.restored_since.items() if s > oldest}
+    st.seq += 1
+    return _NO_EFFECTS
+
+
+def sanitizer_violation(st: LedgerState, e: SanitizerViolation) -> tuple:
+    """A record only: the step it names is aborted by its own event."""
     st.seq += 1
     return _NO_EFFECTS
 
@@ -390,7 +412,8 @@ def step_aborted(st: LedgerState, e: StepAborted) -> tuple:
     restored = st.restored_since
     kv_of: dict[int, set[int]] = {}  # request -> its KV pages, built once per request
     holder, requests = st.holder, st.requests
-    marked = []
+    marked: list[int] = []
+    seen: set[int] = set()  # a page in two aborted plans is named once
     for plan in aborted:
         for p in plan.clear_list:
             if restored.get(p, -1) > plan.step:
@@ -405,9 +428,11 @@ def step_aborted(st: LedgerState, e: StepAborted) -> tuple:
                         pend[p] = step
                         carry.append(p)
                     continue
+            if p not in seen:
+                seen.add(p)
+                marked.append(p)
             marks[p] = MARK_ALL
             residue.pop(p, None)
-            marked.append(p)
         st.aborted_steps.add(plan.step)
     if carry:
         st.clear_lists[step] = carry + st.clear_lists.get(step, [])

@@ -37,6 +37,7 @@ from ..events.events import (
     PagesPublished,
     PagesReserved,
     PagesShared,
+    SanitizerViolation,
     ReservationReturned,
     RestoreCompleted,
     RestoreStarted,
@@ -60,6 +61,7 @@ __all__ = [
     "pages_reserved",
     "pages_shared",
     "request_known",
+    "sanitizer_violation",
     "reservation_returned",
     "restore_completed",
     "restore_started",
@@ -133,8 +135,10 @@ def pages_reserved(st: LedgerState, e: PagesReserved) -> None:
     pages = e.page_ids
     stack, k = st.free_stack, len(pages)
     # the allocator's choice, the top of the free stack, needs no per-page check
-    top = (0 < k <= len(stack) and not st.stale_entries and not st.restore_targets
-           and tuple(stack[: -k - 1 : -1]) == pages)
+    memo = st.picked
+    top = (memo[1] is pages and memo[0] == st.seq) or (
+        0 < k <= len(stack) and not st.stale_entries and not st.restore_targets
+        and tuple(stack[: -k - 1 : -1]) == pages)
     if not top:
         _pages(st, pages)
     rec = st.requests.get(e.request)
@@ -162,8 +166,10 @@ def pages_committed(st: LedgerState, e: PagesCommitted) -> None:
     pages = e.page_ids
     rec = st.requests.get(e.request)
     k = len(pages)
-    # the usual commit, the head of r's reservation, needs no per-page check
-    head = rec is not None and 0 < k <= len(rec.reserved) and tuple(rec.reserved[:k]) == pages
+    # the usual commit, the head of r's reservation (as the command decided it: the memo), needs no per-page check
+    memo = st.head
+    head = rec is not None and ((memo[1] is pages and memo[0] == st.seq)
+                                or 0 < k <= len(rec.reserved) and tuple(rec.reserved[:k]) == pages)
     if not head:
         _pages(st, pages)
     if e.step < st.open_step:
@@ -186,7 +192,7 @@ def snapshot_aliased(st: LedgerState, e: SnapshotAliased) -> None:
     _pages(st, pages)
     holder = st.holder
     for p in pages:
-        if holder[p] >= 0:
+        if holder[p] >= 0 or holder[p] == HOLDER_CACHED:  # (a cached page holds KV that may still be shared)
             raise PageNotHeldError(p, "free or alias", st.holder_of(p))
     _not_restoring(st, pages, "cannot alias")
     mine = st.snapshots.get(e.snapshot)
@@ -255,10 +261,11 @@ def step_completed(st: LedgerState, e: StepCompleted) -> None:
 
 
 def step_aborted(st: LedgerState, e: StepAborted) -> None:
-    """The step is in flight: sealed, not aborted, among the last MAX_IN_FLIGHT sealed."""
+    """The step is in flight: sealed, not aborted, not completed on every rank, among the
+    last MAX_IN_FLIGHT sealed."""
     if not any(plan.step == e.step for plan in st.in_flight):
-        raise StepOrderError(e.step, st.open_step, "only a step in flight (sealed, not aborted, among the last "
-                             f"{MAX_IN_FLIGHT} sealed) can be aborted")
+        raise StepOrderError(e.step, st.open_step, "only a step in flight (sealed, not aborted, not yet completed "
+                             f"on every rank, among the last {MAX_IN_FLIGHT} sealed) can be aborted")
 
 
 # ---------------------------------------------------------------------- prefix caching
@@ -303,9 +310,12 @@ def _published_page_by_page(st: LedgerState, rec: RequestRecord, e: PagesPublish
         if step < 0:
             detail = "another request wrote it" if step == -1 else "its commit step is unknown (an old checkpoint)"
             raise PageNotHeldError(p, f"written by request {e.request}", detail)
-        if step > done or step in aborted:
+        if step in aborted:
+            raise StepOrderError(step, st.open_step, f"page {p} was committed in step {step}, which was aborted: "
+                                 "its KV was never written")
+        if step > done:
             raise StepOrderError(step, st.open_step, f"page {p} was committed in step {step}, which has not "
-                                 f"completed (completed through {done}); its KV is not written yet")
+                                 f"completed on every rank (completed through {done}); its KV is not written yet")
         if p in st.page_hash:
             raise PageNotHeldError(p, "not yet published", f"published as {st.page_hash[p]!r}")
         if h in st.hash_page:
@@ -332,7 +342,7 @@ def pages_shared(st: LedgerState, e: PagesShared) -> None:
     tenant = _share_tenant(st, e)
     rec = st.requests.get(e.request)
     hashed = st.page_hash
-    if (pages and hashed.keys() >= set(pages) and len(set(pages)) == len(pages)
+    if (pages and hashed.keys() >= set(pages) and len(set(pages)) == len(pages) and st.marks.keys().isdisjoint(pages)
             and (rec is None or (set(rec.kv).isdisjoint(pages) and set(rec.reserved).isdisjoint(pages)))):
         if st.policy != "released_aliases":
             ht = st.hash_tenant
@@ -373,3 +383,10 @@ def pages_evicted(st: LedgerState, e: PagesEvicted) -> None:
     for p in pages:
         if holder[p] != HOLDER_CACHED:
             raise PageNotHeldError(p, "cached", st.holder_of(p))
+
+
+def sanitizer_violation(st: LedgerState, e: SanitizerViolation) -> None:
+    """The step was sealed; the page is in range."""
+    if not 0 <= e.step < st.open_step:
+        raise StepOrderError(e.step, st.open_step, "a sanitizer violation in a step that was never sealed")
+    checks.page_ids((e.page_id,), st.num_pages, allow_empty=False)

@@ -27,6 +27,7 @@ table and nothing else; an event type that is not in it is refused
     PagesPublished          kv(r) written by r, completed    gain their hash       -          BlocksStored
     PagesShared             hashed kv(R) or cached(h)        -> kv(R + {r})        unchanged  -
     PagesEvicted            cached(h)                        -> free               policy     BlocksRemoved
+    SanitizerViolation      step sealed                      -                     -          - (a record)
 
 To add an event: its struct in ``core/events/events.py``, a precondition in
 ``preconditions.py``, an applier in ``fold.py``, and its row here.
@@ -50,6 +51,7 @@ from ..events.events import (
     ReservationReturned,
     RestoreCompleted,
     RestoreStarted,
+    SanitizerViolation,
     SnapshotAliased,
     SnapshotReleased,
     StepAborted,
@@ -124,6 +126,9 @@ TRANSITIONS: dict[type, Transition] = {
         "the last sealed step, not yet aborted", "—",
         "its pages still in kv(r) listed again for the open step; the others set", "—",
         pre.step_aborted, fold.step_aborted),
+    SanitizerViolation: Transition(
+        "step sealed; page in range", "—", "—", "— (a record for audits; the step is aborted by its own event)",
+        pre.sanitizer_violation, fold.sanitizer_violation),
     # SPEC, "Prefix-shared pages".
     PagesPublished: Transition(
         "each page kv(r) written by r, full, committed in a step that has completed; "

@@ -2,6 +2,7 @@
 
     kvledger demo                       # 143 requests, clears on: 0 failures, logits == reference
     kvledger demo --no-clear            # the seed's failure: INVALID_SPECULATION > 0
+    kvledger demo --metrics-port 9400   # Prometheus metrics on 127.0.0.1:9400 while it runs
     python -m kvledger.demo --requests 12 --prompt-tokens 128,256
 
 ``main(argv, prog="kvledger demo") -> int`` follows the ``kvledger`` CLI's
@@ -90,6 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--json", metavar="PATH", default=None, help="also write the figures as JSON")
     o.add_argument("--no-reference", action="store_true", help="skip the reference run (no logits oracle)")
     o.add_argument("--no-progress", action="store_true", help="no progress bars")
+    x = parser.add_argument_group("metrics (pip install kvledger[metrics])")
+    x.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics while the demo runs "
+                        "(0: a free port, printed)")
+    x.add_argument("--metrics-linger", type=float, default=0.0, metavar="SECONDS",
+                   help="after the run, keep serving until one more scrape, at most SECONDS (default 0)")
 
 
 def build_parser(prog: str = "python -m kvledger.demo") -> argparse.ArgumentParser:
@@ -187,7 +194,51 @@ def main(args=None, prog: str = "kvledger demo") -> int:
         return _run(args, config, log_path, out, err)
 
 
+def _start_metrics(args: argparse.Namespace, err):
+    """``--metrics-port``: a ``LedgerMetrics`` on a fresh registry and its ``MetricsServer``
+    (``(None, None)`` without the flag). Raises ``ConfigurationError`` (no prometheus-client,
+    port taken) or ``InvalidArgumentError`` (bad port or linger); nothing is left running then."""
+    port = getattr(args, "metrics_port", None)
+    if port is None:
+        return None, None
+    linger = getattr(args, "metrics_linger", 0.0)
+    if not linger >= 0:
+        raise InvalidArgumentError(f"--metrics-linger must be >= 0 seconds, got {linger}")
+    from kvledger.metrics import LedgerMetrics, MetricsServer, prometheus
+
+    registry = prometheus().CollectorRegistry()
+    metrics = LedgerMetrics(registry)
+    server = MetricsServer(registry, port=port)
+    err.print(f"metrics: serving {server.url}", markup=False, highlight=False, soft_wrap=True)
+    return metrics, server
+
+
+def _stop_metrics(server, args: argparse.Namespace, err) -> None:
+    """``--metrics-linger``: serve until one more scrape (or the time is up), then stop."""
+    linger = getattr(args, "metrics_linger", 0.0)
+    try:
+        if linger > 0:
+            err.print(f"metrics: the run is over; serving {server.url} until one more scrape "
+                      f"(at most {linger:g} s)", markup=False, highlight=False, soft_wrap=True)
+            server.wait_scrape(server.scrapes, linger)
+    finally:
+        server.close()
+
+
 def _run(args: argparse.Namespace, config: DemoConfig, log_path: str, out, err) -> int:
+    try:
+        metrics, server = _start_metrics(args, err)
+    except KVLedgerError as exc:
+        err.print(f"kvledger demo: error: {exc}", markup=False, highlight=False)
+        return 2
+    try:
+        return _run_and_report(args, config, log_path, out, err, metrics)
+    finally:
+        if server is not None:
+            _stop_metrics(server, args, err)
+
+
+def _run_and_report(args: argparse.Namespace, config: DemoConfig, log_path: str, out, err, metrics) -> int:
     import anyio
 
     from .run import run_demo
@@ -196,7 +247,8 @@ def _run(args: argparse.Namespace, config: DemoConfig, log_path: str, out, err) 
     try:
         with progress_bars(err, enabled=not args.no_progress) as progress:
             report = anyio.run(functools.partial(run_demo, config, log_path=log_path,
-                                                 reference=not args.no_reference, progress=progress))
+                                                 reference=not args.no_reference, progress=progress,
+                                                 metrics=metrics))
     except ConfigurationError as exc:
         err.print(f"kvledger demo: error: {exc}", markup=False, highlight=False)
         return 2

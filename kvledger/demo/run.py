@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from kvledger.core.errors import ConfigurationError
+from kvledger.core.errors import ConfigurationError, StepFailedError
 from kvledger.core.events import Geometry
 from kvledger.engine import RankSpec, StepInputs, open_engine
 from kvledger.executors.backend import backend_class
@@ -88,13 +88,15 @@ async def simulate(
     log_path: str | None = None,
     progress: Callable[[int], None] | None = None,
     model: HybridDecoder | None = None,
+    metrics: Any = None,
 ) -> RunResult:
     """Run the trace once through the engine; return what happened.
 
     ``reference=True``: no memory pressure (a budget holding everything, nothing freed
     before the end, clears on). ``log_path``: write the durable event log there (the
     engine's ``log=``). ``progress(n)`` is called with the number of requests that
-    just ended (passed or failed).
+    just ended (passed or failed). ``metrics``: a ``kvledger.metrics.LedgerMetrics`` that
+    tracks the engine and is told every step's outcome.
 
     Raises ``ConfigurationError`` for a budget too small for the trace or an unusable
     device/backend, and what the engine raises (``StepFailedError`` if a graph fails).
@@ -106,7 +108,7 @@ async def simulate(
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     try:
-        return await _Serving(config, reference, log_path, progress, model).run()
+        return await _Serving(config, reference, log_path, progress, model, metrics).run()
     finally:
         torch.set_num_threads(threads)
 
@@ -137,9 +139,10 @@ class _Serving:
     """
 
     def __init__(self, config: DemoConfig, reference: bool, log_path: str | None,
-                 progress: Callable[[int], None] | None, model: HybridDecoder | None) -> None:
+                 progress: Callable[[int], None] | None, model: HybridDecoder | None, metrics: Any = None) -> None:
         config.validate()
         self.config, self.reference, self.log_path, self.progress = config, reference, log_path, progress
+        self.metrics = metrics
         self.mc = mc = model_config(config)
         self.pt, self.world = config.page_tokens, config.ranks
         specs = config.specs()
@@ -180,6 +183,8 @@ class _Serving:
                                policy=self.config.policy) as engine:
             self.engine = engine
             warm_kernels(engine, self.devices)
+            if self.metrics is not None:  # --no-clear zeroes nothing: no bytes to count
+                self.metrics.track_engine(engine, page_bytes=None if self.clear else [0] * self.world)
             zeroed_before = backend_bytes(engine)
             t_start = time.perf_counter()
             while await self.step():
@@ -316,7 +321,7 @@ class _Serving:
         tables = await engine.call(_kv_tables, ids)
         work.prefill = list(zip(prefill_q, tables[: len(prefill_q)], strict=True))
         work.decode = list(zip(decode_q, tables[len(prefill_q):], strict=True))
-        result = await engine.run_step(step, StepInputs(data=work))
+        result = await self._run_step(step, work)
         res.steps += 1
         res.step_s += result.wall_s
         res.clear_s += max(t.clear_s for t in result.ranks)
@@ -329,6 +334,19 @@ class _Serving:
                 res.pages_zeroed += len(result.clear_list)
                 res.bytes_zeroed += len(result.clear_list) * self.plane_bytes
         res.nan_bytes_written += sum(work.nan_bytes)
+
+    async def _run_step(self, step: int, work: StepWork) -> Any:
+        """``engine.run_step``; its outcome also goes to the metrics, when there are any."""
+        metrics = self.metrics
+        try:
+            result = await self.engine.run_step(step, StepInputs(data=work))
+        except StepFailedError as exc:
+            if metrics is not None:
+                metrics.step_failed(exc)
+            raise
+        if metrics is not None:
+            metrics.step_completed(result)
+        return result
 
     def _verify(self, work: StepWork) -> None:
         """Non-finite logits fail a request (INVALID_SPECULATION); the others take their token."""
@@ -393,19 +411,21 @@ async def run_demo(
     log_path: str | None = None,
     reference: bool = True,
     progress: Callable[[str, int], Callable[[int], None]] | None = None,
+    metrics: Any = None,
 ) -> DemoReport:
     """The demo: the trace under pressure (clears on, or off with ``config.clear=False``)
     through an engine that logs to ``log_path``, then (``reference=True``) the same
     trace with no pressure in memory, and the oracle comparing their logits.
 
     ``progress(label, total)`` returns the callback one run reports ended requests to.
+    ``metrics`` (a ``kvledger.metrics.LedgerMetrics``) follows the run under pressure only.
     Raises what ``simulate`` raises.
     """
     config.validate()
     t0 = time.perf_counter()
     model = HybridDecoder(model_config(config), config.seed)
     cb = progress(("clears on" if config.clear else "clears off"), config.requests) if progress else None
-    run = await simulate(config, log_path=log_path, progress=cb, model=model)
+    run = await simulate(config, log_path=log_path, progress=cb, model=model, metrics=metrics)
     ref = oracle = None
     if reference:
         cb = progress("reference", config.requests) if progress else None

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
+import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import anyio
 
-from kvledger.core.errors import ConfigurationError, EngineClosedError, InvalidArgumentError
+from kvledger.core.errors import ConfigurationError, InvalidArgumentError
 from kvledger.core.events import Geometry
 from kvledger.core.ledger import Ledger
 from kvledger.executors.executor import NO_INPUTS, RankExecutor, StepInputs, StepJob
 from kvledger.logs import get_logger
 
+from .access import LedgerAccess
 from .steps import StepResult, StepRunner
 
 __all__ = ["Engine", "RankSpec"]
@@ -27,9 +28,12 @@ class RankSpec:
     ``planes``: the rank's cache planes (torch tensors ``[num_pages, ...]``,
     contiguous); none for a rank that holds no cache (its clear lists are still
     validated). ``graph``: ``graph(ctx, step, inputs)``, sync or async, run after the
-    clears. ``stream``: the model stream for CUDA planes (default: the device's
-    current stream). ``backend``: a backend name (see ``kvledger.executors.backend``)
-    or a ready ``ClearBackend``; ``None`` takes the engine's ``backend``.
+    clears; when every rank's planes are on the CPU and its graph is a plain function
+    (or none), the ranks' jobs run inline in ``run_step``'s task, rank after rank (a
+    graph that awaits anything is declared ``async def``). ``stream``: the model stream
+    for CUDA planes (default: the device's current stream). ``backend``: a backend
+    name (see ``kvledger.executors.backend``) or a ready ``ClearBackend``; ``None``
+    takes the engine's ``backend``.
     """
 
     planes: Sequence[Any] = ()
@@ -41,9 +45,11 @@ class RankSpec:
 class Engine:
     """The async face of a ``Ledger`` plus one executor per rank. Built by ``open_engine``.
 
-    Commands mirror the ledger's and raise what it raises (nothing changed). With a
-    log they run in a worker thread, one at a time; in memory they run on the loop
-    without yielding (they take microseconds).
+    Commands mirror the ledger's and raise what it raises (nothing changed). They
+    reach the ledger through one serialized path (``access.py``): on the loop,
+    without yielding, when the ledger cannot block (in memory, or a log that writes
+    in the background); in the engine's one worker thread for a log that writes
+    and fsyncs inline. After the engine began closing they raise ``EngineClosedError``.
     """
 
     def __init__(
@@ -51,7 +57,6 @@ class Engine:
         ledger: Ledger,
         executors: Sequence[RankExecutor],
         *,
-        threaded: bool,
         queue_size: int = 1,
         drain_timeout_s: float = 10.0,
         logger: Any = None,
@@ -59,20 +64,17 @@ class Engine:
         self._ledger = ledger
         self._executors = tuple(executors)
         self.world_size = len(self._executors)
-        self._threaded = threaded
-        self._limiter = anyio.CapacityLimiter(1) if threaded else None
+        self._access = LedgerAccess(ledger)
         try:
             self._step_lock = anyio.Lock(fast_acquire=True)  # anyio >= 4.5: no yield when free
         except TypeError:
             self._step_lock = anyio.Lock()
-        self._closed: BaseException | None = None
         pairs = [anyio.create_memory_object_stream[StepJob](queue_size) for _ in self._executors]
         self._job_receivers = [r for _, r in pairs]
         self._no_inputs = [NO_INPUTS] * self.world_size
         self._steps = StepRunner(
-            ledger, [s for s, _ in pairs], call=self._call, threaded=threaded, limiter=self._limiter,
+            self._access, self._executors, [s for s, _ in pairs], inline=all(map(_runs_inline, self._executors)),
             drain_timeout_s=drain_timeout_s, logger=logger if logger is not None else get_logger("kvledger.engine"),
-            on_broken=self._broken,
         )
         self.remote_address: tuple[str, int] | None = None
 
@@ -134,90 +136,91 @@ class Engine:
         return {"steps_completed": s.steps_completed, "steps_aborted": s.steps_aborted,
                 "pages_cleared": s.pages_cleared}
 
-    def _check_open(self) -> None:
-        if self._closed is not None:
-            closed = self._closed
-            what = "closed" if isinstance(closed, EngineClosedError) else f"broken: {closed!r}"
-            raise EngineClosedError(f"the engine is {what}") from closed
-
-    def _broken(self, exc: BaseException) -> None:
-        """Recording a step's outcome failed: every later call raises ``EngineClosedError``."""
-        if self._closed is None:
-            self._closed = exc
-
-    async def _call(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
-        """One ledger call, exclusive: in a worker thread with a log, else directly."""
-        if self._closed is not None:
-            self._check_open()
-        if self._threaded:
-            if kwargs:
-                fn = functools.partial(fn, **kwargs)
-            return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
-        return fn(*args, **kwargs)
-
     # ------------------------------------------------------------------ commands
     #
-    # In memory a command is a plain call on the loop (microseconds, no await inside):
-    # it cannot interleave with another command, and a caller cancelled meanwhile sees
-    # the cancellation at its next checkpoint, with the command done and recorded.
-    # With a log it is one job for the engine's single worker-thread limiter.
+    # ``access.direct``: the ledger may be called right here (open, cannot block, nothing
+    # in the worker thread). Such a command is a plain call on the loop (microseconds, no
+    # await inside): it cannot interleave with another call, and a caller cancelled
+    # meanwhile sees the cancellation at its next checkpoint, with the command done and
+    # recorded. Otherwise it goes through ``access.call``.
 
     async def reserve(self, request: int, n: int, *, tenant: str | None = None) -> tuple[int, ...]:
         """``Ledger.reserve``: ``n`` free pages for ``request``. ``OutOfPagesError`` under pressure."""
-        if self._threaded or self._closed is not None:
-            return await self._call(self._ledger.reserve, request, n, tenant=tenant)
-        return self._ledger.reserve(request, n, tenant=tenant)
+        if self._access.direct:
+            return self._ledger.reserve(request, n, tenant=tenant)
+        return await self._access.call(self._ledger.reserve, request, n, tenant=tenant)
 
     async def return_reservation(self, request: int, pages: Iterable[int] | None = None) -> tuple[int, ...]:
-        if self._threaded or self._closed is not None:
-            return await self._call(self._ledger.return_reservation, request, pages)
-        return self._ledger.return_reservation(request, pages)
+        if self._access.direct:
+            return self._ledger.return_reservation(request, pages)
+        return await self._access.call(self._ledger.return_reservation, request, pages)
 
     async def commit(
         self, request: int, step: int, n: int | None = None, *, pages: Iterable[int] | None = None
     ) -> tuple[int, ...]:
         """``Ledger.commit``: returns the page ids that joined ``step``'s clear list."""
-        if self._threaded or self._closed is not None:
-            return await self._call(self._ledger.commit, request, step, n, pages=pages)
-        return self._ledger.commit(request, step, n, pages=pages)
+        if self._access.direct:
+            return self._ledger.commit(request, step, n, pages=pages)
+        return await self._access.call(self._ledger.commit, request, step, n, pages=pages)
 
     async def cancel(self, request: int) -> None:
-        if self._threaded or self._closed is not None:
-            return await self._call(self._ledger.cancel, request)
-        self._ledger.cancel(request)
+        if self._access.direct:
+            return self._ledger.cancel(request)
+        return await self._access.call(self._ledger.cancel, request)
 
     async def finish(self, request: int) -> None:
-        if self._threaded or self._closed is not None:
-            return await self._call(self._ledger.finish, request)
-        self._ledger.finish(request)
+        if self._access.direct:
+            return self._ledger.finish(request)
+        return await self._access.call(self._ledger.finish, request)
 
     async def alias_snapshot(
         self, snapshot: int, n: int | None = None, *, pages: Iterable[int] | None = None
     ) -> tuple[int, ...]:
-        return await self._call(self._ledger.alias_snapshot, snapshot, n, pages=pages)
+        if self._access.direct:
+            return self._ledger.alias_snapshot(snapshot, n, pages=pages)
+        return await self._access.call(self._ledger.alias_snapshot, snapshot, n, pages=pages)
 
     async def release_snapshot(self, snapshot: int) -> None:
-        await self._call(self._ledger.release_snapshot, snapshot)
+        if self._access.direct:
+            self._ledger.release_snapshot(snapshot)
+            return
+        await self._access.call(self._ledger.release_snapshot, snapshot)
 
     async def start_restore(
         self, pages: Iterable[int], *, request: int | None = None, snapshot: int | None = None
     ) -> None:
-        await self._call(self._ledger.start_restore, pages, request=request, snapshot=snapshot)
+        if self._access.direct:
+            self._ledger.start_restore(pages, request=request, snapshot=snapshot)
+            return
+        await self._access.call(self._ledger.start_restore, pages, request=request, snapshot=snapshot)
 
     async def complete_restore(
         self, pages: Iterable[int], *, request: int | None = None, snapshot: int | None = None
     ) -> None:
-        await self._call(self._ledger.complete_restore, pages, request=request, snapshot=snapshot)
+        if self._access.direct:
+            self._ledger.complete_restore(pages, request=request, snapshot=snapshot)
+            return
+        await self._access.call(self._ledger.complete_restore, pages, request=request, snapshot=snapshot)
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn(ledger, *args)`` with exclusive access to the ledger (in the worker
-        thread when there is a log): several commands for one thread hop, or a
-        consistent query. Do not seal, complete or abort steps here: ``run_step`` does."""
-        return await self._call(fn, self._ledger, *args)
+        """Run ``fn(ledger, *args)`` with exclusive access to the ledger, where its commands
+        run (on the loop, or in the worker thread for a log that fsyncs inline): several
+        commands for one thread hop, or a consistent query. Do not seal, complete or abort
+        steps here (``run_step`` does), nor wait for the disk (``flush`` does)."""
+        return await self._access.call(fn, self._ledger, *args)
 
     async def digest(self) -> str:
         """The ledger state's digest (equal to a replay of its events / its log)."""
-        return await self._call(self._ledger.digest)
+        return await self._access.call(self._ledger.digest)
+
+    async def flush(self) -> None:
+        """Make every event so far durable (``DurableLedger.sync``), waiting in the worker
+        thread. Raises ``ConfigurationError`` for an engine without a log, ``LogIOError``
+        when the write or fsync fails (the log then refuses appends: the engine's next
+        step breaks it), ``EngineClosedError`` once closing began."""
+        if not self._access.durable:
+            raise ConfigurationError("this engine has no log to flush")
+        await self._access.blocking(self._ledger.sync)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ steps
 
@@ -245,9 +248,13 @@ class Engine:
         per_rank = self._inputs_for_ranks(inputs)
         if not isinstance(payload, (bytes, bytearray)):
             raise InvalidArgumentError(f"payload must be bytes, got {type(payload).__name__}")
-        self._check_open()
-        async with self._step_lock:
-            return await self._steps.run(step, per_rank, bytes(payload))
+        access = self._access
+        if access.state != "open":
+            access.check_open()
+        async with self._step_lock:  # one step at a time; cancelled before it holds the lock: nothing sealed
+            if access.state != "open":  # closing began while this call waited for the previous step
+                access.check_open()
+            return await self._steps.run(step, per_rank, payload if type(payload) is bytes else bytes(payload))
 
     def _inputs_for_ranks(self, inputs: Any) -> list[StepInputs]:
         n = self.world_size
@@ -277,9 +284,43 @@ class Engine:
             out[rank] = value
         return out
 
-    # ------------------------------------------------------------------ lifecycle
+    # ------------------------------------------------------------------ lifecycle (open_engine drives it)
 
-    def _shutdown(self) -> None:
-        if self._closed is None:
-            self._closed = EngineClosedError("closed")
+    async def _settle_in_flight(self, *, abort: bool) -> None:
+        """Closing, step 1 (call shielded): refuse new commands and steps, then wait until
+        the step in flight (if any) is recorded. ``abort``: cancel it first (it is recorded
+        as aborted, "engine closed"); else it runs to its end. Steps that were waiting
+        for it raise ``EngineClosedError`` without being sealed."""
+        self._access.begin_close()
+        if abort:
+            self._steps.abort_in_flight()
+        async with self._step_lock:
+            pass
+
+    async def _serve_rank(self, rank: int, jobs: Any, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        """Rank ``rank``'s executor task (``RankExecutor.serve``); a step waiting on it learns when it ends."""
+        try:
+            await self._executors[rank].serve(jobs, task_status=task_status)
+        finally:
+            self._steps.rank_gone(rank)
+
+    def _stop_executors(self) -> None:
+        """Closing, step 2: no more plans; the executors stop after their current one."""
+        self._access.begin_close()
         self._steps.close()
+
+    async def _close_ledger(self) -> None:
+        """Closing, step 3 (shielded): the last call on the ledger's path; nothing after it."""
+        await self._access.close()
+
+
+def _runs_inline(ex: RankExecutor) -> bool:
+    """Whether a rank's job runs to its end without awaiting: CPU (or no) planes and a
+    graph that is a plain function (or none). Such a job can run in ``run_step``'s task."""
+    if getattr(ex.context.device, "type", None) == "cuda":
+        return False
+    graph = ex.graph
+    if graph is None:
+        return True
+    call = graph if inspect.isroutine(graph) else type(graph).__call__  # an object: its class's __call__
+    return not (inspect.iscoroutinefunction(graph) or inspect.iscoroutinefunction(call))

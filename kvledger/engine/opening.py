@@ -3,8 +3,10 @@
     open_engine(...) ─► check the options ─► open the ledger (durable: in a worker thread)
                      ─► build one RankExecutor per RankSpec (planes must fit the geometry)
                      ─► task group: every executor's serve() started ─► [wire leader] ─► yield engine
-                     ─► on exit: no more plans (executors stop after their current one),
-                        the leader's links closed, the log closed (shielded)
+                     ─► on exit (shielded): commands and new steps refused; the step in flight
+                        waited for (clean exit) or cancelled and recorded as aborted (error,
+                        cancellation); the leader's links closed; the executors stopped;
+                        the log closed, the last call on the ledger's path
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ async def open_engine(
     backend: Any = "torch",
     check: bool = False,
     record: bool = False,
-    fsync: str = "per_step",
+    fsync: str | None = None,
+    background: bool | None = None,
     queue_size: int = 1,
     drain_timeout_s: float = 10.0,
     logger: Any = None,
@@ -53,8 +56,10 @@ async def open_engine(
     existing log keeps its own, and naming another raises ``ConfigurationError``).
     ``backend``: the clear backend name for ranks that do not name one (``"torch"``,
     ``"cuda"``, ``"triton"``). ``log``: a path; the log is created (``geometry``
-    required) or reopened and replayed (``geometry`` may be ``None``); ledger calls
-    then run in a worker thread. ``record`` keeps the events in
+    required) or reopened and replayed (``geometry`` may be ``None``); ``fsync`` and
+    ``background`` go to ``kvledger.durable.open_ledger`` (``None``: its defaults). Ledger
+    calls run on the loop for a log that writes in the background (``log.background``),
+    in the engine's worker thread for one that fsyncs inline. ``record`` keeps the events in
     ``engine.ledger.events`` (in-memory ledgers only). ``queue_size`` bounds each
     rank's plan stream; ``drain_timeout_s`` bounds how long a failed or cancelled
     step waits for its other ranks to stop before recording the abort (a rank that
@@ -66,8 +71,10 @@ async def open_engine(
 
     Raises ``InvalidArgumentError`` / ``ConfigurationError`` for bad arguments or
     planes that do not fit the geometry (nothing opened), and what opening the log
-    raises (``CorruptLogError``, ...). On exit the executors stop after their
-    current plan and the log is closed (shielded from cancellation).
+    raises (``CorruptLogError``, ...). On exit (shielded) the step in flight is waited
+    for, or cancelled and recorded as aborted when the body raised or was cancelled;
+    then the executors stop and the log is closed (``kvledger.engine`` says what
+    callers see); nothing is written after it.
 
     ``remote``: a ``RemoteRanks`` (see ``kvledger.engine.remote``): the engine becomes
     the wire leader of ``remote.world_size - 1`` peers, listening on ``remote.listen``
@@ -76,17 +83,25 @@ async def open_engine(
     """
     specs = _rank_specs(ranks)
     _check_options(remote, policy, queue_size)
-    ledger, threaded = await _open_ledger(geometry, log, policy, check, record, fsync, logger)
+    ledger = await _open_ledger(geometry, log, policy, check, record, fsync, background, logger)
+    engine: Engine | None = None
     try:
         executors = _build_executors(specs, ledger.geometry.num_pages, backend)
-        engine = Engine(ledger, executors, threaded=threaded, queue_size=queue_size,
-                        drain_timeout_s=drain_timeout_s, logger=logger)
+        engine = Engine(ledger, executors, queue_size=queue_size, drain_timeout_s=drain_timeout_s, logger=logger)
         async with _running(engine, remote, logger):
             yield engine
     finally:
-        if threaded:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(ledger.close)
+        await _close(engine, ledger)
+
+
+async def _close(engine: Engine | None, ledger: Ledger) -> None:
+    """The last call on the ledger (shielded): through the engine's path, or directly if
+    no engine was built (a rank spec did not fit)."""
+    with anyio.CancelScope(shield=True):
+        if engine is not None:
+            await engine._close_ledger()
+        elif hasattr(ledger, "close"):
+            await anyio.to_thread.run_sync(ledger.close)
 
 
 def _check_options(remote: Any, policy: str | None, queue_size: Any) -> None:
@@ -138,24 +153,32 @@ def _build_executors(specs: list[RankSpec], num_pages: int, default_backend: Any
     return out
 
 
-async def _open_ledger(geometry, log, policy, check, record, fsync, logger) -> tuple[Ledger, bool]:
-    """The ledger, and whether its calls go to a worker thread (a durable log: they do file I/O)."""
+async def _open_ledger(geometry, log, policy, check, record, fsync, background, logger) -> Ledger:
+    """The ledger: in memory, or durable when ``log`` is a path (opened in a worker thread)."""
     if log is None:
         if not isinstance(geometry, Geometry):
             raise InvalidArgumentError("geometry must be a Geometry (it may be omitted only with an existing log)")
-        return Ledger(geometry, policy=policy or "released_aliases", check=check, record=record), False
+        return Ledger(geometry, policy=policy or "released_aliases", check=check, record=record)
     try:
         from kvledger.durable import open_ledger
     except ImportError as exc:
         raise ConfigurationError(f"a log was asked for but kvledger.durable is not available: {exc!r}") from exc
-    opener = functools.partial(open_ledger, log, geometry, policy=policy, fsync=fsync, check=check, logger=logger)
-    return await anyio.to_thread.run_sync(opener), True
+    options: dict[str, Any] = {"policy": policy, "check": check, "logger": logger}
+    if fsync is not None:
+        options["fsync"] = fsync
+    if background is not None:
+        options["background"] = background
+    opener = functools.partial(open_ledger, log, geometry, **options)
+    return await anyio.to_thread.run_sync(opener)
 
 
 @contextlib.asynccontextmanager
 async def _running(engine: Engine, remote: RemoteRanks | None, logger: Any) -> AsyncIterator[None]:
     """The executors' task group (and the wire leader) around the body.
 
+    On exit, before the leader's links close: new commands and steps are refused and
+    the step in flight is waited for (the body returned) or cancelled and recorded as
+    aborted (the body raised or was cancelled), shielded; then the executors stop.
     Executors never raise (they report failures), so a task group error that holds
     only the body's own exception is that exception: it comes out as it was raised.
     """
@@ -165,24 +188,24 @@ async def _running(engine: Engine, remote: RemoteRanks | None, logger: Any) -> A
     try:
         async with anyio.create_task_group() as tg:
             try:
-                for ex, jobs in zip(engine.executors, engine._job_receivers, strict=True):
-                    await tg.start(ex.serve, jobs)
+                for rank, jobs in enumerate(engine._job_receivers):
+                    await tg.start(engine._serve_rank, rank, jobs)
                     started += 1
-                if remote is None:
-                    yield
-                else:
-                    async with _open_remote(engine, remote, logger):
-                        try:
-                            yield
-                        except BaseException as exc:
-                            body_error = exc
-                            raise
+                async with _open_remote(engine, remote, logger) if remote is not None else contextlib.nullcontext():
+                    try:
+                        yield
+                    except BaseException as exc:
+                        body_error = exc
+                        raise
+                    finally:
+                        with anyio.CancelScope(shield=True):
+                            await engine._settle_in_flight(abort=body_error is not None)
             except BaseException as exc:
                 if body_error is None:
                     body_error = exc
                 raise
             finally:
-                engine._shutdown()
+                engine._stop_executors()
                 for jobs in engine._job_receivers[started:]:
                     jobs.close()  # receivers no executor took (a start that failed)
     except BaseExceptionGroup as group:

@@ -1,0 +1,261 @@
+"""Host cost of the GPU clear paths, part by part, against the floors it sits on; and the target table.
+
+Part of ``bench_gpu.py`` (which calls :func:`host_figures` on its 3-plane set-up and
+:func:`report` at the end); run alone it measures the host figures on 3 planes of
+2048 x 16 KiB pages. Medians of 300 calls, the GPU left running between them
+(a clear never waits for it).
+
+    parts      validate (checks.page_ids), pack (struct.pack_into a pinned row),
+               clear via each launch path, stage, graph_clear
+    floors     one Triton JIT launch, a direct cuLaunchKernel, cuMemcpyHtoDAsync of
+               512 B from pinned memory, torch copy_ of 512 B, cuMemsetD8Async,
+               cuEventRecord, CUDAGraph.replay(), cuGraphLaunch
+    evidence   host kernel launches of 10 graph_clear calls (backend counter, profiler);
+               64 eager clears behind a 0.5 s sleep kernel: did the host ever wait?
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import print_table  # noqa: E402
+
+HOST_SIZES = (16, 128, 1024)
+
+
+def _parts(torch, planes, stream, n: int) -> dict[str, Any]:
+    from bench_gpu import NUM_PAGES
+
+    from kvledger.core import checks
+    from kvledger.executors.page_lists import ListRing
+    from kvledger.executors.triton_backend import TritonClearBackend
+
+    ids = tuple(random.Random(n).sample(range(NUM_PAGES), n))
+    make: dict[str, dict[str, Any]] = {"clear": {}, "clear_no_prefetch": {"prefetch": False},
+            "clear_triton_launcher": {"launch": "triton", "prefetch": False},
+            "clear_jit": {"launch": "jit", "prefetch": False}}
+    backends = {k: TritonClearBackend(planes, stream=stream, **kw) for k, kw in make.items()}
+    g = backends["clear"]
+    ring = ListRing(torch, 1 + NUM_PAGES, planes[0].device)
+    slot = ring.acquire()
+    parts: dict[str, Any] = {"validate": lambda: checks.page_ids(ids, NUM_PAGES),
+                             "pack": lambda: ListRing.pack(slot, (n,), ids),
+             "stage": lambda: g.stage(ids), "graph_clear": lambda: g.graph_clear(ids)}
+    parts.update({k: (lambda b=b: b.clear(ids)) for k, b in backends.items()})
+    return parts
+
+
+def _floors(torch, planes, stream) -> dict[str, Any]:
+    from kvledger.executors import cuda_driver
+    from kvledger.executors.triton_backend import TritonClearBackend
+
+    cu = cuda_driver.as_custream(stream.cuda_stream)
+    b = TritonClearBackend(planes, stream=stream)
+    b.graph_clear([])
+    jit = TritonClearBackend(planes, stream=stream, launch="jit", prefetch=False)
+    jit.warmup()
+    fill_jit, fill = jit._fill(False), b._fill(False)
+    empty = torch.zeros(1, dtype=torch.int32, device=planes[0].device)
+    eptr = int(empty.data_ptr())
+    host = torch.zeros(128, dtype=torch.int32, pin_memory=True)
+    dev = torch.zeros(128, dtype=torch.int32, device=planes[0].device)
+    hptr, dptr = int(host.data_ptr()), int(dev.data_ptr())
+    ev = cuda_driver.event_create()
+    graph: Any = b._graph
+    gexec = b._graph_exec
+
+    def jit_launch():
+        with torch.cuda.stream(stream):
+            fill_jit(empty, eptr, 1, cu)
+
+    def torch_copy():
+        dev.copy_(host, non_blocking=True)
+
+    def replay():
+        with torch.cuda.stream(stream):
+            graph.replay()
+
+    floors = {"triton_jit_launch": jit_launch, "direct_launch": lambda: fill(empty, eptr, 1, cu),
+              "memcpy_htod_512b": lambda: cuda_driver.memcpy_htod_async(dptr, hptr, 512, cu),
+              "torch_copy_512b": torch_copy, "memset_d8": lambda: cuda_driver.memset_d8_async(dptr, 0, 512, cu),
+              "event_record": lambda: cuda_driver.event_record(ev, cu), "graph_replay": replay}
+    if gexec is not None:
+        floors["graph_launch"] = lambda: cuda_driver.graph_launch(gexec, cu)
+    return floors
+
+
+def _evidence(torch, planes, stream, res: dict) -> None:
+    from kvledger.executors.triton_backend import TritonClearBackend
+
+    gb = TritonClearBackend(planes, stream=stream)
+    ids = random.Random(7).sample(range(planes[0].shape[0]), 16)
+    gb.graph_clear(ids)
+    before = gb.statistics()["kernel_launches"]
+    for _ in range(10):
+        gb.graph_clear(ids)
+    stream.synchronize()
+    res["graph_host_kernel_launches"] = gb.statistics()["kernel_launches"] - before
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        counts = {}
+        for name, fn in (("graph", gb.graph_clear), ("eager", gb.clear)):
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                fn(ids)
+                stream.synchronize()
+            names = [e.name for e in prof.events()]
+            counts[name] = (sum("LaunchKernel" in n for n in names), sum("GraphLaunch" in n for n in names))
+        res["profiler_eager_kernel_launches"] = counts["eager"][0]
+        res["profiler_graph_kernel_launches"] = counts["graph"][0]
+        res["profiler_graph_launches"] = counts["graph"][1]
+    except Exception as exc:  # noqa: BLE001 - the profiler is optional evidence
+        res["profiler_error"] = repr(exc)[:200]
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s
+    t0 = time.perf_counter()
+    for i in range(64):
+        gb.clear([i, 2 * i + 500])
+    res["busy_gpu_64_clears_host_ms"] = (time.perf_counter() - t0) * 1e3
+    res["host_never_waited"] = int(not stream.query())
+    res["ring_slots_after_busy"] = gb.statistics()["ring_slots"]
+    stream.synchronize()
+
+
+def host_figures(torch, run: Any, planes, objs: dict) -> None:
+    """Host parts for 16/128/1024 ids, the floors, the graph evidence: into ``run.res``."""
+    from bench_gpu import median_host
+
+    res, stream = run.res, run.stream
+    for n in HOST_SIZES:
+        for name, fn in _parts(torch, planes, stream, n).items():
+            fn()
+            res[f"host_n{n}_{name}_us"] = median_host(fn) * 1e6
+            stream.synchronize()
+    for name, fn in _floors(torch, planes, stream).items():
+        fn()
+        res[f"floor_{name}_us"] = median_host(fn) * 1e6
+        stream.synchronize()
+    _evidence(torch, planes, stream, res)
+
+
+# --------------------------------------------------------------------------- the report
+
+def _targets(res: dict) -> list[tuple[str, str, float, Any]]:
+    """Issue #15's targets as (figure, op, want, got)."""
+    from bench_gpu import BIG_CASE, LIST_SIZES, PAGE_BYTES, PLANE_COUNTS
+
+    rows: list[tuple[str, str, float, Any]] = []
+    for p in PLANE_COUNTS:
+        for n in LIST_SIZES:
+            for pat in ("adj", "sc"):
+                tag = f"p{p}_n{n}_{pat}"
+                if f"{tag}_triton_device_us" not in res:
+                    continue
+                if n * p * PAGE_BYTES >= BIG_CASE:
+                    rows.append((f"{tag}_triton_ceiling", ">=", 0.85, res[f"{tag}_triton_ceiling"]))
+                res[f"{tag}_triton_x_cuda"] = res[f"{tag}_cuda_device_us"] / res[f"{tag}_triton_device_us"]
+                rows.append((f"{tag}_triton_x_cuda", ">=", 1.0, res[f"{tag}_triton_x_cuda"]))
+    for pat in ("adj", "sc"):
+        rows.append((f"p3_n1024_{pat}_triton_x_naive", ">=", 1.5, res.get(f"p3_n1024_{pat}_triton_x_naive")))
+    for n, want in ((16, 15.0), (128, 15.0), (1024, 30.0)):
+        rows.append((f"host_n{n}_clear_us", "<=", want, res.get(f"host_n{n}_clear_us")))
+    for n in (16, 128):
+        rows.append((f"host_n{n}_graph_clear_us", "<=", 10.0, res.get(f"host_n{n}_graph_clear_us")))
+    for key in ("graph_host_kernel_launches", "profiler_graph_kernel_launches"):
+        rows.append((key, "==", 0, res.get(key)))
+    rows.append(("host_never_waited", "==", 1, res.get("host_never_waited")))
+    return rows
+
+
+def _ratio(op: str, want: float, got: Any) -> float | None:
+    if not isinstance(got, (int, float)):
+        return None
+    if op == "==":
+        return 1.0 if got == want else 0.0
+    if op == ">=":
+        return got / want
+    return want / got if got else float("inf")
+
+
+def report(run: Any) -> None:
+    """Print the clear table, the host table and the target table; targets into ``run.res`` and TARGETS."""
+    import bench_gpu
+
+    res = run.res
+    print_table(
+        f"GPU clears on {res['card']}, {res['date']} (ceiling: cuMemsetD8Async of 2 GiB = "
+        f"{res['ceiling_memset_bytes_per_s'] / 1e12:.2f} TB/s; zero_() {res['zero_2gib_bytes_per_s'] / 1e12:.2f} TB/s; "
+        f"16 KiB per plane page; config {run.config.tag()})",
+        ["case", "backend", "MB", "device us", "host us", "GB/s", "% ceiling", "x naive", "x cuda", "memset=",
+         "cold us"], run.rows)
+    print(f"verified after timing: {run.verified} cases, {run.bad_bytes} listed bytes not zero")
+    parts = [k for k in ("validate", "pack", "stage", "clear", "clear_no_prefetch", "clear_triton_launcher",
+                         "clear_jit", "graph_clear") if f"host_n16_{k}_us" in res]
+    sizes = list(HOST_SIZES)
+    print_table("host cost, 3 planes, median of 300 calls (us), fresh processes: the default (cuda-python "
+                f"binding) / the opt-in ctypes path (active: {res.get('ctypes_ctypes_driver_path', 'n/a')})",
+                ["part", *[f"{n} ids" for n in sizes]],
+                [[k, *[f"{res[f'host_n{n}_{k}_us']:.1f} / {res.get(f'ctypes_host_n{n}_{k}_us', float('nan')):.1f}"
+                       for n in sizes]] for k in parts])
+    for prefix in ("", "ctypes_"):
+        floors = sorted(k for k in res if k.startswith(f"{prefix}floor_"))
+        print(f"floors{' (ctypes path)' if prefix else ''} (us): "
+              + ", ".join(f"{k[len(prefix) + 6:-3]} {res[k]:.1f}" for k in floors))
+    rows = []
+    for name, op, want, got in _targets(res):
+        ratio = _ratio(op, want, got)
+        met = ratio is not None and ratio >= 1.0
+        bench_gpu.TARGETS[f"target_{name}"] = (op, want)
+        res[f"target_{name}"] = got if isinstance(got, (int, float)) else float("nan")
+        res[f"target_{name}_ratio"] = ratio if ratio is not None else float("nan")
+        shown = f"{got:.4g}" if isinstance(got, float) else str(got)
+        rows.append([name, f"{op} {want}", shown, "n/a" if ratio is None else f"{ratio:.2f}",
+                     "PASS" if met else "MISS"])
+    print_table("issue #15 targets (ratio >= 1: met)", ["target", "want", "got", "ratio", ""], rows)
+    print()
+    res["targets_met"] = sum(r[-1] == "PASS" for r in rows)
+    res["targets_total"] = len(rows)
+
+
+def run(quick: bool = False) -> dict:
+    """Standalone: the host figures on 3 planes (bench_gpu.py runs this in fresh processes)."""
+    try:
+        import torch
+    except ImportError:
+        return {"skipped": "no torch"}
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA"}
+    from bench_gpu import NUM_PAGES, PAGE_BYTES
+
+    class _Run:
+        res: dict = {}
+        stream = torch.cuda.Stream()
+
+    from kvledger.executors import cuda_driver
+
+    planes = [torch.zeros(NUM_PAGES, PAGE_BYTES, dtype=torch.uint8, device="cuda") for _ in range(3)]
+    host_figures(torch, _Run, planes, {})
+    _Run.res["ctypes_driver_path"] = int(bool(cuda_driver._direct()))
+    for k, v in sorted(_Run.res.items()):
+        print(f"{k:40} {v:.2f}" if isinstance(v, float) else f"{k:40} {v}")
+    return dict(_Run.res)
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    figures = run(args.quick)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1, sort_keys=True)

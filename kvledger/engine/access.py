@@ -1,0 +1,181 @@
+"""``LedgerAccess``: the one path from the engine to its ledger (and the ledger's log).
+
+    open ──begin_close()──► closing ──close()──► closed
+      │                        │                   ▲
+      └──── a recording fails ─┴───────────────────┘ (broken: closed, chained to that error)
+
+    state     commands, seals     a sealed step's outcome     close()
+    open      run                 recorded                    -
+    closing   EngineClosedError   recorded                    runs: the last call on the path
+    closed    EngineClosedError   EngineClosedError           (idempotent)
+
+Every ledger call of the engine, a command's, a seal's, a step's outcome, the
+close, goes through here, and here it is checked against the state, exclusive
+of every other call:
+
+* where: right here on the event loop when the ledger cannot block (in memory,
+  or a durable ledger whose log writes in the background: an append only
+  encodes into a buffer), else in the engine's one worker thread (a log that
+  writes and fsyncs inline; ``close`` and ``flush`` of any log; a call the log
+  says may wait for the disk, see below). While any call is in (or waiting
+  for) the worker thread, later calls queue behind it there too, so the
+  ledger never sees two calls at once and calls keep their order;
+* when: a call handed to the worker thread is checked again once it holds the
+  thread (closing may have begun while it waited): after ``close()`` nothing
+  reaches the ledger, and nothing is written.
+
+The switch: ``ledger.log.background`` (True: the log writes and fsyncs in its own
+thread, appends never wait for the disk but under back-pressure). Such a log may
+also answer ``log.may_block`` (True while its next append could wait for the
+disk: back-pressure, a segment rotation due); while it does, calls go to the
+worker thread. A log without that attribute is taken never to block an append.
+
+Raises ``EngineClosedError`` (chained to the recording failure when broken);
+what a call raises comes out as it was raised and changes nothing here, except
+that a failed recording breaks the engine.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from kvledger.core.errors import EngineClosedError
+
+__all__ = ["LedgerAccess"]
+
+_OPEN, _CLOSING, _CLOSED = "open", "closing", "closed"
+
+
+class LedgerAccess:
+    """The engine's serialized path to ``ledger`` (see the module docstring).
+
+    ``direct`` is True while a command may call the ledger right here, with no
+    check left to make (open, a ledger that cannot block, nothing in the worker
+    thread): the engine's commands read it first and call the ledger in place.
+    """
+
+    def __init__(self, ledger: Any) -> None:
+        self.ledger = ledger
+        log = getattr(ledger, "log", None)
+        self.durable = log is not None
+        self.threaded = self.durable and not getattr(log, "background", False)  # every call in the thread
+        self._may_block: Callable[[], bool] | None = None
+        if self.durable and not self.threaded and hasattr(type(log), "may_block"):
+            self._may_block = functools.partial(getattr, log, "may_block")
+        self._limiter = anyio.CapacityLimiter(1)
+        self._state = _OPEN
+        self._broken: BaseException | None = None
+        self._waiting = 0  # calls in (or queued for) the worker thread
+        self._ledger_closed = False
+        self.direct = False
+        self._refresh()
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def state(self) -> str:
+        """``"open"``, ``"closing"`` or ``"closed"`` (also when broken)."""
+        return self._state
+
+    def check_open(self) -> None:
+        """Raise ``EngineClosedError`` unless the engine is open."""
+        if self._state is not _OPEN:
+            self._refuse()
+
+    def begin_close(self) -> None:
+        """No more commands or seals (``EngineClosedError``); outcomes of sealed steps are still recorded."""
+        if self._state is _OPEN:
+            self._state = _CLOSING
+            self._refresh()
+
+    def _refuse(self) -> None:
+        if self._broken is not None:
+            raise EngineClosedError(f"the engine is broken: {self._broken!r}") from self._broken
+        raise EngineClosedError(f"the engine is {self._state}")
+
+    def _refresh(self) -> None:
+        self.direct = (self._state is _OPEN and not self.threaded and self._may_block is None
+                       and self._waiting == 0)
+
+    def _here(self) -> bool:
+        """Whether a call may run on the loop now (never while another is in the worker thread)."""
+        if self.threaded or self._waiting:
+            return False
+        return self._may_block is None or not self._may_block()
+
+    # ------------------------------------------------------------------ the calls
+
+    async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """A command (or a seal): ``fn(*args, **kwargs)`` on the ledger, exclusive. Raises
+        ``EngineClosedError`` unless open (nothing runs), else what ``fn`` raises."""
+        if self._state is not _OPEN:
+            self._refuse()
+        if self._here():
+            return fn(*args, **kwargs)
+        if kwargs:
+            fn = functools.partial(fn, **kwargs)
+        return await self._in_thread(self._command, (fn, *args))
+
+    async def blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``call``, always in the worker thread: a call that may wait for the disk (``flush``)."""
+        if self._state is not _OPEN:
+            self._refuse()
+        return await self._in_thread(self._command, (fn, *args))
+
+    async def record(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Record a sealed step's outcome: runs while open or closing, shielded from
+        cancellation. A failure of ``fn`` breaks the engine (every later call raises
+        ``EngineClosedError`` chained to it) and is re-raised."""
+        if self._state is _CLOSED:
+            self._refuse()
+        try:
+            if self._here():
+                fn(*args)
+            else:
+                with anyio.CancelScope(shield=True):
+                    await self._in_thread(self._outcome, (fn, *args))
+        except BaseException as exc:
+            if self._state is not _CLOSED:  # (refused in the thread: closed meanwhile, nothing recorded)
+                self._broken = exc
+                self._state = _CLOSED
+                self._refresh()
+            raise
+
+    async def close(self) -> None:
+        """The last call on the path, shielded: mark the engine closed, then close the
+        ledger (a durable one in the worker thread, behind every call queued there).
+        Idempotent. Raises what closing the log raises (the file is released anyway)."""
+        with anyio.CancelScope(shield=True):
+            if self._state is not _CLOSED:
+                self._state = _CLOSED
+                self._refresh()
+            if self.durable and not self._ledger_closed:
+                self._ledger_closed = True
+                await self._in_thread(self.ledger.close, ())
+
+    # ------------------------------------------------------------------ the worker thread
+
+    def _command(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._state is not _OPEN:
+            self._refuse()
+        return fn(*args)
+
+    def _outcome(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._state is _CLOSED:
+            self._refuse()
+        return fn(*args)
+
+    async def _in_thread(self, fn: Callable[..., Any], args: tuple) -> Any:
+        """``fn(*args)`` in the worker thread, after every call queued there before it."""
+        self._waiting += 1
+        self.direct = False
+        try:
+            return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        finally:
+            self._waiting -= 1
+            if not self._waiting:
+                self._refresh()

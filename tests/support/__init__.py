@@ -1,0 +1,1 @@
+"""Test support for the log's reliability tests: crafted log bytes and a system-call recorder."""
