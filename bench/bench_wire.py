@@ -1,4 +1,4 @@
-"""The layout-7 wire: PREPARE codec costs, and the PREPARE -> READY round trip over TCP.
+"""The layout-8 wire: PREPARE codec costs, and a step's round trips over TCP.
 
 Part 1, codec (one process, no I/O), for clear lists of 16, 1,024 and 16,384 ids:
 
@@ -9,17 +9,25 @@ Part 1, codec (one process, no I/O), for clear lists of 16, 1,024 and 16,384 ids
     baseline   the plain check on the same ids as a list: max(ids) < n and
                len(set(ids)) == len(ids)    ratio = baseline / validate
 
-Part 2, round trip over loopback TCP with 2, 4 and 8 ranks. The leader is this
-process (``open_leader`` + ``run_step``: PREPARE of 1,024 sorted ids to every
-peer, wait for READY from all, queue LAUNCH; the LAUNCH is written during an
-untimed 2 ms pause after each step, which the echo gets too); each other rank is a separate OS
-process running ``run_peer`` (started as ``python bench/bench_wire.py --peer``).
+Part 2, round trips over loopback TCP with 2, 4 and 8 ranks. The leader is this
+process; each other rank is a separate OS process running ``run_peer`` (started
+as ``python bench/bench_wire.py --peer``), whose step does nothing but answer.
+Per step, timed from the leader:
+
+    handshake  ``run_step``: PREPARE of 1,024 sorted ids to every peer, READY
+               from all, LAUNCH queued (one round trip)
+    complete   then ``wait_completed``: the LAUNCH goes out, every peer runs its
+               (empty) step and answers COMPLETE (layout 8's second round trip)
+    step       the two together: what a step of a remote group costs on the wire
+
 The baseline, in the same run and alternated with it in batches, is a bare TCP
 echo of the same bytes: the leader writes the same PREPARE frame to as many
 plain echo processes, each reads it whole and writes it back whole, and the
-leader reads every echo back. p50 and p99 of the per-step wall time.
+leader reads every echo back. An untimed 2 ms pause follows every step and
+every echo. p50 and p99 of the per-step wall time.
 
-    ratio = handshake p50 / echo p50   (target <= 1.5 at 8 ranks)
+    ratio      = handshake p50 / echo p50        (target <= 1.5 at 8 ranks)
+    step ratio = step p50 / (2 x echo p50)       (two round trips against two echoes)
 
 On a 2-core machine 7 peer processes share 2 cores with the leader: both sides
 pay for that equally, which is why they are alternated.
@@ -77,21 +85,21 @@ def _codec(quick: bool) -> tuple[dict, list]:
         frame = decode(data)
         assert page_ids_problem(frame.clear_pages, NUM_PAGES) is None
 
-        def enc():
+        def enc(ids=ids):
             encode_prepare(7, ids)
 
-        def dec():
+        def dec(data=data):
             d = FrameDecoder()
             d.feed(data)
             d.next_frame()
 
         pages = frame.clear_pages
 
-        def val():
+        def val(pages=pages):
             if page_ids_problem(pages, NUM_PAGES) is not None:
                 raise AssertionError("valid ids refused")
 
-        def base():
+        def base(as_list=as_list):
             if not (max(as_list) < NUM_PAGES and len(set(as_list)) == len(as_list)):
                 raise AssertionError("valid ids refused")
 
@@ -99,7 +107,7 @@ def _codec(quick: bool) -> tuple[dict, list]:
         rng.shuffle(shuffled)
         unsorted = decode(encode_prepare(7, shuffled)).clear_pages
 
-        def val_unsorted():
+        def val_unsorted(unsorted=unsorted):
             page_ids_problem(unsorted, NUM_PAGES)
 
         reps = max(10, (200_000 if not quick else 40_000) // n)
@@ -172,7 +180,7 @@ async def _round_trips(world: int, rounds: int, batch: int) -> dict:
     ids = tuple(sorted(rng.sample(range(NUM_PAGES), RTT_IDS)))
     frame = encode_prepare(0, ids)
     size = len(frame)
-    hs, echo = [], []
+    hs, full, echo = [], [], []
     procs = []
     async with open_leader(g, world_size=world) as leader:
         host, port = await leader.listen_tcp()
@@ -200,17 +208,16 @@ async def _round_trips(world: int, rounds: int, batch: int) -> dict:
 
         for _ in range(3):  # warm-up, both sides
             await leader.run_step(StepPlan(step=step, clear_list=ids), timeout=10)
+            await leader.wait_completed(step, timeout=10)
             step += 1
             await one_echo()
         while len(hs) < rounds:
             for _ in range(batch):
-                t0 = time.perf_counter()
-                d = await leader.run_step(StepPlan(step=step, clear_list=ids), timeout=10)
-                hs.append(time.perf_counter() - t0)
+                h, f = await _timed_step(leader, StepPlan(step=step, clear_list=ids))
+                hs.append(h)
+                full.append(f)
                 step += 1
-                if not d.launch:
-                    raise RuntimeError(f"bench step aborted: {d.detail}")
-                await anyio.sleep(SETTLE)  # untimed: LAUNCH goes out, peers run the step
+                await anyio.sleep(SETTLE)  # untimed
             for _ in range(batch):
                 echo.append(await one_echo())
                 await anyio.sleep(SETTLE)
@@ -221,7 +228,21 @@ async def _round_trips(world: int, rounds: int, batch: int) -> dict:
             p.wait(timeout=10)
         except subprocess.TimeoutExpired:
             p.kill()
-    return {"handshake": hs, "echo": echo, "bytes": size}
+    return {"handshake": hs, "step": full, "echo": echo, "bytes": size}
+
+
+async def _timed_step(leader, plan) -> tuple[float, float]:
+    """One step through the group: (handshake seconds, seconds until every COMPLETE is in)."""
+    t0 = time.perf_counter()
+    d = await leader.run_step(plan, timeout=10)
+    t1 = time.perf_counter()
+    if not d.launch:
+        raise RuntimeError(f"bench step aborted: {d.detail}")
+    c = await leader.wait_completed(plan.step, timeout=10)
+    t2 = time.perf_counter()
+    if not c.ok:
+        raise RuntimeError(f"bench step not completed everywhere: {c}")
+    return t1 - t0, t2 - t0
 
 
 def _pct(xs, q):
@@ -230,7 +251,6 @@ def _pct(xs, q):
 
 
 def run(quick: bool) -> dict:
-    import anyio
     import structlog
     import logging
 
@@ -242,25 +262,40 @@ def run(quick: bool) -> dict:
          "validate rate", "enc+dec+val rate", "spread"],
         rows,
     )
-    rounds = 300 if quick else 2000
+    figures.update(_round_trip_figures(300 if quick else 2000))
+    return figures
+
+
+def _round_trip_figures(rounds: int) -> dict:
+    """Part 2 at 2, 4 and 8 ranks: prints its table, returns its figures."""
+    import anyio
+
+    figures: dict = {}
     rrows = []
-    for world in (2, 4, 8):
-        r = anyio.run(_round_trips, world, rounds, 50)
+    for w in (2, 4, 8):
+        r = anyio.run(_round_trips, w, rounds, 50)
         h50, h99 = _pct(r["handshake"], 0.5), _pct(r["handshake"], 0.99)
+        s50, s99 = _pct(r["step"], 0.5), _pct(r["step"], 0.99)
         e50, e99 = _pct(r["echo"], 0.5), _pct(r["echo"], 0.99)
-        w = world
+        c50 = _pct([b - a for a, b in zip(r["handshake"], r["step"], strict=True)], 0.5)
         figures.update({
             f"rtt_handshake_p50_us_{w}": h50 * 1e6, f"rtt_handshake_p99_us_{w}": h99 * 1e6,
+            f"rtt_step_p50_us_{w}": s50 * 1e6, f"rtt_step_p99_us_{w}": s99 * 1e6,
+            f"rtt_complete_p50_us_{w}": c50 * 1e6,
             f"rtt_echo_p50_us_{w}": e50 * 1e6, f"rtt_echo_p99_us_{w}": e99 * 1e6,
             f"rtt_ratio_{w}": h50 / e50, f"rtt_ratio_p99_{w}": h99 / e99,
+            f"rtt_step_ratio_{w}": s50 / (2 * e50),
         })
-        rrows.append([world, r["bytes"], len(r["handshake"]), f"{h50 * 1e6:.0f}", f"{h99 * 1e6:.0f}",
-                      f"{e50 * 1e6:.0f}", f"{e99 * 1e6:.0f}", f"{h50 / e50:.2f}x", f"{h99 / e99:.2f}x"])
+        rrows.append([w, r["bytes"], len(r["handshake"]), f"{h50 * 1e6:.0f}", f"{h99 * 1e6:.0f}",
+                      f"{s50 * 1e6:.0f}", f"{s99 * 1e6:.0f}", f"{e50 * 1e6:.0f}", f"{e99 * 1e6:.0f}",
+                      f"{h50 / e50:.2f}x", f"{h99 / e99:.2f}x", f"{s50 / (2 * e50):.2f}x"])
     figures["rtt_ids"] = RTT_IDS
     figures["rtt_ranks"] = "processes (leader in the bench process, one OS process per peer), loopback TCP"
     print_table(
-        f"PREPARE -> READY from all over loopback TCP ({RTT_IDS} ids; peers are OS processes)",
-        ["ranks", "frame B", "steps", "handshake p50 us", "p99 us", "echo p50 us", "p99 us", "p50 ratio", "p99 ratio"],
+        f"A step over loopback TCP, layout 8 ({RTT_IDS} ids; peers are OS processes): handshake = PREPARE -> "
+        "READY from all -> LAUNCH queued; step = handshake, then COMPLETE from all",
+        ["ranks", "frame B", "steps", "handshake p50 us", "p99 us", "step p50 us", "p99 us", "echo p50 us",
+         "p99 us", "hs/echo p50", "p99", "step/2 echo p50"],
         rrows,
     )
     return figures

@@ -1,4 +1,4 @@
-"""Tensor-parallel ranks in separate processes, over the layout-7 wire.
+"""Tensor-parallel ranks in separate processes, over the layout-8 wire.
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 examples/tp_ranks.py --steps 40
     (torchrun --standalone --nproc-per-node 4 ..., same thing; --standalone picks a free
@@ -25,9 +25,13 @@ on TCP and publishes its address there; peers read it and connect.
                                                     3. kv:    requests write their tokens
                                                     4. check: no NaN byte in a page a
                                                        request just wrote
+    wait_completed(k)       ◄── COMPLETE(k, r) ───  (run_peer sends it when step k ran)
+    ledger: StepCompleted(k, r) for rank 0 and every rank whose COMPLETE said ok;
+            StepAborted(k) first if one failed or stayed silent (named in the reason)
     at the end every rank puts a digest of (step, sorted clear list) for the steps it
-    launched into the store; the leader compares them and exits non-zero on any
-    disagreement or NaN byte, and every rank exits with the leader's verdict.
+    launched into the store; the leader compares them, and the completions its ledger
+    recorded per rank, and exits non-zero on any disagreement, missing completion or
+    NaN byte; every rank exits with the leader's verdict.
 
 Each rank has its own planes (K as bfloat16, V as float8_e4m3fn; bytes per page
 differ per rank, as with sharded heads). ``--device cuda`` puts them on the rank's
@@ -110,7 +114,7 @@ class RankState:
             for b in self.bytes:
                 bad = (b[written] == NAN).flatten(1).any(1).nonzero().flatten().tolist()
                 self.nan_pages += [(step, written[i]) for i in bad]
-        self.digest.update(struct.pack("<QI", step, len(ids)) + struct.pack("<" + str(len(ids)) + "I", *ids))
+        self.digest.update(struct.pack("<QI", step, len(ids)) + struct.pack(f"<{len(ids)}I", *ids))
         self.launched += 1
         self.pages_cleared += len(ids)
         if self.planes[0].is_cuda:
@@ -145,6 +149,7 @@ class Workload:
         self.rows: list[int] = []  # carried until a step launches
         self.writes: dict[int, tuple[int, int]] = {}  # request -> (tokens, byte), until a step launches
         self.refused = 0
+        self.recorded: dict[int, int] = {}  # rank -> StepCompleted events recorded for it
 
     def step(self, step: int) -> tuple:
         rng, led, T = self.rng, self.ledger, self.g.page_tokens
@@ -165,7 +170,7 @@ class Workload:
             r = self.next_request
             self.next_request += 1
             try:
-                led.reserve(r, need, tenant="t" + str(r % 3))
+                led.reserve(r, need, tenant=f"t{r % 3}")
             except OutOfPagesError:
                 self.refused += 1
                 continue
@@ -184,10 +189,18 @@ class Workload:
         payload = msgspec.msgpack.encode(Payload(rows=tuple(self.rows), kv=tuple(kv)))
         return plan, payload
 
-    def launched(self, step: int) -> None:
+    def launched(self, step: int, completion) -> None:
+        """Record launched ``step`` from the peers' COMPLETEs (a ``StepCompletion``): abort it
+        first if a peer failed or stayed silent, then StepCompleted for rank 0 and every peer
+        that reported it ran the step."""
         self.rows.clear()
         self.writes.clear()
-        self.ledger.complete_step(step, 0)
+        if not completion.ok:
+            rank, why = (completion.failed + completion.missing)[0]
+            self.ledger.abort_step(step, f"rank {rank} did not complete: {why}")
+        for rank in (0, *completion.completed):
+            self.ledger.complete_step(step, rank)
+            self.recorded[rank] = self.recorded.get(rank, 0) + 1
 
     def aborted(self, step: int, reason: str) -> None:
         self.ledger.abort_step(step, reason)  # the clear list is carried into the next step
@@ -198,7 +211,7 @@ async def lead(args, store, world: int, me: RankState, g: Geometry) -> dict:
     decisions = []
     async with open_leader(g, world_size=world) as leader:
         host, port = await leader.listen_tcp(args.host, 0)
-        store.set(KEY + "leader", host + ":" + str(port))
+        store.set(KEY + "leader", f"{host}:{port}")
         with anyio.fail_after(args.join_timeout):
             await leader.wait_joined()
         t0 = time.perf_counter()
@@ -206,9 +219,9 @@ async def lead(args, store, world: int, me: RankState, g: Geometry) -> dict:
             plan, payload = work.step(step)
             d = await leader.run_step(plan, payload, timeout=args.timeout)
             if d.launch:
-                ids = memoryview(struct.pack("<" + str(len(plan.clear_list)) + "I", *sorted(plan.clear_list))).cast("I")
+                ids = memoryview(struct.pack(f"<{len(plan.clear_list)}I", *sorted(plan.clear_list))).cast("I")
                 me.on_launch(step, ids, payload)
-                work.launched(step)
+                work.launched(step, await leader.wait_completed(step, timeout=args.timeout))
             else:
                 me.on_drop(step, d.code, d.rank)
                 work.aborted(step, d.detail)
@@ -223,6 +236,8 @@ async def lead(args, store, world: int, me: RankState, g: Geometry) -> dict:
         "ledger_digest": work.ledger.digest(),
         "refused": work.refused,
         "frames": sum(v for k, v in stats.items() if k.endswith("frames_in")),
+        "recorded": work.recorded,
+        "completes": stats.get("complete.completed", 0),
     }
 
 
@@ -231,8 +246,39 @@ async def follow(args, store, rank: int, world: int, me: RankState, g: Geometry)
     with anyio.fail_after(args.join_timeout):
         stream = await connect_tcp(host, int(port))
     return await run_peer(
-        stream, g, rank=rank, world_size=world, on_launch=me.on_launch, on_drop=me.on_drop, hello_timeout=args.join_timeout
+        stream, g, rank=rank, world_size=world, on_launch=me.on_launch, on_drop=me.on_drop,
+        hello_timeout=args.join_timeout,
     )
+
+
+def _verdict(store, world: int, run: dict, join_timeout: float) -> None:
+    """The leader's check of every rank's report: one clear digest, as many steps launched
+    as the leader launched, each recorded completed for every rank (from its own COMPLETE),
+    no NaN byte read. Prints the table and puts the verdict into the store."""
+    store.wait([f"{KEY}report/{r}" for r in range(world)], timedelta(seconds=join_timeout))
+    reports = [json.loads(store.get(f"{KEY}report/{r}")) for r in range(world)]
+    recorded = {int(k): v for k, v in run["recorded"].items()}
+    agree = len({r["digest"] for r in reports}) == 1 and len({r["launched"] for r in reports}) == 1
+    nan = sum(r["nan_pages"] for r in reports)
+    complete = all(recorded.get(r["rank"], 0) == r["launched"] for r in reports)
+    ok = agree and complete and nan == 0 and run["launched"] == reports[0]["launched"]
+    ms = 1e3 * run["seconds"] / max(1, run["steps"])
+    print(
+        f"tp_ranks: {world} ranks, {run['steps']} steps ({run['launched']} launched, {run['aborted']} aborted) "
+        f"in {run['seconds']:.3f} s, {ms:.2f} ms/step; ledger digest {run['ledger_digest'][:16]}; "
+        f"reservations refused under KV pressure: {run['refused']}; COMPLETE frames counted: {run['completes']}"
+    )
+    print(" rank  launched  recorded  dropped  pages cleared  NaN pages  bytes/page per plane  clear digest")
+    for r in reports:
+        print(
+            f"{r['rank']:>5}{r['launched']:>10}{recorded.get(r['rank'], 0):>10}{r['dropped']:>9}"
+            f"{r['pages_cleared']:>15}{r['nan_pages']:>11}  {str(r['plane_bytes_per_page']):<22}{r['digest']}"
+        )
+        if r["nan_pages"]:
+            print("       first NaN pages (step, page):", r["first_nan"])
+    why = "digests differ, a completion is missing or NaN bytes read"
+    print("verdict:", "ranks agree, every completion recorded, no stale byte read" if ok else f"FAILED ({why})")
+    store.set(f"{KEY}verdict", "ok" if ok else "failed")
 
 
 def main() -> int:
@@ -263,7 +309,7 @@ def main() -> int:
     if device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local)
-        device = "cuda:" + str(local)
+        device = f"cuda:{local}"
     dist.init_process_group(
         "nccl" if device.startswith("cuda") else "gloo",
         store=dist.PrefixStore("pg", store),
@@ -282,31 +328,9 @@ def main() -> int:
     else:
         run = anyio.run(follow, args, store, rank, world, me, g)
     rep = me.report()
-    store.set(KEY + "report/" + str(rank), json.dumps(rep))
-
+    store.set(f"{KEY}report/{rank}", json.dumps(rep))
     if rank == 0:
-        store.wait([KEY + "report/" + str(r) for r in range(world)], timedelta(seconds=args.join_timeout))
-        reports = [json.loads(store.get(KEY + "report/" + str(r))) for r in range(world)]
-        agree = len({r["digest"] for r in reports}) == 1 and len({r["launched"] for r in reports}) == 1
-        nan = sum(r["nan_pages"] for r in reports)
-        ok = agree and nan == 0 and run["launched"] == reports[0]["launched"]
-        print(
-            "tp_ranks: " + str(world) + " ranks, " + str(run["steps"]) + " steps (" + str(run["launched"]) + " launched, "
-            + str(run["aborted"]) + " aborted) in " + format(run["seconds"], ".3f") + " s, "
-            + format(1e3 * run["seconds"] / max(1, run["steps"]), ".2f") + " ms/step; ledger digest "
-            + run["ledger_digest"][:16] + "; reservations refused under KV pressure: " + str(run["refused"])
-        )
-        print(" rank  launched  dropped  pages cleared  NaN pages  bytes/page per plane  clear digest")
-        for r in reports:
-            print(
-                format(r["rank"], ">5") + format(r["launched"], ">10") + format(r["dropped"], ">9")
-                + format(r["pages_cleared"], ">15") + format(r["nan_pages"], ">11") + "  "
-                + format(str(r["plane_bytes_per_page"]), "<22") + r["digest"]
-            )
-            if r["nan_pages"]:
-                print("       first NaN pages (step, page):", r["first_nan"])
-        print("verdict:", "ranks agree, no stale byte read" if ok else "FAILED (digests differ or NaN bytes read)")
-        store.set(KEY + "verdict", "ok" if ok else "failed")
+        _verdict(store, world, run, args.join_timeout)
     verdict = store.get(KEY + "verdict").decode()
     dist.barrier()
     dist.destroy_process_group()

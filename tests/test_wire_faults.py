@@ -1,18 +1,23 @@
 """R13 with real processes over loopback TCP: a peer killed (SIGKILL), paused (SIGSTOP)
-or partitioned (no bytes in or out) at each phase of the handshake.
+or partitioned (no bytes in or out) at each phase of the handshake, or after it ran a
+step and before its COMPLETE left.
 
 The leader runs in the test process (``open_leader`` + ``listen_tcp``); each peer
 is this file run as a script (``python tests/test_wire_faults.py peer ...``): the
 real ``run_peer`` over a real socket, wrapped so the fault strikes at an exact
 protocol point, and writing what it answered, ran and dropped to a log. Oracle:
 survivors reach ABORT within the deadline, no rank (the healed one included)
-runs an aborted step, every rank runs exactly the launched steps it lived for.
+runs an aborted step, every rank runs exactly the launched steps it lived for,
+and the leader records a rank's completion of a step only if that rank ran it
+(the survivor: every launched step; the faulted one: never the step whose
+COMPLETE it had not sent).
 The bulk of R13 (>= 1,000 schedules) is in test_wire_protocol.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -74,11 +79,9 @@ class FaultyStream:
         data = await self.inner.receive(max_bytes)
         if not self.done:
             seen = self.rx.feed(data)
-            if self.phase == "before_prepare" and (FrameKind.PREPARE, self.step) in seen:
-                await self.strike()
-            elif self.phase == "after_decision" and any(
-                k in (FrameKind.LAUNCH, FrameKind.ABORT) and s == self.step for k, s in seen
-            ):
+            prepared = (FrameKind.PREPARE, self.step) in seen
+            decided = any(k in (FrameKind.LAUNCH, FrameKind.ABORT) and s == self.step for k, s in seen)
+            if (self.phase == "before_prepare" and prepared) or (self.phase == "after_decision" and decided):
                 await self.strike()
         return data
 
@@ -86,7 +89,9 @@ class FaultyStream:
         if not self.done:
             seen = self.tx.feed(data)
             answer = any(k in (FrameKind.READY, FrameKind.REJECT) and s == self.step for k, s in seen)
-            if answer and self.phase == "after_prepare":
+            if self.phase == "after_run" and (FrameKind.COMPLETE, self.step) in seen:
+                await self.strike()  # it ran the step; its COMPLETE has not left
+            elif answer and self.phase == "after_prepare":
                 await self.strike()  # validated, but the answer has not left
             elif answer and self.phase == "after_ready":
                 await self.inner.send(data)
@@ -111,7 +116,6 @@ def peer_main(argv) -> int:
     ap.add_argument("--log")
     ap.add_argument("--heal")
     a = ap.parse_args(argv)
-    out = open(a.log, "a", buffering=1)
 
     def log(rec):
         rec["t"] = time.monotonic()
@@ -131,7 +135,8 @@ def peer_main(argv) -> int:
         )
         log({"ev": "closed"})
 
-    anyio.run(main)
+    with open(a.log, "a", buffering=1) as out:
+        anyio.run(main)
     return 0
 
 
@@ -141,7 +146,7 @@ import pytest  # noqa: E402  (the peer script above does not need it)
 
 from kvledger.wire import open_leader  # noqa: E402
 
-PHASES = ["before_prepare", "after_prepare", "after_ready", "after_decision"]
+PHASES = ["before_prepare", "after_prepare", "after_ready", "after_decision", "after_run"]
 
 
 def _read(path: Path) -> list[dict]:
@@ -156,6 +161,7 @@ async def _schedule(tmp: Path, fault: str, phase: str, *, world=3, steps=3, fste
     logs = {r: tmp / f"rank{r}.jsonl" for r in range(1, world)}
     procs = {}
     decisions = []
+    completions = {}
     try:
         async with open_leader(G, world_size=world, close_grace=0.2) as leader:
             host, port = await leader.listen_tcp()
@@ -172,23 +178,25 @@ async def _schedule(tmp: Path, fault: str, phase: str, *, world=3, steps=3, fste
                 t0 = time.monotonic()
                 d = await leader.run_step(StepPlan(step=s, clear_list=ids), timeout=DEADLINE)
                 decisions.append((d, t0, ids))
+                if d.launch:
+                    completions[s] = await leader.wait_completed(s, timeout=DEADLINE)
             # heal the faulted peer: it must catch up without running anything aborted
             if fault == "pause":
                 os.kill(procs[faulty].pid, signal.SIGCONT)
             heal.touch()
             await anyio.sleep(0.4)
-        for r, p in procs.items():
-            try:
+            after_heal = {s: leader.completion(s) for s in completions}
+        for p in procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                pass
     finally:
         for p in procs.values():  # never leave a stopped or stray peer behind
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGCONT)
                 p.kill()
                 p.wait()
-    return decisions, {r: _read(logs[r]) for r in logs}, {r: p.returncode for r, p in procs.items()}, procs
+    assert after_heal == completions  # a late COMPLETE changes no answer
+    return decisions, completions, {r: _read(logs[r]) for r in logs}, {r: p.returncode for r, p in procs.items()}, procs
 
 
 @pytest.mark.asyncio
@@ -200,7 +208,7 @@ async def test_r13_real_processes_fault_at_each_phase(tmp_path, fault):
     for phase in PHASES:
         tmp = tmp_path / phase
         tmp.mkdir()
-        decisions, logs, codes, procs = await _schedule(tmp, fault, phase)
+        decisions, completions, logs, codes, procs = await _schedule(tmp, fault, phase)
         launched = [d.step for d, _, _ in decisions if d.launch]
         aborted = {d.step: t0 for d, t0, _ in decisions if not d.launch}
         plans = {d.step: list(ids) for d, _, ids in decisions}
@@ -223,18 +231,26 @@ async def test_r13_real_processes_fault_at_each_phase(tmp_path, fault):
                         violations += 1
         assert [e["step"] for e in survivor if e["ev"] == "run"] == launched
         ran_f = [e["step"] for e in faulty if e["ev"] == "run"]
+        ran_by = {1: set(launched), 2: set(ran_f)}
         assert ran_f == sorted(ran_f) and set(ran_f) <= set(launched)
+        # completions: only from ranks that ran the step; the survivor completed every launched one
+        assert set(completions) == set(launched)
+        for s, c in completions.items():
+            assert 1 in c.completed and all(s in ran_by[r] for r in c.completed)
+        if phase == "after_run":
+            assert 1 not in aborted and 2 in dict(completions[1].missing), completions
         if fault == "kill":
             assert codes[2] == -signal.SIGKILL
         else:  # healed: caught up on everything, then closed with the leader
             assert any(e["ev"] == "resumed" for e in faulty) and faulty[-1]["ev"] == "closed", faulty[-3:]
             assert ran_f == launched
         assert codes[1] == 0, procs[1].stderr.read().decode()[-2000:]
-        summary.append((phase, [(d.step, d.launch, int(d.code)) for d, _, _ in decisions]))
+        missing = {s: [r for r, _ in c.missing] for s, c in completions.items() if c.missing}
+        summary.append((phase, [(d.step, d.launch, int(d.code)) for d, _, _ in decisions], "missing", missing))
     print("R13 real processes", fault, "schedules", len(PHASES), "runs checked", checked, "safety violations",
           violations, "slowest ABORT after PREPARE", format(worst, ".3f"), "s (deadline", DEADLINE, "s)")
-    for phase, ds in summary:
-        print("   ", phase, ds)
+    for row in summary:
+        print("   ", *row)
     assert violations == 0
 
 

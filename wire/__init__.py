@@ -1,14 +1,16 @@
-"""kvledger.wire: tensor-parallel PREPARE/READY/LAUNCH over layout-7 frames.
+"""kvledger.wire: tensor-parallel PREPARE/READY/LAUNCH/COMPLETE over layout-8 frames.
 
-    codec      the frames, their byte layout and the encoders (``struct``, CRC32,
-               golden bytes)
-    decoder    bytes -> frames (incremental, checked) and the PREPARE page-id check
-    protocol   the handshake's overview, the events links hand out, the link base
-    peer       PeerLink: a peer's end of its link (pure state machine)
-    leader     LeaderLink: the leader's end of one link (pure state machine)
-    decision   Leader: the leader's decision rule over all links (pure)
-    transport  in-process memory pipes and anyio TCP streams       (loaded on first use)
-    rank       async drivers: open_leader / WireLeader.run_step, run_peer  (same)
+    frames       the frame values and codes (small frozen msgspec Structs)
+    codec        their byte layout and the encoders (``struct``, CRC32, golden bytes)
+    decoder      bytes -> frames (incremental, checked) and the PREPARE page-id check
+    protocol     the handshake's overview, the events links hand out, the link base
+    peer         PeerLink: a peer's end of its link (pure state machine)
+    leader       LeaderLink: the leader's end of one link (pure state machine)
+    decision     Leader: the leader's decision rule over all links (pure)
+    completion   Completions: which peers completed which launched step (pure)
+    transport    in-process memory pipes and anyio TCP streams       (loaded on first use)
+    rank         the leader's driver: open_leader / WireLeader.run_step, wait_completed  (same)
+    peer_driver  the peer's driver: run_peer                                          (same)
 
 Importing this package loads only the sans-I/O half (msgspec, no anyio, no
 clock): the transports and the drivers, which need anyio and structlog, load
@@ -18,9 +20,11 @@ when one of their names is first used. Never torch, triton or CUDA.
 from typing import TYPE_CHECKING
 
 from .codec import (
+    FLAG_SANITIZE,
     LAYOUT,
     NO_RANK,
     Abort,
+    Complete,
     FrameKind,
     Hello,
     Launch,
@@ -28,10 +32,12 @@ from .codec import (
     Ready,
     Reject,
     RejectCode,
+    Sanitize,
     encode,
     encode_prepare,
     geometry_digest,
 )
+from .completion import Completions, StepCompletion
 from .decision import Leader
 from .decoder import FrameDecoder, decode, page_ids_problem
 from .leader import LeaderLink, LeaderState
@@ -39,6 +45,7 @@ from .peer import PeerLink, PeerState
 from .protocol import (
     NEED_DATA,
     Answered,
+    Completed,
     ConnectionClosed,
     Decision,
     DropStep,
@@ -48,14 +55,15 @@ from .protocol import (
 )
 
 if TYPE_CHECKING:
-    from .rank import WireLeader, open_leader, run_peer
+    from .peer_driver import run_peer
+    from .rank import WireLeader, open_leader
     from .transport import MemoryByteStream, connect_tcp, listen_tcp, listener_address, memory_pipe
 
 # Loaded on first use (they import anyio): name -> submodule.
 _LAZY = {
     "WireLeader": "rank",
     "open_leader": "rank",
-    "run_peer": "rank",
+    "run_peer": "peer_driver",
     "MemoryByteStream": "transport",
     "connect_tcp": "transport",
     "listen_tcp": "transport",
@@ -80,9 +88,13 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "FLAG_SANITIZE",
     "LAYOUT",
     "NO_RANK",
     "Abort",
+    "Complete",
+    "Completed",
+    "Completions",
     "FrameDecoder",
     "FrameKind",
     "Hello",
@@ -91,6 +103,8 @@ __all__ = [
     "Ready",
     "Reject",
     "RejectCode",
+    "Sanitize",
+    "StepCompletion",
     "decode",
     "encode",
     "encode_prepare",

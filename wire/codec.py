@@ -1,4 +1,4 @@
-"""The wire codec, layout 7: the frames, their byte layout, and the encoders. No I/O.
+"""The wire codec, layout 8: the frames, their byte layout, and the encoders. No I/O.
 
 Every frame is a fixed 24-byte header followed by ``body_len`` bytes of body.
 All integers are little-endian; page ids are unsigned 32-bit.
@@ -6,10 +6,13 @@ All integers are little-endian; page ids are unsigned 32-bit.
     offset  size  field
     ------  ----  -----------------------------------------------------------
          0     4  magic       b"KVLW"
-         4     1  layout      7 (a layout-6 rank has no clear list: refused)
+         4     1  layout      8 (a layout-7 rank sends no COMPLETE and has no
+                              sanitizer lists, a layout-6 one no clear list:
+                              both refused at HELLO)
          5     1  kind        FrameKind: 1 HELLO 2 PREPARE 3 READY 4 REJECT
-                              5 ABORT 6 LAUNCH
-         6     2  flags       reserved, must be 0
+                              5 ABORT 6 LAUNCH 7 COMPLETE
+         6     2  flags       bit 0 SANITIZE (PREPARE only); every other bit,
+                              and any bit on another kind, must be 0
          8     4  body_len    bytes after the header (checked against the
                               decoder's cap and the kind's size BEFORE any
                               body byte is buffered)
@@ -19,30 +22,49 @@ All integers are little-endian; page ids are unsigned 32-bit.
         24     -  body
 
     +------+---+---+-----+--------+----------------+--------+=============+
-    | KVLW | 7 | k | 0 0 | len    | step           | crc32  | body ...    |
+    | KVLW | 8 | k | flg | len    | step           | crc32  | body ...    |
     +------+---+---+-----+--------+----------------+--------+=============+
      0      4   5   6     8        12               20       24
 
 Bodies (``<`` little-endian ``struct`` formats):
 
-    HELLO    <II32s   rank, world_size, geometry digest (BLAKE2b-256 of the
+    HELLO     <II32s  rank, world_size, geometry digest (BLAKE2b-256 of the
                       page geometry; ``geometry_digest``)                 40 B
-    PREPARE  <II      n_ids, payload_len, then n_ids x u32 page ids, then
+    PREPARE   <II     n_ids, payload_len, then n_ids x u32 page ids, then
                       payload_len opaque payload bytes  (body_len must be
                       exactly 8 + 4 * n_ids + payload_len)             >= 8 B
-    READY    <II      rank, checksum of the PREPARE frame it validated     8 B
-    REJECT   <IHH     rank, code (RejectCode), detail_len, then detail_len
-                      bytes of UTF-8 detail                            >= 8 B
-    ABORT    <IHH     culprit rank (NO_RANK if none), code, reserved 0     8 B
-    LAUNCH   <I       checksum of the PREPARE frame being launched         4 B
+      + SANITIZE flag:
+              <IIII   n_ids, payload_len, n_poison, n_committed, then the
+                      clear ids, the poison ids, the committed ids (u32
+                      each), then the payload (body_len exactly 16 + 4 *
+                      (n_ids + n_poison + n_committed) + payload_len)  >= 16 B
+    READY     <II     rank, checksum of the PREPARE frame it validated     8 B
+    REJECT    <IHH    rank, code (RejectCode), detail_len, then detail_len
+                      (<= 1024, new in layout 8) bytes of UTF-8 detail >= 8 B
+    ABORT     <IHH    culprit rank (NO_RANK if none), code, reserved 0     8 B
+    LAUNCH    <I      checksum of the PREPARE frame being launched         4 B
+    COMPLETE  <IIHH   rank, checksum of the PREPARE it ran, status (0 ok,
+                      1 failed), detail_len, then detail_len (<= 1024)
+                      bytes of UTF-8 detail                           >= 12 B
 
-LAUNCH is the commit frame this layout adds to SPEC's five (see
-``kvledger.wire.protocol`` for why a READY alone cannot be the commit point).
+LAUNCH is the commit frame layout 7 added to SPEC's five (see
+``kvledger.wire.protocol`` for why a READY alone cannot be the commit point);
+COMPLETE, new in layout 8, is a peer's report that it ran a launched step
+(its clears and graph done, or failed).
 
-This module holds the frame values (small frozen msgspec Structs), the codes,
-and everything that turns frames or page ids into bytes (``encode``,
-``encode_prepare``, ``pack_page_ids``). Bytes back into frames, and the checks
-a receiver makes, are in ``kvledger.wire.decoder``.
+Why a layout-7 rank cannot take a sanitizer PREPARE for a plain one (it refuses,
+it never ignores the poison list): three checks of its own decoder stand in the
+way, each enough alone. The layout byte is 8, not 7 (BAD_LAYOUT; HELLO already
+keeps such a rank out of the group). Relabelled 7, the SANITIZE bit is a
+reserved flag (BAD_FLAGS). With the bit cleared too, its body arithmetic
+``8 + 4 * n_ids + payload_len`` misses ``body_len`` by 8 + 4 * (n_poison +
+n_committed) bytes, never 0 (BAD_LENGTH). ``tests/test_wire_codec.py`` pins
+all three against the layout-7 decoder itself.
+
+This module holds everything that turns frames or page ids into bytes
+(``encode``, ``encode_prepare``, ``pack_page_ids``) and re-exports the frame
+values and codes (their home is ``kvledger.wire.frames``). Bytes back into
+frames, and the checks a receiver makes, are in ``kvledger.wire.decoder``.
 """
 
 from __future__ import annotations
@@ -52,14 +74,26 @@ import hashlib
 import struct
 import sys
 import zlib
-from collections.abc import Callable, Iterable, Sequence
-from enum import IntEnum
+from collections.abc import Callable, Iterable
 from typing import Any
-
-import msgspec
 
 from ..core.errors import InvalidArgumentError
 from ..core.events import Geometry
+from .frames import (
+    LAYOUT,
+    NO_RANK,
+    Abort,
+    Complete,
+    Frame,
+    FrameKind,
+    Hello,
+    Launch,
+    Prepare,
+    Ready,
+    Reject,
+    RejectCode,
+    Sanitize,
+)
 
 __all__ = [
     "MAGIC",
@@ -67,6 +101,7 @@ __all__ = [
     "HEADER",
     "HEADER_SIZE",
     "NO_RANK",
+    "FLAG_SANITIZE",
     "MAX_DETAIL_BYTES",
     "DEFAULT_MAX_BODY",
     "DEFAULT_MAX_PAYLOAD",
@@ -78,6 +113,8 @@ __all__ = [
     "Reject",
     "Abort",
     "Launch",
+    "Complete",
+    "Sanitize",
     "Frame",
     "encode",
     "encode_frame",
@@ -90,10 +127,9 @@ __all__ = [
 ]
 
 MAGIC = b"KVLW"
-LAYOUT = 7
+FLAG_SANITIZE = 0x0001  # PREPARE: the poison and committed lists follow the clear list
 HEADER = struct.Struct("<4sBBHIQI")
 HEADER_SIZE = HEADER.size  # 24
-NO_RANK = 0xFFFFFFFF
 MAX_DETAIL_BYTES = 1024
 DEFAULT_MAX_BODY = 8 << 20  # 8 MiB: two million page ids
 DEFAULT_MAX_PAYLOAD = 1 << 20  # what a peer accepts in one PREPARE's payload unless told otherwise
@@ -101,10 +137,13 @@ DEFAULT_MAX_PAYLOAD = 1 << 20  # what a peer accepts in one PREPARE's payload un
 # Body layouts, shared with decoder.py.
 HELLO_BODY = struct.Struct("<II32s")
 PREPARE_COUNTS = struct.Struct("<II")
+SANITIZE_COUNTS = struct.Struct("<IIII")
 READY_BODY = struct.Struct("<II")
 REJECT_BODY = struct.Struct("<IHH")
 ABORT_BODY = struct.Struct("<IHH")
 LAUNCH_BODY = struct.Struct("<I")
+COMPLETE_BODY = struct.Struct("<IIHH")
+COMPLETE_OK, COMPLETE_FAILED = 0, 1  # COMPLETE's status field
 
 _U16 = 0xFFFF
 _U32 = 0xFFFFFFFF
@@ -114,125 +153,6 @@ _crc32 = zlib.crc32
 # array typecode holding unsigned 32-bit ints here ('I' on every mainstream ABI).
 _ID_CODE = next(c for c in "ILH" if array.array(c).itemsize == 4)
 _LITTLE = sys.byteorder == "little"
-
-
-class FrameKind(IntEnum):
-    HELLO = 1
-    PREPARE = 2
-    READY = 3
-    REJECT = 4
-    ABORT = 5
-    LAUNCH = 6
-
-
-class RejectCode(IntEnum):
-    """Why a frame, a PREPARE or a whole step was refused (REJECT and ABORT bodies)."""
-
-    BAD_MAGIC = 1  # not a kvledger frame: framing lost
-    BAD_LAYOUT = 2  # layout byte is not 7 (e.g. a layout-6 rank)
-    BAD_KIND = 3  # unknown frame kind
-    BAD_FLAGS = 4  # reserved flag bits set
-    FRAME_TOO_LARGE = 5  # body_len, or a PREPARE's payload, over the receiver's cap
-    BAD_LENGTH = 6  # body_len or a length inside the body is inconsistent
-    BAD_CHECKSUM = 7  # CRC32 mismatch
-    TRUNCATED = 8  # the stream ended inside a frame
-    BAD_BODY = 9  # reserved field not zero, invalid UTF-8, ...
-    BAD_STEP = 10  # not the step the receiver expects
-    PAGE_OUT_OF_RANGE = 11  # a page id >= num_pages
-    DUPLICATE_PAGE = 12  # a page id listed twice
-    GEOMETRY_MISMATCH = 13  # HELLO: different page geometry
-    WORLD_SIZE_MISMATCH = 14  # HELLO: different world size
-    BAD_RANK = 15  # HELLO/READY: rank out of range, taken, or not the link's
-    UNEXPECTED_FRAME = 16  # a frame this state does not allow
-    CONFLICT = 17  # same step, different content or a contradicting decision
-    STALE_STEP = 18  # a frame for a step already decided
-    TIMEOUT = 19  # ABORT: a rank did not answer in time
-    PEER_LOST = 20  # ABORT: a rank's link closed or broke
-    PEER_FAILED = 21  # a rank refused for a local reason (its executor, ...)
-
-
-# ---------------------------------------------------------------------------- frames
-
-
-class _Frame(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    pass
-
-
-class Hello(_Frame, frozen=True):
-    """Who is on this link: ``rank`` of ``world_size``, over the geometry ``geometry_digest``.
-
-    ``step``: the leader's HELLO names the first step it will PREPARE; a peer's
-    names the step it expects (informational). ``layout`` is the header byte.
-    """
-
-    step: int
-    rank: int
-    world_size: int
-    geometry_digest: bytes
-    layout: int = LAYOUT
-
-
-class Prepare(_Frame, frozen=True):
-    """The step plan: zero ``clear_pages`` (distinct u32 page ids), run with ``payload``.
-
-    Decoded frames carry ``clear_pages`` as a read-only ``memoryview`` of format
-    ``'I'`` over the frame's bytes (``.tolist()`` for a list) and ``checksum``,
-    the frame's CRC32 as received; the encoder takes any sequence of ints and
-    ignores ``checksum``.
-    """
-
-    step: int
-    clear_pages: Sequence[int] = ()
-    payload: bytes = b""
-    checksum: int = 0
-
-    def __repr__(self) -> str:
-        ids = self.clear_pages
-        head = list(ids[:8]) if len(ids) else []
-        more = ", ..." if len(ids) > 8 else ""
-        return (
-            f"Prepare(step={self.step}, clear_pages={str(head)[:-1]}{more}] ({len(ids)} ids), "
-            f"payload={len(self.payload)} bytes, checksum={self.checksum:#x})"
-        )
-
-
-class Ready(_Frame, frozen=True):
-    """Rank ``rank`` validated the PREPARE of ``step`` whose frame checksum was ``prepare_checksum``."""
-
-    step: int
-    rank: int
-    prepare_checksum: int
-
-
-class Reject(_Frame, frozen=True):
-    """Rank ``rank`` refuses ``step`` (or the link): ``code`` is a ``RejectCode``."""
-
-    step: int
-    rank: int
-    code: int
-    detail: str = ""
-
-
-class Abort(_Frame, frozen=True):
-    """The leader aborts ``step`` on every rank: nothing of it is cleared or launched.
-
-    ``code`` says why (the REJECT code, TIMEOUT or PEER_LOST); ``rank`` names the
-    rank that caused it, ``NO_RANK`` if none.
-    """
-
-    step: int
-    code: int
-    rank: int = NO_RANK
-
-
-class Launch(_Frame, frozen=True):
-    """The leader commits ``step``: every rank answered READY for ``prepare_checksum``."""
-
-    step: int
-    prepare_checksum: int
-
-
-Frame = Hello | Prepare | Ready | Reject | Abort | Launch
 
 
 # ---------------------------------------------------------------------------- encoding
@@ -297,19 +217,45 @@ def _iter_or_empty(obj: Any) -> list[Any]:
         return []
 
 
-def encode_prepare(step: int, page_ids: Iterable[int], payload: bytes = b"") -> bytes:
-    """PREPARE frame bytes for ``step`` without building a ``Prepare`` first (the hot path)."""
-    return encode_prepare_raw(step, pack_page_ids(page_ids), payload)
+def encode_prepare(
+    step: int, page_ids: Iterable[int], payload: bytes = b"", *, sanitize: Sanitize | None = None
+) -> bytes:
+    """PREPARE frame bytes for ``step`` without building a ``Prepare`` first (the hot path).
+
+    With ``sanitize`` the frame carries the SANITIZE flag and its two lists.
+    Raises ``InvalidArgumentError`` for an id, payload or step that does not fit.
+    """
+    raw = pack_page_ids(page_ids)
+    if sanitize is None:
+        return encode_prepare_raw(step, raw, payload)
+    if type(sanitize) is not Sanitize:
+        raise InvalidArgumentError(f"sanitize must be a Sanitize or None, got {sanitize!r}")
+    lists = (pack_page_ids(sanitize.poison_pages), pack_page_ids(sanitize.committed_pages))
+    return encode_prepare_raw(step, raw, payload, sanitize_raw=lists)
 
 
-def encode_prepare_raw(step: int, raw: bytes, payload: bytes = b"") -> bytes:
-    """PREPARE frame bytes from ids already packed by ``pack_page_ids``."""
+def encode_prepare_raw(
+    step: int, raw: bytes, payload: bytes = b"", *, sanitize_raw: tuple[bytes, bytes] | None = None
+) -> bytes:
+    """PREPARE frame bytes from ids already packed by ``pack_page_ids``.
+
+    ``sanitize_raw``: the packed poison and committed lists of a sanitize-mode step
+    (the SANITIZE flag is set then). Raises ``InvalidArgumentError`` for packed ids
+    that are not whole u32s or a payload that is not bytes.
+    """
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise InvalidArgumentError(f"payload must be bytes, got {type(payload).__name__}")
     if len(raw) & 3:
         raise InvalidArgumentError(f"packed page ids must be a multiple of 4 bytes, got {len(raw)}")
-    body = PREPARE_COUNTS.pack(len(raw) >> 2, len(payload)) + bytes(raw) + bytes(payload)
-    return encode_frame(FrameKind.PREPARE, step, body)
+    if sanitize_raw is None:
+        body = PREPARE_COUNTS.pack(len(raw) >> 2, len(payload)) + bytes(raw) + bytes(payload)
+        return encode_frame(FrameKind.PREPARE, step, body)
+    poison, committed = sanitize_raw
+    if (len(poison) | len(committed)) & 3:
+        raise InvalidArgumentError("packed poison and committed ids must be multiples of 4 bytes")
+    counts = SANITIZE_COUNTS.pack(len(raw) >> 2, len(payload), len(poison) >> 2, len(committed) >> 2)
+    body = b"".join((counts, raw, poison, committed, payload))
+    return encode_frame(FrameKind.PREPARE, step, body, flags=FLAG_SANITIZE)
 
 
 def _detail_bytes(detail: str) -> bytes:
@@ -330,7 +276,7 @@ def _enc_hello(f: Hello) -> bytes:
 
 
 def _enc_prepare(f: Prepare) -> bytes:
-    return encode_prepare(f.step, f.clear_pages, f.payload)
+    return encode_prepare(f.step, f.clear_pages, f.payload, sanitize=f.sanitize)
 
 
 def _enc_ready(f: Ready) -> bytes:
@@ -356,6 +302,16 @@ def _enc_launch(f: Launch) -> bytes:
     return encode_frame(FrameKind.LAUNCH, f.step, body)
 
 
+def _enc_complete(f: Complete) -> bytes:
+    raw = _detail_bytes(f.detail)
+    if type(f.ok) is not bool:
+        raise InvalidArgumentError(f"ok must be a bool, got {f.ok!r}")
+    status = COMPLETE_OK if f.ok else COMPLETE_FAILED
+    rank, crc = _uint(f.rank, _U32, "rank"), _uint(f.prepare_checksum, _U32, "prepare_checksum")
+    body = COMPLETE_BODY.pack(rank, crc, status, len(raw)) + raw
+    return encode_frame(FrameKind.COMPLETE, f.step, body)
+
+
 _ENCODERS: dict[type, Callable[..., bytes]] = {
     Hello: _enc_hello,
     Prepare: _enc_prepare,
@@ -363,6 +319,7 @@ _ENCODERS: dict[type, Callable[..., bytes]] = {
     Reject: _enc_reject,
     Abort: _enc_abort,
     Launch: _enc_launch,
+    Complete: _enc_complete,
 }
 
 
@@ -375,7 +332,7 @@ def encode(frame: Frame) -> bytes:
 
 
 def frame_checksum(data: bytes | bytearray | memoryview) -> int:
-    """The CRC32 stored in an encoded frame's header (what READY and LAUNCH echo)."""
+    """The CRC32 stored in an encoded frame's header (what READY, LAUNCH and COMPLETE echo)."""
     return int.from_bytes(bytes(data[20:24]), "little")
 
 
@@ -385,7 +342,10 @@ def geometry_digest(geometry: Geometry) -> bytes:
     return hashlib.blake2b(b"kvledger.wire.geometry/1" + struct.pack("<QQ", n, t), digest_size=32).digest()
 
 
-def max_body_for(num_pages: int, max_payload: int = DEFAULT_MAX_PAYLOAD) -> int:
+def max_body_for(num_pages: int, max_payload: int = DEFAULT_MAX_PAYLOAD, *, sanitize: bool = False) -> int:
     """The largest legal PREPARE body for a geometry: every page listed, plus ``max_payload``
-    payload bytes. A receiver's decoder cap (``FrameDecoder(max_body=...)``)."""
+    payload bytes; with ``sanitize``, every page in each of the three lists. A receiver's
+    decoder cap (``FrameDecoder(max_body=...)``)."""
+    if sanitize:
+        return SANITIZE_COUNTS.size + 12 * num_pages + max_payload
     return PREPARE_COUNTS.size + 4 * num_pages + max_payload

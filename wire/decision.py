@@ -12,6 +12,8 @@ The links (``LeaderLink``) turn frames into votes; this object only counts them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..core import checks
 from ..core.errors import InvalidArgumentError, LocalProtocolError, StepOrderError
 from ..core.events import Geometry, StepPlan
@@ -22,6 +24,7 @@ from .codec import (
     Ready,
     Reject,
     RejectCode,
+    Sanitize,
     encode,
     encode_prepare_raw,
     frame_checksum,
@@ -77,26 +80,32 @@ class Leader:
         self.lost.discard(rank)
         self.joined.add(rank)
 
-    def begin(self, plan: StepPlan, payload: bytes = b"", *, sort: bool = True) -> tuple[bytes, int]:
+    def begin(
+        self, plan: StepPlan, payload: bytes = b"", *, sort: bool = True, sanitize: Sanitize | None = None
+    ) -> tuple[bytes, int]:
         """Start ``plan.step``: validate its clear list, return ``(PREPARE bytes, checksum)``.
 
         ``sort`` sends the ids ascending (zeroing is order-free; peers then check
-        distinctness without hashing). Raises ``StepOrderError`` (not the next
-        step, or one still in flight), ``PageOutOfRangeError`` /
-        ``DuplicatePageError`` (a bad clear list) or ``InvalidArgumentError``
-        before anything is sent. If a peer is missing or lost, ``decision`` is
-        already an ABORT when this returns: send ``data`` nowhere, send the ABORT.
+        distinctness without hashing). ``sanitize``: a sanitize-mode step's poison
+        and committed lists, checked like the clear list and sent with the SANITIZE
+        flag. Raises ``StepOrderError`` (not the next step, or one still in
+        flight), ``PageOutOfRangeError`` / ``DuplicatePageError`` (a bad list) or
+        ``InvalidArgumentError`` before anything is sent. If a peer is missing or
+        lost, ``decision`` is already an ABORT when this returns: send ``data``
+        nowhere, send the ABORT.
         """
         step = plan.step
         if self.step is not None:
             raise StepOrderError(step, self.step, "a step is still in flight")
         if step != self.next_step:
             raise StepOrderError(step, self.next_step, f"the leader's next step is {self.next_step}")
-        raw = pack_page_ids(sorted(plan.clear_list) if sort else plan.clear_list)
-        problem = checks.u32_page_ids_problem(raw, self.num_pages)
-        if problem is not None:
-            checks.raise_problem(problem, self.num_pages)
-        data = encode_prepare_raw(step, raw, payload)
+        raw = self._checked(plan.clear_list, sort)
+        lists = None
+        if sanitize is not None:
+            if type(sanitize) is not Sanitize:
+                raise InvalidArgumentError(f"sanitize must be a Sanitize or None, got {sanitize!r}")
+            lists = (self._checked(sanitize.poison_pages, sort), self._checked(sanitize.committed_pages, sort))
+        data = encode_prepare_raw(step, raw, payload, sanitize_raw=lists)
         self.step = step
         self.checksum = frame_checksum(data)
         self._ready = set()
@@ -108,6 +117,14 @@ class Leader:
         elif self.world_size == 1:
             self._decide(True)  # nobody else to ask
         return data, self.checksum
+
+    def _checked(self, page_ids: Sequence[int], sort: bool) -> bytes:
+        """A page list packed as u32 (ascending when ``sort``); raises the library's error for a bad one."""
+        raw = pack_page_ids(sorted(page_ids) if sort else page_ids)
+        problem = checks.u32_page_ids_problem(raw, self.num_pages)
+        if problem is not None:
+            checks.raise_problem(problem, self.num_pages)
+        return raw
 
     def _decide(self, launch: bool, code: int = 0, rank: int = NO_RANK, detail: str = "") -> Decision:
         s = self.step

@@ -1,4 +1,4 @@
-"""The receiving half of the layout-7 codec: bytes in, frames out, checked. No I/O.
+"""The receiving half of the layout-8 codec: bytes in, frames out, checked. No I/O.
 
 The frame layout is drawn in ``kvledger.wire.codec`` (with the frame values
 and the encoders). Here:
@@ -10,7 +10,7 @@ and the encoders). Here:
 
 The decoder (``FrameDecoder``) is incremental: ``feed`` bytes as they come,
 ``next_frame`` returns a frame or ``None`` (need more bytes). Anything that is
-not a well-formed layout-7 frame raises ``FrameError`` (a ``WireProtocolError``
+not a well-formed layout-8 frame raises ``FrameError`` (a ``WireProtocolError``
 with ``remote=True`` and a ``RejectCode``) and leaves the decoder broken: a byte
 stream whose framing cannot be trusted is not resynchronised, it is closed.
 Nothing else escapes the decoder, whatever the bytes.
@@ -30,17 +30,23 @@ from ..core import checks
 from ..core.errors import FrameError, InvalidArgumentError
 from .codec import (
     ABORT_BODY,
+    COMPLETE_BODY,
+    COMPLETE_FAILED,
     DEFAULT_MAX_BODY,
+    FLAG_SANITIZE,
     HEADER,
     HEADER_SIZE,
     HELLO_BODY,
     LAUNCH_BODY,
     LAYOUT,
     MAGIC,
+    MAX_DETAIL_BYTES,
     PREPARE_COUNTS,
     READY_BODY,
     REJECT_BODY,
+    SANITIZE_COUNTS,
     Abort,
+    Complete,
     Frame,
     FrameKind,
     Hello,
@@ -49,6 +55,7 @@ from .codec import (
     Ready,
     Reject,
     RejectCode,
+    Sanitize,
 )
 
 __all__ = [
@@ -106,63 +113,114 @@ _FIXED_BODY: dict[int, int] = {
     FrameKind.ABORT: ABORT_BODY.size,
     FrameKind.LAUNCH: LAUNCH_BODY.size,
 }
-_MIN_BODY: dict[int, int] = {FrameKind.PREPARE: PREPARE_COUNTS.size, FrameKind.REJECT: REJECT_BODY.size}
+_MIN_BODY: dict[int, int] = {
+    FrameKind.PREPARE: PREPARE_COUNTS.size,
+    FrameKind.REJECT: REJECT_BODY.size,
+    FrameKind.COMPLETE: COMPLETE_BODY.size,
+}
+# Flag bits a kind may carry; every other bit is reserved (BAD_FLAGS).
+_FLAGS: dict[int, int] = {FrameKind.PREPARE: FLAG_SANITIZE}
+# Why an older layout's rank cannot join (BAD_LAYOUT details).
+_OLD_LAYOUTS = {
+    6: "a layout-6 rank has no clear list",
+    7: "a layout-7 rank sends no COMPLETE and has no sanitizer lists",
+}
 
 
-def _dec_hello(step: int, body: bytes, layout: int, crc: int) -> Hello:
+def _dec_hello(step: int, body: bytes, layout: int, flags: int, crc: int) -> Hello:
     rank, world, digest = HELLO_BODY.unpack(body)
     return Hello(step=step, rank=rank, world_size=world, geometry_digest=digest, layout=layout)
 
 
-def _dec_prepare(step: int, body: bytes, layout: int, crc: int) -> Prepare:
+def _bad_length(step: int, kind: int, detail: str) -> FrameError:
+    return FrameError(RejectCode.BAD_LENGTH, detail, step=step, kind=kind)
+
+
+def _dec_prepare(step: int, body: bytes, layout: int, flags: int, crc: int) -> Prepare:
+    if flags:  # the header allowed only FLAG_SANITIZE
+        return _dec_prepare_sanitize(step, body, crc)
     n, plen = PREPARE_COUNTS.unpack_from(body, 0)
     if 8 + 4 * n + plen != len(body):
-        raise FrameError(
-            RejectCode.BAD_LENGTH,
+        raise _bad_length(
+            step,
+            FrameKind.PREPARE,
             f"PREPARE lists {n} ids and {plen} payload bytes, which is {8 + 4 * n + plen} body bytes, "
             f"but body_len is {len(body)}",
-            step=step,
-            kind=FrameKind.PREPARE,
         )
     end = 8 + 4 * n
     ids = checks.u32_ids(memoryview(body)[8:end])
     return Prepare(step=step, clear_pages=ids, payload=body[end:], checksum=crc)
 
 
-def _dec_ready(step: int, body: bytes, layout: int, crc: int) -> Ready:
+def _dec_prepare_sanitize(step: int, body: bytes, crc: int) -> Prepare:
+    n, plen, npoison, ncommitted = SANITIZE_COUNTS.unpack_from(body, 0)
+    want = 16 + 4 * (n + npoison + ncommitted) + plen
+    if want != len(body):
+        raise _bad_length(
+            step,
+            FrameKind.PREPARE,
+            f"sanitize PREPARE lists {n} clear, {npoison} poison and {ncommitted} committed ids and {plen} "
+            f"payload bytes, which is {want} body bytes, but body_len is {len(body)}",
+        )
+    view = memoryview(body)
+    a = 16 + 4 * n
+    b = a + 4 * npoison
+    c = b + 4 * ncommitted
+    lists = Sanitize(poison_pages=checks.u32_ids(view[a:b]), committed_pages=checks.u32_ids(view[b:c]))
+    return Prepare(step=step, clear_pages=checks.u32_ids(view[16:a]), payload=body[c:], checksum=crc, sanitize=lists)
+
+
+def _detail(step: int, kind: int, body: bytes, start: int) -> str:
+    try:
+        return body[start:].decode("utf-8")
+    except UnicodeDecodeError:
+        name = FrameKind(kind).name
+        raise FrameError(RejectCode.BAD_BODY, f"{name} detail is not UTF-8", step=step, kind=kind) from None
+
+
+def _dec_ready(step: int, body: bytes, layout: int, flags: int, crc: int) -> Ready:
     rank, checksum = READY_BODY.unpack(body)
     return Ready(step=step, rank=rank, prepare_checksum=checksum)
 
 
-def _dec_reject(step: int, body: bytes, layout: int, crc: int) -> Reject:
+def _dec_reject(step: int, body: bytes, layout: int, flags: int, crc: int) -> Reject:
     rank, code, dlen = REJECT_BODY.unpack_from(body, 0)
-    if 8 + dlen != len(body):
-        raise FrameError(
-            RejectCode.BAD_LENGTH,
-            f"REJECT detail_len {dlen} does not match body_len {len(body)}",
-            step=step,
-            kind=FrameKind.REJECT,
+    if 8 + dlen != len(body) or dlen > MAX_DETAIL_BYTES:
+        raise _bad_length(
+            step,
+            FrameKind.REJECT,
+            f"REJECT detail_len {dlen} does not match body_len {len(body)} or is over {MAX_DETAIL_BYTES}",
         )
-    try:
-        detail = body[8:].decode("utf-8")
-    except UnicodeDecodeError:
-        raise FrameError(RejectCode.BAD_BODY, "REJECT detail is not UTF-8", step=step, kind=FrameKind.REJECT) from None
-    return Reject(step=step, rank=rank, code=code, detail=detail)
+    return Reject(step=step, rank=rank, code=code, detail=_detail(step, FrameKind.REJECT, body, 8))
 
 
-def _dec_abort(step: int, body: bytes, layout: int, crc: int) -> Abort:
+def _dec_abort(step: int, body: bytes, layout: int, flags: int, crc: int) -> Abort:
     rank, code, reserved = ABORT_BODY.unpack(body)
     if reserved:
         raise FrameError(RejectCode.BAD_BODY, f"ABORT reserved field is {reserved}", step=step, kind=FrameKind.ABORT)
     return Abort(step=step, code=code, rank=rank)
 
 
-def _dec_launch(step: int, body: bytes, layout: int, crc: int) -> Launch:
+def _dec_launch(step: int, body: bytes, layout: int, flags: int, crc: int) -> Launch:
     (checksum,) = LAUNCH_BODY.unpack(body)
     return Launch(step=step, prepare_checksum=checksum)
 
 
-_Decoder = Callable[[int, bytes, int, int], Frame]
+def _dec_complete(step: int, body: bytes, layout: int, flags: int, crc: int) -> Complete:
+    rank, checksum, status, dlen = COMPLETE_BODY.unpack_from(body, 0)
+    if 12 + dlen != len(body) or dlen > MAX_DETAIL_BYTES:
+        raise _bad_length(
+            step,
+            FrameKind.COMPLETE,
+            f"COMPLETE detail_len {dlen} does not match body_len {len(body)} or is over {MAX_DETAIL_BYTES}",
+        )
+    if status > COMPLETE_FAILED:
+        raise FrameError(RejectCode.BAD_BODY, f"COMPLETE status {status}", step=step, kind=FrameKind.COMPLETE)
+    detail = _detail(step, FrameKind.COMPLETE, body, 12)
+    return Complete(step=step, rank=rank, prepare_checksum=checksum, ok=status != COMPLETE_FAILED, detail=detail)
+
+
+_Decoder = Callable[[int, bytes, int, int, int], Frame]
 _DECODERS: dict[int, _Decoder] = {
     FrameKind.HELLO: _dec_hello,
     FrameKind.PREPARE: _dec_prepare,
@@ -170,6 +228,7 @@ _DECODERS: dict[int, _Decoder] = {
     FrameKind.REJECT: _dec_reject,
     FrameKind.ABORT: _dec_abort,
     FrameKind.LAUNCH: _dec_launch,
+    FrameKind.COMPLETE: _dec_complete,
 }
 
 
@@ -232,7 +291,7 @@ class FrameDecoder:
     def next_frame(self) -> Frame | None:
         """The next complete frame, or ``None`` if more bytes are needed (or the stream ended cleanly).
 
-        Raises ``FrameError`` for bytes that are not a well-formed layout-7 frame,
+        Raises ``FrameError`` for bytes that are not a well-formed layout-8 frame,
         and the same error on every later call (the stream must be closed).
         """
         if self.error is not None:
@@ -264,7 +323,7 @@ class FrameDecoder:
                 kind,
             )
         try:
-            frame = decoder(step, body, layout, crc)
+            frame = decoder(step, body, layout, flags, crc)
         except FrameError as exc:
             self.error = exc
             raise
@@ -296,7 +355,7 @@ class FrameDecoder:
         if magic != MAGIC:
             raise self._fail(RejectCode.BAD_MAGIC, f"bad magic {magic.hex()}, expected {MAGIC.hex()}")
         if layout != LAYOUT:
-            why = " (a layout-6 rank has no clear list and cannot join)" if layout == 6 else ""
+            why = f" ({_OLD_LAYOUTS[layout]} and cannot join)" if layout in _OLD_LAYOUTS else ""
             raise self._fail(
                 RejectCode.BAD_LAYOUT,
                 f"{_kind_name(kind)} frame of layout {layout}; this rank speaks layout {LAYOUT}{why}",
@@ -307,8 +366,8 @@ class FrameDecoder:
         if decoder is None:
             raise self._fail(RejectCode.BAD_KIND, f"unknown frame kind {kind}", step, kind)
         name = _KIND_NAMES[kind]
-        if flags:
-            raise self._fail(RejectCode.BAD_FLAGS, f"{name} flags {flags:#x} (reserved, must be 0)", step, kind)
+        if flags and flags & ~_FLAGS.get(kind, 0):
+            raise self._fail(RejectCode.BAD_FLAGS, f"{name} flags {flags:#x} (reserved bits set)", step, kind)
         if body_len > self.max_body:
             detail = f"{name} body_len {body_len} over the cap of {self.max_body} bytes"
             raise self._fail(RejectCode.FRAME_TOO_LARGE, detail, step, kind)
@@ -316,10 +375,10 @@ class FrameDecoder:
         if fixed is not None:
             if body_len != fixed:
                 raise self._fail(RejectCode.BAD_LENGTH, f"{name} body_len {body_len}, must be {fixed}", step, kind)
-        elif body_len < _MIN_BODY[kind]:
-            raise self._fail(
-                RejectCode.BAD_LENGTH, f"{name} body_len {body_len}, must be at least {_MIN_BODY[kind]}", step, kind
-            )
+            return decoder
+        least = SANITIZE_COUNTS.size if flags else _MIN_BODY[kind]
+        if body_len < least:
+            raise self._fail(RejectCode.BAD_LENGTH, f"{name} body_len {body_len}, must be at least {least}", step, kind)
         return decoder
 
 

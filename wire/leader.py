@@ -5,7 +5,9 @@ Leader link states (``LeaderState``); ``k`` is the link's current step:
     HANDSHAKE ─HELLO ok─► JOINING ─accept(k)─► IDLE(k)
     IDLE(k)      ─prepare(k)──────────► AWAITING(k)    (PREPARE sent)
     AWAITING(k)  ─READY / REJECT──────► VOTED(k)       event: the vote
-    IDLE / AWAITING / VOTED(k) ─decide(k)─► IDLE(k+1)  (LAUNCH or ABORT sent)
+    IDLE / AWAITING / VOTED(k) ─decide(k)─► IDLE(k+1)  (LAUNCH or ABORT sent;
+                                                        a launched k awaits COMPLETE)
+    IDLE / AWAITING / VOTED ─COMPLETE(j)─► unchanged    event Completed (j launched)
     HANDSHAKE / JOINING / IDLE ─refuse()─► ERROR       (REJECT sent)
     any          ─broken frame────────► ERROR          (REJECT sent in the handshake)
     any          ─end of stream───────► CLOSED
@@ -22,6 +24,13 @@ step number:
                                                                                came garbled); ignored
                                                                                when none is in flight
 
+    COMPLETE(j) at the leader, by what this link knows of step j:
+    launched, awaiting COMPLETE   same crc: event Completed; another crc: broken CONFLICT
+    completed                     same (ok, crc): ignored (duplicate); another: broken CONFLICT
+    aborted                       broken CONFLICT (the peer ran a step nobody launched)
+    in flight or never prepared   broken UNEXPECTED_FRAME (no LAUNCH yet) / BAD_STEP (ahead)
+    older than the link's memory  ignored (stale)
+
 The decision over all links is ``kvledger.wire.decision.Leader``.
 """
 
@@ -33,12 +42,12 @@ from typing import Any
 
 from ..core.errors import FrameError, HandshakeRefused, LocalProtocolError, RemoteProtocolError
 from ..core.events import Geometry
-from .codec import Hello, Ready, Reject, RejectCode, encode
-from .protocol import NEED_DATA, ConnectionClosed, Decision, Link, PeerHello, check_world
+from .codec import Complete, Hello, Ready, Reject, RejectCode, encode
+from .protocol import NEED_DATA, Completed, ConnectionClosed, Decided, Decision, Link, PeerHello, check_world
 
 __all__ = ["LeaderState", "LeaderLink"]
 
-# A peer sends only small frames (HELLO, READY, a REJECT with at most 1 KiB of detail).
+# A peer sends only small frames (HELLO, READY, a REJECT or COMPLETE with at most 1 KiB of detail).
 _PEER_MAX_BODY = 4096
 
 
@@ -69,13 +78,15 @@ class LeaderLink(Link):
 
     ``next_event`` returns ``PeerHello``, the peer's ``Ready`` or ``Reject`` vote
     for the step in flight (a READY for another PREPARE checksum is turned into a
-    ``Reject`` with code CONFLICT), ``ConnectionClosed`` or ``NEED_DATA``; stale
-    and duplicate votes are absorbed. It raises ``RemoteProtocolError`` when the
-    peer broke the protocol (the link is then in ERROR; a REJECT is queued when
-    the peer is still in its handshake).
+    ``Reject`` with code CONFLICT), ``Completed`` for a launched step the peer
+    ran, ``ConnectionClosed`` or ``NEED_DATA``; stale and duplicate votes and
+    COMPLETEs are absorbed. It raises ``RemoteProtocolError`` when the peer broke
+    the protocol (the link is then in ERROR; a REJECT is queued when the peer is
+    still in its handshake). ``memory``: how many decided steps the link
+    remembers to tell a duplicate from a contradiction.
     """
 
-    def __init__(self, geometry: Geometry, *, world_size: int) -> None:
+    def __init__(self, geometry: Geometry, *, world_size: int, memory: int = 1024) -> None:
         check_world(0, world_size, leader=True)
         super().__init__(geometry, world_size, _PEER_MAX_BODY)
         self.rank: int | None = None
@@ -83,7 +94,11 @@ class LeaderLink(Link):
         self.step: int | None = None
         self._checksum = 0
         self._vote: Ready | Reject | None = None
-        self._stats.update(votes=0)
+        self._memory = memory
+        self._outcomes: Decided[bool] = Decided(memory)  # step -> launched?
+        self._awaiting: dict[int, int] = {}  # launched, no COMPLETE yet: step -> PREPARE checksum
+        self._done: Decided[tuple[bool, int]] = Decided(memory)  # step -> (ok, checksum) as completed
+        self._stats.update(votes=0, completed=0, failed=0)
 
     def next_event(self) -> Any:
         """The next event (``PeerHello``, a vote), ``NEED_DATA``, or ``ConnectionClosed``.
@@ -198,6 +213,42 @@ class LeaderLink(Link):
         self._stats["votes"] += 1
         return f
 
+    # -- completions
+    def _on_complete(self, f: Complete) -> Completed | None:
+        s, k = f.step, self.step
+        assert k is not None  # accepted links have a step
+        if f.rank != self.rank:
+            raise RemoteProtocolError(RejectCode.BAD_RANK, f"COMPLETE from rank {f.rank} on rank {self.rank}'s link")
+        crc = self._awaiting.get(s)
+        if crc is not None:
+            if f.prepare_checksum != crc:
+                raise RemoteProtocolError(
+                    RejectCode.CONFLICT,
+                    f"COMPLETE of step {s} for PREPARE checksum {f.prepare_checksum:08x}, launched {crc:08x}",
+                )
+            del self._awaiting[s]
+            self._done.add(s, (f.ok, crc))
+            self._stats["completed" if f.ok else "failed"] += 1
+            return Completed(step=s, rank=f.rank, ok=f.ok, detail=f.detail)
+        done = self._done.get(s)
+        if done is not None:
+            if done != (f.ok, f.prepare_checksum):
+                raise RemoteProtocolError(RejectCode.CONFLICT, f"a second, different COMPLETE of step {s}")
+            self._stats["duplicates"] += 1
+            return None
+        if self._outcomes.get(s) is False:
+            raise RemoteProtocolError(RejectCode.CONFLICT, f"COMPLETE of step {s}, which was aborted")
+        if s >= k:
+            code = RejectCode.UNEXPECTED_FRAME if s == k else RejectCode.BAD_STEP
+            raise RemoteProtocolError(code, f"COMPLETE of step {s}, never launched (link at step {k})")
+        self._stats["stale"] += 1  # launched longer ago than the link remembers
+        return None
+
+    @property
+    def awaiting(self) -> list[int]:
+        """Steps launched on this link whose COMPLETE has not arrived, oldest first."""
+        return list(self._awaiting)
+
     # -- local actions
     def accept(self, step: int) -> None:
         """Welcome the peer: queue our HELLO naming the first step we will PREPARE."""
@@ -250,6 +301,11 @@ class LeaderLink(Link):
                 RejectCode.UNEXPECTED_FRAME, f"LAUNCH of step {s} without READY from rank {self.rank}"
             )
         self._send(decision.data)
+        self._outcomes.add(s, decision.launch)
+        if decision.launch:
+            self._awaiting[s] = self._checksum
+            if len(self._awaiting) > self._memory:
+                del self._awaiting[next(iter(self._awaiting))]
         self._vote = None
         self.step = s + 1
         self.state = _L.IDLE
@@ -264,4 +320,5 @@ _LEADER_TABLE: dict[tuple[LeaderState, type], _Handler] = {
     (_L.JOINING, Reject): LeaderLink._refused,
     **{(st, k): LeaderLink._on_vote for st in _IN_STEP for k in (Ready, Reject)},
     **{(st, Hello): LeaderLink._hello_again for st in _IN_STEP},
+    **{(st, Complete): LeaderLink._on_complete for st in _IN_STEP},
 }

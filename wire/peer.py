@@ -5,10 +5,19 @@ Peer link states (``PeerState``); ``k`` is the link's current step:
     CONNECTING ─start()─► HELLO_SENT ─HELLO ok─► IDLE(k)
     IDLE(k)     ─PREPARE(k) valid──► READY(k)      (READY sent)
     IDLE(k)     ─PREPARE(k) bad────► REJECTED(k)   (REJECT sent)
-    READY(k)    ─LAUNCH(k, crc)────► IDLE(k+1)     event RunStep
+    READY(k)    ─LAUNCH(k, crc)────► IDLE(k+1)     event RunStep; step k is running
     any of them ─ABORT(k)──────────► IDLE(k+1)     event DropStep
     any         ─broken frame──────► ERROR         (REJECT sent, link must close)
     any         ─end of stream─────► CLOSED
+
+A launched step runs beside the link's state (the link validates the next
+PREPARE meanwhile); ``complete(k, ok, detail)``, the rank's report that it ran
+step k, queues COMPLETE(k) once (``_running`` -> done; anything else is a
+local error: a step never launched here, or one already completed).
+
+A PREPARE with the SANITIZE flag is READY only at a rank built with
+``sanitize=True`` (its executor poisons, clears and checks); any other rank
+answers REJECT UNSUPPORTED, so a sanitize step never runs as a plain one.
 
 The transitions for frames about step ``k`` are ``_PEER_STEP``; the others
 (HELLO, a refusal) are ``_PEER_TABLE``. Frames about other steps are settled by
@@ -35,7 +44,19 @@ from typing import Any, cast
 from ..core import checks
 from ..core.errors import FrameError, HandshakeRefused, InvalidArgumentError, LocalProtocolError, RemoteProtocolError
 from ..core.events import Geometry
-from .codec import DEFAULT_MAX_PAYLOAD, Abort, Hello, Launch, Prepare, Ready, Reject, RejectCode, encode, max_body_for
+from .codec import (
+    DEFAULT_MAX_PAYLOAD,
+    Abort,
+    Complete,
+    Hello,
+    Launch,
+    Prepare,
+    Ready,
+    Reject,
+    RejectCode,
+    encode,
+    max_body_for,
+)
 from .decoder import page_ids_problem
 from .protocol import (
     NEED_DATA,
@@ -85,8 +106,10 @@ class PeerLink(Link):
     with a larger one is answered REJECT FRAME_TOO_LARGE (the step aborts, the
     link stays). The decoder's body cap follows from it (``max_body_for``: every
     page listed plus ``max_payload``), so a larger frame breaks the link from its
-    header. Raises ``InvalidArgumentError`` for a bad rank, world size or
-    ``max_payload``, ``ConfigurationError`` for a bad geometry.
+    header. ``sanitize``: this rank can run sanitize-mode steps (see above).
+    After each ``RunStep`` call ``complete(step, ok, detail)``. Raises
+    ``InvalidArgumentError`` for a bad rank, world size or ``max_payload``,
+    ``ConfigurationError`` for a bad geometry.
     """
 
     def __init__(
@@ -96,27 +119,34 @@ class PeerLink(Link):
         rank: int,
         world_size: int,
         max_payload: int = DEFAULT_MAX_PAYLOAD,
+        sanitize: bool = False,
         memory: int = 1024,
         held_limit: int = 64,
     ) -> None:
         check_world(rank, world_size, leader=False)
         if type(max_payload) is not int or max_payload < 0:
             raise InvalidArgumentError(f"max_payload must be an int >= 0, got {max_payload!r}")
+        if type(sanitize) is not bool:
+            raise InvalidArgumentError(f"sanitize must be a bool, got {sanitize!r}")
         num_pages = checks.geometry(geometry).num_pages
-        super().__init__(geometry, world_size, max_body_for(num_pages, max_payload))
+        super().__init__(geometry, world_size, max_body_for(num_pages, max_payload, sanitize=sanitize))
         self.rank = rank
         self.max_payload = max_payload
+        self.sanitize = sanitize
         self.state = _P.CONNECTING
         self.step: int | None = None
         self._hello: Hello | None = None
         self._prepared: Prepare | None = None
         self._answer = b""
-        self._decided = Decided(memory)
+        self._decided: Decided[bool] = Decided(memory)
         self._held_aborts: dict[int, Abort] = {}
         self._vetoed: dict[int, bytes] = {}
         self._held_limit = held_limit
+        self._memory = memory
+        self._running: dict[int, int] = {}  # launched, not completed: step -> PREPARE checksum (the last `memory`)
+        self._completed: Decided[bool] = Decided(memory)  # step -> ok, as reported
         self._events: deque[Any] = deque()
-        self._stats.update(ready=0, rejected=0, launched=0, aborted=0, held=0)
+        self._stats.update(ready=0, rejected=0, launched=0, aborted=0, held=0, completed=0, failed=0)
 
     # -- local actions
     def start(self, step: int = 0) -> None:
@@ -140,6 +170,36 @@ class PeerLink(Link):
             raise LocalProtocolError(RejectCode.UNEXPECTED_FRAME, f"reject() in state {self.state.value}{why}")
         self._reject_current(code, detail or f"rank {self.rank} refused step {self.step}")
         self._events.pop()  # the caller knows; no Answered event for its own call
+
+    def complete(self, step: int, ok: bool = True, detail: str = "") -> None:
+        """Report that launched ``step`` ran (``ok``) or failed (``detail`` says why): queue COMPLETE.
+
+        Allowed once per launched step, in any state but ERROR (the link may have
+        moved on to later steps, or seen the end of the stream). Raises
+        ``LocalProtocolError`` for a step never launched here or already
+        completed, or a broken link; ``InvalidArgumentError`` for an ``ok`` that
+        is not a bool. Nothing is queued then.
+        """
+        if type(ok) is not bool:
+            raise InvalidArgumentError(f"ok must be a bool, got {ok!r}")
+        if self.state is _P.ERROR:
+            raise LocalProtocolError(RejectCode.UNEXPECTED_FRAME, f"complete(step {step!r}) on a broken link")
+        crc = self._running.get(step)
+        if crc is None:
+            done = self._completed.get(step)
+            why = f"was already completed (ok={done})" if done is not None else (
+                f"was never launched here (or is older than the last {self._memory} launched)"
+            )
+            raise LocalProtocolError(RejectCode.UNEXPECTED_FRAME, f"complete(step {step!r}): the step {why}")
+        self._send(encode(Complete(step=step, rank=self.rank, prepare_checksum=crc, ok=ok, detail=detail)))
+        del self._running[step]
+        self._completed.add(step, ok)
+        self._stats["completed" if ok else "failed"] += 1
+
+    @property
+    def running(self) -> list[int]:
+        """Launched steps not completed yet (``complete`` not called), oldest first."""
+        return list(self._running)
 
     # -- events
     def next_event(self) -> Any:
@@ -273,8 +333,7 @@ class PeerLink(Link):
         if len(f.payload) > self.max_payload:
             detail = f"PREPARE step {s}: payload of {len(f.payload)} bytes, this rank's cap is {self.max_payload}"
             return self._reject_current(RejectCode.FRAME_TOO_LARGE, detail)
-        # a decoded PREPARE carries its ids as a memoryview of format 'I' over the frame
-        problem = page_ids_problem(cast(memoryview, f.clear_pages), self.num_pages)
+        problem = self._check_lists(f)
         if problem is None:
             self._prepared = f
             self._answer = encode(Ready(step=s, rank=self.rank, prepare_checksum=f.checksum))
@@ -285,6 +344,21 @@ class PeerLink(Link):
             return None
         code, detail = problem
         return self._reject_current(code, f"PREPARE step {s}: {detail}")
+
+    def _check_lists(self, f: Prepare) -> tuple[int, str] | None:
+        """The first problem with the PREPARE's page lists (clear, then poison and committed), or None."""
+        # a decoded PREPARE carries its ids as memoryviews of format 'I' over the frame
+        problem = page_ids_problem(cast(memoryview, f.clear_pages), self.num_pages)
+        lists = f.sanitize
+        if problem is not None or lists is None:
+            return problem
+        if not self.sanitize:
+            return RejectCode.UNSUPPORTED, "sanitize mode, and this rank has no sanitizer"
+        for name, ids in (("poison", lists.poison_pages), ("committed", lists.committed_pages)):
+            problem = page_ids_problem(cast(memoryview, ids), self.num_pages)
+            if problem is not None:
+                return problem[0], f"{name} list: {problem[1]}"
+        return None
 
     def _reject_current(self, code: int, detail: str) -> None:
         s = self.step
@@ -317,7 +391,10 @@ class PeerLink(Link):
                 f"this rank validated {p.checksum:08x}",
             )
         self._stats["launched"] += 1
-        self._events.append(RunStep(step=f.step, clear_pages=p.clear_pages, payload=p.payload))
+        self._running[f.step] = p.checksum
+        if len(self._running) > self._memory:  # never completed: forgotten, oldest first
+            del self._running[next(iter(self._running))]
+        self._events.append(RunStep(step=f.step, clear_pages=p.clear_pages, payload=p.payload, sanitize=p.sanitize))
         return self._advance(True)
 
     def _abort(self, f: Abort) -> None:

@@ -2,13 +2,15 @@
 
 Nothing here does I/O or keeps time. A link takes bytes in (``receive_data``),
 hands events out (``next_event``) and queues the bytes it must send
-(``data_to_send``); the drivers in ``kvledger.wire.rank`` move the bytes and
-decide timeouts, which they feed back in as events (``Leader.expire``).
+(``data_to_send``); the drivers in ``kvledger.wire.rank`` and
+``kvledger.wire.peer_driver`` move the bytes and decide timeouts, which they
+feed back in as events (``Leader.expire``, ``Completions.expire``).
 
-    protocol.py   this overview, the events both ends hand out, the link base
-    peer.py       PeerLink: a peer's end of its link, its state chart and table
-    leader.py     LeaderLink: the leader's end of one link, its chart and table
-    decision.py   Leader: the decision rule over every link (LAUNCH or ABORT)
+    protocol.py    this overview, the events both ends hand out, the link base
+    peer.py        PeerLink: a peer's end of its link, its state chart and table
+    leader.py      LeaderLink: the leader's end of one link, its chart and table
+    decision.py    Leader: the decision rule over every link (LAUNCH or ABORT)
+    completion.py  Completions: which peers completed which launched step
 
 Why a fifth message. SPEC's promise is that no rank clears or launches a step
 that any rank rejected or that timed out. A peer that launched on its own READY
@@ -19,6 +21,12 @@ ABORT(step) after any REJECT, a timeout or a lost link. A peer clears and runs a
 step only on LAUNCH, and only in the READY state for that step with the same
 PREPARE checksum; that single rule is what the R11-R13 tests hammer.
 
+Why a sixth (layout 8). A LAUNCH says a step may run, not that it ran. A peer
+answers each LAUNCH, once its clears and graph are done or have failed, with
+COMPLETE(step, rank, crc, ok, detail); the leader records a rank's completion
+of a step from that frame only, and a peer that never sends one (lost, stuck,
+partitioned) is reported missing by rank when the caller's deadline passes.
+
     leader (rank 0)                                   peer (rank r)
     ───────────────                                   ─────────────
                        ◄────── HELLO(r, W, geometry)       connect
@@ -26,21 +34,22 @@ PREPARE checksum; that single rule is what the R11-R13 tests hammer.
     geometry, rank      ─────► HELLO(0, W, geometry,
                                      first step s)         joined at step s
     seal_step(s) ─► validate plan locally
-                        ─────► PREPARE(s, ids, payload)
-                                                           validate: step, lengths,
-                                                           checksum, ids < num_pages,
+                        ─────► PREPARE(s, ids, [poison,    validate: step, lengths,
+                                 committed,] payload)      checksum, ids < num_pages,
                                                            no duplicates, payload size
                        ◄────── READY(s, r, crc)   or   REJECT(s, r, code, detail)
     all READY (same crc) ─────► LAUNCH(s, crc)             clear ids, run the step
     any REJECT, timeout,
     lost link            ─────► ABORT(s, code, rank)       clear nothing, run nothing
+    Completed(s, r, ok)  ◄────── COMPLETE(s, r, crc, ok, detail)   after LAUNCH(s) ran
 
 Each link's allowed transitions live in a table beside its class (h11's
 ``_state.py`` in small): ``_PEER_STEP`` and ``_PEER_TABLE`` in peer.py,
 ``_LEADER_TABLE`` in leader.py, each mapping (state, frame type) -> handler. A
 frame that is not in them is a lookup miss, raised as a protocol error that
 names the state and the frame. Duplicated, stale, replayed and reordered frames
-are settled by step number; each module draws its half of that table.
+are settled by step number; each module draws its half of that table (the
+COMPLETE rules are in leader.py's).
 
 "Broken" raises ``RemoteProtocolError`` from ``next_event`` after queueing a
 REJECT naming the code; the link is then in ERROR and its transport must close.
@@ -59,13 +68,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from typing import Generic, TypeVar
 
 import msgspec
 
 from ..core import checks
 from ..core.errors import InvalidArgumentError, LocalProtocolError
 from ..core.events import Geometry
-from .codec import NO_RANK, Frame, RejectCode, geometry_digest
+from .codec import NO_RANK, Frame, RejectCode, Sanitize, geometry_digest
 from .decoder import FrameDecoder
 
 __all__ = [
@@ -75,6 +85,7 @@ __all__ = [
     "Answered",
     "RunStep",
     "DropStep",
+    "Completed",
     "ConnectionClosed",
     "Decision",
 ]
@@ -86,6 +97,8 @@ class _NeedData:
     def __repr__(self) -> str:
         return "NEED_DATA"
 
+
+_T = TypeVar("_T")
 
 NEED_DATA = _NeedData()
 """``next_event`` returns this when it needs more bytes."""
@@ -124,16 +137,26 @@ class Answered(_Event, frozen=True):
 
 
 class RunStep(_Event, frozen=True):
-    """Peer: the leader launched ``step``. Clear ``clear_pages`` in every plane, then run it."""
+    """Peer: the leader launched ``step``. Clear ``clear_pages`` in every plane, then run it.
+
+    ``sanitize``: a sanitize-mode step's poison and committed lists (poison, clear,
+    check, then the graph); ``None`` for a plain step. Report the outcome with
+    ``PeerLink.complete(step, ok, detail)``.
+    """
 
     step: int
     clear_pages: Sequence[int]
     payload: bytes
+    sanitize: Sanitize | None = None
 
     def __repr__(self) -> str:
         ids = self.clear_pages
         head = ", ".join(str(p) for p in ids[:8]) + (", ..." if len(ids) > 8 else "")
-        return f"RunStep(step={self.step}, clear_pages=[{head}] ({len(ids)} ids), payload={len(self.payload)} bytes)"
+        extra = "" if self.sanitize is None else f", sanitize={self.sanitize!r}"
+        return (
+            f"RunStep(step={self.step}, clear_pages=[{head}] ({len(ids)} ids), "
+            f"payload={len(self.payload)} bytes{extra})"
+        )
 
 
 class DropStep(_Event, frozen=True):
@@ -142,6 +165,15 @@ class DropStep(_Event, frozen=True):
     step: int
     code: int
     rank: int = NO_RANK
+
+
+class Completed(_Event, frozen=True):
+    """Leader link: peer ``rank`` ran the launched ``step`` (``ok``), or failed at it (``detail``)."""
+
+    step: int
+    rank: int
+    ok: bool
+    detail: str = ""
 
 
 class ConnectionClosed(_Event, frozen=True):
@@ -165,23 +197,24 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 # ---------------------------------------------------------------------------- shared by both ends
 
 
-class Decided:
-    """The last ``memory`` decisions, by step (True: launched, False: aborted)."""
+class Decided(Generic[_T]):
+    """The last ``memory`` outcomes, by step: decisions (True: launched, False: aborted),
+    or at the leader link also COMPLETEs (``(ok, PREPARE checksum)``)."""
 
     __slots__ = ("memory", "_by_step", "_order")
 
     def __init__(self, memory: int) -> None:
         self.memory = memory
-        self._by_step: dict[int, bool] = {}
+        self._by_step: dict[int, _T] = {}
         self._order: deque[int] = deque()
 
-    def add(self, step: int, launched: bool) -> None:
-        self._by_step[step] = launched
+    def add(self, step: int, outcome: _T) -> None:
+        self._by_step[step] = outcome
         self._order.append(step)
         if len(self._order) > self.memory:
             self._by_step.pop(self._order.popleft(), None)
 
-    def get(self, step: int) -> bool | None:
+    def get(self, step: int) -> _T | None:
         return self._by_step.get(step)
 
 

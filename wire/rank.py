@@ -1,8 +1,11 @@
-"""Async drivers: the leader and the peer loop over any byte stream (memory or TCP).
+"""The leader's async driver: ``open_leader`` / ``WireLeader`` over any byte stream (memory or TCP).
 
-They move bytes between a transport and the pure state machines (``PeerLink``,
-``LeaderLink``, the ``Leader`` decision rule) and own every clock: the leader's vote deadline
-(``run_step(..., timeout=)``), a peer's join deadline (``hello_timeout``).
+It moves bytes between the transports and the pure state machines (one
+``LeaderLink`` per peer, the ``Leader`` decision rule, the ``Completions``
+ledger) and owns the leader's clocks: the vote deadline (``run_step(...,
+timeout=)``) and the completion deadline (``wait_completed(..., timeout=)``).
+The peer's driver, ``run_peer``, is in ``kvledger.wire.peer_driver`` (and still
+importable from here).
 
     leader process / task                          peer r (one per remote rank)
     ─────────────────────                          ────────────────────────────
@@ -12,17 +15,22 @@ They move bytes between a transport and the pure state machines (``PeerLink``,
         plan = ledger.seal_step(step)
         d = await leader.run_step(plan, payload, timeout=0.5)
         d.launch: clear plan.clear_list locally,     run_peer(stream, geometry, rank=r, world_size=W,
-                  run the step                                on_launch=clear_and_run)
-        else:     ledger.abort_step(step)             on LAUNCH: on_launch(step, clear_pages, payload)
-                                                       on ABORT:  on_drop(step, code, rank)  (nothing cleared)
+                  run the step,                               on_launch=clear_and_run)
+                  c = await leader.wait_completed(    on LAUNCH: on_launch(step, clear_pages, payload),
+                          step, timeout=1.0)                     then COMPLETE(ok, or failed + why)
+                  ledger.complete_step(step, r)      on ABORT:  on_drop(step, code, rank)  (nothing cleared)
+                      for r in c.completed
+                  c.ok or ledger.abort_step(step)
+        else:     ledger.abort_step(step)
 
-Per link the leader runs a reader task (frames in, votes to the decision rule)
-and a writer task fed by a bounded outbox. A peer that stops reading (paused,
-partitioned) fills its outbox; the leader then drops the link instead of
-blocking, counts the rank as lost and aborts the step in flight and every later
-one until the rank rejoins. Failures are fail-closed: a lost link, an expired
-deadline or a REJECT all end in ABORT on every reachable rank, and a rank clears
-and launches a step only on a LAUNCH its own state machine accepts.
+Per link the leader runs a reader task (frames in, votes to the decision rule,
+completions to the ledger of completions) and a writer task fed by a bounded
+outbox. A peer that stops reading (paused, partitioned) fills its outbox; the
+leader then drops the link instead of blocking, counts the rank as lost (it
+owes no COMPLETE any more: missing at once) and aborts the step in flight and
+every later one until the rank rejoins. Failures are fail-closed: a lost link,
+an expired deadline or a REJECT all end in ABORT on every reachable rank, and a
+rank clears and launches a step only on a LAUNCH its own state machine accepts.
 
 Logging goes through a structlog logger passed in (or ``kvledger.wire``'s);
 nothing here configures output.
@@ -30,35 +38,26 @@ nothing here configures output.
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
-import structlog
 from anyio.abc import ByteStream, TaskStatus
 
 from ..core.errors import InvalidArgumentError, WireProtocolError
 from ..core.events import Geometry, StepPlan
-from .codec import DEFAULT_MAX_PAYLOAD, RejectCode
+from .codec import RejectCode, Sanitize
+from .completion import Completions, StepCompletion
 from .decision import Leader
 from .leader import LeaderLink, LeaderState
-from .peer import PeerLink
-from .protocol import NEED_DATA, Answered, ConnectionClosed, Decision, DropStep, Joined, PeerHello, RunStep
+from .peer_driver import STREAM_CLOSED, OnDrop, OnLaunch, run_peer, wire_logger
+from .protocol import NEED_DATA, Completed, ConnectionClosed, Decision, PeerHello
 from .transport import accept, listen_tcp, listener_address
 
 __all__ = ["WireLeader", "open_leader", "run_peer", "OnLaunch", "OnDrop"]
 
-OnLaunch = Callable[[int, Any, bytes], None | Awaitable[None]]
-OnDrop = Callable[[int, int, int], None | Awaitable[None]]
-
-_CLOSED = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
 _DECIDABLE = (LeaderState.IDLE, LeaderState.AWAITING, LeaderState.VOTED)  # a link that can take LAUNCH / ABORT
-
-
-def _logger(logger: Any) -> Any:
-    return logger if logger is not None else structlog.get_logger("kvledger.wire")
 
 
 class _Conn:
@@ -78,7 +77,9 @@ class WireLeader:
     """The leader (rank 0) of one tensor-parallel group. Build it with ``open_leader``.
 
     ``run_step`` is the only way a step goes out; one step is in flight at a
-    time. ``statistics()`` gives the decision rule's counters and the links'.
+    time. ``wait_completed`` waits for the peers' COMPLETEs of a launched step
+    (any number of launched steps may await theirs). ``statistics()`` gives the
+    decision rule's counters, the completions' and the links'.
     """
 
     def __init__(
@@ -96,12 +97,14 @@ class WireLeader:
         self._rule = Leader(geometry, world_size=world_size, next_step=next_step)
         self._outbox = outbox_frames
         self._close_grace = close_grace
-        self._log = _logger(logger)
+        self._log = wire_logger(logger)
         self._tg: anyio.abc.TaskGroup | None = None
         self._conns: dict[int, _Conn] = {}
         self._all: set[_Conn] = set()
         self._joined_changed = anyio.Event()
         self._decided = anyio.Event()
+        self._done = Completions()
+        self._completions_changed = anyio.Event()
         self._step_lock = anyio.Lock()
         self._closing = False
 
@@ -157,6 +160,10 @@ class WireLeader:
         ev, self._joined_changed = self._joined_changed, anyio.Event()
         ev.set()
 
+    def _completed(self) -> None:
+        ev, self._completions_changed = self._completions_changed, anyio.Event()
+        ev.set()
+
     def _flush(self, conn: _Conn) -> None:
         """Queue what the link wants sent without waiting; a full outbox drops the link."""
         data = conn.link.data_to_send()
@@ -210,6 +217,8 @@ class WireLeader:
             d = self._rule.lose(r)
             if d is not None:
                 self._decided.set()
+            if self._done.lose(r, "link lost"):
+                self._completed()
             self._changed()
 
     async def _run_conn(self, conn: _Conn) -> None:
@@ -233,7 +242,7 @@ class WireLeader:
             async with conn.out_recv:
                 async for data in conn.out_recv:
                     await conn.stream.send(data)
-        except _CLOSED:
+        except STREAM_CLOSED:
             self._drop(conn)
         finally:
             conn.writer_done.set()
@@ -243,7 +252,7 @@ class WireLeader:
         while True:
             try:
                 data = await conn.stream.receive()
-            except _CLOSED:
+            except STREAM_CLOSED:
                 data = b""
             link.receive_data(data)
             while True:
@@ -278,6 +287,12 @@ class WireLeader:
             self._log.info("wire.peer_joined", rank=r, step=conn.link.step)
             self._changed()
             return True
+        if type(ev) is Completed:
+            if self._done.record(ev):
+                self._completed()
+            if not ev.ok:
+                self._log.warning("wire.step_failed", rank=ev.rank, step=ev.step, detail=ev.detail)
+            return True
         # a vote (Ready / Reject) for the step in flight
         if self._rule.vote(ev) is not None:
             self._decided.set()
@@ -285,21 +300,26 @@ class WireLeader:
 
     # ------------------------------------------------------------------ steps
 
-    async def run_step(self, plan: StepPlan, payload: bytes = b"", *, timeout: float) -> Decision:
+    async def run_step(
+        self, plan: StepPlan, payload: bytes = b"", *, timeout: float, sanitize: Sanitize | None = None
+    ) -> Decision:
         """PREPARE ``plan`` on every peer, wait up to ``timeout`` s for the votes, LAUNCH or ABORT.
 
         Returns the ``Decision``; the caller clears and runs the step locally only
-        if ``decision.launch``. Raises ``StepOrderError``, ``PageOutOfRangeError``,
-        ``DuplicatePageError`` or ``InvalidArgumentError`` before sending anything
-        when the plan is not the next step or its clear list is bad (nothing
-        changes then). A step that is decided is finished even if the caller is
-        cancelled meanwhile (the decision goes out shielded).
+        if ``decision.launch``, then collects the peers' completions with
+        ``wait_completed``. ``sanitize``: the poison and committed lists of a
+        sanitize-mode step (peers without a sanitizer refuse it). Raises
+        ``StepOrderError``, ``PageOutOfRangeError``, ``DuplicatePageError`` or
+        ``InvalidArgumentError`` before sending anything when the plan is not the
+        next step or a list is bad (nothing changes then). A step that is decided
+        is finished even if the caller is cancelled meanwhile (the decision goes
+        out shielded).
         """
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise InvalidArgumentError(f"timeout must be a positive number of seconds, got {timeout!r}")
         async with self._step_lock:
             rule = self._rule
-            data, crc = rule.begin(plan, payload)
+            data, crc = rule.begin(plan, payload, sanitize=sanitize)
             self._decided = anyio.Event()
             try:
                 # (acquiring the step lock was a checkpoint: the writers got to send the last decision)
@@ -341,16 +361,50 @@ class WireLeader:
         for conn in out:
             conn.link.decide(decision)
         rule.finish()
+        if decision.launch:  # every peer READY: awaited, but those whose link is gone owe nothing
+            sent = {c.rank for c in out}
+            self._done.launch(decision.step, rule.peers, lost=rule.peers - sent)
         await self._flush_all(out, timeout)
         return decision
+
+    async def wait_completed(self, step: int, *, timeout: float) -> StepCompletion:
+        """Wait up to ``timeout`` s for every peer's COMPLETE of launched ``step``.
+
+        Returns a settled ``StepCompletion``: ``completed`` (ranks that ran it),
+        ``failed`` (their detail) and ``missing`` (ranks whose link was lost, or
+        with no COMPLETE by the deadline; a later one changes nothing). Never
+        waits past the deadline and never raises for a peer: the caller records
+        ``StepCompleted`` for ``completed`` and aborts unless ``ok``. Raises
+        ``InvalidArgumentError`` for a bad timeout, or a step not launched (or
+        older than the last launched steps the leader keeps).
+        """
+        if not isinstance(timeout, (int, float)) or timeout < 0:
+            raise InvalidArgumentError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+        done = self._done
+        c = done.get(step)
+        with anyio.move_on_after(timeout):
+            while not c.settled:
+                await self._completions_changed.wait()
+                c = done.get(step)
+        if c.settled:
+            return c
+        c = done.expire(step, f"no COMPLETE within {timeout:g} s")
+        self._log.warning("wire.not_completed", step=step, missing=[r for r, _ in c.missing])
+        return c
+
+    def completion(self, step: int) -> StepCompletion:
+        """Where launched ``step`` stands now, without waiting (``pending`` ranks not heard from).
+        Raises ``InvalidArgumentError`` like ``wait_completed``."""
+        return self._done.get(step)
 
     @property
     def next_step(self) -> int:
         return self._rule.next_step
 
     def statistics(self) -> dict[str, int]:
-        """The decision rule's counters and, per live rank, its link's."""
+        """The decision rule's counters, the completions' (``complete.*``) and, per live rank, its link's."""
         out = dict(self._rule.statistics())
+        out.update({f"complete.{k}": v for k, v in self._done.statistics().items()})
         for r, c in sorted(self._conns.items()):
             for k, v in c.link.statistics().items():
                 out[f"rank{r}.{k}"] = v
@@ -387,112 +441,3 @@ async def open_leader(
         finally:
             await leader._shutdown()
             tg.cancel_scope.cancel()
-
-
-class _PeerIO:
-    """Bytes between one stream and one ``PeerLink``; answers go out before events are handed on."""
-
-    __slots__ = ("link", "stream", "open")
-
-    def __init__(self, link: PeerLink, stream: ByteStream) -> None:
-        self.link = link
-        self.stream = stream
-        self.open = True
-
-    async def flush(self) -> None:
-        data = self.link.data_to_send()
-        if data and self.open:
-            try:
-                await self.stream.send(data)
-            except _CLOSED:
-                self.open = False
-
-    async def next_event(self) -> Any:
-        link = self.link
-        while True:
-            try:
-                ev = link.next_event()
-            except WireProtocolError:
-                await self.flush()  # the REJECT naming what was wrong
-                raise
-            if ev is NEED_DATA:
-                await self.flush()
-                try:
-                    data = await self.stream.receive()
-                except _CLOSED:
-                    data = b""
-                link.receive_data(data)
-                continue
-            await self.flush()
-            return ev
-
-    async def join(self, timeout: float, log: Any) -> None:
-        """Send HELLO and wait up to ``timeout`` s to be accepted. Raises ``TimeoutError``,
-        or ``WireProtocolError`` when the leader refuses this rank or closes the link first."""
-        link = self.link
-        link.start()
-        await self.flush()
-        with anyio.fail_after(timeout):
-            ev = await self.next_event()
-        if type(ev) is ConnectionClosed:
-            detail = f"the leader closed the link before accepting rank {link.rank}"
-            raise WireProtocolError(RejectCode.PEER_LOST, detail, remote=True)
-        if type(ev) is not Joined:  # the link allows nothing else first; kept as a real check
-            raise WireProtocolError(RejectCode.UNEXPECTED_FRAME, f"expected to join, got {ev!r}", remote=True)
-        log.info("wire.joined", rank=link.rank, step=ev.step)
-
-
-async def run_peer(
-    stream: ByteStream,
-    geometry: Geometry,
-    *,
-    rank: int,
-    world_size: int,
-    on_launch: OnLaunch,
-    on_drop: OnDrop | None = None,
-    on_answer: Callable[[Answered], None] | None = None,
-    hello_timeout: float = 30.0,
-    max_payload: int = DEFAULT_MAX_PAYLOAD,
-    logger: Any = None,
-) -> dict[str, int]:
-    """Run peer ``rank`` over ``stream`` until the leader closes it; return the link's counters.
-
-    Sends HELLO and waits up to ``hello_timeout`` s to be accepted (``TimeoutError``
-    otherwise). Then every PREPARE is validated and answered READY or REJECT by
-    the link, ``on_launch(step, clear_pages, payload)`` runs for each LAUNCH (may
-    be async; it clears the pages and runs the step) and ``on_drop(step, code,
-    rank)`` for each ABORT (nothing to clear). A PREPARE whose payload is over
-    ``max_payload`` bytes is answered REJECT FRAME_TOO_LARGE (the step aborts on
-    every rank). Raises ``WireProtocolError`` when the leader breaks the protocol
-    (after telling it why) or refuses us (``HandshakeRefused``); whatever
-    ``on_launch`` raises propagates (this rank failed mid-step; the leader sees
-    the link close). Closes ``stream`` on exit.
-    """
-    log = _logger(logger)
-    link = PeerLink(geometry, rank=rank, world_size=world_size, max_payload=max_payload)
-    io = _PeerIO(link, stream)
-    try:
-        await io.join(hello_timeout, log)
-        while True:
-            ev = await io.next_event()
-            t = type(ev)
-            if t is RunStep:
-                r = on_launch(ev.step, ev.clear_pages, ev.payload)
-                if inspect.isawaitable(r):
-                    await r
-            elif t is DropStep:
-                log.info("wire.dropped", rank=rank, step=ev.step, code=int(ev.code), culprit=ev.rank)
-                if on_drop is not None:
-                    r = on_drop(ev.step, ev.code, ev.rank)
-                    if inspect.isawaitable(r):
-                        await r
-            elif t is Answered:
-                if on_answer is not None:
-                    on_answer(ev)
-                if not ev.ready:
-                    log.warning("wire.rejected", rank=rank, step=ev.step, code=int(ev.code), detail=ev.detail)
-            elif t is ConnectionClosed:
-                return link.statistics()
-    finally:
-        with anyio.CancelScope(shield=True):
-            await stream.aclose()
