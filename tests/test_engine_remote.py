@@ -173,9 +173,12 @@ async def test_remote_peers_over_tcp_clear_the_same_pages():
             never = [p for p in range(G.num_pages) if p not in listed]
             for planes in everyone:
                 assert not any(int(planes[0][p].view(torch.uint8).count_nonzero()) == 0 for p in never)
-        assert engine.ledger.events[-2:] == [
+        # every rank's completion is recorded: rank 0's own, the peers' from their COMPLETEs
+        assert engine.ledger.events[-4:] == [
             StepSealed(step=3, clear_list=result.clear_list),
             StepCompleted(step=3, rank=0),
+            StepCompleted(step=3, rank=1),
+            StepCompleted(step=3, rank=2),
         ]
         assert engine.statistics()["steps_completed"] == 4
         assert engine.leader.statistics()["launched"] == 4
@@ -371,3 +374,52 @@ async def test_steps_cancelled_at_any_point_keep_the_wire_in_step_with_the_ledge
             assert sorted(p.launched + p.dropped) == list(range(step + 1))
         assert peers[1].launched == peers[2].launched
         print("cancelled after the seal:", cancelled_sealed, "of 12; launched", peers[1].launched)
+
+
+class FailingPeer(Peer):
+    """A peer whose step breaks after its LAUNCH: it reports COMPLETE failed, then ends."""
+
+    def __init__(self, rank: int, fail_at: int) -> None:
+        super().__init__(rank)
+        self.fail_at = fail_at
+
+    def on_launch(self, step, clear_pages, payload):
+        if step == self.fail_at:
+            raise RuntimeError(f"peer {self.rank} broke in step {step}")
+        super().on_launch(step, clear_pages, payload)
+
+    async def run(self, host, port, geometry=G):
+        with pytest.raises(RuntimeError, match="broke in step"):  # run_peer re-raises after COMPLETE
+            await super().run(host, port, geometry)
+
+
+@pytest.mark.asyncio
+async def test_a_peer_that_fails_after_its_launch_fails_the_step_and_the_others_completions_follow_the_abort():
+    local = make_planes()
+    peers = {1: Peer(1), 2: FailingPeer(2, fail_at=1)}
+    remote = RemoteRanks(world_size=WORLD, timeout=TIMEOUT)
+    async with (
+        anyio.create_task_group() as tg,
+        open_engine(G, ranks=[RankSpec(planes=local)], remote=remote, record=True) as engine,
+    ):
+        host, port = engine.remote_address
+        for peer in peers.values():
+            tg.start_soon(peer.run, host, port)
+        await engine.wait_remote(5)
+        everyone = [local] + [p.planes for p in peers.values()]
+        await snapshot_tail(engine, everyone, snapshot=1, request=1, step=0)
+        await engine.run_step(0)
+        assert [e.rank for e in engine.ledger.events if type(e) is StepCompleted and e.step == 0] == [0, 1, 2]
+        rows1 = await snapshot_tail(engine, everyone, snapshot=2, request=2, step=1)
+        with pytest.raises(StepFailedError) as info:
+            await engine.run_step(1)
+        err = info.value
+        assert (err.step, err.rank) == (1, 2) and sorted(err.clear_list) == sorted(rows1)
+        assert err.failures[0][1].code == RejectCode.PEER_FAILED and "broke in step 1" in str(err.failures[0][1])
+        # the abort first, then the ranks that ran their part: rank 0 and peer 1, never rank 2
+        abort = _last_abort(engine.ledger.events)
+        assert abort is not None and abort.step == 1
+        tail = engine.ledger.events[engine.ledger.events.index(abort) + 1:]
+        assert tail == [StepCompleted(step=1, rank=0), StepCompleted(step=1, rank=1)]
+        assert_consistent(engine)
+        tg.cancel_scope.cancel()

@@ -94,17 +94,23 @@ every peer (the engine is the wire leader) under ``RemoteRanks.timeout``; only
 on LAUNCH do the local ranks run. A REJECT, an expired deadline or a lost or
 missing peer aborts the step: ``StepFailedError`` names the rank (engine
 numbering), nothing is cleared or run anywhere, and the ledger records
-``StepAborted`` exactly as for a failing local rank.
+``StepAborted`` exactly as for a failing local rank. After the local ranks ran,
+the engine waits (``RemoteRanks.complete_timeout``) for every peer's COMPLETE
+(``remote.collect_remote``) and records ``StepCompleted`` for each peer that ran
+the step; a peer that reports a failure, loses its link or stays silent fails
+the step like a local rank: ``StepAborted`` first, then the completions of the
+ranks that ran.
 
 The rooms:
 
     engine.py    Engine: the ledger's commands, awaited, run_step's entry, closing; RankSpec
     access.py    LedgerAccess: the one path to the ledger (loop or worker thread; open/closing/closed)
-    steps.py     StepRunner: one step across the ranks (seal, handshake, inline or dispatch, record); StepResult
+    steps.py     StepRunner: one step across the ranks (seal, inline or dispatch, record); StepResult
+    remote_steps.py  the remote half of a step: the handshake before, the peers' COMPLETEs after
     opening.py   open_engine: the ledger, the executors' task group, the wire leader; the options
     extras.py    Extras: metrics, KV events, the sanitizer's tracker and the caller's observers, wired in
     sanitizer.py SanitizerTracker: each plan's poison and committed lists, page histories, SanitizerError
-    remote.py    RemoteRanks (the leader side's options) and serve_remote_rank (a peer)
+    remote.py    RemoteRanks (the leader side's options), collect_remote, serve_remote_rank (a peer)
 
 ``import kvledger.engine`` does not import torch; a rank's planes bring it in.
 """

@@ -1,6 +1,7 @@
 """``StepRunner``: one step across the ranks, and what is recorded when it does not complete.
 
-    run(step) ─► seal (a ledger call) ─► [remote: PREPARE/READY/LAUNCH with the peers]
+    run(step) ─► seal (a ledger call) ─► [remote: PREPARE/READY/LAUNCH with the peers,
+                                          remote_steps.py]
               ─► the ranks' parts:
                    inline ranks (CPU planes, a plain-function graph): each rank's job in this
                    task, in rank order (no stream hop, no task switch); after a failure the
@@ -9,6 +10,7 @@
                    a rank failed: cancel the others, wait for them (drain_timeout_s at most)
                    the caller cancelled: the same, shielded, then the cancellation re-raised
                    the engine closes after an error: the same, then EngineClosedError
+              ─► [remote: every peer's COMPLETE, or its failure, loss or silence]
               ─► record (shielded): [SanitizerViolation per violation a rank's check found,]
                  StepAborted if any rank did not complete, StepCompleted per rank that finished,
                  [the KV event publisher's flush]
@@ -45,11 +47,12 @@ import anyio
 import anyio.lowlevel
 import msgspec
 
-from kvledger.core.errors import EngineClosedError, StepFailedError, WireProtocolError
+from kvledger.core.errors import EngineClosedError, StepFailedError
 from kvledger.core.events import StepPlan
 from kvledger.executors.executor import RankExecutor, RankOutcome, RankTiming, StepInputs, StepJob, StepReplies
 
 from .access import LedgerAccess
+from .remote_steps import RemoteSteps
 from .sanitizer import SanitizerTracker
 
 __all__ = ["StepResult", "StepRunner"]
@@ -65,7 +68,7 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     wall_s: float
 
 
-class StepRunner:
+class StepRunner(RemoteSteps):
     """Runs the engine's steps: one at a time (``depth`` 1: the engine holds its slot lock
     around ``run``), or up to ``depth`` sealed at once, run on the ranks one after the other.
 
@@ -185,17 +188,20 @@ class StepRunner:
             outcomes = await self._run_inline(plan, per_rank, lists)
         else:
             outcomes = await self._run_waiting(plan, per_rank, payload, lists)
-        if len(outcomes) == self.world_size:
+        remote = await self._collect_remote(step) if self.leader is not None else None
+        if len(outcomes) == self.world_size and (remote is None or remote.ok):
             for o in outcomes:
                 if o.status != "ok":
                     break
             else:
-                result = await self._complete(plan, outcomes, t0)
+                result = await self._complete(plan, outcomes, t0, remote.completed if remote else ())
                 if self.metrics is not None:
                     self.metrics.step_completed(result)
                 return result
         ok_ranks = tuple(sorted(o.rank for o in outcomes if o.status == "ok"))
-        await self._fail(plan, outcomes, ok_ranks, lists[1])
+        if remote is None:
+            await self._fail(plan, outcomes, ok_ranks, lists[1])
+        await self._fail(plan, outcomes, ok_ranks + remote.completed, lists[1], remote.failures)
 
     async def wait_settled(self) -> None:
         """Closing: wait until every sealed step settled (with ``depth`` > 1; the engine's
@@ -207,9 +213,11 @@ class StepRunner:
             if tail is not None:
                 await tail.wait()
 
-    async def _complete(self, plan: StepPlan, outcomes: list[RankOutcome], t0: float) -> StepResult:
-        """Every rank completed: record it, and the ``StepResult``."""
-        await self.settle(plan.step, self._all_ranks, None)
+    async def _complete(self, plan: StepPlan, outcomes: list[RankOutcome], t0: float,
+                        remote_ranks: tuple[int, ...] = ()) -> StepResult:
+        """Every rank completed (local ones, and the peers' COMPLETEs): record it, and the
+        ``StepResult`` (timings of the local ranks)."""
+        await self.settle(plan.step, self._all_ranks + remote_ranks, None)
         self.pages_cleared += len(plan.clear_list)
         timings: list[Any] = [o.timing for o in outcomes]
         if not self._inline:
@@ -355,12 +363,14 @@ class StepRunner:
             self._replies.event.set()
 
     async def _fail(self, plan: StepPlan, outcomes: list[RankOutcome], ok_ranks: tuple[int, ...],
-                    committed: Any = ()) -> NoReturn:
+                    committed: Any = (), remote_failures: Sequence = ()) -> NoReturn:
         """Record a step some rank did not complete, and raise ``StepFailedError`` naming it
         (``SanitizerError`` chained to it when a rank's sanitizer check found violations,
-        each recorded first)."""
+        each recorded first). ``remote_failures``: peers that failed, were lost or stayed
+        silent after the LAUNCH (``(rank, WireProtocolError)``), after the local failures."""
         step = plan.step
         failures = [(o.rank, o.error) for o in outcomes if o.status == "failed" and o.error is not None]
+        failures += remote_failures
         found = [(o.rank, v) for o in outcomes for v in o.violations]
         if failures:
             first_rank, first = failures[0]
@@ -432,53 +442,6 @@ class StepRunner:
         else:
             self.steps_aborted += 1
             self._log.warning("step_aborted", step=step, reason=reason, completed_ranks=list(ok_ranks))
-
-    # ------------------------------------------------------------------ remote ranks
-
-    async def _remote_handshake(self, plan: StepPlan, payload: bytes) -> None:
-        """PREPARE/READY with every peer; returns on LAUNCH. On anything else the step
-        is recorded as aborted (no rank ran it) and this raises: ``StepFailedError``
-        naming the culprit rank for an ABORT, or what interrupted it (cancellation)."""
-        step = plan.step
-        t0 = time.perf_counter()
-        try:
-            decision = await self.leader.run_step(plan, payload, timeout=self.remote.timeout)
-        except BaseException as exc:
-            with anyio.CancelScope(shield=True):
-                await self._wire_catch_up(plan)
-                reason = "cancelled" if isinstance(exc, anyio.get_cancelled_exc_class()) else repr(exc)
-                await self.settle(step, (), f"remote handshake: {reason}")
-            raise
-        if self.metrics is not None:
-            self.metrics.wire_decision(decision, time.perf_counter() - t0)
-        if decision.launch:
-            return
-        from kvledger.wire.codec import NO_RANK
-
-        base = self.world_size - 1
-        rank = base + decision.rank if decision.rank != NO_RANK else self.world_size
-        cause = WireProtocolError(decision.code, decision.detail or "aborted", remote=True)
-        reason = f"rank {rank} aborted the step over the wire: code {int(decision.code)}: {decision.detail}"
-        await self.settle(step, (), reason)
-        err = StepFailedError(step, rank, [(rank, cause)], reason, plan.clear_list)
-        if self.metrics is not None:
-            self.metrics.step_failed(err)
-        raise err from cause
-
-    async def _wire_catch_up(self, plan: StepPlan) -> None:
-        """A sealed step that never reached the wire (the caller was cancelled first):
-        put it through the handshake with a deadline that is already over, so the
-        peers see PREPARE then ABORT and their step numbers stay in line with the
-        ledger's. Call shielded. Should a LAUNCH go out all the same, the ledger
-        still records the step as aborted and its clear list is cleared again next
-        step (zeroing is idempotent)."""
-        leader = self.leader
-        if leader is None or leader.next_step != plan.step:
-            return
-        try:
-            await leader.run_step(plan, b"", timeout=1e-9)
-        except Exception as exc:  # the peers will refuse the next step: it aborts, naming them
-            self._log.error("wire_catch_up_failed", step=plan.step, error=repr(exc))
 
 
 _NO_LISTS: tuple = (None, None)  # a job's poison and committed lists without the sanitizer: the defaults
