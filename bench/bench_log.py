@@ -60,7 +60,8 @@ from kvledger import Geometry, Ledger, OutOfPagesError, replay  # noqa: E402
 from kvledger.durable import open_ledger  # noqa: E402
 from kvledger.core.log import open_view  # noqa: E402
 from kvledger.core.log.fold import fold_records, rebuild_state, start_state  # noqa: E402
-from kvledger.replay_log import replay_log  # noqa: E402
+from kvledger.tools.audit import audit_log  # noqa: E402
+from kvledger.tools.replay import replay_log  # noqa: E402
 
 TARGETS = {"append_ratio": (">=", 0.9), "replay_trusted_vs_commands": (">=", 0.7),
            "pages_ratio": ("<=", 1.3)}
@@ -168,12 +169,12 @@ def _replay_cases(events: list, run: _Run) -> dict:
         run.digests["events"] = st.digest()
         return dt
 
-    def from_disk(invariants: str):
+    def from_disk(invariants: str, trusted: bool = False):
         def case() -> float:
-            dt, s = time_call(lambda: replay_log(run.log, invariants=invariants))
+            dt, s = time_call(lambda: replay_log(run.log, invariants=invariants, trusted=trusted))
             if not s.ok:
                 raise RuntimeError(f"replay failed: {s.error}")
-            run.digests["replay_" + invariants] = s.digest
+            run.digests["replay_" + invariants + ("_trusted" if trusted else "")] = s.digest
             return dt
 
         return case
@@ -189,7 +190,7 @@ def _replay_cases(events: list, run: _Run) -> dict:
         return dt
 
     return {"fold_events": fold_events, "replay": from_disk("none"), "replay_auto": from_disk("auto"),
-            "trusted": trusted}
+            "trusted": trusted, "replay_trusted": from_disk("auto", trusted=True)}
 
 
 def run(quick: bool, *, ten_million: bool | None = None) -> dict:
@@ -228,6 +229,7 @@ def run(quick: bool, *, ten_million: bool | None = None) -> dict:
             mem_i, inl = ti["memory"].best, ti["inline"].best
             fe, rp, ra = tr["fold_events"].best, tr["replay"].best, tr["replay_auto"].best
             tt = tr["trusted"].best
+            rt = tr["replay_trusted"].best
             v = variant + "_"
             figures.update({
                 v + "events": n_ev,
@@ -253,6 +255,8 @@ def run(quick: bool, *, ten_million: bool | None = None) -> dict:
                 v + "replay_trusted_events_per_s": n_ev / tt,
                 v + "replay_trusted_vs_commands": mem / tt,
                 v + "replay_checked_vs_commands": mem / rp,
+                v + "replay_log_trusted_events_per_s": n_ev / rt,
+                v + "replay_log_trusted_vs_commands": mem / rt,
                 v + "replay_auto_ratio": fe / ra,
                 v + "memory_spread": ta["memory"].runs.spread,
                 v + "append_spread": ta["background"].runs.spread,
@@ -282,6 +286,8 @@ def run(quick: bool, *, ten_million: bool | None = None) -> dict:
                  fmt_rate(n_tr / tt, " tr/s"), "%.3f" % (mem / tt), "-", pct(tr["trusted"].spread)),
                 (variant, "checked replay from disk (vs commands)", fmt_rate(n_ev / rp, " ev/s"),
                  fmt_rate(n_tr / rp, " tr/s"), "%.3f" % (mem / rp), "-", pct(tr["replay"].spread)),
+                (variant, "replay --trusted, summary counted (vs commands)", fmt_rate(n_ev / rt, " ev/s"),
+                 fmt_rate(n_tr / rt, " tr/s"), "%.3f" % (mem / rt), "-", pct(tr["replay_trusted"].spread)),
             ]
             if run_.log and os.path.exists(run_.log):
                 os.unlink(run_.log)
@@ -477,7 +483,8 @@ def _page_question(path: str, page: int) -> tuple[float, int]:
 def _ten_million(directory: str, figures: dict, target: int = 10_000_000) -> dict:
     """Write a ``target``-event log of the serving shape on a 1 Mi-page cache (defaults, a directory of
     64 MiB segments), then fold it from disk: trusted (``rebuild_state(trusted=True)`` from seq 0),
-    checked (``replay_log``), and the recent history of one page (``_page_question``)."""
+    checked and trusted (``replay_log``), and the recent history of one page (``_page_question``, and
+    ``audit_log(page=...)`` with its default window: what ``kvledger audit --page`` runs)."""
     path = os.path.join(directory, "ten-million")
     rng = random.Random(10_000_000)
     state = {"growing": [], "done": [], "need": {}, "snaps": [], "next_r": 0, "next_s": 0}
@@ -507,9 +514,21 @@ def _ten_million(directory: str, figures: dict, target: int = 10_000_000) -> dic
     out["ten_million_replay_none_s"] = dt
     rows.append(("checked replay_log, invariants none", f"{dt:.1f}", fmt_rate(events / dt, " ev/s"),
                  f"{size / dt / 1e6:.0f}"))
+    dt, s = time_call(lambda: replay_log(path, invariants="none", trusted=True))
+    if not s.ok or s.digest != st.digest():
+        raise RuntimeError(f"10M trusted replay failed or disagrees: {s.error}")
+    out["ten_million_replay_trusted_s"] = dt
+    rows.append(("replay_log --trusted, invariants none", f"{dt:.1f}", fmt_rate(events / dt, " ev/s"),
+                 f"{size / dt / 1e6:.0f}"))
     dt, hits = _page_question(path, 12345)
     out["ten_million_page_question_s"] = dt
     rows.append((f"page 12,345 since the last segment's checkpoint ({hits} events)", f"{dt:.2f}", "-", "-"))
+    dt, rep = time_call(lambda: audit_log(path, page=12345))
+    if rep.error is not None:
+        raise RuntimeError(f"10M audit --page failed: {rep.error}")
+    out["ten_million_audit_page_s"] = dt
+    rows.append((f"audit_log --page 12,345, default window ({rep.events:,} events, {len(rep.rows)} rows)",
+                 f"{dt:.2f}", "-", "-"))
     print_table(f"log: a {fmt_count(events)}-event log on {fmt_count(LARGE)} pages ({fmt_count(size // 1_000_000)} MB "
                 f"in {len(segs)} segments, written in {write_s:.0f} s with the default writer thread)",
                 ("replay", "seconds", "events/s", "MB/s"), rows)

@@ -10,7 +10,7 @@ import structlog
 
 from kvledger.core.state import TRANSITIONS
 from kvledger import CLEAR_POLICIES, Geometry, LedgerState
-from kvledger.tools.audit import COLORS, audit_log, render, render_svg
+from kvledger.tools.audit import COLORS, AuditReport, audit_log, render, render_svg
 from kvledger.core.events.events import (
     CacheConfigured,
     PagesCommitted,
@@ -114,7 +114,7 @@ def _log(events, *, close: bool = True, geometry: Geometry = G):
     return disk
 
 
-def _faults(events, **kw) -> dict:
+def _faults(events, **kw) -> tuple[dict, AuditReport]:
     disk = _log(events, close=kw.pop("close", True))
     rep = audit_log("f", layer=disk, check=True, **kw)
     found = {(f.kind, f.seq): f for f in rep.faults}
