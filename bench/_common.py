@@ -36,7 +36,8 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
 
 __all__ = [
     "SegmentedTiming",
@@ -179,7 +180,7 @@ def interleaved_segments(
     out = {}
     for name in names:
         runs = per[name]
-        best = sum(min(col) for col in zip(*runs))
+        best = sum(min(col) for col in zip(*runs, strict=False))
         out[name] = SegmentedTiming(summarize([sum(r) for r in runs]), best, tuple(runs))
     return out
 
@@ -198,7 +199,7 @@ def machine_info() -> dict[str, Any]:
         "processor": platform.processor() or "",
         "cpu_count": os.cpu_count(),
         "cpu_usable": usable,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "argv": " ".join(sys.argv),
     }
 
@@ -207,20 +208,20 @@ def fmt_rate(per_second: float, unit: str = "/s") -> str:
     """``1234567.0`` -> ``'1.23 M/s'``."""
     for scale, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
         if per_second >= scale:
-            return "%.2f %s%s" % (per_second / scale, prefix, unit)
-    return "%.1f %s" % (per_second, unit)
+            return f"{per_second / scale:.2f} {prefix}{unit}"
+    return f"{per_second:.1f} {unit}"
 
 
 def fmt_seconds(seconds: float) -> str:
     if seconds >= 1.0:
-        return "%.3f s" % seconds
+        return f"{seconds:.3f} s"
     if seconds >= 1e-3:
         return "%.1f ms" % (seconds * 1e3)
     return "%.1f us" % (seconds * 1e6)
 
 
 def fmt_count(n: int) -> str:
-    return "{:,}".format(n)
+    return f"{n:,}"
 
 
 def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]], *, file=None) -> None:
@@ -230,7 +231,7 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
 
     def line(row: list[str]) -> str:
-        parts = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        parts = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=False)]
         return "  ".join(parts).rstrip()
 
     print(title, file=out)

@@ -149,7 +149,8 @@ def run(quick: bool) -> dict:
     figures["abort_us_per_page_8192"] = round(t["8192"].best * 1e6, 4)
     rows.append(("abort_step, per listed page", f"{n:,}", fmt_seconds(t["1024"].best) + " (1,024)",
                  fmt_seconds(t["8192"].best) + " (8,192)", f"{lin:.2f}"))
-    print_table("flat: slow path vs fast path of one command", ("case", "pages", "fast path", "slow path", "ratio"), rows)
+    print_table("flat: slow path vs fast path of one command",
+                ("case", "pages", "fast path", "slow path", "ratio"), rows)
     print("ratio = slow path / fast path (abort: per-page cost at 8,192 listed / at 1,024); targets: <= 2, <= 2, ~1")
     return figures
 

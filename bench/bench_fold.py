@@ -121,7 +121,7 @@ def make_trace(variant: str, steps: int = STEPS, seed: int = SEED, num_pages: in
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    rng = random.Random("%s:%d" % (variant, seed))
+    rng = random.Random(f"{variant}:{seed}")
     rand, randint = rng.random, rng.randint
     ops: list = []
     per_op: list = []
@@ -442,8 +442,7 @@ def verify(trace: Trace, windows: tuple = VERIFY_WINDOWS) -> dict:
             changed = nbytes - (before ^ after).to_bytes(nbytes, "little").count(0)
             if changed != trace.per_op[i]:
                 raise CheckError(
-                    "op %d %s%r changed %d holders, the trace says %d"
-                    % (i, OP_NAMES[code], args, changed, trace.per_op[i])
+                    f"op {i} {OP_NAMES[code]}{args!r} changed {changed} holders, the trace says {trace.per_op[i]}"
                 )
             before = after
         else:
@@ -543,7 +542,7 @@ def run(quick: bool) -> dict:
         ratio = plain.best / led.best
         # Ledger and baseline ran the same segments interleaved in each repeat, so
         # each repeat gives a paired ratio; their range is the ratio's spread.
-        paired = [p / q for p, q in zip(plain.runs.samples, led.runs.samples)]
+        paired = [p / q for p, q in zip(plain.runs.samples, led.runs.samples, strict=False)]
         ratios.append(ratio)
         v = variant + "_"
         figures.update(
@@ -578,16 +577,16 @@ def run(quick: bool) -> dict:
                 fmt_rate(n_tr / led.best),
                 fmt_rate(n_ops / led.best),
                 fmt_rate(n_tr / plain.best),
-                "%.3f" % ratio,
-                "%.3f-%.3f" % (min(paired), max(paired)),
-                "%.0f%% / %.0f%%" % (100 * led.runs.spread, 100 * plain.runs.spread),
+                f"{ratio:.3f}",
+                f"{min(paired):.3f}-{max(paired):.3f}",
+                f"{100 * led.runs.spread:.0f}% / {100 * plain.runs.spread:.0f}%",
                 fmt_count(extra["cleared_pages"]),
             )
         )
     figures["ratio"] = min(ratios)
     print_table(
-        "fold: Ledger command + fold vs plain list+dict pool, %s pages, %d repeats x %d segments"
-        % (fmt_count(NUM_PAGES), repeats, SEGMENTS),
+        f"fold: Ledger command + fold vs plain list+dict pool, {fmt_count(NUM_PAGES)} pages, "
+        f"{repeats} repeats x {SEGMENTS} segments",
         (
             "free order",
             "commands",
@@ -603,10 +602,10 @@ def run(quick: bool) -> dict:
         rows,
     )
     print(
-        "ratio = plain time / ledger time, each the sum of per-segment best times (worse variant: %.3f);\n"
+        "ratio = plain time / ledger time, each the sum of per-segment best times (worse variant: {:.3f});\n"
         "ratio per run: the range of whole-run paired ratios; spread: (worst - best) / best of whole runs;\n"
         "cleared: pages the ledger listed in step plans; events/s = commands/s (one event per command)."
-        % figures["ratio"]
+        .format(figures["ratio"])
     )
     return figures
 

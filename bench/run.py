@@ -147,7 +147,7 @@ def write_json(path: str, report: dict) -> None:
 
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
-        return "%.4g" % value
+        return f"{value:.4g}"
     return str(value)
 
 
@@ -169,7 +169,7 @@ def run_one(name: str, path: Path, quick: bool, show_figures: bool) -> dict:
         result["error"] = traceback.format_exc()
         result["seconds"] = time.perf_counter() - t0
         sys.stdout.flush()
-        print("FAILED: %s" % name, file=sys.stderr)
+        print(f"FAILED: {name}", file=sys.stderr)
         print(result["error"], file=sys.stderr, end="")
         sys.stderr.flush()
         return result
@@ -177,16 +177,16 @@ def run_one(name: str, path: Path, quick: bool, show_figures: bool) -> dict:
     result["figures"] = figures
     if "skipped" in figures:
         result["status"] = "skipped"
-        print("SKIPPED: %s" % figures["skipped"])
+        print("SKIPPED: {}".format(figures["skipped"]))
         return result
     result["status"] = "ok"
     if show_figures:
-        print_table("figures: %s" % name, ("figure", "value"), [(k, _fmt(v)) for k, v in figures.items()])
+        print_table(f"figures: {name}", ("figure", "value"), [(k, _fmt(v)) for k, v in figures.items()])
     result["targets"] = evaluate_targets(targets, figures)
     for key, t in result["targets"].items():
         print(
-            "target %s %s %s: measured %s  %s"
-            % (key, t["op"], _fmt(t["value"]), _fmt(t["measured"]), "PASS" if t["met"] else "MISS")
+            f"target {key} {t['op']} {_fmt(t['value'])}: measured {_fmt(t['measured'])}  "
+            + ("PASS" if t["met"] else "MISS")
         )
     return result
 
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     found = discover()
     if args.list:
         for name, path in found.items():
-            print("%-12s %s" % (name, path.relative_to(BENCH_DIR.parent)))
+            print(f"{name:<12} {path.relative_to(BENCH_DIR.parent)}")
         return 0
     selected = found
     if args.only:
@@ -211,10 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         wanted = [n[:-3] if n.endswith(".py") else n for n in wanted]
         unknown = [n for n in wanted if n not in found]
         if unknown:
-            parser.error("unknown benchmark(s) %s; available: %s" % (", ".join(unknown), ", ".join(found) or "none"))
+            parser.error(f"unknown benchmark(s) {', '.join(unknown)}; available: {', '.join(found) or 'none'}")
         selected = {n: found[n] for n in found if n in wanted}
     if not selected:
-        print("no benchmark modules found in %s" % BENCH_DIR, file=sys.stderr)
+        print(f"no benchmark modules found in {BENCH_DIR}", file=sys.stderr)
         return 1
 
     report: dict = {
@@ -227,12 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     m = report["machine"]
     print(
-        "machine: Python %s on %s, %s CPUs (%s usable), %s"
-        % (m["python"], m["platform"], m["cpu_count"], m["cpu_usable"], m["date"])
+        f"machine: Python {m['python']} on {m['platform']}, {m['cpu_count']} CPUs ({m['cpu_usable']} usable), "
+        f"{m['date']}"
     )
     results = {}
     for name, path in selected.items():
-        print("\n== %s (%s)%s ==" % (name, path.relative_to(BENCH_DIR.parent), " --quick" if args.quick else ""))
+        print("\n== {} ({}){} ==".format(name, path.relative_to(BENCH_DIR.parent), " --quick" if args.quick else ""))
         sys.stdout.flush()
         res = run_one(name, path, args.quick, args.figures)
         results[name] = res
@@ -251,15 +251,15 @@ def main(argv: list[str] | None = None) -> int:
             (
                 name,
                 res["status"],
-                "%.1f s" % res["seconds"],
-                "%d/%d" % (sum(1 for v in t.values() if v["met"]), len(t)) if t else "-",
+                "{:.1f} s".format(res["seconds"]),
+                f"{sum(1 for v in t.values() if v['met'])}/{len(t)}" if t else "-",
             )
         )
     print()
     print_table("summary", ("benchmark", "status", "time", "targets met"), rows)
     if args.json:
         write_json(args.json, report)
-        print("figures written to %s" % args.json)
+        print(f"figures written to {args.json}")
     return 1 if any(r["status"] == "failed" for r in results.values()) else 0
 
 

@@ -37,12 +37,40 @@ _encode = msgspec.msgpack.Encoder().encode
 
 
 def block_hash(parent: bytes | int | None, tokens: Sequence[int], extra_keys: Sequence = ()) -> bytes:
-    """H(parent, tokens, extra_keys): one block's hash (see the module docstring)."""
+    """H(parent, tokens, extra_keys): one block's hash (see the module docstring).
+
+    Raises ``InvalidArgumentError`` for a parent that is not None, an int or bytes, a
+    token that is not an int, or an extra key that is not a str, an int or bytes.
+    """
+    _check_parent(parent)
+    _check_extra_keys(extra_keys)
+    block = list(tokens)
+    _check_tokens(block)
+    return _hash(parent, block, list(extra_keys))
+
+
+def _hash(parent: bytes | int | None, block: list[int], extra: list) -> bytes:
     try:
-        data = _encode([parent, list(tokens), list(extra_keys)])
+        data = _encode([parent, block, extra])
     except (TypeError, OverflowError) as exc:
         raise InvalidArgumentError(f"cannot hash block: {exc}") from None
     return hashlib.blake2b(data, digest_size=HASH_BYTES, person=_PERSON).digest()
+
+
+def _check_parent(parent: object) -> None:
+    if parent is not None and type(parent) not in (int, bytes):
+        raise InvalidArgumentError(f"the parent hash must be None, an int or bytes, got {parent!r}")
+
+
+def _check_extra_keys(extra_keys: Sequence) -> None:
+    for k in extra_keys:
+        if type(k) not in (str, int, bytes):
+            raise InvalidArgumentError(f"extra keys must be str, int or bytes, got {k!r}")
+
+
+def _check_tokens(tokens: list) -> None:
+    if any(type(t) is not int for t in tokens):
+        raise InvalidArgumentError("token ids must be ints")
 
 
 def block_hashes(
@@ -59,17 +87,14 @@ def block_hashes(
     """
     if type(page_tokens) is not int or page_tokens < 1:
         raise InvalidArgumentError(f"page_tokens must be a positive int, got {page_tokens!r}")
-    if parent is not None and type(parent) not in (int, bytes):
-        raise InvalidArgumentError(f"the parent hash must be None, an int or bytes, got {parent!r}")
-    for k in extra_keys:
-        if not isinstance(k, (str, int, bytes)) or isinstance(k, bool):
-            raise InvalidArgumentError(f"extra keys must be str, int or bytes, got {k!r}")
+    _check_parent(parent)
+    _check_extra_keys(extra_keys)
     tokens = list(token_ids)
-    if any(type(t) is not int for t in tokens):
-        raise InvalidArgumentError("token ids must be ints")
+    _check_tokens(tokens)
+    extra = list(extra_keys)
     out = []
     h = parent
     for i in range(len(tokens) // page_tokens):
-        h = block_hash(h, tokens[i * page_tokens : (i + 1) * page_tokens], extra_keys)
+        h = _hash(h, tokens[i * page_tokens : (i + 1) * page_tokens], extra)
         out.append(h)
     return out

@@ -95,6 +95,9 @@ def _hash_list(hashes, what: str) -> tuple:
     return out
 
 
+_MAX_ID = checks.MAX_ID  # (a module global: read on every command)
+
+
 class Ledger:
     """The KV-page ledger of one cache. Commands mirror SPEC's event table.
 
@@ -170,16 +173,16 @@ class Ledger:
         nothing changed. Returns the event's effects.
         """
         st = self.state
-        row = st.transitions[type(event)]  # a Ledger's state is configured from its first event on
-        row.validate(st, event)
+        validate, apply = st.dispatch[type(event)]  # a Ledger's state is configured from its first event on
+        validate(st, event)
         if self._plain:
-            return row.apply(st, event)
+            return apply(st, event)
         seq = st.seq
         if self._sink is not None:
             self._sink(seq, event)
         if self.events is not None:
             self.events.append(event)
-        effects = row.apply(st, event)
+        effects = apply(st, event)
         if self._check:
             check_invariants(st)
         if self._observer is not None:
@@ -252,7 +255,7 @@ class Ledger:
         same one). Raises ``OutOfPagesError`` (nothing changed) when fewer than ``n``
         are reservable, ``TenantMismatchError`` when a known request names another tenant.
         """
-        if type(request) is not int or not 0 <= request <= checks.MAX_ID:
+        if type(request) is not int or not 0 <= request <= _MAX_ID:
             checks.ident(request, "request")
         if type(n) is not int or n < 1:
             checks.count(n, "n")
@@ -272,7 +275,17 @@ class Ledger:
         self._submit(ev)
         return ev.page_ids
 
-    def _evict_for(self, n: int, who: str) -> list[int]:
+    def allocate(self, request: int, step: int, n: int, *, tenant: str | None = None) -> tuple[int, ...]:
+        """``reserve(request, n)`` then ``commit`` those pages for ``step``: the usual way a
+        scheduler grows a request (vLLM's ``get_new_blocks``). Two events, as the two
+        commands write them; returns the pages. If the commit is refused (a sealed step),
+        the reservation stands: return it with ``return_reservation``.
+        """
+        pages = self.reserve(request, n, tenant=tenant)
+        self.commit(request, step, n)
+        return pages
+
+    def _evict_for(self, n: int, who: str) -> tuple[int, ...]:
         """Too few free pages for ``n``: evict the least recently used cached pages that make
         up the difference (``PagesEvicted``), then return the allocator's ``n`` pages.
 
@@ -328,13 +341,14 @@ class Ledger:
                     f"request {request} has {len(rec.reserved)} reserved pages, cannot commit {n}"
                 )
             ids = tuple(rec.reserved[:n])
+            st.head = (st.seq, ids)  # the command's own decision: the precondition and the fold may trust it
         else:
             _one_of(n, pages, "commit")
             if pages is None:
                 checks.count(n, "n")  # not a positive int (the branch above took those)
                 raise AssertionError("unreachable")
             ids = checks.page_ids(pages, st.num_pages, allow_empty=False)
-        if not 0 <= step <= checks.MAX_ID or not 0 <= request <= checks.MAX_ID:
+        if not 0 <= step <= _MAX_ID or not 0 <= request <= _MAX_ID:
             checks.ident(request, "request")
             checks.ident(step, "step")
         effects = self._submit(PagesCommitted(request=request, step=step, page_ids=ids))
@@ -342,13 +356,13 @@ class Ledger:
 
     def cancel(self, request: int) -> None:
         """The request is aborted: its reserved and KV pages go back to the free list."""
-        if type(request) is not int or not 0 <= request <= checks.MAX_ID:
+        if type(request) is not int or not 0 <= request <= _MAX_ID:
             checks.ident(request, "request")
         self._submit(RequestCancelled(request=request))
 
     def finish(self, request: int) -> None:
         """The request completed: its reserved and KV pages go back to the free list."""
-        if type(request) is not int or not 0 <= request <= checks.MAX_ID:
+        if type(request) is not int or not 0 <= request <= _MAX_ID:
             checks.ident(request, "request")
         self._submit(RequestFinished(request=request))
 
@@ -467,10 +481,11 @@ class Ledger:
         checks.tenant(tenant)
         hashes = _hash_list(hashes, "share")
         get = self.state.hash_page.get
-        pages = tuple([get(h) for h in hashes])
-        if None in pages:
-            h = hashes[pages.index(None)]
+        found = [get(h) for h in hashes]
+        if None in found:
+            h = hashes[found.index(None)]
             raise UnknownBlockHashError(h, f"request {request} cannot share it")
+        pages: tuple[int, ...] = tuple(found)  # type: ignore[arg-type]
         ev = PagesShared(request=request, page_ids=pages, tenant=tenant)
         self._submit(ev)
         return ev.page_ids
@@ -505,7 +520,8 @@ class Ledger:
         """Rank ``rank`` ran step ``step``'s input copies, clears and graph."""
         self._submit(StepCompleted(step=checks.ident(step, "step"), rank=checks.ident(rank, "rank")))
 
-    def record_violation(self, step: int, rank: int, plane: int, page_id: int, kind: str) -> None:
+    def record_violation(self, step: int, rank: int, plane: int, page_id: int,
+                         kind: Literal["not_zero", "poison"]) -> None:
         """Record what the sanitizer found on ``rank``'s ``plane`` before step ``step``'s graph
         (``kind``: "not_zero" or "poison"); ``kvledger audit --page`` shows it."""
         if kind not in ("not_zero", "poison"):

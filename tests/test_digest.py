@@ -182,10 +182,7 @@ def _rich(policy: str) -> Ledger:
 @pytest.mark.parametrize("via", ["dict", "msgpack"])
 def test_canonical_round_trip_keeps_digest_and_behaviour(policy, via):
     L = _rich(policy)
-    if via == "dict":
-        data = L.state.canonical()
-    else:
-        data = msgspec.msgpack.decode(L.state.canonical_bytes())
+    data = L.state.canonical() if via == "dict" else msgspec.msgpack.decode(L.state.canonical_bytes())
     st = LedgerState.from_canonical(data)
     assert st.digest() == L.digest()
     assert st.seq == L.seq and st.policy == policy

@@ -328,7 +328,8 @@ def test_cache_configured_all_free_unmarked(policy):
 
 CONFIG_REJECTS = [
     ("zero-pages", CacheConfigured(geometry=Geometry(num_pages=0, page_tokens=16)), ["0"]),
-    ("too-many-pages", CacheConfigured(geometry=Geometry(num_pages=(1 << 32) + 1, page_tokens=16)), [str((1 << 32) + 1)]),
+    ("too-many-pages", CacheConfigured(geometry=Geometry(num_pages=(1 << 32) + 1, page_tokens=16)),
+     [str((1 << 32) + 1)]),
     ("zero-page-tokens", CacheConfigured(geometry=Geometry(num_pages=4, page_tokens=0)), ["0"]),
     ("str-pages", CacheConfigured(geometry=Geometry(num_pages="4", page_tokens=16)), ["'4'"]),
     ("unknown-policy", CacheConfigured(geometry=GEOMETRY, policy="sometimes"), ["sometimes"]),
@@ -409,7 +410,8 @@ REJECTS = [
     ("reserve-negative-page", S(PagesReserved(request=3, page_ids=(-1,))), PageOutOfRangeError, [-1]),
     ("reserve-duplicate-page", S(PagesReserved(request=3, page_ids=(13, 14, 13))), DuplicatePageError, [13]),
     ("reserve-empty", S(PagesReserved(request=3, page_ids=())), InvalidArgumentError, []),
-    ("reserve-tenant-mismatch", S(PagesReserved(request=1, page_ids=(13,), tenant="b")), TenantMismatchError, [1, "a", "b"]),
+    ("reserve-tenant-mismatch", S(PagesReserved(request=1, page_ids=(13,), tenant="b")), TenantMismatchError,
+     [1, "a", "b"]),
     ("reserve-cmd-tenant-mismatch", lambda L: L.reserve(1, 1, tenant="b"), TenantMismatchError, [1, "a", "b"]),
     ("reserve-cmd-out-of-pages", lambda L: L.reserve(3, 9), OutOfPagesError, [3, 9, 8]),
     # ---- ReservationReturned
@@ -470,7 +472,8 @@ REJECTS = [
     ("restore-request-empty", S(R(into="request", target=1, page_ids=())), InvalidArgumentError, []),
     ("restore-snapshot-unknown", S(R(into="snapshot", target=77, page_ids=(10,))), UnknownSnapshotError, [77]),
     ("restore-snapshot-released", S(R(into="snapshot", target=92, page_ids=(12,))), UnknownSnapshotError, [92]),
-    ("restore-snapshot-other-snapshots-page", S(R(into="snapshot", target=200, page_ids=(10, 11))), PageNotHeldError, [11, 200]),
+    ("restore-snapshot-other-snapshots-page", S(R(into="snapshot", target=200, page_ids=(10, 11))), PageNotHeldError,
+     [11, 200]),
     ("restore-snapshot-free-page", S(R(into="snapshot", target=200, page_ids=(13,))), PageNotHeldError, [13, 200]),
     ("restore-snapshot-already-restoring", S(R(into="snapshot", target=200, page_ids=(9,))), RestoringPageError, [9]),
     ("restore-bad-target-kind", S(R(into="disk", target=1, page_ids=(2,))), InvalidArgumentError, ["disk"]),

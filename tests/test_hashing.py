@@ -204,12 +204,26 @@ def test_bad_input_raises_invalid_argument(call, names):
         assert name in str(ei.value), (name, str(ei.value))
 
 
-@pytest.mark.xfail(strict=True, reason="core/hashing.py block_hashes does not check parent's type: a float, str "
-                   "or list parent is hashed silently (documented as bytes | int | None)")
-@pytest.mark.parametrize("parent", [1.5, "ab", [1]], ids=["float", "str", "list"])
+@pytest.mark.parametrize("parent", [1.5, "ab", [1], True, bytearray(b"ab")],
+                         ids=["float", "str", "list", "bool", "bytearray"])
 def test_bad_parent_raises_invalid_argument(parent):
-    with pytest.raises(InvalidArgumentError):
+    with pytest.raises(InvalidArgumentError, match="parent hash") as ei:
         block_hashes([1, 2], 2, parent=parent)
+    assert repr(parent) in str(ei.value)
+
+
+@pytest.mark.parametrize("parent", [None, 0, -(1 << 63), (1 << 63) - 1, b"\x00", bytes(64)],
+                         ids=["none", "zero", "int-min", "int-max", "one-byte", "64-bytes"])
+def test_every_documented_parent_is_accepted(parent):
+    assert block_hashes([1, 2], 2, parent=parent) == [block_hash(parent, [1, 2])]
+
+
+@pytest.mark.parametrize("args", [(1.5, [1]), ("ab", [1]), (True, [1]), (None, [1.0]), (None, [True]),
+                                  (None, [1], (1.5,))],
+                         ids=["float-parent", "str-parent", "bool-parent", "float-token", "bool-token", "float-extra"])
+def test_block_hash_checks_its_arguments_as_block_hashes_does(args):
+    with pytest.raises(InvalidArgumentError):
+        block_hash(*args)
 
 
 # --------------------------------------------------------------------------- any process, any hash seed

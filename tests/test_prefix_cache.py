@@ -27,7 +27,6 @@ states, and golden bytes of the three new events.
 
 from __future__ import annotations
 
-import contextlib
 import re
 
 import msgspec
@@ -40,7 +39,6 @@ from kvledger import (
     Geometry,
     InvalidArgumentError,
     InvariantViolation,
-    KVLedgerError,
     Ledger,
     LedgerState,
     OutOfPagesError,
@@ -59,6 +57,7 @@ from kvledger.core.events import (
     ClearPages,
     Event,
     PagesEvicted,
+    PagesMarked,
     PagesPublished,
     PagesReserved,
     PagesShared,
@@ -170,6 +169,22 @@ def _resolve(changes: dict, policy: str) -> dict:
     return {p: (h, m[policy] if isinstance(m, dict) else m, x) for p, (h, m, x) in changes.items()}
 
 
+class Dirty(tuple):
+    """In an expected effects tuple: ``PagesMarked`` of these pages under the isolating policies
+    (a request's own bytes went free), nothing under released_aliases."""
+
+
+def _effects(effects: tuple, policy: str) -> tuple:
+    out: list = []
+    for eff in effects:
+        if isinstance(eff, Dirty):
+            if DIRTY[policy]:
+                out.append(PagesMarked(page_ids=tuple(eff)))
+        else:
+            out.append(eff)
+    return tuple(out)
+
+
 def _finish(r):
     return lambda L: L.finish(r)
 
@@ -180,7 +195,7 @@ ACCEPTED = [
      PagesPublished(request=1, page_ids=(2,), hashes=(102,), parent_hash=101, token_ids=T(2)),
      {2: ("kv(1)", False, 102)}, WORLD_LRU,
      (BlocksStored(hashes=(102,), parent_hash=101, token_ids=T(2), page_tokens=4),),
-     lambda L: L.lookup([100, 101, 102]) == 3),
+     lambda L: L.lookup([100, 101, 102], tenant="a") == 3),
     ("publish-bytes-hash-with-lora", None,
      PagesPublished(request=1, page_ids=(2,), hashes=(b"\xff" * 64,), token_ids=T(2), lora_id=9, lora_name="x"),
      {2: ("kv(1)", False, b"\xff" * 64)}, WORLD_LRU,
@@ -191,9 +206,11 @@ ACCEPTED = [
      lambda L: L.kv_pages(7) == (0, 1) and L.holders_of(0) == (1, 2, 7) and L.state.requests[7].tenant == "a"),
     ("share-a-cached-page-takes-it-out-of-the-cache", None, PagesShared(request=7, page_ids=(5,), tenant="a"),
      {5: ("kv(7)", False, -7)}, [4, 3], (),
-     lambda L: L.reservable_count == 6 and L.lookup([-7]) == 1),
+     lambda L: L.reservable_count == 6 and L.lookup([-7], tenant="a") == 1),
     ("share-the-middle-of-the-lru", None, PagesShared(request=7, page_ids=(3,), tenant="b"),
      {3: ("kv(7)", False, HB3)}, [4, 5], (), None),
+    ("share-keeps-the-order-sharers-joined", None, PagesShared(request=0, page_ids=(1,), tenant="a"),
+     {1: ("kv({1,2,0})", False, 101)}, WORLD_LRU, (), lambda L: L.holders_of(1) == (1, 2, 0)),
     ("share-held-and-cached-in-order", None, PagesShared(request=7, page_ids=(0, 1, 5), tenant="a"),
      {0: ("kv({1,2,7})", False, 100), 1: ("kv({1,2,7})", False, 101), 5: ("kv(7)", False, -7)}, [4, 3], (),
      lambda L: L.kv_pages(7) == (0, 1, 5)),
@@ -204,24 +221,24 @@ ACCEPTED = [
      {3: ("kv(6)", False, HB3), 4: ("kv(6)", False, HB4)}, [5], (),
      lambda L: L.kv_pages(6) == (3, 4) and L.reserved_pages(6) == (7,)),
     ("evict-the-lru-page", None, PagesEvicted(page_ids=(4,)),
-     {4: ("free", DIRTY, None)}, [3, 5], (BlocksRemoved(hashes=(HB4,)),),
-     lambda L: L.lookup([HB3, HB4]) == 1 and L.free_count == 5 and L.reservable_count == 7),
+     {4: ("free", DIRTY, None)}, [3, 5], (BlocksRemoved(hashes=(HB4,)), Dirty((4,))),
+     lambda L: L.lookup([HB3, HB4], tenant="b") == 1 and L.free_count == 5 and L.reservable_count == 7),
     ("evict-in-the-given-order", None, PagesEvicted(page_ids=(5, 3)),
-     {5: ("free", DIRTY, None), 3: ("free", DIRTY, None)}, [4], (BlocksRemoved(hashes=(-7, HB3)),),
-     lambda L: L.state.pick_free(2) == [3, 5]),  # pushed in event order: the last evicted on top
+     {5: ("free", DIRTY, None), 3: ("free", DIRTY, None)}, [4], (BlocksRemoved(hashes=(-7, HB3)), Dirty((5, 3))),
+     lambda L: tuple(L.state.pick_free(2)) == (3, 5)),  # pushed in event order: the last evicted on top
     ("evict-a-hash-can-be-published-again", None, PagesEvicted(page_ids=(5,)),
-     {5: ("free", DIRTY, None)}, [4, 3], (BlocksRemoved(hashes=(-7,)),),
+     {5: ("free", DIRTY, None)}, [4, 3], (BlocksRemoved(hashes=(-7,)), Dirty((5,))),
      lambda L: L.publish(1, [-7], T(2)) == (2,) and L.block_hash(2) == -7),
     ("finish-the-writer-of-shared-pages", None, RequestFinished(request=1),
-     {0: ("kv(2)", False, 100), 1: ("kv(2)", False, 101), 2: ("free", DIRTY, None)}, WORLD_LRU, (),
+     {0: ("kv(2)", False, 100), 1: ("kv(2)", False, 101), 2: ("free", DIRTY, None)}, WORLD_LRU, (Dirty((2,)),),
      lambda L: L.holders_of(0) == (2,) and 1 not in L.state.requests),
     ("cancel-a-sharer", None, RequestCancelled(request=2),
-     {0: ("kv(1)", False, 100), 1: ("kv(1)", False, 101), 6: ("free", DIRTY, None)}, WORLD_LRU, (),
+     {0: ("kv(1)", False, 100), 1: ("kv(1)", False, 101), 6: ("free", DIRTY, None)}, WORLD_LRU, (Dirty((6,)),),
      lambda L: L.holders_of(1) == (1,)),
     ("finish-the-last-holder-caches-its-last-block-first", _finish(2), RequestFinished(request=1),
      {0: ("cached(100)", False, 100), 1: ("cached(101)", False, 101), 2: ("free", DIRTY, None)},
-     [4, 3, 5, 1, 0], (),
-     lambda L: L.lookup([100, 101]) == 2 and L.free_count == 6 and L.reservable_count == 11),
+     [4, 3, 5, 1, 0], (Dirty((2,)),),
+     lambda L: L.lookup([100, 101], tenant="a") == 2 and L.free_count == 6 and L.reservable_count == 11),
     ("cancel-the-last-sharer-recaches-at-the-recent-end", lambda L: L.share(8, [HB4], tenant="b"),
      RequestCancelled(request=8), {4: ("cached(0405060708090a0b...)", False, HB4)}, [3, 5, 4], (), None),
     ("finish-keeps-a-marked-reserved-page-marked", None, RequestFinished(request=6),
@@ -238,6 +255,7 @@ def test_accepted_transition(world, prep, event, changes, after, effects, extra)
     before = view(L)
     seq, n_events, n_sunk, n_seen = L.seq, len(L.events), len(world.sunk), len(world.observed)
     got = L.submit(event)
+    effects = _effects(effects, world.policy)
     assert got == effects
     assert L.seq == seq + 1
     assert L.events[n_events:] == [event]
@@ -290,8 +308,9 @@ def test_command_builds_its_events(world, command, events, result):
     assert L.events[n_events:] == events
     effects = [eff for _, _, eff in world.observed[n_seen:]]
     for ev, eff in zip(events, effects, strict=True):
-        if isinstance(ev, PagesEvicted):
-            assert eff == (BlocksRemoved(hashes=tuple(WORLD_PAGES[p][2] for p in ev.page_ids)),)
+        if isinstance(ev, PagesEvicted):  # under the isolating policies, evicted pages are marked
+            removed = BlocksRemoved(hashes=tuple(WORLD_PAGES[p][2] for p in ev.page_ids))
+            assert eff == _effects((removed, Dirty(ev.page_ids)), world.policy)
         elif isinstance(ev, PagesPublished):
             assert eff == (BlocksStored(hashes=ev.hashes, parent_hash=ev.parent_hash, token_ids=ev.token_ids,
                                         page_tokens=PAGE_TOKENS, lora_id=ev.lora_id, lora_name=ev.lora_name),)
@@ -413,63 +432,96 @@ REJECTS = [
     ("alias-more-than-free-and-cached", lambda L: L.alias_snapshot(300, 8), OutOfPagesError, [300, 8, 7]),
     ("reserve-tenant-mismatch-evicts-nothing", lambda L: L.reserve(1, 6, tenant="b"), TenantMismatchError, [1]),
     ("reserve-bad-tenant-evicts-nothing", lambda L: L.reserve(9, 6, tenant=5), InvalidArgumentError, [5]),
-    pytest.param("alias-a-cached-page", S(SnapshotAliased(snapshot=300, page_ids=(4,))), PageNotHeldError, [4],
-                 marks=pytest.mark.xfail(strict=True, reason=(
-                     "core/state/preconditions.py snapshot_aliased refuses only holder >= 0: a cached page "
-                     "(HOLDER_CACHED) is accepted and aliased while it stays cached and hashed"))),
-    pytest.param("alias-cmd-a-cached-page", lambda L: L.alias_snapshot(300, pages=[3]), PageNotHeldError, [3],
-                 marks=pytest.mark.xfail(strict=True, reason="as alias-a-cached-page")),
-    pytest.param("share-cmd-unhashable-hash", lambda L: L.share(7, [[1]]), InvalidArgumentError, [],
-                 marks=pytest.mark.xfail(strict=True, reason=(
-                     "core/ledger.py share: hash_page.get(h) raises TypeError for an unhashable hash"))),
-    pytest.param("evict-cmd-both-n-and-pages", lambda L: L.evict(1, pages=[5]), InvalidArgumentError, [],
-                 marks=pytest.mark.xfail(strict=True, reason=(
-                     "core/ledger.py evict ignores n when pages is given (commit and alias_snapshot refuse both)"))),
+    ("alias-a-cached-page", S(SnapshotAliased(snapshot=300, page_ids=(4,))), PageNotHeldError,
+     [4, "free or alias", "cached"]),
+    ("alias-cmd-a-cached-page", lambda L: L.alias_snapshot(300, pages=[3]), PageNotHeldError, [3, "cached"]),
+    ("alias-cmd-free-then-cached-all-or-nothing", lambda L: L.alias_snapshot(300, pages=[8, 5]), PageNotHeldError,
+     [5]),
+    # ---- the hash arguments of share / lookup / publish, and evict's n= or pages=
+    ("share-cmd-unhashable-hash", lambda L: L.share(7, [[1]]), InvalidArgumentError, ["[1]"]),
+    ("share-cmd-one-bytes-hash", lambda L: L.share(7, HB3), InvalidArgumentError, ["bytes"]),
+    ("share-cmd-one-str-hash", lambda L: L.share(7, "ab"), InvalidArgumentError, ["str"]),
+    ("share-cmd-not-a-sequence", lambda L: L.share(7, 100), InvalidArgumentError, ["100"]),
+    ("publish-cmd-one-bytes-hash", lambda L: L.publish(1, b"\x01\x02", T(2)), InvalidArgumentError, ["bytes"]),
+    ("publish-cmd-unhashable-hash", lambda L: L.publish(1, [{}], T(2)), InvalidArgumentError, []),
+    ("publish-cmd-float-parent", lambda L: L.publish(1, [200], T(2), parent_hash=1.5), InvalidArgumentError, []),
+    ("publish-cmd-bool-parent", lambda L: L.publish(1, [200], T(2), parent_hash=True), InvalidArgumentError, []),
+    ("publish-cmd-parent-too-large", lambda L: L.publish(1, [200], T(2), parent_hash=1 << 63), InvalidArgumentError,
+     []),
+    ("publish-cmd-empty-bytes-parent", lambda L: L.publish(1, [200], T(2), parent_hash=b""), InvalidArgumentError,
+     []),
+    ("publish-cmd-int-lora-name", lambda L: L.publish(1, [200], T(2), lora_name=3), InvalidArgumentError, []),
+    ("publish-cmd-bool-lora-id", lambda L: L.publish(1, [200], T(2), lora_id=True), InvalidArgumentError, []),
+    ("publish-unhashable-parent", S(PP(1, (2,), (200,), parent_hash=[1])), InvalidArgumentError, []),
+    ("lookup-one-bytes-hash", lambda L: L.lookup(HB3), InvalidArgumentError, ["bytes"]),
+    ("lookup-unhashable-hash", lambda L: L.lookup([100, [1]]), InvalidArgumentError, ["[1]"]),
+    ("lookup-hash-out-of-range", lambda L: L.lookup([1 << 63]), InvalidArgumentError, []),
+    ("evict-cmd-both-n-and-pages", lambda L: L.evict(1, pages=[5]), InvalidArgumentError, ["n=", "pages="]),
 ]
 
 
-def _reject_row(r):
-    if hasattr(r, "values"):  # a pytest.param
-        return pytest.param(*r.values[1:], marks=r.marks, id=r.values[0])
-    return pytest.param(*r[1:], id=r[0])
-
-
-@pytest.mark.parametrize("action,exc,names", [_reject_row(r) for r in REJECTS])
+@pytest.mark.parametrize("action,exc,names", [r[1:] for r in REJECTS], ids=[r[0] for r in REJECTS])
 def test_rejection_changes_nothing(world, action, exc, names):
     _assert_rejected(world, action, exc, names)
 
 
-@pytest.mark.xfail(strict=True, reason="core/ledger.py lookup: hash_page.get(h) raises TypeError for an "
-                   "unhashable hash instead of InvalidArgumentError")
-def test_lookup_of_an_unhashable_hash_is_an_argument_error(world):
-    _assert_rejected(world, lambda L: L.lookup([100, [1]]), InvalidArgumentError, [])
-
-
 # --------------------------------------------------------------------------- lookup
 
-@pytest.mark.parametrize("hashes,expected", [
-    ([100, 101], 2), ([100, 101, 999], 2), ([100, 999, 101], 1), ([999, 100], 0), ([], 0),
-    ([HB3, HB4, -7], 3), ([-7, 100], 2), ([101], 1), ([HB3[:8]], 0), ([b"\x00" + HB3[1:]], 0),
-    (lambda: iter([100, 101]), 2),
-], ids=["held", "held-then-unknown", "gap", "unknown-first", "empty", "cached", "cached-then-held", "second-block",
-        "bytes-prefix", "bytes-changed", "iterator"])
-def test_lookup_counts_leading_blocks_and_changes_nothing(world, hashes, expected):
+# Blocks 100, 101 and -7 were written by tenant "a", HB3 and HB4 by tenant "b". Under
+# released_aliases every published block counts; under cross_tenant / all_reused only the
+# blocks the asking tenant wrote (share refuses the others).
+LOOKUPS = [
+    # (id, hashes, expected under released_aliases, for tenant "a", "b", None under the isolating policies)
+    ("held", [100, 101], 2, 2, 0, 0),
+    ("held-then-unknown", [100, 101, 999], 2, 2, 0, 0),
+    ("gap", [100, 999, 101], 1, 1, 0, 0),
+    ("unknown-first", [999, 100], 0, 0, 0, 0),
+    ("empty", [], 0, 0, 0, 0),
+    ("cached", [HB3, HB4, -7], 3, 0, 2, 0),
+    ("cached-then-held", [-7, 100], 2, 2, 0, 0),
+    ("held-then-another-tenants", [100, HB4], 2, 1, 0, 0),
+    ("second-block", [101], 1, 1, 0, 0),
+    ("bytes-prefix", [HB3[:8]], 0, 0, 0, 0),
+    ("bytes-changed", [b"\x00" + HB3[1:]], 0, 0, 0, 0),
+    ("iterator", lambda: iter([100, 101]), 2, 2, 0, 0),
+]
+
+
+@pytest.mark.parametrize("hashes,anyone,a,b,none", [r[1:] for r in LOOKUPS], ids=[r[0] for r in LOOKUPS])
+def test_lookup_counts_leading_blocks_and_changes_nothing(world, hashes, anyone, a, b, none):
     L = world.L
     digest, order = L.digest(), lru(L)
-    assert L.lookup(hashes() if callable(hashes) else hashes) == expected
+    for tenant, isolated in (("a", a), ("b", b), (None, none)):
+        got = L.lookup(hashes() if callable(hashes) else hashes, tenant=tenant)
+        assert got == (anyone if world.policy == "released_aliases" else isolated), tenant
     assert L.digest() == digest and lru(L) == order  # a lookup does not touch the LRU order
 
 
 def test_lookup_after_eviction_and_after_the_last_holder_leaves(world):
     L = world.L
     L.evict(1)
-    assert L.lookup([HB3, HB4]) == 1 and L.lookup([HB4]) == 0
+    assert L.lookup([HB3, HB4], tenant="b") == 1 and L.lookup([HB4], tenant="b") == 0
     L.finish(2)
     L.finish(1)
-    assert L.lookup([100, 101]) == 2  # cached now
+    assert L.lookup([100, 101], tenant="a") == 2  # cached now
     assert lru(L) == [3, 5, 1, 0]
     L.reserve(9, L.free_count + 3)  # evicts the three least recently used: HB3, -7, then block 101 (the last)
-    assert L.lookup([100, 101]) == 1 and L.lookup([HB3]) == 0 and L.lookup([-7]) == 0 and lru(L) == [0]
+    assert L.lookup([100, 101], tenant="a") == 1 and L.lookup([HB3], tenant="b") == 0
+    assert L.lookup([-7], tenant="a") == 0 and lru(L) == [0]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_lookup_then_share_agree_on_what_a_tenant_may_take(policy):
+    """What lookup counts for a tenant, share takes without a refusal; one block more is refused
+    under the isolating policies (another tenant wrote it)."""
+    L = World(policy, check=True).L
+    hashes = [-7, HB3, HB4]  # tenant "a" wrote -7, tenant "b" the others
+    n = L.lookup(hashes, tenant="a")
+    assert n == (3 if policy == "released_aliases" else 1)
+    assert L.share(20, hashes[:n], tenant="a") == (5, 3, 4)[:n]
+    if policy != "released_aliases":
+        with pytest.raises(CrossTenantShareError):
+            L.share(21, hashes[:n + 1][-1:], tenant="a")
 
 
 # --------------------------------------------------------------------------- publish's step rules
@@ -488,8 +540,9 @@ def test_publish_refuses_pages_of_an_aborted_step(policy):
     L.seal_step(1)
     L.complete_step(1, 0)
     assert L.state.completed_step == 1  # completed through step 1, but step 0 never ran everywhere
-    with pytest.raises(StepOrderError, match=r"\bpage 0\b.*\bstep 0\b"):
+    with pytest.raises(StepOrderError, match=r"\bpage 0\b.*\bstep 0\b, which was aborted") as ei:
         L.publish(1, [5], T(0))
+    assert "not completed" not in str(ei.value)
     assert L.block_hash(0) is None
 
 
@@ -505,7 +558,8 @@ def test_publish_waits_for_every_rank_that_reported():
     L.complete_step(2, 0)
     L.complete_step(1, 0)  # rank 0: through 2, rank 1: through 1
     assert L.publish(1, [5], T(0)) == (0,)
-    with pytest.raises(StepOrderError):
+    with pytest.raises(StepOrderError, match=r"\bstep 2\b, which has not completed on every rank "
+                       r"\(completed through 1\)"):
         L.publish(1, [6], T(1))
     L.complete_step(2, 1)
     assert L.publish(1, [6], T(1)) == (1,)
@@ -514,17 +568,37 @@ def test_publish_waits_for_every_rank_that_reported():
 def test_publish_before_any_completion_is_refused():
     L = Ledger(GEOMETRY, check=True)
     _one_page_step(L)
-    with pytest.raises(StepOrderError, match="completed through -1"):
+    with pytest.raises(StepOrderError, match="has not completed on every rank .completed through -1") as ei:
         L.publish(1, [5], T(0))
+    assert "aborted" not in str(ei.value)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core: StepAborted is accepted after a page committed in that step was published (publish needs only "
-    "StepCompleted on the ranks that reported); the abort then lists the hashed page again (pending, "
-    "invariant 3) or marks it once cached, and lookup still offers KV that was never known to be written"))
+def test_publish_refuses_a_step_still_in_flight_and_a_step_not_sealed():
+    """Two steps in flight: the older one completed on every reporting rank leaves the steps in
+    flight and its pages may be published; the later one, and a step still open, may not."""
+    L = Ledger(GEOMETRY, check=True)
+    for step in (0, 1, 2):
+        L.reserve(1, 1)
+        L.commit(1, step, 1)
+        if step < 2:
+            L.seal_step(step)
+    L.complete_step(0, 0)
+    L.complete_step(0, 1)
+    assert [plan.step for plan in L.state.in_flight] == [1]
+    assert L.publish(1, [5], T(0)) == (0,)
+    for start, step in ((1, 1), (2, 2)):
+        with pytest.raises(StepOrderError, match=rf"\bstep {step}\b, which has not completed"):
+            L.publish(1, [6], T(1), start=start)
+    assert L.block_hash(1) is None and L.block_hash(2) is None
+
+
 @pytest.mark.parametrize("marked,cached", [(True, False), (False, False), (True, True)],
                          ids=["listed-page", "clean-page", "listed-page-cached"])
-def test_an_aborted_step_never_leaves_its_pages_published(marked, cached):
+def test_a_completed_step_cannot_be_aborted_so_its_published_pages_stay(marked, cached):
+    """A step completed on every rank that reported leaves the steps in flight: once its pages
+    may be published, an abort of it is refused (the engine records a failed step's abort
+    before the completions of the ranks that ran), so a published page is never carried,
+    marked or left published with KV that was never known to be written."""
     L = Ledger(GEOMETRY, record=True)  # no check mode: the invariants are checked below
     if marked:
         L.alias_snapshot(9, pages=[0])
@@ -532,15 +606,38 @@ def test_an_aborted_step_never_leaves_its_pages_published(marked, cached):
     L.reserve(1, 1)
     assert L.commit(1, 0, 1) == ((0,) if marked else ())
     L.seal_step(0)
-    L.complete_step(0, 0)  # rank 0 ran it; rank 1 is about to fail
-    for call in (lambda: L.publish(1, [5], T(0)), (lambda: L.finish(1)) if cached else None,
-                 lambda: L.abort_step(0, "rank 1 failed")):
-        if call is not None:
-            with contextlib.suppress(KVLedgerError):  # refusing the publish or the abort keeps the promise too
-                call()
+    L.complete_step(0, 0)
+    assert L.state.in_flight == []
+    assert L.publish(1, [5], T(0)) == (0,)
+    if cached:
+        L.finish(1)
+    digest, seq = L.digest(), L.seq
+    with pytest.raises(StepOrderError, match="only a step in flight"):
+        L.abort_step(0, "rank 1 failed")
+    assert (L.digest(), L.seq) == (digest, seq)
+    assert L.lookup([5]) == 1 and not L.is_marked(0) and not L.state.pending
     check_invariants(L.state)
-    if 0 in L.state.aborted_steps:
-        assert L.lookup([5]) == 0
+    assert replay(L.events, check=True).digest() == L.digest()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_an_abort_recorded_before_the_completions_keeps_the_pages_unpublished(policy):
+    """The engine's order for a failed step: StepAborted first, then the completions of the ranks
+    that ran. The step's pages are then never publishable, however far completions go."""
+    L = Ledger(GEOMETRY, policy=policy, check=True, record=True)
+    L.alias_snapshot(9, pages=[0])
+    L.release_snapshot(9)
+    L.reserve(1, 1, tenant="a")
+    L.commit(1, 0, 1)
+    L.seal_step(0)
+    L.abort_step(0, "rank 1 failed")
+    L.complete_step(0, 0)  # rank 0 ran it
+    assert L.seal_step(1).clear_list == (0,)  # carried: nothing of step 0 can be assumed zeroed
+    L.complete_step(1, 0)
+    L.complete_step(1, 1)
+    with pytest.raises(StepOrderError, match="which was aborted"):
+        L.publish(1, [5], T(0))
+    assert L.lookup([5], tenant="a") == 0
     assert replay(L.events, check=True).digest() == L.digest()
 
 
@@ -641,9 +738,6 @@ def test_checkpoint_round_trip_keeps_the_digest_and_the_future(world):
     assert twin.digest() == L.digest()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core/log/fold.py state_from_checkpoint accepts holder codes >= -2 only: a checkpoint of a state with "
-    "cached pages (HOLDER_CACHED = -3) is refused as corrupt, so a closed log cannot be reopened"))
 def test_a_durable_log_with_cached_pages_reopens(tmp_path):
     import kvledger
 
@@ -694,12 +788,54 @@ def test_a_version_1_canonical_form_loads_and_reencodes_byte_identically():
     assert old.state.canonical_bytes(version=1) == v1  # the refusal changed nothing
 
 
-@pytest.mark.parametrize("what", ["hashes", "cached", "aborted"])
+def test_a_version_1_form_holds_the_one_plan_in_flight_and_the_restores_since_its_seal():
+    L = _plain_state()
+    L.seal_step(1)
+    L.reserve(3, 1, tenant="c")
+    L.start_restore(L.reserved_pages(3), request=3)  # after the last seal
+    assert [plan.step for plan in L.state.in_flight] == [1]
+    data = msgspec.msgpack.decode(L.state.canonical_bytes(version=1))
+    assert data["last_plan"] == [1, list(L.state.in_flight[0].clear_list)]
+    assert data["restored_since_seal"] == sorted(L.state.restored_since)
+    assert "in_flight" not in data and "restored_since" not in data
+    st = LedgerState.from_canonical(data)
+    assert st.in_flight == L.state.in_flight and st.restored_since == L.state.restored_since
+    assert st.canonical_bytes(version=1) == L.state.canonical_bytes(version=1)
+
+
+def test_version_2_holds_every_plan_in_flight_and_each_restore_step():
+    L = _plain_state()
+    L.seal_step(1)
+    L.reserve(3, 1, tenant="c")
+    (p,) = L.reserved_pages(3)
+    L.start_restore([p], request=3)
+    L.seal_step(2)
+    data = msgspec.msgpack.decode(L.state.canonical_bytes())
+    assert data["v"] == 2 and "last_plan" not in data and "restored_since_seal" not in data
+    assert [s for s, _ in data["in_flight"]] == [1, 2]
+    assert data["restored_since"] == [[p, 2]]  # (page 2's restore in step 0 left with the plan of step 0)
+    st = LedgerState.from_canonical(data)
+    assert st.canonical_bytes() == L.state.canonical_bytes()
+    check_invariants(st)
+
+
+@pytest.mark.parametrize("what", ["hashes", "cached", "aborted", "two-in-flight", "restored-before-the-seal"])
 def test_a_state_with_prefix_data_has_no_version_1_form(what):
     L = _plain_state()
     if what == "aborted":
         L.seal_step(1)
         L.abort_step(1)
+    elif what == "two-in-flight":
+        L.seal_step(1)
+        L.seal_step(2)
+        assert len(L.state.in_flight) == 2
+    elif what == "restored-before-the-seal":
+        L.seal_step(1)
+        L.complete_step(1, 0)  # no step in flight
+        L.reserve(3, 1, tenant="c")
+        L.start_restore(L.reserved_pages(3), request=3)
+        L.seal_step(2)  # one plan in flight, sealed after the restore: version 1 cannot say when it was
+        assert list(L.state.restored_since.values()) == [2] and len(L.state.in_flight) == 1
     else:
         L.complete_step(0, 1)
         L.publish(1, [5], T(0))
@@ -709,6 +845,20 @@ def test_a_state_with_prefix_data_has_no_version_1_form(what):
         L.state.canonical(version=1)
     with pytest.raises(ConfigurationError):
         L.state.digest(version=3)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_writer_tenants_are_kept_only_under_the_isolating_policies(policy):
+    L = World(policy, check=True).L
+    rows = msgspec.msgpack.decode(L.state.canonical_bytes())["hashes"]
+    assert [p for p, _, _ in rows] == [0, 1, 3, 4, 5]
+    if policy == "released_aliases":
+        assert L.state.hash_tenant == {} and all(t is None for _, _, t in rows)
+    else:
+        assert [t for _, _, t in rows] == ["a", "a", "b", "b", "a"]
+        assert L.state.hash_tenant == {0: "a", 1: "a", 3: "b", 4: "b", 5: "a"}
+    st = LedgerState.from_canonical(msgspec.msgpack.decode(L.state.canonical_bytes()))
+    assert st.hash_tenant == L.state.hash_tenant and st.digest() == L.digest()
 
 
 # --------------------------------------------------------------------------- invariants over broken states

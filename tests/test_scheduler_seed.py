@@ -70,7 +70,7 @@ def test_mark_survives_returned_reservation_cancel_and_snapshot_reuse():
 
 def test_restore_into_request_never_enters_a_clear_list():
     L = make(num_pages=4)
-    pages = released_alias(L, n=4)
+    released_alias(L, n=4)
     got = L.reserve(1, 4)
     L.start_restore(got[:2], request=1)
     assert not L.is_marked(got[0]) and not L.is_marked(got[1])

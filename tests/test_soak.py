@@ -135,10 +135,7 @@ class Soak:
             self.c["returned"] += 1
             reserved = reserved[:-1]
         step = L.open_step + (1 if rng.random() < 0.1 else 0)
-        if rng.random() < 0.5:
-            listed = L.commit(r, step, len(reserved))
-        else:
-            listed = L.commit(r, step, pages=reserved)
+        listed = L.commit(r, step, len(reserved)) if rng.random() < 0.5 else L.commit(r, step, pages=reserved)
         self.c["pages listed"] += len(listed)
         self.live[r][1] = done = len(L.kv_pages(r))
         if done >= want:
@@ -235,14 +232,13 @@ def test_soak_lifecycles_partition_and_drain():
     still_marked = sum(1 for p in range(NUM_PAGES) if L.is_marked(p))
     elapsed = time.perf_counter() - t0
     print(
-        "\nR14 soak: lifecycles=%d events=%d pages cleared=%d leaked pages=%d | finished=%d "
-        "cancelled=%d (preempted %d) refused=%d returned=%d snapshots=%d (shared %d) released=%d "
-        "restores(req/snap)=%d/%d marks set=%d removed by restores=%d still marked=%d listed=%d "
-        "steps=%d | %.1f s"
-        % (c["lifecycles"], L.seq, c["pages cleared"], leaked, c["finished"], c["cancelled"],
-           c["preempted"], c["refused"], c["returned"], c["snapshots"], c["shared aliases"], c["released"],
-           c["restores into requests"], c["restores into snapshots"], c["marks set"],
-           c["marks removed by restores"], still_marked, c["pages listed"], c["steps"], elapsed)
+        f"\nR14 soak: lifecycles={c['lifecycles']} events={L.seq} pages cleared={c['pages cleared']} "
+        f"leaked pages={leaked} | finished={c['finished']} cancelled={c['cancelled']} "
+        f"(preempted {c['preempted']}) refused={c['refused']} returned={c['returned']} "
+        f"snapshots={c['snapshots']} (shared {c['shared aliases']}) released={c['released']} "
+        f"restores(req/snap)={c['restores into requests']}/{c['restores into snapshots']} "
+        f"marks set={c['marks set']} removed by restores={c['marks removed by restores']} "
+        f"still marked={still_marked} listed={c['pages listed']} steps={c['steps']} | {elapsed:.1f} s"
     )
     assert c["lifecycles"] == LIFECYCLES
     assert leaked == 0

@@ -97,7 +97,8 @@ def test_a_broken_row_breaks_only_its_state():
         return ()
 
     class Broken(LedgerState):
-        transitions = {**TRANSITIONS, RequestFinished: TRANSITIONS[RequestFinished]._replace(apply=leave_pages_reserved)}
+        transitions = {**TRANSITIONS,
+                       RequestFinished: TRANSITIONS[RequestFinished]._replace(apply=leave_pages_reserved)}
 
     g = Geometry(num_pages=4, page_tokens=4)
     good, bad = LedgerState(), Broken()

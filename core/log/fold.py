@@ -79,7 +79,7 @@ def state_from_checkpoint(cp: Checkpoint, header: LogHeader, *, path: str = "<me
         if st.num_pages != n or not _int_list(st.holder, n, -3, 1 << 63) \
                 or not _int_list(st.alias_count, n, 0, 1 << 63) or not _int_list(st.free_stack, None, 0, n):
             raise bad("page table does not match the geometry")
-        version = data.get("v")  # checkpoints of an older kvledger keep their own layout
+        version = int(data["v"])  # checkpoints of an older kvledger keep their own layout
         if st.canonical_bytes(version) != cp.state:
             raise bad("state does not re-encode to the recorded bytes")
         digest = st.digest(version)

@@ -228,7 +228,8 @@ def pages_committed(st: LedgerState, e: PagesCommitted) -> tuple:
                     pend[p] = e.step
                     listed.append(p)
     reserved, k = rec.reserved, len(pages)
-    if tuple(reserved[:k]) == pages:  # commits take the reservation in order: its head
+    memo = st.head
+    if (memo[1] is pages and memo[0] == st.seq) or tuple(reserved[:k]) == pages:  # the usual commit: the head
         del reserved[:k]
     else:
         _remove(reserved, pages)
@@ -411,7 +412,8 @@ def step_aborted(st: LedgerState, e: StepAborted) -> tuple:
     restored = st.restored_since
     kv_of: dict[int, set[int]] = {}  # request -> its KV pages, built once per request
     holder, requests = st.holder, st.requests
-    marked = []
+    marked: list[int] = []
+    seen: set[int] = set()  # a page in two aborted plans is named once
     for plan in aborted:
         for p in plan.clear_list:
             if restored.get(p, -1) > plan.step:
@@ -426,9 +428,11 @@ def step_aborted(st: LedgerState, e: StepAborted) -> tuple:
                         pend[p] = step
                         carry.append(p)
                     continue
+            if p not in seen:
+                seen.add(p)
+                marked.append(p)
             marks[p] = MARK_ALL
             residue.pop(p, None)
-            marked.append(p)
         st.aborted_steps.add(plan.step)
     if carry:
         st.clear_lists[step] = carry + st.clear_lists.get(step, [])

@@ -135,8 +135,10 @@ def pages_reserved(st: LedgerState, e: PagesReserved) -> None:
     pages = e.page_ids
     stack, k = st.free_stack, len(pages)
     # the allocator's choice, the top of the free stack, needs no per-page check
-    top = (0 < k <= len(stack) and not st.stale_entries and not st.restore_targets
-           and tuple(stack[: -k - 1 : -1]) == pages)
+    memo = st.picked
+    top = (memo[1] is pages and memo[0] == st.seq) or (
+        0 < k <= len(stack) and not st.stale_entries and not st.restore_targets
+        and tuple(stack[: -k - 1 : -1]) == pages)
     if not top:
         _pages(st, pages)
     rec = st.requests.get(e.request)
@@ -164,8 +166,10 @@ def pages_committed(st: LedgerState, e: PagesCommitted) -> None:
     pages = e.page_ids
     rec = st.requests.get(e.request)
     k = len(pages)
-    # the usual commit, the head of r's reservation, needs no per-page check
-    head = rec is not None and 0 < k <= len(rec.reserved) and tuple(rec.reserved[:k]) == pages
+    # the usual commit, the head of r's reservation (as the command decided it: the memo), needs no per-page check
+    memo = st.head
+    head = rec is not None and ((memo[1] is pages and memo[0] == st.seq)
+                                or 0 < k <= len(rec.reserved) and tuple(rec.reserved[:k]) == pages)
     if not head:
         _pages(st, pages)
     if e.step < st.open_step:

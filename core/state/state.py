@@ -103,6 +103,12 @@ class LedgerState:
         self.sharers: dict[int, list[int]] = {}
         self.cached: OrderedDict[int, None] = OrderedDict()
         self.aborted_steps: set[int] = set()
+        # Proof memos (not state): the allocator's last pick and the last reservation head a
+        # command decided, each valid only at the seq it was made (every fold advances seq),
+        # so a precondition and an applier need not compare slices again for them.
+        self.picked: tuple[int, tuple] = (-1, ())
+        self.head: tuple[int, tuple] = (-1, ())
+        self.dispatch = {t: (row.validate, row.apply) for t, row in self.transitions.items()}
 
     # ------------------------------------------------------------------ entry points
 
@@ -170,20 +176,23 @@ class LedgerState:
         """The highest step every rank that reported completions has completed (-1: none)."""
         return min(self.completed.values()) if self.completed else -1
 
-    def pick_free(self, n: int) -> list[int] | None:
+    def pick_free(self, n: int) -> tuple[int, ...] | None:
         """The ``n`` pages the allocator takes next (top of the free stack first, skipping
-        pages a restore is still writing), or None when there are too few. Pure."""
+        pages a restore is still writing), or None when there are too few. Pure (it notes
+        a plain top-of-stack pick in ``picked``, a memo for the precondition and the fold)."""
         stack, targets = self.free_stack, self.restore_targets
         if n > len(stack) - self.stale_entries:
             return None
         if not self.stale_entries:
             top = stack[: -n - 1 : -1]  # pop order: the top of the stack first
             if not targets or targets.keys().isdisjoint(top):
-                return top
+                pick = tuple(top)
+                self.picked = (self.seq, pick)
+                return pick
             # at most len(targets) restoring pages to skip: they all lie within the top n + len(targets)
             near = stack[: -n - len(targets) - 1 : -1]
             top = [p for p in near if p not in targets][:n]
-            return top if len(top) == n else None
+            return tuple(top) if len(top) == n else None
         picked: list[int] = []
         holder, seen = self.holder, set()
         for i in range(len(stack) - 1, -1, -1):
@@ -194,7 +203,7 @@ class LedgerState:
             if p not in targets:
                 picked.append(p)
                 if len(picked) == n:
-                    return picked
+                    return tuple(picked)
         return None
 
     def live_free_stack(self) -> list[int]:
