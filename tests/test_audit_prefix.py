@@ -125,6 +125,9 @@ def test_a_recorded_sanitizer_violation_is_a_fault_and_shown(tmp_path):
     (f,) = rep.faults
     assert (f.kind, f.seq, f.step, f.page_ids) == ("sanitizer_violation", 6, 0, [rows[0]])
     assert "rank 1 plane 2" in f.detail and "still holding poison" in f.detail
+    assert f"page {rows[0]} is kv(5), not marked, step 0's plan listed it, last zeroed by the plan at seq 5 " \
+           "(policy released_aliases)" in f.detail, f.detail
+    assert f"--page {rows[0]} shows its lifecycle" in f.detail
     assert "sanitizer_violation" in FAULT_KINDS
     out = kvledger("audit", p, "--check")
     assert out.returncode == 1 and "sanitizer_violation" in out.stdout

@@ -279,11 +279,19 @@ class ContentModel:
                             f"and marked: a request sharing them would read stale bytes unzeroed", page_ids=bad[:64])
 
     def _violation(self, seq: int, ev) -> None:
-        p = ev.page_id
+        """A recorded sanitizer violation: a fault naming rank, plane and step, with the page's lifecycle
+        as the fold and the model see it (holder, mark, the step's plan, the last clear, the policy)."""
+        p, st = ev.page_id, self.st
         found = "not zeroed" if ev.kind == "not_zero" else "still holding poison"
+        plans = [plan for plan in st.in_flight if plan.step == ev.step]
+        listed = ("listed it" if p in plans[0].clear_list else "did not list it") if plans else "is not in flight"
+        when = self.zeroed_at.get(p)
+        zeroed = f"last zeroed by the plan at seq {when}" if when is not None else "not zeroed since the audit began"
         self.faults.add("sanitizer_violation", seq, ev.step, f"the sanitizer on rank {ev.rank} plane {ev.plane} "
-                        f"found page {p} {found} before step {ev.step}'s graph; the audit's model says it holds "
-                        f"{self.describe(p)}", page_ids=[p])
+                        f"found page {p} {found} before step {ev.step}'s graph; page {p} is {st.holder_of(p)}, "
+                        f"{'marked' if p in st.marks else 'not marked'}, step {ev.step}'s plan {listed}, {zeroed} "
+                        f"(policy {self.policy}); the audit's model says it holds {self.describe(p)}; "
+                        f"--page {p} shows its lifecycle", page_ids=[p])
 
     def _request_gone(self, seq: int, r: int, inc: int | None) -> None:
         """A request finished or was cancelled: every page its own events gave it must have left it

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from kvledger.core.events.events import (
     PagesCommitted,
+    PagesMarked,
     PagesPublished,
     PagesReserved,
     PagesShared,
@@ -61,14 +62,15 @@ class Timelines:
             self.rows.append(page_row(seq, ev, t, p, before[p], page_view(self.st, p), step, p in listed,
                                       plan_step))
         if self.request is not None:
-            self._request_rows(seq, ev, t, step, listed, pages)
+            self._request_rows(seq, ev, t, step, listed, pages, _marked_by(effects))
         if self.snapshot is not None:
             self._snapshot_rows(seq, ev, t, step, pages, listed)
 
     def rejected(self, seq: int, ev, step: int, exc: Exception) -> None:
         self.rows.append(Row(seq=seq, step=step, event=event_tag(ev), note=f"REJECTED: {exc}"))
 
-    def _request_rows(self, seq: int, ev, t, step: int, listed, pages) -> None:
+    def _request_rows(self, seq: int, ev, t, step: int, listed, pages, marked: list[int]) -> None:
+        """R's own events (``marked``: the pages the fold's ``PagesMarked`` effect says the event marked)."""
         r = self.request
         if t is StepSealed:
             mine = [p for p in ev.clear_list if p in self.req_listed]
@@ -85,9 +87,9 @@ class Timelines:
         note = ""
         if t is PagesReserved:
             note = f"tenant {ev.tenant!r}" if ev.tenant is not None else ""
-            marked = [p for p in ids if p in self.st.marks]
-            if marked:
-                note = (f"{note}; " if note else "") + f"{len(marked)} marked page(s): {marked[:16]}"
+            stale = [p for p in ids if p in self.st.marks]
+            if stale:
+                note = (f"{note}; " if note else "") + f"{len(stale)} marked page(s): {stale[:16]}"
         elif t is PagesCommitted:
             if listed:
                 for p in listed:
@@ -99,6 +101,10 @@ class Timelines:
             kept = [p for p in pages if not is_free(self.st, p)]
             note = "its pages are free again" + (f", but {len(kept)} cached or still shared: {kept[:16]}"
                                                  if kept else "")
+            if marked:
+                note += f"; {len(marked)} marked by the clear policy (its bytes stay behind): {marked[:16]}"
+        elif t is ReservationReturned and marked:
+            note = f"{len(marked)} returned page(s) marked by the clear policy: {marked[:16]}"
         elif t is PagesPublished:
             note = f"published {len(ids)} block(s): other requests may share them"
         elif t is PagesShared:
@@ -169,6 +175,11 @@ class Timelines:
         if t is StepAborted:
             return f"step {ev.step} aborted: not zeroed yet"
         return ""
+
+
+def _marked_by(effects) -> list[int]:
+    """The pages an event's ``PagesMarked`` effect names (the fold's word on what it just marked)."""
+    return [p for e in effects if type(e) is PagesMarked for p in e.page_ids]
 
 
 # ---------------------------------------------------------------------- the text report
