@@ -60,7 +60,8 @@ from kvledger import Geometry, Ledger, OutOfPagesError, replay  # noqa: E402
 from kvledger.durable import open_ledger  # noqa: E402
 from kvledger.core.log import open_view  # noqa: E402
 from kvledger.core.log.fold import fold_records, rebuild_state, start_state  # noqa: E402
-from kvledger.replay_log import replay_log  # noqa: E402
+from kvledger.tools.audit import audit_log  # noqa: E402
+from kvledger.tools.replay import replay_log  # noqa: E402
 
 TARGETS = {"append_ratio": (">=", 0.9), "replay_trusted_vs_commands": (">=", 0.7),
            "pages_ratio": ("<=", 1.3)}
@@ -168,12 +169,12 @@ def _replay_cases(events: list, run: _Run) -> dict:
         run.digests["events"] = st.digest()
         return dt
 
-    def from_disk(invariants: str):
+    def from_disk(invariants: str, trusted: bool = False):
         def case() -> float:
-            dt, s = time_call(lambda: replay_log(run.log, invariants=invariants))
+            dt, s = time_call(lambda: replay_log(run.log, invariants=invariants, trusted=trusted))
             if not s.ok:
                 raise RuntimeError(f"replay failed: {s.error}")
-            run.digests["replay_" + invariants] = s.digest
+            run.digests["replay_" + invariants + ("_trusted" if trusted else "")] = s.digest
             return dt
 
         return case
@@ -189,7 +190,11 @@ def _replay_cases(events: list, run: _Run) -> dict:
         return dt
 
     return {"fold_events": fold_events, "replay": from_disk("none"), "replay_auto": from_disk("auto"),
-            "trusted": trusted}
+            "trusted": trusted, "replay_trusted": from_disk("auto", trusted=True)}
+
+
+RATIOS = ("append_ratio", "append_inline_ratio", "replay_ratio", "replay_auto_ratio", "replay_trusted_vs_commands",
+          "replay_checked_vs_commands")
 
 
 def run(quick: bool, *, ten_million: bool | None = None) -> dict:
@@ -201,110 +206,109 @@ def run(quick: bool, *, ten_million: bool | None = None) -> dict:
     directory = tempfile.mkdtemp(prefix="kvledger-bench-log-")
     figures: dict = {"pages": GEOMETRY.num_pages, "steps": steps, "repeats": repeats, "segments": SEGMENTS,
                      "gc": "disabled while timed", "fsync": "per_step"}
-    rows = []
-    ratios = {"append_ratio": [], "append_inline_ratio": [], "replay_ratio": [], "replay_auto_ratio": [],
-              "replay_trusted_vs_commands": [], "replay_checked_vs_commands": []}
+    rows: list = []
     try:
         figures["fsync_latency_ms"] = _fsync_latency(directory) * 1e3
         for variant in bench_fold.VARIANTS:
-            trace = bench_fold.make_trace(variant, steps=steps)
-            rec = Ledger(GEOMETRY, record=True)
-            bench_fold.drive(bench_fold.ledger_calls(rec), trace.ops)
-            events = rec.events
-            run_ = _Run(directory, variant)
-            segs = _segments(trace.ops, SEGMENTS)
-            ta = interleaved_segments({"memory": _memory_side(segs, run_),
-                                       "background": _append_side(segs, run_, True)}, SEGMENTS, repeats)
-            # inline pays one fsync per step on the critical path: one run (after the others warmed up)
-            ti = interleaved_segments({"memory": _memory_side(segs, run_),
-                                       "inline": _append_side(segs, run_, False)}, SEGMENTS, 1, warmup=0)
-            tr = interleaved(_replay_cases(events, run_), repeats + 2)
-            want = rec.digest()
-            if any(d != want for d in run_.digests.values()):
-                raise RuntimeError(f"the runs of {variant} disagree on the final state digest: {run_.digests}")
-            n_ev, n_tr = len(events), trace.transitions
-            size = os.path.getsize(run_.log)
-            mem, bg = ta["memory"].best, ta["background"].best
-            mem_i, inl = ti["memory"].best, ti["inline"].best
-            fe, rp, ra = tr["fold_events"].best, tr["replay"].best, tr["replay_auto"].best
-            tt = tr["trusted"].best
-            v = variant + "_"
-            figures.update({
-                v + "events": n_ev,
-                v + "transitions": n_tr,
-                v + "log_bytes": size,
-                v + "bytes_per_event": size / n_ev,
-                v + "memory_events_per_s": n_ev / mem,
-                v + "memory_transitions_per_s": n_tr / mem,
-                v + "append_events_per_s": n_ev / bg,
-                v + "append_transitions_per_s": n_tr / bg,
-                v + "append_ratio": mem / bg,
-                v + "append_fsyncs": run_.syncs["background"],
-                v + "append_ratio_run_min": min(m / b for m, b in zip(ta["memory"].runs.samples,
-                                                                      ta["background"].runs.samples, strict=True)),
-                v + "append_inline_events_per_s": n_ev / inl,
-                v + "append_inline_ratio": mem_i / inl,
-                v + "append_inline_fsyncs": run_.syncs["inline"],
-                v + "fold_events_per_s": n_ev / fe,
-                v + "replay_events_per_s": n_ev / rp,
-                v + "replay_transitions_per_s": n_tr / rp,
-                v + "replay_mb_per_s": size / rp / 1e6,
-                v + "replay_ratio": fe / rp,
-                v + "replay_trusted_events_per_s": n_ev / tt,
-                v + "replay_trusted_vs_commands": mem / tt,
-                v + "replay_checked_vs_commands": mem / rp,
-                v + "replay_auto_ratio": fe / ra,
-                v + "memory_spread": ta["memory"].runs.spread,
-                v + "append_spread": ta["background"].runs.spread,
-                v + "replay_spread": tr["replay"].spread,
-            })
-            ratios["append_ratio"].append(mem / bg)
-            ratios["append_inline_ratio"].append(mem_i / inl)
-            ratios["replay_ratio"].append(fe / rp)
-            ratios["replay_auto_ratio"].append(fe / ra)
-            ratios["replay_trusted_vs_commands"].append(mem / tt)
-            ratios["replay_checked_vs_commands"].append(mem / rp)
-            pct = lambda x: "%.0f%%" % (100 * x)  # noqa: E731
-            rows += [
-                (variant, "in-memory fold (commands)", fmt_rate(n_ev / mem, " ev/s"), fmt_rate(n_tr / mem, " tr/s"),
-                 "1.000", "-", pct(ta["memory"].runs.spread)),
-                (variant, "append, per_step, background", fmt_rate(n_ev / bg, " ev/s"), fmt_rate(n_tr / bg, " tr/s"),
-                 "%.3f" % (mem / bg), fmt_count(run_.syncs["background"]), pct(ta["background"].runs.spread)),
-                (variant, "append, per_step, inline (1 run)", fmt_rate(n_ev / inl, " ev/s"),
-                 fmt_rate(n_tr / inl, " tr/s"), "%.3f" % (mem_i / inl), fmt_count(run_.syncs["inline"]), "-"),
-                (variant, "in-memory fold (event objects)", fmt_rate(n_ev / fe, " ev/s"), fmt_rate(n_tr / fe, " tr/s"),
-                 "1.000", "-", pct(tr["fold_events"].spread)),
-                (variant, "replay from disk", fmt_rate(n_ev / rp, " ev/s"), fmt_rate(n_tr / rp, " tr/s"),
-                 "%.3f" % (fe / rp), "-", pct(tr["replay"].spread)),
-                (variant, "replay, invariants auto", fmt_rate(n_ev / ra, " ev/s"), fmt_rate(n_tr / ra, " tr/s"),
-                 "%.3f" % (fe / ra), "-", pct(tr["replay_auto"].spread)),
-                (variant, "trusted fold from disk (vs commands)", fmt_rate(n_ev / tt, " ev/s"),
-                 fmt_rate(n_tr / tt, " tr/s"), "%.3f" % (mem / tt), "-", pct(tr["trusted"].spread)),
-                (variant, "checked replay from disk (vs commands)", fmt_rate(n_ev / rp, " ev/s"),
-                 fmt_rate(n_tr / rp, " tr/s"), "%.3f" % (mem / rp), "-", pct(tr["replay"].spread)),
-            ]
-            if run_.log and os.path.exists(run_.log):
-                os.unlink(run_.log)
-        for k, vals in ratios.items():
-            figures[k] = min(vals)
-        print_table(
-            f"log: append and replay vs the in-memory fold, {fmt_count(GEOMETRY.num_pages)} pages, {steps} steps per "
-            f"variant; append: {repeats} repeats x {SEGMENTS} segments (sum of per-segment bests), replay: best of "
-            f"{repeats + 2}; fsync (4 KiB append + fdatasync) {figures['fsync_latency_ms']:.2f} ms now",
-            ("order", "case", "events/s", "transitions/s", "ratio", "fsyncs", "spread"), rows)
-        print("append ratio = in-memory command time / append time with the defaults (writer thread; target\n"
-              ">= 0.9; the inline per-step run pays every fsync on the critical path); replay ratios: the fold of\n"
-              "the event objects / checked replay from the file, and the command time / the trusted fold from disk\n"
-              f"(target >= 0.7). Worse variant: append {figures['append_ratio']:.3f} (inline "
-              f"{figures['append_inline_ratio']:.3f}), checked replay {figures['replay_ratio']:.3f} (auto invariants "
-              f"{figures['replay_auto_ratio']:.3f}), trusted fold vs commands "
-              f"{figures['replay_trusted_vs_commands']:.3f}. spread: (worst - best) / best.")
+            figs, variant_rows = _variant(variant, steps, repeats, directory)
+            figures.update(figs)
+            rows += variant_rows
+        for k in RATIOS:
+            figures[k] = min(figures[f"{variant}_{k}"] for variant in bench_fold.VARIANTS)
+        _print_variants(figures, rows, steps, repeats)
         figures.update(_pages_scaling(directory, quick))
         if ten_million:
             figures.update(_ten_million(directory, figures))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return figures
+
+
+def _variant(variant: str, steps: int, repeats: int, directory: str) -> tuple[dict, list]:
+    """One trace order: append (background and inline) and every replay case, timed; its figures and rows."""
+    trace = bench_fold.make_trace(variant, steps=steps)
+    rec = Ledger(GEOMETRY, record=True)
+    bench_fold.drive(bench_fold.ledger_calls(rec), trace.ops)
+    events = rec.events
+    run_ = _Run(directory, variant)
+    segs = _segments(trace.ops, SEGMENTS)
+    ta = interleaved_segments({"memory": _memory_side(segs, run_),
+                               "background": _append_side(segs, run_, True)}, SEGMENTS, repeats)
+    # inline pays one fsync per step on the critical path: one run (after the others warmed up)
+    ti = interleaved_segments({"memory": _memory_side(segs, run_),
+                               "inline": _append_side(segs, run_, False)}, SEGMENTS, 1, warmup=0)
+    tr = interleaved(_replay_cases(events, run_), repeats + 2)
+    want = rec.digest()
+    if any(d != want for d in run_.digests.values()):
+        raise RuntimeError(f"the runs of {variant} disagree on the final state digest: {run_.digests}")
+    n_ev, n_tr = len(events), trace.transitions
+    size = os.path.getsize(run_.log)
+    t = {"mem": ta["memory"].best, "bg": ta["background"].best, "mem_i": ti["memory"].best,
+         "inl": ti["inline"].best, **{k: tr[k].best for k in ("fold_events", "replay", "replay_auto", "trusted",
+                                                               "replay_trusted")}}
+    spread = {"memory": ta["memory"].runs.spread, "background": ta["background"].runs.spread,
+              **{k: tr[k].spread for k in tr}}
+    figures = _variant_figures(variant, n_ev, n_tr, size, t, spread, run_)
+    figures[variant + "_append_ratio_run_min"] = min(
+        m / b for m, b in zip(ta["memory"].runs.samples, ta["background"].runs.samples, strict=True))
+    rows = _variant_rows(variant, n_ev, n_tr, t, spread, run_)
+    if run_.log and os.path.exists(run_.log):
+        os.unlink(run_.log)
+    return figures, rows
+
+
+def _variant_figures(variant: str, n_ev: int, n_tr: int, size: int, t: dict, spread: dict, run_: _Run) -> dict:
+    """The figures of one trace order from its best times ``t`` (seconds)."""
+    mem, bg, fe, rp, ra, tt, rt = (t[k] for k in ("mem", "bg", "fold_events", "replay", "replay_auto", "trusted",
+                                                    "replay_trusted"))
+    v = variant + "_"
+    return {
+        v + "events": n_ev, v + "transitions": n_tr, v + "log_bytes": size, v + "bytes_per_event": size / n_ev,
+        v + "memory_events_per_s": n_ev / mem, v + "memory_transitions_per_s": n_tr / mem,
+        v + "append_events_per_s": n_ev / bg, v + "append_transitions_per_s": n_tr / bg,
+        v + "append_ratio": mem / bg, v + "append_fsyncs": run_.syncs["background"],
+        v + "append_inline_events_per_s": n_ev / t["inl"], v + "append_inline_ratio": t["mem_i"] / t["inl"],
+        v + "append_inline_fsyncs": run_.syncs["inline"],
+        v + "fold_events_per_s": n_ev / fe, v + "replay_events_per_s": n_ev / rp,
+        v + "replay_transitions_per_s": n_tr / rp, v + "replay_mb_per_s": size / rp / 1e6,
+        v + "replay_ratio": fe / rp,
+        v + "replay_trusted_events_per_s": n_ev / tt, v + "replay_trusted_vs_commands": mem / tt,
+        v + "replay_checked_vs_commands": mem / rp,
+        v + "replay_log_trusted_events_per_s": n_ev / rt, v + "replay_log_trusted_vs_commands": mem / rt,
+        v + "replay_auto_ratio": fe / ra,
+        v + "memory_spread": spread["memory"], v + "append_spread": spread["background"],
+        v + "replay_spread": spread["replay"],
+    }
+
+
+def _variant_rows(variant: str, n_ev: int, n_tr: int, t: dict, spread: dict, run_: _Run) -> list:
+    """The table rows of one trace order: (case, seconds key, baseline key, fsyncs, spread key) each."""
+    cases = [("in-memory fold (commands)", "mem", "mem", "-", "memory"),
+             ("append, per_step, background", "bg", "mem", fmt_count(run_.syncs["background"]), "background"),
+             ("append, per_step, inline (1 run)", "inl", "mem_i", fmt_count(run_.syncs["inline"]), None),
+             ("in-memory fold (event objects)", "fold_events", "fold_events", "-", "fold_events"),
+             ("replay from disk", "replay", "fold_events", "-", "replay"),
+             ("replay, invariants auto", "replay_auto", "fold_events", "-", "replay_auto"),
+             ("trusted fold from disk (vs commands)", "trusted", "mem", "-", "trusted"),
+             ("checked replay from disk (vs commands)", "replay", "mem", "-", "replay"),
+             ("replay --trusted, summary counted (vs commands)", "replay_trusted", "mem", "-", "replay_trusted")]
+    return [(variant, case, fmt_rate(n_ev / t[k], " ev/s"), fmt_rate(n_tr / t[k], " tr/s"), f"{t[base] / t[k]:.3f}",
+             fsyncs, f"{100 * spread[sk]:.0f}%" if sk else "-") for case, k, base, fsyncs, sk in cases]
+
+
+def _print_variants(figures: dict, rows: list, steps: int, repeats: int) -> None:
+    print_table(
+        f"log: append and replay vs the in-memory fold, {fmt_count(GEOMETRY.num_pages)} pages, {steps} steps per "
+        f"variant; append: {repeats} repeats x {SEGMENTS} segments (sum of per-segment bests), replay: best of "
+        f"{repeats + 2}; fsync (4 KiB append + fdatasync) {figures['fsync_latency_ms']:.2f} ms now",
+        ("order", "case", "events/s", "transitions/s", "ratio", "fsyncs", "spread"), rows)
+    print("append ratio = in-memory command time / append time with the defaults (writer thread; target\n"
+          ">= 0.9; the inline per-step run pays every fsync on the critical path); replay ratios: the fold of\n"
+          "the event objects / checked replay from the file, and the command time / the trusted fold from disk\n"
+          f"(target >= 0.7). Worse variant: append {figures['append_ratio']:.3f} (inline "
+          f"{figures['append_inline_ratio']:.3f}), checked replay {figures['replay_ratio']:.3f} (auto invariants "
+          f"{figures['replay_auto_ratio']:.3f}), trusted fold vs commands "
+          f"{figures['replay_trusted_vs_commands']:.3f}. spread: (worst - best) / best.")
 
 
 # ---------------------------------------------------------------------- 1 k pages vs 1 M pages
@@ -422,26 +426,7 @@ def _serve(led, rng: random.Random, steps: int, state: dict) -> None:
             if need[r] == 0:
                 growing.remove(r)
                 done.append(r)
-        snaps = state["snaps"]
-        if rng.random() < P.P_ALIAS and st.free_count - 16 >= P.ADMIT_FREE:
-            s = state["next_s"]
-            state["next_s"] += 1
-            led.alias_snapshot(s, rng.randint(*P.ALIAS_PAGES))
-            snaps.append(s)
-        if snaps and rng.random() < P.P_REUSE:
-            t = snaps[rng.randrange(len(snaps))]
-            pages = led.snapshot_pages(t)
-            s = state["next_s"]
-            state["next_s"] += 1
-            led.alias_snapshot(s, pages=pages[: rng.randint(1, len(pages))])
-            snaps.append(s)
-        while snaps and (len(snaps) > P.MAX_SNAPSHOTS or rng.random() < P.P_RELEASE):
-            i = rng.randrange(len(snaps))
-            snaps[i], s = snaps[-1], snaps[i]
-            snaps.pop()
-            led.release_snapshot(s)
-            if len(snaps) <= P.MAX_SNAPSHOTS:
-                break
+        _serve_snapshots(led, rng, state)
         if (growing or done) and rng.random() < P.P_CANCEL:
             live = growing + done
             r = live[rng.randrange(len(live))]
@@ -453,6 +438,31 @@ def _serve(led, rng: random.Random, steps: int, state: dict) -> None:
             del need[r]
             led.finish(r)
         led.seal_step(step)
+
+
+def _serve_snapshots(led, rng: random.Random, state: dict) -> None:
+    """One step's snapshots in ``_serve``: alias fresh pages, alias part of a live snapshot, release some."""
+    P = bench_fold
+    snaps = state["snaps"]
+    if rng.random() < P.P_ALIAS and led.state.free_count - 16 >= P.ADMIT_FREE:
+        s = state["next_s"]
+        state["next_s"] += 1
+        led.alias_snapshot(s, rng.randint(*P.ALIAS_PAGES))
+        snaps.append(s)
+    if snaps and rng.random() < P.P_REUSE:
+        t = snaps[rng.randrange(len(snaps))]
+        pages = led.snapshot_pages(t)
+        s = state["next_s"]
+        state["next_s"] += 1
+        led.alias_snapshot(s, pages=pages[: rng.randint(1, len(pages))])
+        snaps.append(s)
+    while snaps and (len(snaps) > P.MAX_SNAPSHOTS or rng.random() < P.P_RELEASE):
+        i = rng.randrange(len(snaps))
+        snaps[i], s = snaps[-1], snaps[i]
+        snaps.pop()
+        led.release_snapshot(s)
+        if len(snaps) <= P.MAX_SNAPSHOTS:
+            break
 
 
 def _page_question(path: str, page: int) -> tuple[float, int]:
@@ -477,7 +487,8 @@ def _page_question(path: str, page: int) -> tuple[float, int]:
 def _ten_million(directory: str, figures: dict, target: int = 10_000_000) -> dict:
     """Write a ``target``-event log of the serving shape on a 1 Mi-page cache (defaults, a directory of
     64 MiB segments), then fold it from disk: trusted (``rebuild_state(trusted=True)`` from seq 0),
-    checked (``replay_log``), and the recent history of one page (``_page_question``)."""
+    checked and trusted (``replay_log``), and the recent history of one page (``_page_question``, and
+    ``audit_log(page=...)`` with its default window: what ``kvledger audit --page`` runs)."""
     path = os.path.join(directory, "ten-million")
     rng = random.Random(10_000_000)
     state = {"growing": [], "done": [], "need": {}, "snaps": [], "next_r": 0, "next_s": 0}
@@ -507,9 +518,21 @@ def _ten_million(directory: str, figures: dict, target: int = 10_000_000) -> dic
     out["ten_million_replay_none_s"] = dt
     rows.append(("checked replay_log, invariants none", f"{dt:.1f}", fmt_rate(events / dt, " ev/s"),
                  f"{size / dt / 1e6:.0f}"))
+    dt, s = time_call(lambda: replay_log(path, invariants="none", trusted=True))
+    if not s.ok or s.digest != st.digest():
+        raise RuntimeError(f"10M trusted replay failed or disagrees: {s.error}")
+    out["ten_million_replay_trusted_s"] = dt
+    rows.append(("replay_log --trusted, invariants none", f"{dt:.1f}", fmt_rate(events / dt, " ev/s"),
+                 f"{size / dt / 1e6:.0f}"))
     dt, hits = _page_question(path, 12345)
     out["ten_million_page_question_s"] = dt
     rows.append((f"page 12,345 since the last segment's checkpoint ({hits} events)", f"{dt:.2f}", "-", "-"))
+    dt, rep = time_call(lambda: audit_log(path, page=12345))
+    if rep.error is not None:
+        raise RuntimeError(f"10M audit --page failed: {rep.error}")
+    out["ten_million_audit_page_s"] = dt
+    rows.append((f"audit_log --page 12,345, default window ({rep.events:,} events, {len(rep.rows)} rows)",
+                 f"{dt:.2f}", "-", "-"))
     print_table(f"log: a {fmt_count(events)}-event log on {fmt_count(LARGE)} pages ({fmt_count(size // 1_000_000)} MB "
                 f"in {len(segs)} segments, written in {write_s:.0f} s with the default writer thread)",
                 ("replay", "seconds", "events/s", "MB/s"), rows)

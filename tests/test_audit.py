@@ -10,7 +10,7 @@ import structlog
 
 from kvledger.core.state import TRANSITIONS
 from kvledger import CLEAR_POLICIES, Geometry, LedgerState
-from kvledger.tools.audit import COLORS, audit_log, render, render_svg
+from kvledger.tools.audit import COLORS, AuditReport, audit_log, render, render_svg
 from kvledger.core.events.events import (
     CacheConfigured,
     PagesCommitted,
@@ -81,6 +81,21 @@ def test_request_and_snapshot_timelines(story):
     assert "freed and marked" in snap.rows[1].note and "zeroed by step 0's plan" in snap.rows[4].note
 
 
+def test_the_request_view_names_the_pages_its_end_marked():
+    """The request timeline quotes the fold's PagesMarked effect: under all_reused a finished request's pages
+    are marked; under released_aliases nothing is. Kills: a view that drops the effect or reads it elsewhere."""
+    def rows(policy: str) -> list:
+        events = [CacheConfigured(geometry=G, policy=policy), PagesReserved(request=5, page_ids=(0, 1, 2), tenant="a"),
+                  PagesCommitted(request=5, step=0, page_ids=(0, 1)), StepSealed(step=0),
+                  RequestFinished(request=5)]
+        return audit_log("f", layer=_log(events), request=5).rows
+
+    finished = rows("all_reused")[-1]
+    assert finished.event == "request_finished"
+    assert finished.note.endswith("; 2 marked by the clear policy (its bytes stay behind): [0, 1]"), finished.note
+    assert "marked" not in rows("released_aliases")[-1].note
+
+
 @pytest.mark.parametrize("policy", CLEAR_POLICIES)
 def test_check_finds_no_fault_in_random_workloads(tmp_path, policy):
     logs = 0
@@ -114,7 +129,7 @@ def _log(events, *, close: bool = True, geometry: Geometry = G):
     return disk
 
 
-def _faults(events, **kw) -> dict:
+def _faults(events, **kw) -> tuple[dict, AuditReport]:
     disk = _log(events, close=kw.pop("close", True))
     rep = audit_log("f", layer=disk, check=True, **kw)
     found = {(f.kind, f.seq): f for f in rep.faults}

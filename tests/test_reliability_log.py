@@ -40,7 +40,7 @@ from kvledger.core.log import FaultInjector, SimulatedDisk, open_view
 from kvledger.core.errors import LogIOError
 from kvledger.durable import open_ledger
 from kvledger.core.log.fold import rebuild_state, state_from_checkpoint
-from kvledger.replay_log import replay_log
+from kvledger.tools.replay import replay_log
 
 from test_log_workload import GEOMETRY, drive, make_events
 
@@ -543,7 +543,7 @@ def _reopened_events(disk) -> list:
 
 _R9_CHILD = r"""
 import json, sys
-from kvledger.replay_log import replay_log
+from kvledger.tools.replay import replay_log
 out = {}
 for path in json.load(sys.stdin):
     s = replay_log(path, invariants="end")

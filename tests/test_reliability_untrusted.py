@@ -30,7 +30,7 @@ from kvledger import CorruptLogError, Geometry, KVLedgerError, LogError
 from kvledger.core.log import DEFAULT_MAX_PAGES, EventLog, open_view
 from kvledger.core.log.fold import rebuild_state
 from kvledger.durable import open_ledger
-from kvledger.replay_log import replay_log
+from kvledger.tools.replay import replay_log
 
 HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
 SCALE = 10 if HEAVY else 1
@@ -148,7 +148,7 @@ import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
 from kvledger import KVLedgerError
 from kvledger.durable import open_ledger
-from kvledger.replay_log import replay_log
+from kvledger.tools.replay import replay_log
 for f in (lambda: replay_log(sys.argv[1]), lambda: open_ledger(sys.argv[1]).close()):
     try:
         f()

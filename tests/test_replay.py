@@ -110,6 +110,7 @@ SCENARIO = [
 def test_a_recorded_plan_that_differs_is_a_mismatch():
     disk, path = _hand_written(SCENARIO + [StepSealed(step=0, clear_list=(1,))])
     s = replay_log(path, layer=disk)
+    assert s.error is not None
     assert not s.ok and s.error.kind == "mismatch" and s.error.seq == 5 and exit_code(s) == 1
     assert "recorded clear list [1]" in s.error.message
     ok, path2 = _hand_written(SCENARIO + [StepSealed(step=0, clear_list=(0, 1))])
@@ -119,6 +120,7 @@ def test_a_recorded_plan_that_differs_is_a_mismatch():
 def test_an_event_the_fold_rejects_is_reported():
     disk, path = _hand_written(SCENARIO + [RequestFinished(request=6)])
     s = replay_log(path, layer=disk)
+    assert s.error is not None
     assert s.error.kind == "rejected" and s.error.seq == 5 and s.error.error == "UnknownRequestError"
     assert s.events == 5 and exit_code(s) == 1
 
@@ -126,6 +128,7 @@ def test_an_event_the_fold_rejects_is_reported():
 def test_a_checkpoint_whose_digest_differs_is_a_mismatch():
     disk, path = _hand_written(SCENARIO + [StepSealed(step=0, clear_list=(0, 1))], checkpoint=(3, "0" * 64))
     s = replay_log(path, layer=disk)
+    assert s.error is not None
     assert s.error.kind == "mismatch" and s.error.seq == 3 and "checkpoint" in s.error.message
 
 
@@ -140,5 +143,6 @@ def test_torn_tail_is_reported_not_failed_and_corruption_is(logfile, tmp_path):
     bad[200] ^= 0x10
     (tmp_path / "bad.kvlog").write_bytes(bytes(bad))
     s = replay_log(tmp_path / "bad.kvlog")
+    assert s.error is not None
     assert s.error.kind == "corrupt" and exit_code(s) == 3 and s.error.offset is not None
     assert "FAILED (corrupt" in render(s)

@@ -1,7 +1,7 @@
 """The ``kvledger`` console script: one subcommand per module, loaded only when used.
 
-    kvledger replay LOG [--until SEQ] [--from-checkpoint] [--json]
-    kvledger audit LOG (--page N | --request R | --snapshot S | --check) [--json] [--svg OUT]
+    kvledger replay LOG [--trusted] [--until SEQ] [--from-checkpoint] [--json]
+    kvledger audit LOG (--page N | --request R | --snapshot S | --steps | --check) [--json] [--svg OUT]
     kvledger demo [--no-clear] ...
 
 ``COMMANDS`` maps a subcommand to ``"module:function"`` and a one-line help. The
@@ -31,10 +31,10 @@ from typing import Any
 __all__ = ["COMMANDS", "main", "add_logging_arguments", "configure_logging", "logging_configured"]
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "replay": ("kvledger.tools.replay:main",
-               "fold a log with every check on and compare it with what the live run recorded"),
+    "replay": ("kvledger.tools.replay_cli:main",
+               "fold a log (checked, or --trusted) and compare it with what the live run recorded"),
     "audit": ("kvledger.tools.audit.cli:main",
-              "page / request / snapshot lifecycles, lifecycle faults (--check), SVG timelines"),
+              "page / request / snapshot lifecycles, steps per rank, lifecycle faults (--check), SVG timelines"),
     "events": ("kvledger.kvevents.cli:main",
                "export a recorded log's KV events (vLLM format) as JSON lines or on a ZMQ PUB socket"),
     "demo": ("kvledger.demo.cli:main",

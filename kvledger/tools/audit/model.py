@@ -7,8 +7,9 @@ is sealed, after that step's clears; an abort undoes both) and which bytes are
 foreign to it under the policy; ``kvledger.tools.audit`` states the rules and
 the faults they find.
 
-``ContentModel.pre`` / ``post`` run around each folded event; ``open_at_end``
-is the end-of-log pass (faults of a cleanly closed log, and what is left open).
+``ContentModel.pre`` / ``post`` run around each folded event (``check_pages``
+after it); ``ending.py`` has the end-of-log pass (faults of a cleanly closed
+log, and what is left open).
 """
 
 from __future__ import annotations
@@ -16,22 +17,24 @@ from __future__ import annotations
 from kvledger.core.events.events import (
     PagesCommitted,
     PagesReserved,
+    PagesShared,
     RequestCancelled,
     RequestFinished,
     ReservationReturned,
     RestoreCompleted,
     RestoreStarted,
+    SanitizerViolation,
     SnapshotAliased,
     SnapshotReleased,
     StepAborted,
     StepCompleted,
     StepSealed,
 )
-from kvledger.core.state import FREE, MARK_TENANT, LedgerState
+from kvledger.core.state import CACHED, FREE, KV, MARK_TENANT, LedgerState
 
-from .report import MAX_FINDINGS, Faults, Finding
+from .report import Faults
 
-__all__ = ["ContentModel", "open_at_end"]
+__all__ = ["ContentModel", "holds_kv", "is_free", "let_go"]
 
 # page contents
 ZERO, CLEAN, ROW, KVB, STALE = 0, 1, 2, 3, 4
@@ -52,6 +55,19 @@ def is_free(st: LedgerState, p: int) -> bool:
         return False
 
 
+def let_go(st: LedgerState, p: int, r: int) -> bool:
+    """Did request ``r`` (just ended) let go of page ``p``? Free, cached for reuse, or still
+    shared by the other requests of its kv(R), never held by ``r``; False also when the
+    fold's own tables disagree about its holder."""
+    try:
+        code = st.holder_code(p)
+    except (KeyError, IndexError):
+        return False
+    if code in (FREE, CACHED):
+        return True
+    return code == KV and r not in st.holders_of(p)
+
+
 class ContentModel:
     """What every page holds (see the module docstring), and the faults that follow from it."""
 
@@ -70,13 +86,13 @@ class ContentModel:
         self.inc_tenant: dict[int, object] = {}
         self.next_inc = 0
         self.reads: dict[int, list] = {}  # step -> [(page, incarnation, commit seq)]
-        self.last_seal: tuple | None = None
+        self.in_flight: list[tuple] = []  # (step, clears saved, reads done) of the seals an abort may undo
         self.shadow: dict[int, set] = {}  # incarnation -> pages its events gave it
         self.ended: set[int] = set()
         self.released: set[int] = set()
         self.restore_seq: dict[int, int] = {}  # page -> seq its restore started
-        self.sealed: list[int] = []  # sealed, not aborted steps (only if ranks report)
-        self.aborted: set[int] = set()
+        self.sealed: list[int] = []  # sealed steps (only if ranks report)
+        self.aborted: set[int] = set()  # aborted steps, named or in a cascade
         self.done: dict[int, set] = {}  # rank -> completed steps
         self.first_done: dict[int, int] = {}
         self._seed_from_state()
@@ -107,9 +123,12 @@ class ContentModel:
             inc = self._new_inc(r, rec.tenant)
             self.shadow[inc] = set(rec.reserved) | set(rec.kv)
             for p in rec.kv:
-                self._put_kv(p, inc, rec.tenant)
+                if st.holder[p] == r:  # a shared page holds the KV of the first of its holders
+                    self._put_kv(p, inc, rec.tenant)
             for p in rec.restored or ():
                 self._put_kv(p, inc, rec.tenant)
+        for p in st.cached:  # KV of a request that ended, kept for reuse
+            self._put_kv(p, -1, st.hash_tenant.get(p))
         for s, pages in st.snapshots.items():
             for p in pages:
                 self._put_row(p, s)
@@ -130,7 +149,7 @@ class ContentModel:
                 self.done[rank] = set()
 
     def _seed_reads(self) -> None:
-        """Reads still to come (listed pages of unsealed steps), and the last seal, which an abort may undo."""
+        """Reads still to come (listed pages of unsealed steps), and the seals in flight, which an abort may undo."""
         st = self.st
         holder = {p: r for r, rec in st.requests.items() for p in (*rec.reserved, *rec.kv)}
         for step, pages in st.clear_lists.items():
@@ -139,15 +158,14 @@ class ContentModel:
                 if p in st.pending and p in holder:
                     lst.append((p, self.inc_of.get(holder[p], -1), None))
                     self.content[p] = STALE  # listed: it was marked when its request committed it
-        lp = st.last_plan
-        if lp is not None and lp.clear_list:
+        for plan in st.in_flight:  # seals an abort may still undo
             saved, done = [], []
-            for p in lp.clear_list:
+            for p in plan.clear_list:
                 saved.append((p, (STALE, None, None, None, 1), self._content_of(p)))
                 r = holder.get(p)
                 if r is not None and holds_kv(st, p, r):
                     done.append((p, self.inc_of.get(r, -1), None))
-            self.last_seal = (lp.step, saved, done)
+            self.in_flight.append((plan.step, saved, done))
 
     # ------------------------------------------------------------------ describing contents
 
@@ -190,11 +208,16 @@ class ContentModel:
     # ------------------------------------------------------------------ around each folded event
 
     def pre(self, ev, t):
-        """What ``post`` needs from before the fold: a request's incarnation, the open step."""
+        """What ``post`` needs from before the fold: a request's incarnation; for an abort the open
+        step and the steps in flight it takes with it; for a seal, the shared and hashed pages its
+        plan zeroes (a fault)."""
+        st = self.st
         if t is RequestFinished or t is RequestCancelled:
             return self.inc_of.get(ev.request)
         if t is StepAborted:
-            return self.st.open_step
+            return st.open_step, [plan.step for plan in st.in_flight if plan.step >= ev.step]
+        if t is StepSealed and (st.sharers or st.page_hash):
+            return [p for p in ev.clear_list if p in st.sharers or p in st.page_hash]
         return None
 
     def post(self, seq: int, ev, t, pre) -> None:
@@ -229,19 +252,55 @@ class ContentModel:
             for p in ev.page_ids:
                 self.restore_seq.pop(p, None)
         elif t is StepSealed:
-            self._seal(seq, ev)
+            self._seal(seq, ev, pre)
         elif t is StepAborted:
-            self._abort(ev, pre)
+            self._abort(ev, *pre)
         elif t is StepCompleted:
             self._completed(ev)
+        elif t is PagesShared:
+            inc = self.inc_of.get(ev.request)
+            if inc is None:
+                inc = self._new_inc(ev.request, self.st.requests[ev.request].tenant)
+                self.shadow[inc] = set()
+            self.shadow[inc].update(ev.page_ids)
+        elif t is SanitizerViolation:
+            self._violation(seq, ev)
+
+    def check_pages(self, seq: int, pages) -> None:
+        """After an event: none of the pages it touched may be cached and marked (a cached page
+        is shared again without a clear: a mark on it would never be honoured)."""
+        st = self.st
+        if not st.cached:
+            return
+        cached, marks = st.cached, st.marks
+        bad = [p for p in pages if p in cached and p in marks]
+        if bad:
+            self.faults.add("marked_cached_page", seq, st.open_step, f"pages {bad[:16]} are cached for reuse "
+                            f"and marked: a request sharing them would read stale bytes unzeroed", page_ids=bad[:64])
+
+    def _violation(self, seq: int, ev) -> None:
+        """A recorded sanitizer violation: a fault naming rank, plane and step, with the page's lifecycle
+        as the fold and the model see it (holder, mark, the step's plan, the last clear, the policy)."""
+        p, st = ev.page_id, self.st
+        found = "not zeroed" if ev.kind == "not_zero" else "still holding poison"
+        plans = [plan for plan in st.in_flight if plan.step == ev.step]
+        listed = ("listed it" if p in plans[0].clear_list else "did not list it") if plans else "is not in flight"
+        when = self.zeroed_at.get(p)
+        zeroed = f"last zeroed by the plan at seq {when}" if when is not None else "not zeroed since the audit began"
+        self.faults.add("sanitizer_violation", seq, ev.step, f"the sanitizer on rank {ev.rank} plane {ev.plane} "
+                        f"found page {p} {found} before step {ev.step}'s graph; page {p} is {st.holder_of(p)}, "
+                        f"{'marked' if p in st.marks else 'not marked'}, step {ev.step}'s plan {listed}, {zeroed} "
+                        f"(policy {self.policy}); the audit's model says it holds {self.describe(p)}; "
+                        f"--page {p} shows its lifecycle", page_ids=[p])
 
     def _request_gone(self, seq: int, r: int, inc: int | None) -> None:
-        """A request finished or was cancelled: every page its own events gave it must be free now."""
+        """A request finished or was cancelled: every page its own events gave it must have left it
+        (free, cached, or still shared by the others)."""
         st = self.st
         self.ended.add(r)
         self.inc_of.pop(r, None)
         held = self.shadow.pop(inc, set()) if inc is not None else set()
-        leaked = sorted(p for p in held if not is_free(st, p))
+        leaked = sorted(p for p in held if not let_go(st, p, r))
         if leaked:
             try:
                 held_as = st.holder_of(leaked[0])
@@ -263,8 +322,13 @@ class ContentModel:
             for p in ev.page_ids:
                 self._put_kv(p, inc, tenant)
 
-    def _seal(self, seq: int, ev) -> None:
-        """The plan zeroes its pages, then every request reads the pages committed for this step."""
+    def _seal(self, seq: int, ev, shared: list | None) -> None:
+        """The plan zeroes its pages, then every request reads the pages committed for this step.
+        ``shared``: pages of the plan that were shared or published (zeroing them wipes KV that other
+        requests read or will share): a fault."""
+        if shared:
+            self.faults.add("shared_page_listed", seq, ev.step, f"step {ev.step}'s plan zeroes pages {shared[:16]}, "
+                            "which hold published or shared KV other requests read", page_ids=shared[:64])
         saved = self._zero(seq, ev)
         done = []
         st, content, dirty = self.st, self.content, self.dirty
@@ -285,7 +349,8 @@ class ContentModel:
             dirty[p] = 1
             saved.append((p, before, self._content_of(p)))
             done.append(item)
-        self.last_seal = (ev.step, saved, done)
+        self.in_flight.append((ev.step, saved, done))
+        self._prune()
         self.sealed.append(ev.step)
 
     def _zero(self, seq: int, ev) -> list:
@@ -310,18 +375,28 @@ class ContentModel:
             saved.append((p, before, self._content_of(p)))
         return saved
 
-    def _abort(self, ev, next_step: int) -> None:
-        """Nothing of the aborted step ran: undo its clears and reads (where nothing touched the page since)."""
-        self.aborted.add(ev.step)
-        if self.last_seal is None or self.last_seal[0] != ev.step:
-            return
-        _, saved, done = self.last_seal
-        self.last_seal = None
-        for p, before, after in reversed(saved):
-            if self._content_of(p) == after:
-                self._set_content(p, before)
-        if done:
-            self.reads.setdefault(next_step, [])[:0] = done
+    def _abort(self, ev, next_step: int, taken: list[int]) -> None:
+        """Nothing of the aborted steps ran (``taken``: the named one and every later one in flight):
+        undo their clears and reads, the last seal first (where nothing touched the page since); the
+        reads move to the open step, the oldest plan's first."""
+        self.aborted.update(taken)
+        gone = set(taken)
+        undone = [entry for entry in self.in_flight if entry[0] in gone]
+        self.in_flight = [entry for entry in self.in_flight if entry[0] not in gone]
+        moved: list = []
+        for _, saved, done in reversed(undone):
+            for p, before, after in reversed(saved):
+                if self._content_of(p) == after:
+                    self._set_content(p, before)
+            moved[:0] = done
+        if moved:
+            self.reads.setdefault(next_step, [])[:0] = moved
+
+    def _prune(self) -> None:
+        """Keep the seals of the plans the fold still holds in flight (an abort can reach only those)."""
+        live = {plan.step for plan in self.st.in_flight}
+        if len(live) != len(self.in_flight):
+            self.in_flight = [entry for entry in self.in_flight if entry[0] in live]
 
     def _completed(self, ev) -> None:
         rank = ev.rank
@@ -329,73 +404,4 @@ class ContentModel:
             self.done[rank] = set()
             self.first_done[rank] = ev.step
         self.done[rank].add(ev.step)
-
-    def step_faults(self, closed: bool, out: list[Finding]) -> None:
-        """Steps a rank skipped (faults), or never completed: faults on a closed log, else open."""
-        if not self.done:
-            return
-        steps = [s for s in self.sealed if s not in self.aborted]
-        for rank in sorted(self.done):
-            done, first = self.done[rank], self.first_done[rank]
-            last = max(done) if done else first - 1
-            missing = [s for s in steps if s >= first and s not in done]
-            skipped = [s for s in missing if s < last]
-            tail = [s for s in missing if s > last]
-            if skipped:
-                self.faults.add("step_never_completed", None, skipped[0],
-                                f"rank {rank} completed step {last} but never steps {skipped[:16]}", page_ids=[])
-            if tail:
-                if closed:
-                    self.faults.add("step_never_completed", None, tail[0],
-                                    f"rank {rank} never completed steps {tail[:16]} before the log was closed")
-                else:
-                    out.append(Finding(kind="steps_in_flight", seq=None, step=tail[0],
-                                       detail=f"rank {rank} has not completed steps {tail[:16]} (yet)"))
-
-
-def open_at_end(st: LedgerState, model: ContentModel | None, faults: Faults, closed: bool) -> list[Finding]:
-    """End-of-log pass: what is still open (returned), and (``model``) the faults of a closed log."""
-    out: list[Finding] = []
-    step = st.open_step
-    _restores_at_end(st, model, faults, closed, out)
-    if model is not None:
-        model.step_faults(closed, out)
-    for r, rec in sorted(st.requests.items()):
-        if rec.reserved or rec.kv:
-            out.append(Finding(kind="request_open", seq=None, step=step, request=r,
-                               page_ids=(rec.kv + rec.reserved)[:64],
-                               detail=f"request {r} holds {len(rec.kv)} kv and {len(rec.reserved)} reserved pages"))
-        if len(out) > MAX_FINDINGS:
-            break
-    for s, pages in sorted(st.snapshots.items()):
-        out.append(Finding(kind="snapshot_live", seq=None, step=step, snapshot=s, page_ids=pages[:64],
-                           detail=f"snapshot {s} aliases {len(pages)} pages"))
-        if len(out) > 2 * MAX_FINDINGS:
-            break
-    free_marked = sorted(p for p in st.marks if is_free(st, p))
-    if free_marked:
-        out.append(Finding(kind="marked_free_pages", seq=None, step=step, page_ids=free_marked[:64],
-                           detail=f"{len(free_marked)} free pages are marked: each is zeroed when a request "
-                                  "first commits it"))
-    return out
-
-
-def _restores_at_end(st: LedgerState, model: ContentModel | None, faults: Faults, closed: bool,
-                     out: list[Finding]) -> None:
-    """Restores still writing: faults on a cleanly closed log (with ``model``), else open."""
-    if not st.restore_targets:
-        return
-    by_target: dict = {}
-    for p, tgt in sorted(st.restore_targets.items()):
-        by_target.setdefault(tgt, []).append(p)
-    restore_seq = model.restore_seq if model is not None else {}
-    for (into, target), pages in sorted(by_target.items()):
-        started = min((restore_seq.get(p, -1) for p in pages), default=-1)
-        detail = f"restore into {into} {target} of pages {pages[:16]} started at seq {started} never completed"
-        kw = {"request": target} if into == "request" else {"snapshot": target}
-        if closed and model is not None:
-            faults.add("restore_never_completed", started, st.open_step, f"{detail} before the log was closed",
-                       page_ids=pages[:64], **kw)
-        else:
-            out.append(Finding(kind="restore_in_flight", seq=started, step=st.open_step, detail=f"{detail} (yet)",
-                               page_ids=pages[:64], **kw))
+        self._prune()

@@ -10,11 +10,13 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["FAULT_KINDS", "MAX_FINDINGS", "AuditReport", "Faults", "Finding", "Row", "Segment", "event_tag"]
+__all__ = ["FAULT_KINDS", "MAX_FINDINGS", "AuditReport", "Faults", "Finding", "Row", "Segment", "StepStatus",
+           "event_tag"]
 
 FAULT_KINDS = (
     "unzeroed_read", "needless_clear", "redundant_clear", "plan_mismatch", "leak", "double_release", "double_finish",
     "unknown_snapshot", "unknown_request", "rejected_event", "restore_never_completed", "step_never_completed",
+    "marked_cached_page", "shared_page_listed", "sanitizer_violation",
 )
 MAX_FINDINGS = 1000  # per kind; the count keeps going
 
@@ -56,10 +58,25 @@ class Segment(msgspec.Struct, frozen=True, gc=False):
     page: int
     start: int
     end: int
-    holder: str  # free | reserved | kv | alias
-    label: str  # holder_of text, e.g. kv(12)
+    holder: str  # free | reserved | kv | shared (kv of several requests) | alias | cached
+    label: str  # holder_of text, e.g. kv(12), kv({12,13}), cached(-7)
     marked: bool
     restoring: bool
+
+
+class StepStatus(msgspec.Struct, kw_only=True, gc=False):
+    """One step of ``--steps``: its plan, the ranks that completed it, and its abort if any."""
+
+    step: int
+    sealed_seq: int | None = None  # None: sealed before the window
+    cleared: int = 0  # pages in its plan
+    ranks: list = []  # ranks that completed it, in the order they reported
+    missing: list = []  # ranks that report completions and have not completed it
+    aborted_seq: int | None = None
+    aborted_by: int | None = None  # the step the StepAborted named: itself, or an earlier step in flight
+    reason: str = ""
+    violations: int = 0  # sanitizer violations recorded for it
+    status: str = ""  # completed | in_flight | aborted | aborted_in_cascade
 
 
 class AuditReport(msgspec.Struct, kw_only=True, gc=False):
@@ -73,11 +90,18 @@ class AuditReport(msgspec.Struct, kw_only=True, gc=False):
     closed_cleanly: bool
     torn_at: int | None = None
     torn_bytes: int = 0
-    subject: str = ""  # "page 3" / "request 7" / "snapshot 2" / "check"
+    subject: str = ""  # "page 3" / "request 7" / "snapshot 2" / "steps" / "check"
+    mode: str = "checked"  # checked: every event validated; trusted: the fold of one page (--page)
+    window: str = ""  # what the report covers, in words
+    checkpoint_seq: int | None = None  # the checkpoint the fold started from (None: seq 0)
+    first_file: str = ""  # the file the view starts with (a segment of a log directory)
     rows: list = []
     faults: list = []
-    open: list = []
+    open: list = []  # what is still open at the end (the checked engine; the fold of one page leaves it empty)
     fault_counts: dict = {}
+    step_table: list = []  # --steps: StepStatus of every step in the window
+    ranks: dict = {}  # rank (a string, as JSON keys are) -> steps it completed in the window (--steps, --check)
+    aborted: dict = {}  # {"named": StepAborted events, "in_cascade": later steps in flight aborted with them}
     segments: list = []  # SVG data: Segment
     markers: list = []  # SVG data: [kind, page, seq], kind zeroed | zeroed_aborted | marked | fault
     svg_pages: list = []

@@ -4,13 +4,15 @@
             |          |              |═══ marked (red underline) ═══|▼ zeroed
             +---------------------------------------------------------------> seq
 
-Each lane is coloured by the page's holder (free, reserved, kv, alias) over the
-seqs it held it, labelled with the owner when there is room; a red band under
-the lane while the page is marked (stale bytes that must be zeroed before a
-request reads them); an orange band over it while a restore writes it; a green
-triangle where a step plan zeroed it (hollow when that step was aborted, so
-nothing was zeroed there); a red cross at a fault. Step boundaries
-run along the top. Hovering any shape shows its details (SVG <title>).
+Each lane is coloured by the page's holder (free, reserved, kv, shared: kv of
+several requests, alias, cached: KV kept for reuse under its block hash) over
+the seqs it held it, labelled with the holder when there is room; a red band
+under the lane while the page is marked (stale bytes that must be zeroed before
+a request reads them); an orange band over it while a restore writes it; a
+green triangle where a step plan zeroed it (hollow when that step was aborted,
+by name or in a cascade, so nothing was zeroed there); a red cross at a fault;
+a magenta diamond where the sanitizer caught the page. Step boundaries run
+along the top. Hovering any shape shows its details (SVG <title>).
 
 ``SvgTrack`` collects what the SVG draws while the audit folds (holder segments
 and markers of the chosen pages); ``render_svg`` is pure string building from
@@ -22,24 +24,28 @@ from __future__ import annotations
 from collections.abc import Callable
 from xml.sax.saxutils import escape
 
-from kvledger.core.events.events import SnapshotReleased, StepAborted, StepSealed
+from kvledger.core.events.events import SanitizerViolation, SnapshotReleased, StepAborted, StepSealed
 from kvledger.core.state import LedgerState
 
 from .report import Segment
 
-__all__ = ["COLORS", "SvgTrack", "render_svg"]
+__all__ = ["COLORS", "SvgTrack", "holder_kind", "render_svg"]
 
 COLORS = {
     "free": "#e5e7eb",
     "reserved": "#f59e0b",
     "kv": "#2563eb",
+    "shared": "#0891b2",
     "alias": "#7c3aed",
+    "cached": "#65a30d",
     "marked": "#dc2626",
     "restoring": "#f97316",
     "zeroed": "#059669",
     "fault": "#b91c1c",
+    "violation": "#db2777",
 }
-_TEXT_ON = {"free": "#374151", "reserved": "#111827", "kv": "#ffffff", "alias": "#ffffff"}
+_TEXT_ON = {"free": "#374151", "reserved": "#111827", "kv": "#ffffff", "shared": "#ffffff", "alias": "#ffffff",
+            "cached": "#ffffff"}
 
 LEFT, RIGHT, TOP = 96, 24, 74
 LANE, GAP = 22, 4
@@ -58,12 +64,24 @@ def _nice_ticks(lo: int, hi: int, want: int = 10) -> list[int]:
     return list(range(first, hi + 1, step))
 
 
+def holder_kind(label: str) -> str:
+    """The lane colour of a holder text: kv({1,2}) -> shared, cached(-7) -> cached, kv(1) -> kv, ..."""
+    if label.startswith("kv({"):
+        return "shared"
+    return label.split("(")[0]
+
+
 def _short(label: str) -> str:
-    """kv(12) -> r12, reserved(12) -> r12, alias({3,4}) -> s3,4, free -> ''."""
+    """kv(12) -> r12, kv({12,13}) -> r12,13, reserved(12) -> r12, alias({3,4}) -> s3,4, cached(-7) -> #-7,
+    free -> ''."""
+    if label.startswith("kv({"):
+        return "r" + label[4:-2]
     if label.startswith(("kv(", "reserved(")):
         return "r" + label[label.index("(") + 1 : -1]
     if label.startswith("alias("):
         return "s" + label[7:-2]
+    if label.startswith("cached("):
+        return "#" + label[7:-1][:8]
     return ""
 
 
@@ -78,7 +96,7 @@ class SvgTrack:
         self.seg_start: dict[int, int] = {}
         self.segments: list[Segment] = []
         self.markers: list[list] = []
-        self._seal_markers: list[int] = []  # markers of the last sealed plan (an abort undoes them)
+        self._seal_markers: dict[int, list[int]] = {}  # step -> its plan's markers (an abort undoes them)
 
     def update(self, p: int, at: int) -> None:
         """Page ``p`` as it is from seq ``at`` on: a new segment if its holder or flags changed."""
@@ -91,7 +109,7 @@ class SvgTrack:
         if old is not None:
             start = self.seg_start[p]
             if at > start:
-                self.segments.append(Segment(p, start, at, old[0].split("(")[0], old[0], old[1], old[2]))
+                self.segments.append(Segment(p, start, at, holder_kind(old[0]), old[0], old[1], old[2]))
         self.seg_state[p] = state
         self.seg_start[p] = at
 
@@ -102,21 +120,27 @@ class SvgTrack:
             self.update(p, at)
 
     def after(self, seq: int, ev, t, want, before: dict) -> None:
-        """After a folded event: the touched pages' new segments, zeroed / aborted / marked markers."""
+        """After a folded event: the touched pages' new segments, zeroed / aborted / marked / sanitizer
+        markers."""
         st, page_set, markers = self.st, self.page_set, self.markers
         for p in want:
             if p in page_set:
                 self.update(p, seq + 1)
         if t is StepSealed:
-            self._seal_markers = []
+            live = {plan.step for plan in st.in_flight}  # plans an abort may still reach
+            self._seal_markers = {s: m for s, m in self._seal_markers.items() if s in live}
+            mine = self._seal_markers[ev.step] = []
             for p in ev.clear_list:
                 if p in page_set:
-                    self._seal_markers.append(len(markers))
+                    mine.append(len(markers))
                     markers.append(["zeroed", p, seq])
         elif t is StepAborted:
-            for i in self._seal_markers:  # that zeroing never ran: drawn hollow
-                markers[i][0] = "zeroed_aborted"
-            self._seal_markers = []
+            for s in [s for s in self._seal_markers if s >= ev.step]:  # the named step and the later ones
+                for i in self._seal_markers.pop(s):  # that zeroing never ran: drawn hollow
+                    markers[i][0] = "zeroed_aborted"
+        elif t is SanitizerViolation:
+            if ev.page_id in page_set:
+                markers.append(["violation", ev.page_id, seq])
         elif t is SnapshotReleased:
             for p in want:
                 if p in page_set and not before[p][1] and p in st.marks:
@@ -133,7 +157,7 @@ class SvgTrack:
             old = self.seg_state.get(p)
             start = self.seg_start.get(p, end_seq)
             if old is not None and end_seq > start:
-                self.segments.append(Segment(p, start, end_seq, old[0].split("(")[0], old[0], old[1], old[2]))
+                self.segments.append(Segment(p, start, end_seq, holder_kind(old[0]), old[0], old[1], old[2]))
             self.seg_state.pop(p, None)
 
 
@@ -143,7 +167,7 @@ def render_svg(rep) -> str:
     lo = rep.start_seq
     hi = max(rep.end_seq, lo + 1)
     plot_w = WIDTH - LEFT - RIGHT
-    height = TOP + len(pages) * (LANE + GAP) + 130
+    height = TOP + len(pages) * (LANE + GAP) + 196
     lane_of = {p: i for i, p in enumerate(pages)}
 
     def x(seq: float) -> float:
@@ -245,6 +269,10 @@ def _marker(add: Add, kind: str, p: int, seq: int, mx: float, yy: float) -> None
         add(f'<line x1="{mx:.1f}" y1="{yy + LANE - 9:.1f}" x2="{mx:.1f}" y2="{yy + LANE:.1f}" '
             f'stroke="{COLORS["marked"]}" stroke-width="2"><title>page {p} marked at seq {seq:,} '
             f'(its last snapshot alias was released)</title></line>')
+    elif kind == "violation":
+        add(f'<path d="M{mx:.1f},{yy + 1:.1f} L{mx + 6:.1f},{yy + LANE / 2:.1f} L{mx:.1f},{yy + LANE - 1:.1f} '
+            f'L{mx - 6:.1f},{yy + LANE / 2:.1f} Z" fill="{COLORS["violation"]}" stroke="#ffffff" stroke-width="0.8">'
+            f'<title>page {p}: a sanitizer violation recorded at seq {seq:,}</title></path>')
     elif kind == "fault":
         add(f'<g stroke="{COLORS["fault"]}" stroke-width="2.5"><title>fault on page {p} at seq {seq:,}</title>'
             f'<line x1="{mx - 6:.1f}" y1="{yy + 2:.1f}" x2="{mx + 6:.1f}" y2="{yy + LANE - 2:.1f}"/>'
@@ -263,26 +291,23 @@ def _axis(add: Add, lo: int, hi: int, x: Scale, ay: float) -> None:
 
 
 def _legend(add: Add, ly: float) -> None:
-    items = [("free", "free"), ("reserved", "reserved(r)"), ("kv", "kv(r): request r's KV pages"),
-             ("alias", "alias(S): backs snapshot rows")]
-    lx = LEFT
-    for key, text in items:
-        add(f'<rect x="{lx}" y="{ly}" width="18" height="12" fill="{COLORS[key]}" stroke="#9ca3af" '
-            'stroke-width="0.5"/>')
-        add(f'<text x="{lx + 24}" y="{ly + 10}">{escape(text)}</text>')
-        lx += 32 + 7 * len(text)
-    ly += 22
+    """Two rows of holders, two of markers."""
+    rows = [[("free", "free"), ("reserved", "reserved(r)"), ("kv", "kv(r): request r's KV pages"),
+             ("alias", "alias(S): backs snapshot rows")],
+            [("shared", "kv(R): shared by the requests R, read-only"),
+             ("cached", "cached(h): no holder, KV of block h kept for reuse")]]
+    for items in rows:
+        lx = LEFT
+        for key, text in items:
+            add(f'<rect x="{lx}" y="{ly}" width="18" height="12" fill="{COLORS[key]}" stroke="#9ca3af" '
+                'stroke-width="0.5"/>')
+            add(f'<text x="{lx + 24}" y="{ly + 10}">{escape(text)}</text>')
+            lx += 32 + 7 * len(text)
+        ly += 22
     lx = LEFT
     add(f'<rect x="{lx}" y="{ly + 8}" width="18" height="4" fill="{COLORS["marked"]}"/>')
     add(f'<text x="{lx + 24}" y="{ly + 10}">marked: stale bytes, to zero before a request reads them</text>')
     lx += 420
-    add(f'<path d="M{lx + 4},{ly} L{lx + 14},{ly} L{lx + 9},{ly + 9} Z" fill="{COLORS["zeroed"]}"/>')
-    add(f'<text x="{lx + 24}" y="{ly + 10}">zeroed by a step plan</text>')
-    lx += 170
-    add(f'<path d="M{lx + 4},{ly} L{lx + 14},{ly} L{lx + 9},{ly + 9} Z" fill="#ffffff" '
-        f'stroke="{COLORS["zeroed"]}" stroke-width="1.2"/>')
-    add(f'<text x="{lx + 24}" y="{ly + 10}">aborted step: not zeroed</text>')
-    lx += 190
     add(f'<rect x="{lx}" y="{ly + 1}" width="18" height="3" fill="{COLORS["restoring"]}"/>')
     add(f'<text x="{lx + 24}" y="{ly + 10}">restore writing</text>')
     lx += 140
@@ -290,3 +315,15 @@ def _legend(add: Add, ly: float) -> None:
         f'<line x1="{lx + 3}" y1="{ly}" x2="{lx + 13}" y2="{ly + 12}"/>'
         f'<line x1="{lx + 13}" y1="{ly}" x2="{lx + 3}" y2="{ly + 12}"/></g>')
     add(f'<text x="{lx + 24}" y="{ly + 10}">fault</text>')
+    ly += 22
+    lx = LEFT
+    add(f'<path d="M{lx + 4},{ly} L{lx + 14},{ly} L{lx + 9},{ly + 9} Z" fill="{COLORS["zeroed"]}"/>')
+    add(f'<text x="{lx + 24}" y="{ly + 10}">zeroed by a step plan</text>')
+    lx += 170
+    add(f'<path d="M{lx + 4},{ly} L{lx + 14},{ly} L{lx + 9},{ly + 9} Z" fill="#ffffff" '
+        f'stroke="{COLORS["zeroed"]}" stroke-width="1.2"/>')
+    add(f'<text x="{lx + 24}" y="{ly + 10}">aborted step (named or in a cascade): not zeroed</text>')
+    lx += 360
+    add(f'<path d="M{lx + 9},{ly} L{lx + 15},{ly + 6} L{lx + 9},{ly + 12} L{lx + 3},{ly + 6} Z" '
+        f'fill="{COLORS["violation"]}"/>')
+    add(f'<text x="{lx + 24}" y="{ly + 10}">sanitizer violation recorded</text>')

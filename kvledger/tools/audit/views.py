@@ -16,7 +16,10 @@ from __future__ import annotations
 
 from kvledger.core.events.events import (
     PagesCommitted,
+    PagesMarked,
+    PagesPublished,
     PagesReserved,
+    PagesShared,
     RequestCancelled,
     RequestFinished,
     ReservationReturned,
@@ -30,17 +33,11 @@ from kvledger.core.events.events import (
 from kvledger.core.state import ALIAS, LedgerState
 
 from .model import is_free
+from .pages import page_row, page_view
 from .report import MAX_FINDINGS, AuditReport, Row, event_tag
+from .steps import render_steps, summary_line
 
-__all__ = ["Timelines", "page_view", "render"]
-
-_KEEPS_MARK = (PagesReserved, ReservationReturned, RequestCancelled, RequestFinished, SnapshotAliased)
-
-
-def page_view(st: LedgerState, p: int) -> tuple:
-    """``(holder text, marked, restoring, listed for an unsealed step)`` of page ``p``."""
-    return (st.holder_of(p), p in st.marks, p in st.restore_targets, p in st.pending)
-
+__all__ = ["Timelines", "render"]
 
 class Timelines:
     """Rows for the chosen page, request or snapshot, one folded event at a time."""
@@ -54,25 +51,26 @@ class Timelines:
         self.follow: dict[int, int] = {}  # snapshot view: page marked by S's release -> release seq
         self.req_listed: dict[int, int] = {}  # request view: page listed by R's commit -> commit seq
 
-    def record(self, seq: int, ev, t, pages, before: dict, effects, open_step: int) -> None:
-        """Rows for a folded event. ``pages``: the pages it touched; ``before``: ``page_view`` of the watched ones."""
+    def record(self, seq: int, ev, t, pages, before: dict, effects, open_step: int,
+               plan_step: int | None = None) -> None:
+        """Rows for a folded event. ``pages``: the pages it touched; ``before``: ``page_view`` of the watched
+        ones; ``plan_step``: for an abort, the step whose plan listed the watched page."""
         step = ev.step if t is PagesCommitted else open_step
         listed = effects[0].page_ids if effects and t is PagesCommitted else ()
         if self.page is not None and self.page in before:
             p = self.page
-            b, a = before[p], page_view(self.st, p)
-            self.rows.append(Row(seq=seq, step=step, event=event_tag(ev), page_ids=[p], holder_before=b[0],
-                                 holder_after=a[0], marked_before=b[1], marked_after=a[1], restoring_before=b[2],
-                                 restoring_after=a[2], note=_page_note(p, ev, t, b, a, listed)))
+            self.rows.append(page_row(seq, ev, t, p, before[p], page_view(self.st, p), step, p in listed,
+                                      plan_step))
         if self.request is not None:
-            self._request_rows(seq, ev, t, step, listed)
+            self._request_rows(seq, ev, t, step, listed, pages, _marked_by(effects))
         if self.snapshot is not None:
             self._snapshot_rows(seq, ev, t, step, pages, listed)
 
     def rejected(self, seq: int, ev, step: int, exc: Exception) -> None:
         self.rows.append(Row(seq=seq, step=step, event=event_tag(ev), note=f"REJECTED: {exc}"))
 
-    def _request_rows(self, seq: int, ev, t, step: int, listed) -> None:
+    def _request_rows(self, seq: int, ev, t, step: int, listed, pages, marked: list[int]) -> None:
+        """R's own events (``marked``: the pages the fold's ``PagesMarked`` effect says the event marked)."""
         r = self.request
         if t is StepSealed:
             mine = [p for p in ev.clear_list if p in self.req_listed]
@@ -89,9 +87,9 @@ class Timelines:
         note = ""
         if t is PagesReserved:
             note = f"tenant {ev.tenant!r}" if ev.tenant is not None else ""
-            marked = [p for p in ids if p in self.st.marks]
-            if marked:
-                note = (f"{note}; " if note else "") + f"{len(marked)} marked page(s): {marked[:16]}"
+            stale = [p for p in ids if p in self.st.marks]
+            if stale:
+                note = (f"{note}; " if note else "") + f"{len(stale)} marked page(s): {stale[:16]}"
         elif t is PagesCommitted:
             if listed:
                 for p in listed:
@@ -100,7 +98,17 @@ class Timelines:
             else:
                 note = "no marked page"
         elif t is RequestFinished or t is RequestCancelled:
-            note = "its pages are free again"
+            kept = [p for p in pages if not is_free(self.st, p)]
+            note = "its pages are free again" + (f", but {len(kept)} cached or still shared: {kept[:16]}"
+                                                 if kept else "")
+            if marked:
+                note += f"; {len(marked)} marked by the clear policy (its bytes stay behind): {marked[:16]}"
+        elif t is ReservationReturned and marked:
+            note = f"{len(marked)} returned page(s) marked by the clear policy: {marked[:16]}"
+        elif t is PagesPublished:
+            note = f"published {len(ids)} block(s): other requests may share them"
+        elif t is PagesShared:
+            note = f"shares {len(ids)} page(s) of published KV: read-only, never listed"
         elif t is RestoreStarted:
             note = "inbound restore into the request: pages overwritten whole, never listed"
         self.rows.append(Row(seq=seq, step=step, event=event_tag(ev), page_ids=ids, note=note))
@@ -169,38 +177,9 @@ class Timelines:
         return ""
 
 
-def _page_note(p: int, ev, t, b: tuple, a: tuple, listed) -> str:
-    """Why page ``p`` went from view ``b`` to view ``a`` (``page_view`` tuples)."""
-    if t is StepSealed:
-        return f"zeroed by step {ev.step}'s plan, before any request read it"
-    if t is SnapshotReleased:
-        if a[1] and not b[1]:
-            return "last alias released: marked (holds row bytes)"
-        if a[0] == b[0]:
-            return "still aliased by other snapshots"
-        if a[1]:
-            return "last alias released: still marked"
-    if t is PagesCommitted:
-        if p in listed:
-            return f"marked: listed for step {ev.step}'s clear list"
-        if b[1] and not a[1]:
-            return "the committing tenant's own bytes: mark removed without a clear"
-        return "not marked: nothing to zero"
-    if t is RestoreStarted:
-        if ev.into == "request" and b[1]:
-            return f"overwritten whole by a restore into request {ev.target}: mark removed, never listed"
-        return f"restore into {ev.into} {ev.target} writing"
-    if t is RestoreCompleted:
-        return "restore done"
-    if t is StepAborted:
-        return f"step {ev.step} aborted: " + ("listed again for the next step" if a[3] else "marked again")
-    if (t is RequestFinished or t is RequestCancelled or t is ReservationReturned) and b[3] and a[1]:
-        return "left the request before its step ran: marked again"
-    if a[1] and b[1] and t in _KEEPS_MARK:
-        return "mark kept"
-    if a[1] and not b[1]:
-        return "marked (the clear policy: the request's bytes stay behind)"
-    return ""
+def _marked_by(effects) -> list[int]:
+    """The pages an event's ``PagesMarked`` effect names (the fold's word on what it just marked)."""
+    return [p for e in effects if type(e) is PagesMarked for p in e.page_ids]
 
 
 # ---------------------------------------------------------------------- the text report
@@ -213,15 +192,22 @@ def render(rep: AuditReport) -> str:
            + (", closed cleanly)" if rep.closed_cleanly else ", not closed)")]
     if rep.torn_at is not None:
         out.append(f"torn tail: {rep.torn_bytes} bytes from offset {rep.torn_at} (not audited)")
-    if rep.rows:
+    if rep.window:
+        out.append(f"window: {rep.window}")
+    if rep.subject == "steps":
+        out += render_steps(rep)
+    elif rep.rows:
         out += _rows_table(rep)
     elif rep.subject != "check":
         out.append("no events touch it in this window")
+    if rep.subject == "check" and (rep.ranks or rep.aborted.get("named")):
+        out.append(summary_line(rep))
     if rep.subject == "check" or rep.faults:
         out += _faults_section(rep)
     if rep.error is not None:
         e = rep.error
-        out.append(f"FAILED ({e['kind']}, offset {e['offset']}, seq {e['seq']}): {e['message']}")
+        where = f"{e['file']}, " if e.get("file") and e["file"] != rep.path else ""
+        out.append(f"FAILED ({e['kind']}, {where}offset {e['offset']}, seq {e['seq']}): {e['message']}")
     return "\n".join(out)
 
 
