@@ -172,25 +172,12 @@ def test_cli_prefix_cache_table_json_replay_and_audit(tmp_path, capsys):
 
 
 def _audit_finds_only_what_the_cache_keeps(log) -> None:
-    """``kvledger audit --check``: no unzeroed read, no needless clear, nothing but "leaks" of
-    pages the prefix cache keeps after a request ended (cached, or shared by another request):
-    the audit's model predates prefix caching (see the strict xfail below)."""
+    """``kvledger audit --check`` finds nothing: pages the prefix cache keeps after a request
+    ended (cached, or shared by another request) are not leaks, and no read was unzeroed."""
     p = subprocess.run([SCRIPT, "audit", str(log), "--check", "--json"], capture_output=True, text=True, timeout=120)
-    faults = json.loads(p.stdout)["faults"]
-    by_seq = {f["seq"]: f for f in faults}
-    assert {f["kind"] for f in faults} <= {"leak"}
-    st = LedgerState()
-    for seq, ev in enumerate(_events(str(log))):
-        st.fold(ev)
-        f = by_seq.get(seq)
-        if f is not None:
-            for page in f["page_ids"]:
-                assert st.holder_of(page).startswith(("cached(", "kv(")) and f["request"] not in \
-                    st.holders_of(page)
+    assert p.returncode == 0 and json.loads(p.stdout)["faults"] == [], p.stdout[-2000:]
 
 
-@pytest.mark.xfail(strict=True, reason="kvledger audit --check counts pages a finished request leaves in the "
-                                       "prefix cache as leaks (tools/audit/model.py predates prefix caching)")
 def test_audit_check_passes_on_a_prefix_cache_log(logged):
     log, _ = logged
     p = subprocess.run([SCRIPT, "audit", log, "--check"], capture_output=True, text=True, timeout=120)
