@@ -3,8 +3,9 @@
 The ledger's commands, the fold, the wire and the executors all check page ids
 the same way, here. Two forms:
 
-* raising (``page_ids``, ``geometry``, ``ident``, ``count``, ``tenant``): the
-  library's own error naming what was wrong; for API arguments.
+* raising (``page_ids``, ``geometry``, ``ident``, ``count``, ``tenant``,
+  ``block_hash_list``): the library's own error naming what was wrong; for API
+  arguments (``plain_block_hashes`` and ``all_ints`` answer True / False).
 * reporting (``page_ids_problem``, ``u32_page_ids_problem``): ``None`` or a
   ``Problem`` (what kind, which ids), for callers that answer with something
   else than an exception (a wire peer answers REJECT with a code).
@@ -22,6 +23,8 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Literal, NamedTuple
 
+import msgspec
+
 from .errors import (
     ConfigurationError,
     DuplicatePageError,
@@ -36,6 +39,8 @@ __all__ = [
     "OUT_OF_RANGE",
     "DUPLICATE",
     "Problem",
+    "all_ints",
+    "block_hash_list",
     "count",
     "duplicates",
     "geometry",
@@ -43,6 +48,7 @@ __all__ = [
     "out_of_range",
     "page_ids",
     "page_ids_problem",
+    "plain_block_hashes",
     "raise_problem",
     "tenant",
     "u32_ids",
@@ -51,6 +57,8 @@ __all__ = [
 
 OUT_OF_RANGE, DUPLICATE = "out_of_range", "duplicate"
 _INT_ONLY = {int}
+_INTS = tuple[int, ...]
+_HASH_MIN, _HASH_MAX = -(1 << 63), (1 << 63) - 1  # an int block hash is a signed 64-bit value
 
 
 class Problem(NamedTuple):
@@ -174,6 +182,54 @@ def _coerce_ints(ids: tuple) -> tuple[int, ...]:
         except TypeError:
             raise InvalidArgumentError(f"page ids must be ints, got {p!r}") from None
     return tuple(out)
+
+
+# ---------------------------------------------------------------------- block hashes
+
+
+def plain_block_hashes(hashes: tuple) -> bool:
+    """Every hash a plain int in the signed 64-bit range (the common case), or 1-64 bytes."""
+    kinds = set(map(type, hashes))
+    if kinds == {int}:
+        return min(hashes) >= -(1 << 63) and max(hashes) < (1 << 63)
+    if kinds == {bytes}:
+        sizes = list(map(len, hashes))
+        return min(sizes) > 0 and max(sizes) <= 64
+    return not hashes
+
+
+def block_hash_list(hashes, what: str) -> tuple:
+    """``hashes`` as a tuple of block hashes (ints in the signed 64-bit range or 1-64 bytes).
+
+    Raises ``InvalidArgumentError`` naming the first bad one; a single bytes or str value
+    is refused (it would read as a sequence of hashes).
+    """
+    if type(hashes) is tuple:
+        out = hashes
+    elif isinstance(hashes, (bytes, str)):
+        raise InvalidArgumentError(f"{what}: give a sequence of block hashes, not one {type(hashes).__name__}")
+    else:
+        try:
+            out = tuple(hashes)
+        except TypeError:
+            raise InvalidArgumentError(f"{what}: block hashes must be a sequence, got {hashes!r}") from None
+    if set(map(type, out)) == _INT_ONLY and min(out) >= _HASH_MIN and max(out) <= _HASH_MAX:
+        return out  # the common case, plain_block_hashes' first branch without its call
+    if not plain_block_hashes(out):
+        for h in out:
+            ok = (type(h) is int and -(1 << 63) <= h < (1 << 63)) or (type(h) is bytes and 0 < len(h) <= 64)
+            if not ok:
+                raise InvalidArgumentError(f"{what}: a block hash is a signed 64-bit int or 1-64 bytes, got {h!r}")
+    return out
+
+
+def all_ints(values: tuple) -> bool:
+    """Every value an ``int`` (not a bool, not a float, not a numpy scalar): one C pass."""
+    try:
+        msgspec.convert(values, _INTS)
+    except msgspec.ValidationError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------- raw u32 page lists

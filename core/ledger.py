@@ -13,25 +13,23 @@ so state and effects are exactly as before. Running out of pages is an ordinary
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 from . import checks
 from .errors import (
     ConfigurationError,
-    UnknownBlockHashError,
     InvalidArgumentError,
     OutOfPagesError,
     UnknownRequestError,
 )
+from .ledger_prefix import PrefixCommands
 from .events.events import (
     CacheConfigured,
     Geometry,
     PagesCommitted,
     PagesEvicted,
-    PagesPublished,
     PagesReserved,
-    PagesShared,
     RequestCancelled,
     RequestFinished,
     ReservationReturned,
@@ -64,41 +62,13 @@ def _one_of(n, pages, what: str):
         raise InvalidArgumentError(f"{what}: give exactly one of n= or pages=")
 
 
-def _plain_hashes(hashes: tuple) -> bool:
-    """Every hash a plain int in the signed 64-bit range (the common case), or 1-64 bytes."""
-    kinds = set(map(type, hashes))
-    if kinds == {int}:
-        return min(hashes) >= -(1 << 63) and max(hashes) < (1 << 63)
-    if kinds == {bytes}:
-        sizes = list(map(len, hashes))
-        return min(sizes) > 0 and max(sizes) <= 64
-    return not hashes
+# An id is an int in [0, 2**63): for an int x, ``x >> 63`` is 0 exactly then (-1 below, >= 1 above),
+# so ``(a | b) >> 63`` checks two ints at once. ``checks.ident`` raises the error.
+_ID_BITS = 63
+assert checks.MAX_ID == (1 << _ID_BITS) - 1
 
 
-def _hash_list(hashes, what: str) -> tuple:
-    """``hashes`` as a tuple of block hashes (ints in the signed 64-bit range or 1-64 bytes).
-
-    Raises ``InvalidArgumentError`` naming the first bad one; a single bytes or str value
-    is refused (it would read as a sequence of hashes).
-    """
-    if isinstance(hashes, (bytes, str)):
-        raise InvalidArgumentError(f"{what}: give a sequence of block hashes, not one {type(hashes).__name__}")
-    try:
-        out = tuple(hashes)
-    except TypeError:
-        raise InvalidArgumentError(f"{what}: block hashes must be a sequence, got {hashes!r}") from None
-    if not _plain_hashes(out):
-        for h in out:
-            ok = (type(h) is int and -(1 << 63) <= h < (1 << 63)) or (type(h) is bytes and 0 < len(h) <= 64)
-            if not ok:
-                raise InvalidArgumentError(f"{what}: a block hash is a signed 64-bit int or 1-64 bytes, got {h!r}")
-    return out
-
-
-_MAX_ID = checks.MAX_ID  # (a module global: read on every command)
-
-
-class Ledger:
+class Ledger(PrefixCommands):
     """The KV-page ledger of one cache. Commands mirror SPEC's event table.
 
     Every command decides one event against the state and hands it to ``_submit``,
@@ -255,7 +225,7 @@ class Ledger:
         same one). Raises ``OutOfPagesError`` (nothing changed) when fewer than ``n``
         are reservable, ``TenantMismatchError`` when a known request names another tenant.
         """
-        if type(request) is not int or not 0 <= request <= _MAX_ID:
+        if type(request) is not int or request >> _ID_BITS:
             checks.ident(request, "request")
         if type(n) is not int or n < 1:
             checks.count(n, "n")
@@ -271,18 +241,23 @@ class Ledger:
         pages = st.pick_free(n)
         if pages is None:
             pages = self._evict_for(n, f"request {request}")
-        ev = PagesReserved(request=request, page_ids=tuple(pages), tenant=tenant)
-        self._submit(ev)
-        return ev.page_ids
+        self._submit(PagesReserved(request=request, page_ids=pages, tenant=tenant))
+        return pages
 
     def allocate(self, request: int, step: int, n: int, *, tenant: str | None = None) -> tuple[int, ...]:
         """``reserve(request, n)`` then ``commit`` those pages for ``step``: the usual way a
-        scheduler grows a request (vLLM's ``get_new_blocks``). Two events, as the two
-        commands write them; returns the pages. If the commit is refused (a sealed step),
-        the reservation stands: return it with ``return_reservation``.
+        scheduler grows a request (vLLM's ``get_new_blocks``). Two events, exactly as the
+        two commands write them, with the same errors; returns the pages. If the commit is
+        refused (a sealed step, a bad step id), the reservation stands: return it with
+        ``return_reservation``.
         """
         pages = self.reserve(request, n, tenant=tenant)
-        self.commit(request, step, n)
+        if len(self.state.requests[request].reserved) != n:
+            self.commit(request, step, n)  # older reserved pages go first
+        elif type(step) is not int:
+            checks.ident(step, "step")
+        else:
+            self._commit(request, step, pages)  # the reservation is exactly these pages: its head
         return pages
 
     def _evict_for(self, n: int, who: str) -> tuple[int, ...]:
@@ -340,29 +315,39 @@ class Ledger:
                 raise InvalidArgumentError(
                     f"request {request} has {len(rec.reserved)} reserved pages, cannot commit {n}"
                 )
-            ids = tuple(rec.reserved[:n])
-            st.head = (st.seq, ids)  # the command's own decision: the precondition and the fold may trust it
-        else:
-            _one_of(n, pages, "commit")
-            if pages is None:
-                checks.count(n, "n")  # not a positive int (the branch above took those)
-                raise AssertionError("unreachable")
-            ids = checks.page_ids(pages, st.num_pages, allow_empty=False)
-        if not 0 <= step <= _MAX_ID or not 0 <= request <= _MAX_ID:
+            return self._commit(request, step, tuple(rec.reserved[:n]))
+        _one_of(n, pages, "commit")
+        if pages is None:
+            checks.count(n, "n")  # not a positive int (the branch above took those)
+            raise AssertionError("unreachable")
+        ids = checks.page_ids(pages, st.num_pages, allow_empty=False)
+        if (step | request) >> _ID_BITS:
             checks.ident(request, "request")
             checks.ident(step, "step")
         effects = self._submit(PagesCommitted(request=request, step=step, page_ids=ids))
         return effects[0].page_ids if effects else ()
 
+    def _commit(self, request: int, step: int, head: tuple[int, ...]) -> tuple[int, ...]:
+        """Commit ``head``, which the caller took from the head of the request's reservation:
+        the command's own decision, so the precondition and the fold may trust it (the
+        ``head`` memo). The ids are int-typed here; their ranges are checked now."""
+        if (step | request) >> _ID_BITS:
+            checks.ident(request, "request")
+            checks.ident(step, "step")
+        st = self.state
+        st.head, st.head_seq = head, st.seq
+        effects = self._submit(PagesCommitted(request=request, step=step, page_ids=head))
+        return effects[0].page_ids if effects else ()
+
     def cancel(self, request: int) -> None:
         """The request is aborted: its reserved and KV pages go back to the free list."""
-        if type(request) is not int or not 0 <= request <= _MAX_ID:
+        if type(request) is not int or request >> _ID_BITS:
             checks.ident(request, "request")
         self._submit(RequestCancelled(request=request))
 
     def finish(self, request: int) -> None:
         """The request completed: its reserved and KV pages go back to the free list."""
-        if type(request) is not int or not 0 <= request <= _MAX_ID:
+        if type(request) is not int or request >> _ID_BITS:
             checks.ident(request, "request")
         self._submit(RequestFinished(request=request))
 
@@ -411,107 +396,10 @@ class Ledger:
         ids = checks.page_ids(pages, self.state.num_pages, allow_empty=False)
         self._submit(RestoreCompleted(into=into, target=target, page_ids=ids))
 
-    # ------------------------------------------------------------------ prefix caching
-
-    def publish(
-        self,
-        request: int,
-        hashes: Sequence[int | bytes],
-        token_ids: Sequence[int],
-        *,
-        start: int | None = None,
-        parent_hash: int | bytes | None = None,
-        lora_id: int | None = None,
-        lora_name: str | None = None,
-    ) -> tuple[int, ...]:
-        """Publish full KV pages of ``request`` under block hashes, so other requests can share them.
-
-        The pages are ``len(hashes)`` pages of the request's block table from index
-        ``start`` (default: the first page not yet published); ``token_ids`` are their
-        tokens (``page_tokens`` per page); ``parent_hash`` the hash of the block before
-        ``start`` (default: that page's published hash, None at index 0). The request
-        must have written them in a step that completed (``complete_step``). Returns
-        the page ids; the fold's effect is a ``BlocksStored`` KV event. Raises what the
-        precondition raises (``PageNotHeldError``, ``StepOrderError``, ...); nothing
-        changes then.
-        """
-        checks.ident(request, "request")
-        st = self.state
-        rec = st.requests.get(request)
-        if rec is None:
-            raise UnknownRequestError(request)
-        hashes = _hash_list(hashes, "publish")
-        if start is None:
-            start = 0
-            while start < len(rec.kv) and rec.kv[start] in st.page_hash:
-                start += 1
-        elif type(start) is not int or start < 0:
-            raise InvalidArgumentError(f"start must be a block index >= 0, got {start!r}")
-        pages = tuple(rec.kv[start : start + len(hashes)])
-        if len(pages) != len(hashes) or not hashes:
-            raise InvalidArgumentError(f"request {request} has {len(rec.kv)} KV pages; cannot publish "
-                                       f"{len(hashes)} from index {start}")
-        if parent_hash is None and start > 0:
-            parent_hash = st.page_hash.get(rec.kv[start - 1])
-        ev = PagesPublished(request=request, page_ids=pages, hashes=hashes, parent_hash=parent_hash,
-                            token_ids=tuple(token_ids), lora_id=lora_id, lora_name=lora_name)
-        if (set(map(type, ev.token_ids)) - {int} or not (parent_hash is None or _plain_hashes((parent_hash,)))
-                or not (lora_id is None or type(lora_id) is int) or not (lora_name is None or type(lora_name) is str)):
-            ev = typed(ev)  # names the ill-typed field (the common case skips the msgpack round trip)
-        self._submit(ev)
-        return pages
-
-    def lookup(self, hashes: Iterable[int | bytes], *, tenant: str | None = None) -> int:
-        """How many leading blocks of ``hashes`` are cached or held, ready to ``share``.
-
-        Under ``cross_tenant`` / ``all_reused`` only blocks ``tenant`` itself wrote count
-        (``share`` refuses the others).
-        """
-        return self.state.lookup(_hash_list(hashes, "lookup"), tenant)
-
-    def share(self, request: int, hashes: Sequence[int | bytes], *, tenant: str | None = None) -> tuple[int, ...]:
-        """Share the pages that hold ``hashes`` into ``request``'s block table, in order.
-
-        ``request`` may be new (created with ``tenant``). Use ``lookup`` first: every
-        hash must be held (``UnknownBlockHashError`` otherwise). Cached pages leave
-        the cache; held pages become shared and read-only. Shared pages are never
-        listed for a clear: they hold the KV the request wants. Returns the page ids.
-        """
-        checks.ident(request, "request")
-        checks.tenant(tenant)
-        hashes = _hash_list(hashes, "share")
-        get = self.state.hash_page.get
-        found = [get(h) for h in hashes]
-        if None in found:
-            h = hashes[found.index(None)]
-            raise UnknownBlockHashError(h, f"request {request} cannot share it")
-        pages: tuple[int, ...] = tuple(found)  # type: ignore[arg-type]
-        ev = PagesShared(request=request, page_ids=pages, tenant=tenant)
-        self._submit(ev)
-        return ev.page_ids
-
-    def evict(self, n: int | None = None, *, pages: Iterable[int] | None = None) -> tuple[int, ...]:
-        """Evict cached pages: the ``n`` least recently used (fewer if fewer are cached), or the
-        named ones, or all of them by default.
-
-        Returns the page ids evicted; the fold's effect is a ``BlocksRemoved`` KV event.
-        """
-        st = self.state
-        if n is not None and pages is not None:
-            raise InvalidArgumentError("evict: give n= or pages=, not both")
-        if pages is None:
-            k = len(st.cached) if n is None else checks.count(n, "n")
-            ids = tuple(st.evictable(k))
-            if not ids:
-                return ()
-        else:
-            ids = checks.page_ids(pages, st.num_pages, allow_empty=False)
-        self._submit(PagesEvicted(page_ids=ids))
-        return ids
-
     def seal_step(self, step: int) -> StepPlan:
         """Close the open step and return its plan (the pages every rank must zero)."""
-        checks.ident(step, "step")
+        if type(step) is not int or step >> _ID_BITS:
+            checks.ident(step, "step")
         clear_list = self.state.derive_clear_list(step)
         (plan,) = self._submit(StepSealed(step=step, clear_list=clear_list))
         return plan

@@ -5,6 +5,7 @@
     transitions.py    THE TABLE: every event's rule, its precondition and its applier
     preconditions.py  one precondition per event (raises the specific error)
     fold.py           one applier per event (returns the effects)
+    fold_prefix.py    the prefix-caching appliers (publish, share, evict)
     canonical.py      the canonical form: digest and checkpoints
     invariants.py     SPEC invariants 1-4, checked over the whole state
 """

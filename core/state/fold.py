@@ -26,16 +26,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..events.events import (
-    BlocksRemoved,
-    BlocksStored,
     CacheConfigured,
     ClearPages,
     PagesMarked,
     PagesCommitted,
-    PagesEvicted,
-    PagesPublished,
     PagesReserved,
-    PagesShared,
     ReservationReturned,
     SanitizerViolation,
     RestoreCompleted,
@@ -54,7 +49,6 @@ from .table import (
     MARK_ALL,
     MARK_TENANT,
     MAX_IN_FLIGHT,
-    SHARED_IN,
     RequestRecord,
 )
 
@@ -64,10 +58,7 @@ if TYPE_CHECKING:
 __all__ = [
     "cache_configured",
     "pages_committed",
-    "pages_evicted",
-    "pages_published",
     "pages_reserved",
-    "pages_shared",
     "request_gone",
     "reservation_returned",
     "restore_completed",
@@ -131,9 +122,9 @@ def _free_pages(st: LedgerState, pages, tenant: str | None, dirty) -> list[int] 
     ``dirty``: the pages among them that hold bytes the request wrote (its KV
     pages, reserved pages a restore wrote); only the non-default policies mark them.
     """
-    holder = st.holder
+    holder, free = st.holder, HOLDER_FREE
     for p in pages:
-        holder[p] = HOLDER_FREE
+        holder[p] = free
     marked: list[int] | tuple = _NO_EFFECTS
     pend = st.pending
     if pend and not pend.keys().isdisjoint(pages):
@@ -188,12 +179,16 @@ def pages_reserved(st: LedgerState, e: PagesReserved) -> tuple:
     r = e.request
     rec = st.requests.get(r)
     if rec is None:
-        rec = st.requests[r] = RequestRecord(r, e.tenant, [], [], [])
+        st.requests[r] = RequestRecord(r, e.tenant, list(pages), [], [])
+    else:
+        rec.reserved.extend(pages)
     holder = st.holder
     for p in pages:
         holder[p] = r
-    _take_from_stack(st, pages)
-    rec.reserved.extend(pages)
+    if st.picked is pages and st.picked_seq == st.seq:
+        del st.free_stack[-len(pages) :]  # the allocator's pick (the memo): the top of a stack without stale entries
+    else:
+        _take_from_stack(st, pages)
     st.seq += 1
     return _NO_EFFECTS
 
@@ -228,8 +223,7 @@ def pages_committed(st: LedgerState, e: PagesCommitted) -> tuple:
                     pend[p] = e.step
                     listed.append(p)
     reserved, k = rec.reserved, len(pages)
-    memo = st.head
-    if (memo[1] is pages and memo[0] == st.seq) or tuple(reserved[:k]) == pages:  # the usual commit: the head
+    if (st.head is pages and st.head_seq == st.seq) or tuple(reserved[:k]) == pages:  # the usual commit: the head
         del reserved[:k]
     else:
         _remove(reserved, pages)
@@ -253,36 +247,38 @@ def request_gone(st: LedgerState, e) -> tuple:
     holder: still held by others, it stays kv(R - {r}); hashed, it goes cached(h) (the
     request's last block first in line for eviction); otherwise free."""
     rec = st.requests.pop(e.request)
-    kv = rec.kv
+    kv, reserved = rec.kv, rec.reserved
     if st.page_hash and not st.page_hash.keys().isdisjoint(kv) or st.sharers and not st.sharers.keys().isdisjoint(kv):
         kv = _release_shares(st, rec)
     dirty: tuple | list = ()
     if st.policy != "released_aliases":
-        dirty = kv + [p for p in rec.reserved if rec.restored and p in rec.restored]
-    marked = _free_pages(st, rec.reserved + kv, rec.tenant, dirty)
+        dirty = kv + [p for p in reserved if rec.restored and p in rec.restored]
+    marked = _free_pages(st, reserved + kv if reserved else kv, rec.tenant, dirty)
     st.seq += 1
-    return _marked(marked)
+    return (PagesMarked(page_ids=tuple(marked)),) if marked else _NO_EFFECTS
 
 
 def _release_shares(st: LedgerState, rec: RequestRecord) -> list[int]:
     """r leaves its shared and hashed KV pages; returns the KV pages that go free."""
     r, holder, sharers, hashed = rec.request, st.holder, st.sharers, st.page_hash
-    kv = rec.kv
-    if sharers and not sharers.keys().isdisjoint(kv):
-        still = [p for p in kv if p in sharers]
-        for p in still:
-            holders = sharers[p]
+    freed: list[int] = []
+    to_cache: list[int] = []
+    cached = HOLDER_CACHED
+    for p in rec.kv:  # one pass: shared pages lose r, hashed ones go cached, the rest free
+        holders = sharers.get(p)
+        if holders is not None:
             holders.remove(r)
             holder[p] = holders[0]
             if len(holders) == 1:
                 del sharers[p]
-        kept = set(still)
-        kv = [p for p in kv if p not in kept]
-    to_cache = [p for p in reversed(kv) if p in hashed]  # the last block first: the first to be evicted
-    for p in to_cache:
-        holder[p] = HOLDER_CACHED
+        elif p in hashed:
+            holder[p] = cached
+            to_cache.append(p)
+        else:
+            freed.append(p)
+    to_cache.reverse()  # the last block first: the first to be evicted
     st.cached.update(dict.fromkeys(to_cache))
-    return [p for p in kv if p not in hashed] if to_cache else kv
+    return freed
 
 
 def snapshot_aliased(st: LedgerState, e: SnapshotAliased) -> tuple:
@@ -356,19 +352,23 @@ def restore_completed(st: LedgerState, e: RestoreCompleted) -> tuple:
 
 def step_sealed(st: LedgerState, e: StepSealed) -> tuple:
     """The plan joins the steps in flight (the last ``MAX_IN_FLIGHT`` sealed and not aborted)."""
-    clear_list = st.derive_clear_list(e.step)
-    st.clear_lists.pop(e.step, None)
-    pend = st.pending
-    for p in clear_list:
-        del pend[p]
+    if e.step in st.clear_lists:
+        clear_list = st.derive_clear_list(e.step)
+        del st.clear_lists[e.step]
+        pend = st.pending
+        for p in clear_list:
+            del pend[p]
+    else:
+        clear_list = ()
     st.open_step = e.step + 1
     plan = StepPlan(step=e.step, clear_list=clear_list)
     in_flight = st.in_flight
     in_flight.append(plan)
     if len(in_flight) > MAX_IN_FLIGHT:
         del in_flight[0]  # too old to abort: its restore records go too
-        oldest = in_flight[0].step
-        st.restored_since = {p: s for p, s in st.restored_since.items() if s > oldest}
+        if st.restored_since:
+            oldest = in_flight[0].step
+            st.restored_since = {p: s for p, s in st.restored_since.items() if s > oldest}
     st.seq += 1
     return (plan,)
 
@@ -440,66 +440,3 @@ def step_aborted(st: LedgerState, e: StepAborted) -> tuple:
         st.restored_since.clear()
     st.seq += 1
     return _marked(marked)
-
-
-# ---------------------------------------------------------------------- prefix caching
-
-
-def pages_published(st: LedgerState, e: PagesPublished) -> tuple:
-    geometry = st.geometry
-    assert geometry is not None  # configured before any request
-    st.page_hash.update(zip(e.page_ids, e.hashes, strict=True))
-    st.hash_page.update(zip(e.hashes, e.page_ids, strict=True))
-    if st.policy != "released_aliases":  # the writer's tenant decides sharing and eviction marks
-        st.hash_tenant.update(dict.fromkeys(e.page_ids, st.requests[e.request].tenant))
-    st.seq += 1
-    return (BlocksStored(hashes=e.hashes, parent_hash=e.parent_hash, token_ids=e.token_ids,
-                         page_tokens=geometry.page_tokens,
-                         lora_id=e.lora_id, lora_name=e.lora_name),)
-
-
-def pages_shared(st: LedgerState, e: PagesShared) -> tuple:
-    r = e.request
-    rec = st.requests.get(r)
-    if rec is None:
-        rec = st.requests[r] = RequestRecord(r, e.tenant, [], [], [])
-    holder, sharers, cached = st.holder, st.sharers, st.cached
-    for p in e.page_ids:
-        x = holder[p]
-        if x == HOLDER_CACHED:
-            del cached[p]
-            holder[p] = r
-        else:
-            holders = sharers.get(p)
-            if holders is None:
-                sharers[p] = [x, r]
-            else:
-                holders.append(r)
-    rec.kv.extend(e.page_ids)
-    rec.kv_steps.extend([SHARED_IN] * len(e.page_ids))
-    st.seq += 1
-    return _NO_EFFECTS
-
-
-def pages_evicted(st: LedgerState, e: PagesEvicted) -> tuple:
-    """Cached pages go free and lose their hashes; under the isolating policies they are
-    marked for the writer's tenant (cross_tenant) or for everyone (all_reused)."""
-    pages = e.page_ids
-    page_hash, hash_page, cached = st.page_hash, st.hash_page, st.cached
-    hashes = tuple([page_hash.pop(p) for p in pages])
-    for h in hashes:
-        del hash_page[h]
-    for p in pages:
-        del cached[p]
-    if st.policy == "cross_tenant":
-        # each evicted page carries its own writer's tenant
-        hash_tenant = st.hash_tenant
-        marked: list[int] = []
-        for p in pages:
-            marked.extend(_free_pages(st, (p,), hash_tenant.pop(p), (p,)))
-    else:
-        for p in pages:
-            st.hash_tenant.pop(p, None)
-        marked = list(_free_pages(st, pages, None, pages))
-    st.seq += 1
-    return (BlocksRemoved(hashes=hashes), *_marked(marked))

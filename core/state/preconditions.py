@@ -107,6 +107,14 @@ def _head_of(mine: list[int], page_ids) -> bool:
     return 0 < k <= len(mine) and tuple(mine[:k]) == page_ids
 
 
+def _top_of_stack(st: LedgerState, page_ids) -> bool:
+    """``page_ids`` is exactly the top of a free stack without stale entries, top first, and
+    no page is restoring (then they are valid, distinct, free and reservable)."""
+    stack, k = st.free_stack, len(page_ids)
+    return (0 < k <= len(stack) and not st.stale_entries and not st.restore_targets
+            and tuple(stack[: -k - 1 : -1]) == page_ids)
+
+
 def _held(st: LedgerState, request: int, page_ids, kind: str) -> None:
     """Every page is in ``request``'s ``reserved`` (kind "reserved") or ``kv`` list."""
     rec = _request(st, request)
@@ -133,12 +141,8 @@ def cache_configured(st: LedgerState, e: CacheConfigured) -> None:
 def pages_reserved(st: LedgerState, e: PagesReserved) -> None:
     """Each page free and not restoring; a known request keeps its tenant."""
     pages = e.page_ids
-    stack, k = st.free_stack, len(pages)
-    # the allocator's choice, the top of the free stack, needs no per-page check
-    memo = st.picked
-    top = (memo[1] is pages and memo[0] == st.seq) or (
-        0 < k <= len(stack) and not st.stale_entries and not st.restore_targets
-        and tuple(stack[: -k - 1 : -1]) == pages)
+    # the allocator's choice, the top of the free stack (its memo, or compared), needs no per-page check
+    top = (st.picked is pages and st.picked_seq == st.seq) or _top_of_stack(st, pages)
     if not top:
         _pages(st, pages)
     rec = st.requests.get(e.request)
@@ -165,11 +169,8 @@ def pages_committed(st: LedgerState, e: PagesCommitted) -> None:
     """Each page reserved(r), not restoring; the step not older than the open step."""
     pages = e.page_ids
     rec = st.requests.get(e.request)
-    k = len(pages)
     # the usual commit, the head of r's reservation (as the command decided it: the memo), needs no per-page check
-    memo = st.head
-    head = rec is not None and ((memo[1] is pages and memo[0] == st.seq)
-                                or 0 < k <= len(rec.reserved) and tuple(rec.reserved[:k]) == pages)
+    head = rec is not None and ((st.head is pages and st.head_seq == st.seq) or _head_of(rec.reserved, pages))
     if not head:
         _pages(st, pages)
     if e.step < st.open_step:
@@ -244,6 +245,8 @@ def step_sealed(st: LedgerState, e: StepSealed) -> None:
     """The step is open, and its recorded clear list is the one the fold derives."""
     if e.step != st.open_step:
         raise StepOrderError(e.step, st.open_step, "only the open step can be sealed")
+    if not e.clear_list and e.step not in st.clear_lists:
+        return  # nothing listed, nothing recorded
     derived = st.derive_clear_list(e.step)
     if tuple(e.clear_list) != derived:
         raise ReplayMismatchError(
@@ -342,8 +345,10 @@ def pages_shared(st: LedgerState, e: PagesShared) -> None:
     tenant = _share_tenant(st, e)
     rec = st.requests.get(e.request)
     hashed = st.page_hash
-    if (pages and hashed.keys() >= set(pages) and len(set(pages)) == len(pages) and st.marks.keys().isdisjoint(pages)
-            and (rec is None or (set(rec.kv).isdisjoint(pages) and set(rec.reserved).isdisjoint(pages)))):
+    distinct = set(pages)
+    if (pages and len(distinct) == len(pages) and hashed.keys() >= distinct
+            and (not st.marks or st.marks.keys().isdisjoint(pages))
+            and (rec is None or (distinct.isdisjoint(rec.kv) and distinct.isdisjoint(rec.reserved)))):
         if st.policy != "released_aliases":
             ht = st.hash_tenant
             for p in pages:
@@ -376,7 +381,8 @@ def _shared_page_by_page(st: LedgerState, e: PagesShared, tenant: str | None) ->
 def pages_evicted(st: LedgerState, e: PagesEvicted) -> None:
     """Each page cached(h)."""
     pages = e.page_ids
-    if pages and st.cached.keys() >= set(pages) and len(set(pages)) == len(pages):
+    distinct = set(pages)
+    if pages and len(distinct) == len(pages) and st.cached.keys() >= distinct:
         return  # (the cache holds exactly the cached(h) pages)
     _pages(st, pages)
     holder = st.holder

@@ -51,6 +51,7 @@ allocator's future choices.
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import islice
 
 from ..errors import ConfigurationError, InvalidArgumentError
 from ..events.events import CacheConfigured, Geometry, StepPlan
@@ -104,10 +105,13 @@ class LedgerState:
         self.cached: OrderedDict[int, None] = OrderedDict()
         self.aborted_steps: set[int] = set()
         # Proof memos (not state): the allocator's last pick and the last reservation head a
-        # command decided, each valid only at the seq it was made (every fold advances seq),
-        # so a precondition and an applier need not compare slices again for them.
-        self.picked: tuple[int, tuple] = (-1, ())
-        self.head: tuple[int, tuple] = (-1, ())
+        # command decided (the very tuple an event carries), each valid only at the seq it was
+        # made (``*_seq``; every fold advances seq), so a precondition and an applier need not
+        # compare slices again for them: ``st.picked is pages and st.picked_seq == st.seq``.
+        self.picked: tuple = ()
+        self.picked_seq = -1
+        self.head: tuple = ()
+        self.head_seq = -1
         self.dispatch = {t: (row.validate, row.apply) for t, row in self.transitions.items()}
 
     # ------------------------------------------------------------------ entry points
@@ -164,12 +168,7 @@ class LedgerState:
 
     def evictable(self, n: int) -> list[int]:
         """The ``n`` cached pages an allocation would evict next (least recently used first)."""
-        out: list[int] = []
-        for p in self.cached:
-            if len(out) == n:
-                break
-            out.append(p)
-        return out
+        return list(islice(self.cached, n))
 
     @property
     def completed_step(self) -> int:
@@ -187,7 +186,7 @@ class LedgerState:
             top = stack[: -n - 1 : -1]  # pop order: the top of the stack first
             if not targets or targets.keys().isdisjoint(top):
                 pick = tuple(top)
-                self.picked = (self.seq, pick)
+                self.picked, self.picked_seq = pick, self.seq
                 return pick
             # at most len(targets) restoring pages to skip: they all lie within the top n + len(targets)
             near = stack[: -n - len(targets) - 1 : -1]
@@ -295,6 +294,12 @@ class LedgerState:
         n = 0
         hp, marks, targets = self.hash_page, self.marks, self.restore_targets
         isolating = self.policy != "released_aliases"
+        if not (marks or targets or isolating):  # (the usual case) every page a hash names is shareable
+            for h in hashes:
+                if h not in hp:
+                    break
+                n += 1
+            return n
         for h in hashes:
             p = hp.get(h)
             if p is None or p in marks or p in targets or (isolating and self.hash_tenant.get(p) != tenant):

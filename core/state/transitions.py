@@ -30,7 +30,7 @@ table and nothing else; an event type that is not in it is refused
     SanitizerViolation      step sealed                      -                     -          - (a record)
 
 To add an event: its struct in ``core/events/events.py``, a precondition in
-``preconditions.py``, an applier in ``fold.py``, and its row here.
+``preconditions.py``, an applier in ``fold.py`` (``fold_prefix.py`` for prefix caching), and its row here.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from ..events.events import (
     StepCompleted,
     StepSealed,
 )
-from . import fold
+from . import fold, fold_prefix
 from . import preconditions as pre
 
 __all__ = ["TRANSITIONS", "Transition"]
@@ -133,16 +133,16 @@ TRANSITIONS: dict[type, Transition] = {
     PagesPublished: Transition(
         "each page kv(r) written by r, full, committed in a step that has completed; "
         "hash not already published", "gain their hash", "—", "KV event BlockStored",
-        pre.pages_published, fold.pages_published),
+        pre.pages_published, fold_prefix.pages_published),
     PagesShared: Transition(
         "each page hashed, kv(R) or cached(h), not stale, not restoring; under cross_tenant / "
         "all_reused same tenant as r", "→ kv(R ∪ {r}), appended to r's block table in order",
         "unchanged (a hashed page holds the KV r wants: never listed)", "—",
-        pre.pages_shared, fold.pages_shared),
+        pre.pages_shared, fold_prefix.pages_shared),
     PagesEvicted: Transition(
         "each page cached(h)", "→ free, hash dropped", "as for a request's page going free under the policy",
         "KV event BlockRemoved",
-        pre.pages_evicted, fold.pages_evicted),
+        pre.pages_evicted, fold_prefix.pages_evicted),
 }
 
 assert set(TRANSITIONS) == set(EVENT_TYPES), "every event type has exactly one row"

@@ -1,0 +1,83 @@
+"""The fold's prefix-caching appliers (SPEC, "Prefix-shared pages"): publish, share, evict.
+
+As ``fold.py``: ``(state, event) -> effects``, for an event that passed its
+precondition; pure, no object per page. A publish returns the ``BlocksStored`` KV
+event, an eviction ``BlocksRemoved`` (and ``PagesMarked`` under the isolating
+policies). A request letting go of its shared and hashed pages is
+``fold.request_gone``'s.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..events.events import BlocksRemoved, BlocksStored, PagesEvicted, PagesPublished, PagesShared
+from .fold import _NO_EFFECTS, _free_pages, _marked
+from .table import HOLDER_CACHED, SHARED_IN, RequestRecord
+
+if TYPE_CHECKING:
+    from .state import LedgerState
+
+__all__ = ["pages_evicted", "pages_published", "pages_shared"]
+
+
+def pages_published(st: LedgerState, e: PagesPublished) -> tuple:
+    geometry = st.geometry
+    assert geometry is not None  # configured before any request
+    st.page_hash.update(zip(e.page_ids, e.hashes, strict=True))
+    st.hash_page.update(zip(e.hashes, e.page_ids, strict=True))
+    if st.policy != "released_aliases":  # the writer's tenant decides sharing and eviction marks
+        st.hash_tenant.update(dict.fromkeys(e.page_ids, st.requests[e.request].tenant))
+    st.seq += 1
+    return (BlocksStored(hashes=e.hashes, parent_hash=e.parent_hash, token_ids=e.token_ids,
+                         page_tokens=geometry.page_tokens,
+                         lora_id=e.lora_id, lora_name=e.lora_name),)
+
+
+def pages_shared(st: LedgerState, e: PagesShared) -> tuple:
+    r = e.request
+    rec = st.requests.get(r)
+    if rec is None:
+        rec = st.requests[r] = RequestRecord(r, e.tenant, [], [], [])
+    holder, sharers, cached = st.holder, st.sharers, st.cached
+    for p in e.page_ids:
+        x = holder[p]
+        if x == HOLDER_CACHED:
+            del cached[p]
+            holder[p] = r
+        else:
+            holders = sharers.get(p)
+            if holders is None:
+                sharers[p] = [x, r]
+            else:
+                holders.append(r)
+    rec.kv.extend(e.page_ids)
+    rec.kv_steps.extend([SHARED_IN] * len(e.page_ids))
+    st.seq += 1
+    return _NO_EFFECTS
+
+
+def pages_evicted(st: LedgerState, e: PagesEvicted) -> tuple:
+    """Cached pages go free and lose their hashes; under the isolating policies they are
+    marked for the writer's tenant (cross_tenant) or for everyone (all_reused)."""
+    pages = e.page_ids
+    page_hash, hash_page, cached = st.page_hash, st.hash_page, st.cached
+    hashes = tuple(map(page_hash.pop, pages))
+    for h in hashes:
+        del hash_page[h]
+    for p in pages:
+        del cached[p]
+    if st.policy == "released_aliases":  # no marks of its own, no writer tenants kept
+        marked: list[int] | tuple = _free_pages(st, pages, None, ())
+    elif st.policy == "cross_tenant":
+        # each evicted page carries its own writer's tenant
+        hash_tenant = st.hash_tenant
+        marked = []
+        for p in pages:
+            marked.extend(_free_pages(st, (p,), hash_tenant.pop(p), (p,)))
+    else:
+        for p in pages:
+            st.hash_tenant.pop(p, None)
+        marked = list(_free_pages(st, pages, None, pages))
+    st.seq += 1
+    return (BlocksRemoved(hashes=hashes), *_marked(marked))
