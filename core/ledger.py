@@ -253,7 +253,7 @@ class Ledger(PrefixCommands):
         """
         pages = self.reserve(request, n, tenant=tenant)
         if len(self.state.requests[request].reserved) != n:
-            self.commit(request, step, n)  # older reserved pages go first
+            self.commit(request, step, pages=pages)  # older reserved pages stay reserved
         elif type(step) is not int:
             checks.ident(step, "step")
         else:
