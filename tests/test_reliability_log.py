@@ -430,7 +430,8 @@ def test_r5_simulated_power_loss(layout):
                     led.flush()
             except (_PowerCut, LogIOError):  # (the writer thread reports the cut as a failure)
                 mid_sync += 1
-            disk.crash(rng)  # no close: unsynced writes keep or lose any subset of their sectors
+            led.log.abandon()  # no close and no more writes; its writer thread (background) ends
+            disk.crash(rng)  # unsynced writes keep or lose any subset of their sectors
             crashes += 1
         led = open_ledger("r5", GEOMETRY, layer=disk, logger=QUIET, **seg)
         truncations += led.recovery.truncated_at is not None
