@@ -26,6 +26,7 @@ import msgspec
 
 from ..errors import CorruptLogError, InvalidArgumentError, KVLedgerError
 from ..events.events import CacheConfigured
+from ..state.canonical import digest_of
 from ..state.invariants import check_invariants
 from ..state.state import LedgerState
 from .format import KIND_CHECKPOINT, KIND_EVENTS, Checkpoint, LogHeader, RecordInfo
@@ -82,7 +83,7 @@ def state_from_checkpoint(cp: Checkpoint, header: LogHeader, *, path: str = "<me
         version = int(data["v"])  # checkpoints of an older kvledger keep their own layout
         if st.canonical_bytes(version) != cp.state:
             raise bad("state does not re-encode to the recorded bytes")
-        digest = st.digest(version)
+        digest = digest_of(cp.state)  # those very bytes: no second encoding
         if digest != cp.digest:
             raise bad(f"state digest {digest[:16]}... differs from the recorded {cp.digest[:16]}...")
         if invariants:

@@ -93,7 +93,12 @@ def canonical_bytes(st: LedgerState, version: int = DIGEST_VERSION) -> bytes:
 
 def digest(st: LedgerState, version: int = DIGEST_VERSION) -> str:
     """BLAKE2b-256 of the canonical encoding, hex."""
-    return hashlib.blake2b(canonical_bytes(st, version), digest_size=32).hexdigest()
+    return digest_of(canonical_bytes(st, version))
+
+
+def digest_of(data: bytes) -> str:
+    """The digest of a state whose canonical encoding is ``data`` (a checkpoint's bytes)."""
+    return hashlib.blake2b(data, digest_size=32).hexdigest()
 
 
 def from_canonical(cls: type[LedgerState], data: dict) -> LedgerState:
