@@ -48,6 +48,7 @@ def _parts(torch, planes, stream, n: int) -> dict[str, Any]:
                              "pack": lambda: ListRing.pack(slot, (n,), ids),
              "stage": lambda: g.stage(ids), "graph_clear": lambda: g.graph_clear(ids)}
     parts.update({k: (lambda b=b: b.clear(ids)) for k, b in backends.items()})
+    parts["clear_checked"] = lambda: g.clear_checked(ids)  # the engine's path: a sealed plan, no recheck
     return parts
 
 
@@ -165,6 +166,8 @@ def _targets(res: dict) -> list[tuple[str, str, float, Any]]:
         rows.append((f"p3_n1024_{pat}_triton_x_naive", ">=", 1.5, res.get(f"p3_n1024_{pat}_triton_x_naive")))
     for n, want in ((16, 15.0), (128, 15.0), (1024, 30.0)):
         rows.append((f"host_n{n}_clear_us", "<=", want, res.get(f"host_n{n}_clear_us")))
+    for n, want in ((16, 15.0), (128, 15.0), (1024, 30.0)):  # per engine step: the plan needs no recheck
+        rows.append((f"host_n{n}_clear_checked_us", "<=", want, res.get(f"host_n{n}_clear_checked_us")))
     for n in (16, 128):
         rows.append((f"host_n{n}_graph_clear_us", "<=", 10.0, res.get(f"host_n{n}_graph_clear_us")))
     for key in ("graph_host_kernel_launches", "profiler_graph_kernel_launches"):
@@ -195,7 +198,8 @@ def report(run: Any) -> None:
         ["case", "backend", "MB", "device us", "host us", "GB/s", "% ceiling", "x naive", "x cuda", "memset=",
          "cold us"], run.rows)
     print(f"verified after timing: {run.verified} cases, {run.bad_bytes} listed bytes not zero")
-    parts = [k for k in ("validate", "pack", "stage", "clear", "clear_no_prefetch", "clear_triton_launcher",
+    parts = [k for k in ("validate", "pack", "stage", "clear", "clear_checked", "clear_no_prefetch",
+                         "clear_triton_launcher",
                          "clear_jit", "graph_clear") if f"host_n16_{k}_us" in res]
     sizes = list(HOST_SIZES)
     print_table("host cost, 3 planes, median of 300 calls (us), fresh processes: the default (cuda-python "

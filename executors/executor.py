@@ -178,11 +178,15 @@ class StepJob:
     Read only by an executor with ``sanitize=True``.
     """
 
-    __slots__ = ("plan", "inputs", "scope", "reply", "poison", "committed")
+    __slots__ = ("plan", "inputs", "scope", "reply", "poison", "committed", "checked")
 
     def __init__(self, plan: StepPlan, inputs: StepInputs, scope: anyio.CancelScope, reply: StepReplies, *,
-                 poison: Sequence[int] | None = None, committed: Sequence[int] | None = None) -> None:
+                 poison: Sequence[int] | None = None, committed: Sequence[int] | None = None,
+                 checked: bool = False) -> None:
         self.plan = plan
+        # the plan's clear list is a sealed ledger plan's tuple (distinct ids in range): a backend
+        # with clear_checked skips re-checking it. Only the engine, which sealed the plan, sets it.
+        self.checked = checked and type(plan.clear_list) is tuple
         self.inputs = inputs
         self.scope = scope
         self.reply = reply
@@ -332,7 +336,7 @@ class RankExecutor:
         if self.sanitize:
             self.backend.poison(job.poison)
             t2 = time.perf_counter()
-        self._clear(plan.clear_list)
+        self._clear(plan.clear_list, job.checked)
         t3 = t4 = time.perf_counter()
         found: tuple[Violation, ...] = ()
         if self.sanitize:
@@ -347,11 +351,15 @@ class RankExecutor:
         return RankTiming(rank=self.rank, copies_s=t1 - t0, clear_s=t3 - t2, graph_s=t5 - t4, total_s=t5 - t0,
                           clear_host_s=t3 - t2, sanitize_s=(t2 - t1) + (t4 - t3)), found
 
-    def _clear(self, clear_list: Sequence[int]) -> None:
+    def _clear(self, clear_list: Sequence[int], checked: bool = False) -> None:
         backend = self.backend
         if backend is not None:
             if clear_list:
-                backend.clear(clear_list)
+                fast = getattr(backend, "clear_checked", None) if checked else None
+                if fast is not None:
+                    fast(clear_list)
+                else:
+                    backend.clear(clear_list)
         elif clear_list:
             checks.page_ids(clear_list, self.num_pages)
 
@@ -370,7 +378,7 @@ class RankExecutor:
                 self.backend.poison(job.poison)
                 poisoned.record(stream)
             h0 = time.perf_counter()
-            self._clear(plan.clear_list)
+            self._clear(plan.clear_list, job.checked)
             clear_host = time.perf_counter() - h0
             cleared.record(stream)
             if self.sanitize:

@@ -167,3 +167,53 @@ async def test_cuda_rank_runs_copies_clears_graph_on_its_stream():
     assert ticks > 1  # the loop kept running while the GPU worked
     assert float(seen["sum"]) == float(host.sum()) and int(seen["page"]) == 0
     assert outcome.timing.graph_s > 0 and outcome.timing.total_s >= outcome.timing.graph_s
+
+
+class CheckedBackend(TorchClearBackend):
+    """The torch backend with a no-recheck clear, counting which of the two each job used."""
+
+    def __init__(self, planes):
+        super().__init__(planes)
+        self.calls: list[str] = []
+
+    def clear(self, page_ids):
+        self.calls.append("clear")
+        super().clear(page_ids)
+
+    def clear_checked(self, page_ids):
+        self.calls.append("clear_checked")
+        super().clear(page_ids)
+
+
+@pytest.mark.asyncio
+async def test_only_a_checked_job_with_a_tuple_list_skips_the_backends_recheck():
+    planes = [torch.ones(NUM_PAGES, 16, dtype=torch.uint8)]
+    backend = CheckedBackend(planes)
+    ex = RankExecutor(0, num_pages=NUM_PAGES, backend=backend, planes=planes, world_size=1)
+    for checked, clear_list in ((True, (1, 2)), (False, (3,)), (True, [4])):
+        j = StepJob(StepPlan(step=0, clear_list=clear_list), StepInputs(), anyio.CancelScope(), StepReplies(1),
+                    checked=checked)
+        assert (await ex.run_job(j)).status == "ok"
+    # a list (not a sealed plan's tuple) is checked whatever the job says
+    assert backend.calls == ["clear_checked", "clear", "clear"]
+    assert [int(planes[0][p].sum()) for p in range(NUM_PAGES)] == [16, 0, 0, 0, 0, 16, 16, 16]
+    plain = RankExecutor(0, num_pages=NUM_PAGES, backend=TorchClearBackend(planes), planes=planes, world_size=1)
+    j = StepJob(StepPlan(step=0, clear_list=(5,)), StepInputs(), anyio.CancelScope(), StepReplies(1), checked=True)
+    assert (await plain.run_job(j)).status == "ok" and int(planes[0][5].sum()) == 0  # no clear_checked: clear
+
+
+@pytest.mark.asyncio
+async def test_the_engine_marks_its_jobs_checked():
+    from kvledger import Geometry
+    from kvledger.engine import RankSpec, open_engine
+
+    planes = [torch.ones(NUM_PAGES, 16, dtype=torch.uint8)]
+    backend = CheckedBackend(planes)
+    async with open_engine(Geometry(num_pages=NUM_PAGES, page_tokens=4),
+                           ranks=[RankSpec(planes=planes, backend=backend)]) as engine:
+        rows = await engine.alias_snapshot(1, 2)
+        await engine.release_snapshot(1)
+        await engine.reserve(1, 2)
+        await engine.commit(1, 0, 2)
+        result = await engine.run_step(0)
+    assert sorted(result.clear_list) == sorted(rows) and backend.calls == ["clear_checked"]

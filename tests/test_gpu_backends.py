@@ -409,3 +409,20 @@ def test_registry_builds_gpu_backends_by_name():
     backend.clear([1, 2])
     torch.cuda.synchronize()
     assert as_bytes(planes[0])[1:3].count_nonzero().item() == 0
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_triton_clear_checked_zeroes_exactly_what_clear_does(layout):
+    """The engine's no-recheck path (a sealed plan's tuple) writes the same bytes as ``clear``."""
+    num_pages, specs, offset = LAYOUTS[layout]
+    rng = random.Random(f"checked/{layout}")
+    torch.manual_seed(rng.randrange(1 << 30))
+    planes = random_planes(specs, num_pages, offset=offset)
+    backend = make_backend("triton", planes)
+    for ids in id_lists(num_pages, rng):
+        for p in planes:
+            as_bytes(p).copy_(torch.randint(1, 256, as_bytes(p).shape, dtype=torch.uint8, device="cuda"))
+        expected = reference(planes, ids)
+        backend.clear_checked(tuple(ids))
+        torch.cuda.synchronize()
+        assert_planes_equal(planes, expected)

@@ -281,7 +281,7 @@ class StepRunner(RemoteSteps):
                 scope = new_scope()
                 if stop:
                     scope.cancel()
-                outcome = await ex.run_job(StepJob(plan, per_rank[rank], scope, sink, poison=poison,
+                outcome = await ex.run_job(StepJob(plan, per_rank[rank], scope, sink, poison=poison, checked=True,
                                                    committed=committed))
                 outcomes.append(outcome)
                 if outcome.status != "ok":
@@ -307,7 +307,8 @@ class StepRunner(RemoteSteps):
         poison, committed = lists
         try:
             for rank in range(n):
-                job = StepJob(plan, per_rank[rank], scopes[rank], replies, poison=poison, committed=committed)
+                job = StepJob(plan, per_rank[rank], scopes[rank], replies, poison=poison, committed=committed,
+                              checked=True)
                 sender = self._senders[rank]
                 try:
                     sender.send_nowait(job)
