@@ -239,3 +239,12 @@ def test_keep_going_runs_the_same_schedule_with_clears_off():
 def test_importing_the_demo_and_its_cli_does_not_import_torch():
     code = "import sys, kvledger.demo, kvledger.demo.cli; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_the_small_runs_events_and_digest_are_pinned():
+    """The ledger's decisions on a fixed workload, pinned: a change to the allocator, the fold,
+    the event set or the canonical digest shows up here first, and is made on purpose (the
+    README's full-size demo printed 2,036 events, digest 36a2a8799320, before and after the
+    2026-12-01 consolidation)."""
+    run = _sim(SMALL)
+    assert (run.events, run.digest) == (105, "e8f8df579a19eda7f6d07a73101e0df8c3eb829442b6ef12f6e9fea064b59978")
