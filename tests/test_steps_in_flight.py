@@ -108,3 +108,23 @@ def test_only_the_last_max_in_flight_plans_can_be_aborted():
     L.abort_step(1)
     assert L.state.in_flight == []
     assert replay(L.events, check=True).digest() == L.digest()
+
+
+def test_a_carried_page_sits_where_the_abort_put_it_not_where_a_stale_listing_was():
+    """Found by the heavy R8 profile: pages listed for a future step by a request that then left
+    keep stale entries in that step's list; an abort that carries the same pages into it (now the
+    open step) must put them in the aborted plan's order, not the stale entries' order."""
+    L = Ledger(Geometry(num_pages=16, page_tokens=4), check=True, record=True)
+    rows = L.alias_snapshot(9, 3)
+    L.release_snapshot(9)
+    x, y, z = L.reserve(1, 3)
+    assert {x, y, z} == set(rows)
+    L.commit(1, 2, pages=(x, y, z))  # listed for step 2, two steps ahead
+    L.finish(1)  # the listing is withdrawn: stale entries stay in step 2's list
+    L.seal_step(0)
+    L.reserve(3, 3)
+    L.commit(3, 1, pages=(z, y, x))  # the same pages, marked again, listed for step 1
+    assert L.seal_step(1).clear_list == (z, y, x)
+    L.abort_step(1, "rank failed")  # step 2 is open now: they are carried into it
+    assert L.seal_step(2).clear_list == (z, y, x)
+    assert replay(L.events, check=True).digest() == L.digest()

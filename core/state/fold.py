@@ -435,7 +435,11 @@ def step_aborted(st: LedgerState, e: StepAborted) -> tuple:
             residue.pop(p, None)
         st.aborted_steps.add(plan.step)
     if carry:
-        st.clear_lists[step] = carry + st.clear_lists.get(step, [])
+        listed = st.clear_lists.get(step)
+        if listed:  # entries of a carried page there are stale (it was not pending): carried is its last listing
+            moved = set(carry)
+            listed = [q for q in listed if q not in moved]
+        st.clear_lists[step] = carry + listed if listed else carry
     if not st.in_flight:
         st.restored_since.clear()
     st.seq += 1
