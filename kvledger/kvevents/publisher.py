@@ -191,35 +191,25 @@ class KVEventPublisher:
         publisher's batcher, built in the thread) under the next seq; returns
         the seq, or None when the queue is full or the publisher stopped (the batch is dropped
         and counted, the seq stays a gap). Never blocks."""
-        if type(batch) not in _BATCHES:
-            raise InvalidArgumentError(f"not a KV event batch: {type(batch).__name__}")
-        with self._lock:
-            seq = self._next_seq
-            self._next_seq += 1
-            self._last = None
-            if self._state != "stopped":
-                try:
-                    self._queue.put_nowait((seq, batch))
-                    self._n["batches_queued"] += 1
-                    self._last = seq
-                    return seq
-                except queue.Full:
-                    pass
-            self._n["batches_dropped"] += 1
-            self._n["events_dropped"] += len(batch.events)
-            return None
+        self._last = seq = self._enqueue(batch, False, None, ("new", "running"))
+        return seq
 
     def publish(self, batch, timeout: float | None = None) -> int | None:
         """Queue a batch, waiting up to ``timeout`` seconds for room (offline export, not the step
         path). Returns the seq, or None when it was dropped (timed out, or not running)."""
+        return self._enqueue(batch, True, timeout, ("running",))
+
+    def _enqueue(self, batch, block: bool, timeout: float | None, states: tuple[str, ...]) -> int | None:
+        """Number ``batch`` with the next seq and queue it (``block``: waiting up to ``timeout``);
+        a batch that comes in a state not in ``states``, or finds no room, is dropped and counted."""
         if type(batch) not in _BATCHES:
             raise InvalidArgumentError(f"not a KV event batch: {type(batch).__name__}")
         with self._lock:
             seq = self._next_seq
             self._next_seq += 1
-            if self._state == "running":
+            if self._state in states:
                 try:
-                    self._queue.put((seq, batch), timeout=timeout)
+                    self._queue.put((seq, batch), block, timeout)
                     self._n["batches_queued"] += 1
                     return seq
                 except queue.Full:
