@@ -1,19 +1,24 @@
-"""KV event encoding: the fold's effects to vLLM-format msgpack batches (target >= 1 M events/s).
+"""KV events: the fold's effects to vLLM-format msgpack batches (target >= 1 M events/s), and
+the replay of a full buffer (batches/s).
 
-Workload (fixed seed): 2,000 steps (500 with --quick) of 32 KV events each, half
-publishes (``BlocksStored`` of 1-4 blocks of 16 tokens, 16-byte hashes, a parent
-hash) and half evictions (``BlocksRemoved`` of 1-4 hashes), as the fold returns
-them. Timed segment by segment (100 slices of the steps; the cases alternate within
-each slice, and each slice's best over 15 repeats is summed: ``interleaved_segments``,
-the figure that resists load from other processes), after a discarded warm-up:
+Encode. Workload (fixed seed): 2,000 steps (500 with --quick) of 32 KV events each,
+half publishes (``BlocksStored`` of 1-4 new blocks of 16 tokens, 16-byte hashes, the
+newest cached block as parent) and half evictions (``BlocksRemoved`` of the 1-4 oldest
+cached blocks), as the fold returns them: every removal names a block published before,
+as in a serving engine's stream.
+Timed segment by segment (100 slices of the steps; the cases alternate within each
+slice, and each slice's best over 15 repeats is summed: ``interleaved_segments``, the
+figure that resists load from other processes), after a discarded warm-up:
 
     kvledger   per step: ``KVEventBatcher.observe(seq, event, effects)`` for each
                effect-carrying event, then a ``StepSealed`` closes the batch, and the
-               sink encodes it (``encode_batch``): effects -> structs -> batch -> bytes,
-               the whole path of a published batch but the socket
+               sink encodes it (``encode_batch``): effects -> structs (map layout, hashes
+               folded to u64: vLLM 0.33's defaults) -> batch -> bytes, the whole path
+               of a published batch but the socket
     baseline   plain ``msgspec.msgpack.encode`` of the same batches already built as
-               Python lists in the wire's shape ([ts, [["BlockStored", ...], ...], 0]):
-               the bytes alone, with no conversion          ratio = kvledger rate / baseline rate
+               Python lists and dicts in the wire's shape ([ts, [{"type": "BlockStored",
+               ...}, ...], 0], hashes already u64): the bytes alone, with no conversion
+                                                            ratio = kvledger rate / baseline rate
     structs    ``encode_batch`` of the same batches already built as kvledger structs
                (the encoding share of the kvledger path)
     step path  what the serving thread pays with a publisher: observe and the seal's
@@ -22,6 +27,15 @@ the figure that resists load from other processes), after a discarded warm-up:
 
 The kvledger bytes are checked equal to the baseline's, batch for batch (untimed).
 events/s counts KV events (one BlockStored or BlockRemoved each).
+
+Replay. A ``KVEventPublisher`` with a full buffer (``buffer_steps`` 10,000, vLLM's
+default; 2,000 with --quick) of the workload's batches on loopback TCP; a DEALER asks
+for everything from seq 0 the way vLLM's subscriber does and reads until the end
+marker (every seq checked). Against a baseline timed alternately in the same run: a
+plain ROUTER thread answering the same request with the same frames in one blocking
+loop (vLLM 0.33's own way: a full replay at once, the live stream waiting). Best of
+5 (3 with --quick); batches/s = batches replayed / seconds from the request to the
+marker.
 """
 
 from __future__ import annotations
@@ -29,6 +43,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+from collections import deque
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
@@ -38,6 +53,7 @@ import msgspec  # noqa: E402
 from _common import fmt_rate, interleaved_segments, print_table  # noqa: E402
 
 from kvledger.core.events.events import BlocksRemoved, BlocksStored, StepSealed  # noqa: E402
+from kvledger.core.hashing import to_u64  # noqa: E402
 from kvledger.kvevents import KVEventBatcher, encode_batch  # noqa: E402
 
 TARGETS = {"events_per_s": (">=", 1_000_000)}
@@ -51,8 +67,12 @@ _SEAL = StepSealed(step=0)
 
 
 def make_steps(n_steps: int, seed: int = 5) -> list[list[tuple]]:
-    """Per step, the effects tuples of its effect-carrying events."""
+    """Per step, the effects tuples of its effect-carrying events: publishes of new blocks whose
+    parent is the newest block still cached (None when none is), and evictions of the oldest
+    cached blocks, as a serving engine's stream has them (a removal names a block published
+    before)."""
     rng = random.Random(seed)
+    live: deque[bytes] = deque()
 
     def h() -> bytes:
         return rng.randbytes(16)
@@ -64,25 +84,32 @@ def make_steps(n_steps: int, seed: int = 5) -> list[list[tuple]]:
             k = rng.randint(1, 4)
             if i % 2 == 0:
                 toks = tuple(rng.randrange(150_000) for _ in range(k * PAGE_TOKENS))
-                effs.append((BlocksStored(hashes=tuple(h() for _ in range(k)), parent_hash=h(), token_ids=toks,
+                new = tuple(h() for _ in range(k))
+                effs.append((BlocksStored(hashes=new, parent_hash=live[-1] if live else None, token_ids=toks,
                                           page_tokens=PAGE_TOKENS),))
+                live.extend(new)
             else:
-                effs.append((BlocksRemoved(hashes=tuple(h() for _ in range(k))),))
+                gone = tuple(live.popleft() for _ in range(min(k, len(live))))
+                effs.append((BlocksRemoved(hashes=gone),))
         steps.append(effs)
     return steps
 
 
 def as_lists(steps: list[list[tuple]]) -> list[list]:
-    """The same batches as plain Python lists in the wire's (array layout) shape."""
+    """The same batches as plain Python lists and dicts in the wire's shape (vLLM 0.33's map
+    events, u64 hashes)."""
     out = []
     for effs in steps:
         events: list = []
         for (e,) in effs:
             if type(e) is BlocksStored:
-                events.append(["BlockStored", list(e.hashes), e.parent_hash, list(e.token_ids), e.page_tokens,
-                               None, "GPU", None])
+                events.append({"type": "BlockStored", "block_hashes": [to_u64(h) for h in e.hashes],
+                               "parent_block_hash": None if e.parent_hash is None else to_u64(e.parent_hash),
+                               "token_ids": list(e.token_ids),
+                               "block_size": e.page_tokens, "lora_id": None, "medium": "GPU", "lora_name": None})
             else:
-                events.append(["BlockRemoved", list(e.hashes), "GPU"])
+                events.append({"type": "BlockRemoved", "block_hashes": [to_u64(h) for h in e.hashes],
+                               "medium": "GPU"})
         out.append([TS, events, 0])
     return out
 

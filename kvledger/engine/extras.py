@@ -100,15 +100,16 @@ class Extras:
 
 
 def _publisher(kv_events: Any) -> Any:
-    """A publisher for ``kv_events``: None, an endpoint (a ``KVEventPublisher`` is built on it),
+    """A publisher for ``kv_events``: None, an endpoint, vLLM's ``--kv-events-config`` JSON or a
+    mapping of its fields (a ``KVEventPublisher`` is built: ``kvledger.kvevents.make_publisher``),
     or a publisher (anything with observe, flush, start and stop)."""
     if kv_events is None:
         return None
-    if isinstance(kv_events, str):
-        from kvledger.kvevents import KVEventPublisher
+    if isinstance(kv_events, (str, Mapping)):
+        from kvledger.kvevents import make_publisher
 
-        return KVEventPublisher(kv_events)
+        return make_publisher(kv_events)
     if all(callable(getattr(kv_events, n, None)) for n in _PUBLISHER_CALLS):
         return kv_events
-    raise InvalidArgumentError(f"kv_events must be a ZMQ endpoint or a kvledger.kvevents.KVEventPublisher, "
-                               f"got {kv_events!r}")
+    raise InvalidArgumentError(f"kv_events must be a ZMQ endpoint, vLLM's --kv-events-config JSON or a "
+                               f"kvledger.kvevents.KVEventPublisher, got {kv_events!r}")
