@@ -34,7 +34,7 @@ from .sanitizer import SanitizerTracker
 __all__ = ["Extras"]
 
 _METRICS_HOOKS = ("observe", "track_engine", "step_completed", "step_failed", "wire_decision",
-                  "sanitizer_violation", "timed_layer")
+                  "sanitizer_violation", "timed_layer", "prefix_lookup")
 _PUBLISHER_CALLS = ("observe", "flush", "start", "stop")
 
 
