@@ -24,7 +24,7 @@ import pytest
 
 from kvledger import Geometry, InvalidArgumentError, Ledger
 from kvledger.core.events.events import BlocksRemoved, BlocksStored, ClearPages, StepPlan
-from kvledger.core.hashing import block_hashes
+from kvledger.core.hashing import block_hashes, to_u64, to_u64_all
 from kvledger.kvevents import (
     SEQ_END,
     AllBlocksCleared,
@@ -329,6 +329,25 @@ def test_to_kv_events_maps_effects_and_skips_the_rest():
         to_kv_events(effects, medium=3)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError):
         to_kv_events(effects, layout="tuple")
+
+
+_R = random.Random(19)
+FOLD_CASES = [tuple(_R.randbytes(16) for _ in range(k)) for k in (1, 2, 3, 4, 5, 16, 17)] + [
+    (b"a" * 8, b"b" * 24), (b"a" * 8, b"b" * 24, b"c" * 16), (b"a" * 16, b"b" * 8, b"c" * 24),
+    (b"a" * 16, b"b" * 24, b"c" * 8, b"d" * 16), (b"a" * 16, b"a" * 16, b"b" * 8, b"c" * 24),  # 16 x k bytes
+    (b"ab",), (b"x" * 20,), (b"y" * 64, b"z"), (1, 2), (-5,), (5, -7, 9), (2**63 - 1,), (b"a" * 16, 3), (3, b"a" * 16)]
+
+
+@pytest.mark.parametrize("hashes", FOLD_CASES, ids=range(len(FOLD_CASES)))
+def test_the_u64_fold_of_every_hash_shape(hashes):
+    """The batcher's inlined fold (16-byte hashes in one call, lengths that only add up to 16 x k,
+    ints, negative ints, mixes) equals vLLM's rule, core.hashing.to_u64, hash by hash."""
+    want = tuple(int.from_bytes(h, "big") % 2**64 if type(h) is bytes else h % 2**64 for h in hashes)
+    assert want == tuple(map(to_u64, hashes)) == to_u64_all(hashes)
+    got = to_kv_events([BlocksRemoved(hashes=hashes),
+                        BlocksStored(hashes=hashes, parent_hash=hashes[0], token_ids=(1,) * len(hashes),
+                                     page_tokens=1)])
+    assert got[0].block_hashes == got[1].block_hashes == want and got[1].parent_block_hash == want[0]
 
 
 def test_one_batch_per_sealed_step_never_empty():

@@ -103,16 +103,15 @@ _UNPACK16 = [struct.Struct(">" + "8xQ" * k).unpack for k in range(17)]  # k 16-b
 
 
 def _convert(effects: Iterable, lay: Layout, medium: str | None, fold: bool, out: list) -> None:
-    """Append the KV event of each effect to ``out`` (module docstring); ``fold``: hashes as u64.
-
-    One piece on purpose: this loop runs for every KV event of every batch, and the common
-    fold (one 16-byte hash; or up to 16 of them, ``core.hashing.block_hash``'s, in one C call)
-    is inlined, since a function call costs as much as the fold; anything else goes through
-    ``core.hashing.to_u64_all`` (the same rule)."""
+    """Append the KV event of each effect to ``out``; ``fold``: hashes as u64. The common folds
+    (int hashes; up to 16 of ``core.hashing.block_hash``'s 16 bytes in one C call) are inlined:
+    a call per event costs as much as the fold. The rest: ``core.hashing.to_u64_all``."""
     stored, removed, cleared = lay.stored, lay.removed, lay.cleared
     with_keys = lay.name == "map"
     append = out.append
-    last8, unpack = _last8, _UNPACK16
+    last8, unpack, join = _last8, _UNPACK16, b"".join
+    prev_raw: object = None  # the last block hash of the latest publish, and its u64 form
+    prev_u64 = 0
     for eff in effects:
         t = type(eff)
         if t is _Cleared:
@@ -123,25 +122,38 @@ def _convert(effects: Iterable, lay: Layout, medium: str | None, fold: bool, out
             eff, keys, hs = eff
         else:
             hs = eff.hashes
+        raw = hs
         if fold and hs:
-            k = len(hs)
-            h = hs[0]
-            if type(h) is bytes and len(h) == 16:
-                if k == 1:
-                    hs = (last8(h, 8)[0],)
-                else:
-                    joined = b"".join(hs) if type(hs[-1]) is bytes else b""
-                    hs = (unpack[k](joined) if len(joined) == 16 * k and k <= 16 and len(hs[-1]) == 16 and (
-                          k == 2 or min(map(len, hs)) == 16) else to_u64_all(hs))
+            h, k = hs[0], len(hs)
+            if type(h) is int:  # int hashes: the ledger's are signed 64-bit, so >= 0 ones fold to themselves
+                try:
+                    if min(hs) < 0:
+                        hs = to_u64_all(hs)
+                except TypeError:  # ints and bytes mixed
+                    hs = to_u64_all(hs)
+            elif k == 1:
+                hs = (last8(h, 8)[0],) if type(h) is bytes and len(h) == 16 else to_u64_all(hs)
             else:
-                hs = to_u64_all(hs)
+                try:
+                    joined = join(hs)
+                except TypeError:  # int hashes
+                    joined = b""
+                # all k are 16 bytes: the total says so once all but one are known to be
+                if (len(joined) == 16 * k and len(h) == 16 and len(hs[-1]) == 16 and k <= 16
+                        and (k == 2 or k == 3 or (k == 4 and len(hs[1]) == 16) or min(map(len, hs)) == 16)):
+                    hs = unpack[k](joined)
+                else:
+                    hs = to_u64_all(hs)
         if t is BlocksRemoved:
             append(removed(hs, medium))
             continue
         parent = eff.parent_hash
-        if fold and parent is not None:
-            parent = (last8(parent, len(parent) - 8)[0] if type(parent) is bytes and len(parent) >= 8
-                      else to_u64(parent))
+        if fold and raw:
+            if parent is not None:  # usually the last block of the publish before: folded already
+                parent = prev_u64 if parent is prev_raw else (
+                    last8(parent, len(parent) - 8)[0] if type(parent) is bytes and len(parent) >= 8
+                    else to_u64(parent))
+            prev_raw, prev_u64 = raw[-1], hs[-1]
         lora = eff.lora_name
         if lora is not None:
             keys = (lora, *keys) if keys else (lora,)
