@@ -1,7 +1,7 @@
 """``Extras``: what ``open_engine`` wires in besides the ledger and the ranks, and in which order.
 
     open_engine(..., metrics=, kv_events=, sanitize=, observers=)
-      Extras(...)        check the arguments; build a KVEventPublisher for an endpoint; a
+      Extras(...)        check the arguments; build a KVEventPublisher for an endpoint or a config; a
                          SanitizerTracker in sanitize mode
       .start()           the publisher starts (binds its sockets) before the ledger opens
       .observer          one Ledger observer for all of them (kvledger.durable.chain_observers:
@@ -40,9 +40,9 @@ _PUBLISHER_CALLS = ("observe", "flush", "start", "stop")
 
 class Extras:
     """The optional parts of one engine (module docstring). Raises ``InvalidArgumentError`` for
-    a ``metrics`` that is not a ``LedgerMetrics``, a ``kv_events`` that is neither an endpoint
-    nor a publisher, an observer that is not callable; ``ConfigurationError`` for a bad
-    endpoint or a missing pyzmq. Nothing is opened by the constructor."""
+    a ``metrics`` that is not a ``LedgerMetrics``, a ``kv_events`` that is neither an endpoint,
+    a config nor a publisher, an observer that is not callable; ``ConfigurationError`` for a
+    bad endpoint or config or a missing pyzmq. Nothing is opened by the constructor."""
 
     def __init__(self, *, sanitize: bool = False, metrics: Any = None, kv_events: Any = None,
                  observers: Iterable[Any] = ()) -> None:
