@@ -273,10 +273,11 @@ def _idle_subscribers(ctx, n_subs: int, n_batches: int, events: int) -> int:
 
 
 def test_idle_subscribers_cost_what_the_docs_say(ctx):
-    """Subscribers that never read, 20,000 batches of ~1.1 KB: a second and further subscriber
+    """Subscribers that never read, 30,000 small batches: a second and further subscriber
     costs ZMQ's queue headers only (hwm x ~200 B; the payloads are shared), as publisher.py
-    documents. On cc956ad (hwm 100,000) each cost ~5 MiB more; here about 1.6 MiB."""
-    n_batches, events, hwm = (60_000 if HEAVY else 20_000), 100, 10_000  # hwm: the publisher's default
+    documents (hwm x ~200 B). With cc956ad's hwm of 100,000 each cost 4.5 MiB here, over the
+    bound; with the default of 10,000, 1.7 MiB."""
+    n_batches, events, hwm = (100_000 if HEAVY else 30_000), 10, 10_000  # hwm: the publisher's default
     one = _idle_subscribers(ctx, 1, n_batches, events)
     many = _idle_subscribers(ctx, 16, n_batches, events)
     per_sub = (many - one) / 15

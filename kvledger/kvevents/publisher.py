@@ -28,14 +28,17 @@ vLLM's behaviour, by default (``endpoints.py`` has the endpoint rules):
   full queue a "try later" instead of a silent drop, and ``ZMQ_MAXMSGSIZE`` (256 B)
   disconnects a requester that sends a bigger frame before it is buffered.
 
-Memory, per subscriber (documented bound): ZMQ queues at most ``hwm`` batches
-per SUB connection (default 10,000; vLLM's 100,000 when its config says so),
-each three message headers (~200 bytes); the payloads are shared by every
-subscriber's queue (libzmq counts references to one copy), so N idle subscribers
-cost about N x hwm x 200 B plus at most ``hwm`` payloads. A replay requester's
-queue holds at most one answer in flight, ``2 x (buffer_steps + 1)`` messages whose
-payloads are the buffer's own objects (sent without copying); at most 64
-requesters with 4 jobs each (``replay.py``).
+Memory, per subscriber (the documented bound; tests/test_kvevents_probes.py measures
+it): ZMQ queues at most ``hwm`` batches for a SUB connection that stops reading
+(default 10,000; vLLM's 100,000 when its config says so), each three message
+headers, about 200 bytes: ~2 MiB per such subscriber (measured 1.7 MiB; 4.5 MiB at
+hwm 100,000 after 30,000 batches, ~19 MiB once 100,000 are queued). The payloads
+are not copied per subscriber: libzmq counts references to one copy, so all of them
+together hold at most ``hwm`` payloads. A replay requester's queue holds at most
+one answer in flight, ``2 x (buffer_steps + 1)`` messages whose payloads are the
+buffer's own bytes (sent without copying); at most 64 requesters with 4 requests
+each are served (``replay.py``). The replay buffer itself keeps ``buffer_steps``
+payloads.
 
 Endpoints are ZMQ strings: ``tcp://*:5557``, ``tcp://127.0.0.1:5557`` (connects,
 by vLLM's rule), ``tcp://127.0.0.1:0`` (binds an ephemeral port), ``ipc:///tmp/kv``,
