@@ -336,7 +336,7 @@ def test_twenty_full_replays_of_a_full_buffer_lose_nothing(vllm, ctx):
             lost += len(set(range(first, led_batches)) - set(got))
             assert got == list(range(first, led_batches)), f"replay {trial}"
         sub.close()
-        stats = pub.statistics()
+    stats = pub.statistics()  # after stop: the thread is gone, its counters final
     assert lost == 0 and stats.replay_answers == 20 and stats.replay_batches == 20 * steps
     assert stats.replay_refused == stats.replay_errors == 0
 
