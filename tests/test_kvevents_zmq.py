@@ -439,6 +439,35 @@ def test_cli_zmq_over_ipc_rebuilds_the_cache(tmp_path, ctx):
     assert con.hashes == published_hashes(led)
 
 
+def test_cli_connects_by_vllms_rule_and_binds_when_told(tmp_path, ctx, capsys):
+    """``kvledger events --zmq tcp://host:port`` connects (a subscriber or proxy that binds, as
+    llm-d's centralized indexer does); ``--bind`` overrides; the endpoint is printed as dialled."""
+    path, led = recorded_log(tmp_path, seed=4)
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    codes: list = []
+    th = threading.Thread(target=lambda: codes.append(events_main(
+        [str(path), "--zmq", f"tcp://127.0.0.1:{port}", "--wait", "1.0"])))
+    th.start()
+    got: list = []
+    deadline = time.monotonic() + 30
+    while th.is_alive() or sub.poll(0):
+        if sub.poll(100):
+            got.append(sub.recv_multipart())
+        assert time.monotonic() < deadline
+    th.join()
+    sub.close(linger=0)
+    exported: list = []
+    export_log(path, exported.append)
+    seqs = [int.from_bytes(m[1], "big") for m in got]  # all of them, unless the subscription was late
+    assert codes == [0] and seqs and seqs == list(range(seqs[0], len(exported)))
+    assert f"PUB connected to tcp://127.0.0.1:{port}" in capsys.readouterr().err
+    with KVEventPublisher("tcp://127.0.0.1:0", bind=True) as holder:  # --bind on a taken port: refused, exit 2
+        assert events_main([str(path), "--zmq", holder.endpoint, "--bind", "--wait", "0"]) == 2
+    assert events_main([str(path), "--bind"]) == 2  # --bind without --zmq
+
+
 def test_cli_refuses_a_corrupt_log_and_bad_usage(tmp_path, capsys):
     path, _ = recorded_log(tmp_path)
     data = bytearray(path.read_bytes())
