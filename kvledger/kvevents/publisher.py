@@ -351,7 +351,7 @@ class KVEventPublisher:
         assert self._thread is not None
         self._thread.join(max(0.0, t0 + timeout - time.monotonic()))
         if not self._thread.is_alive():
-            self._ctx.term()  # the thread closed the sockets (with their linger): returns at once
+            self._ctx.term()  # the thread closed the sockets; this waits out what is left of their linger
 
     def __enter__(self) -> KVEventPublisher:
         return self.start() if self._state == "new" else self
