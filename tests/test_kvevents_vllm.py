@@ -297,6 +297,8 @@ async def test_vllm_decodes_every_batch_of_a_live_engine_and_its_full_replay(vll
             last = stats.last_seq
             sub.pump(last)  # live, gaps filled by replay, while the engine is still up
             full = sub.request_replay(0)
+        print(f"live engine: {last + 1} batches, {sub.live} decoded live and {sub.replayed} from replay by "
+              f"vLLM's decoder; a full replay of {len(full)} then the end marker")
         assert stats.batches_dropped == stats.send_errors == 0
         assert full == list(range(last + 1))  # the whole run, then the end marker
         assert sub.live > last // 2 and sub.hashes == expected and published > 20
@@ -337,6 +339,8 @@ def test_twenty_full_replays_of_a_full_buffer_lose_nothing(vllm, ctx):
             assert got == list(range(first, led_batches)), f"replay {trial}"
         sub.close()
     stats = pub.statistics()  # after stop: the thread is gone, its counters final
+    print(f"20 full replays of a full buffer ({steps} batches each, vLLM's decoder): {lost} lost, "
+          f"{stats.replay_answers} end markers, {stats.replay_batches} batches resent")
     assert lost == 0 and stats.replay_answers == 20 and stats.replay_batches == 20 * steps
     assert stats.replay_refused == stats.replay_errors == 0
 
