@@ -18,20 +18,41 @@ types one way only, so the hash is the same in every process, on every machine,
 with any PYTHONHASHSEED. Only full blocks are hashed (a partial last block is
 not reusable). Engines that hash their own way pass their hashes to
 ``Ledger.publish`` / ``share`` / ``lookup`` unchanged (ints or bytes).
+
+The u64 form (``to_u64``): KV event consumers index blocks by 64-bit ints
+(Dynamo's indexer accepts nothing else), so KV events carry each hash folded to
+an unsigned 64-bit int the way vLLM 0.33 folds its own wider block hashes
+(``vllm/v1/core/kv_cache_utils.py``, ``maybe_convert_block_hash``, on by default
+through ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``)::
+
+    u64(h) = int.from_bytes(h, "big") & (2**64 - 1)      # h: bytes
+
+i.e. the hash's last 8 bytes read as a big-endian unsigned int (of a 16-byte
+BLAKE2b hash here, of a 32-byte SHA-256 hash in vLLM). An int hash is reduced
+the same way (``h & (2**64 - 1)``: a negative 64-bit one becomes its two's
+complement). The ledger keeps the full hash; only the wire carries the fold, so
+two blocks whose hashes share their last 8 bytes (odds 2**-64 a pair) would look
+alike to a router, exactly as vLLM's own blocks would.
 """
 
 from __future__ import annotations
 
 import hashlib
+import struct
+import sys
+from array import array
 from collections.abc import Sequence
 
 import msgspec
 
 from .errors import InvalidArgumentError
 
-__all__ = ["HASH_BYTES", "block_hash", "block_hashes"]
+__all__ = ["HASH_BYTES", "U64_MASK", "block_hash", "block_hashes", "to_u64", "to_u64_all"]
 
 HASH_BYTES = 16
+U64_MASK = (1 << 64) - 1
+_last8 = struct.Struct(">Q").unpack_from
+_SWAP = sys.byteorder == "little"  # array("Q") reads native order; the fold reads big-endian
 _PERSON = b"kvledger.block1"
 _encode = msgspec.msgpack.Encoder().encode
 
@@ -98,3 +119,39 @@ def block_hashes(
         h = _hash(h, tokens[i * page_tokens : (i + 1) * page_tokens], extra)
         out.append(h)
     return out
+
+
+def to_u64(h: bytes | int) -> int:
+    """A block hash in the u64 form (module docstring: vLLM 0.33's fold). Raises
+    ``InvalidArgumentError`` for something that is not bytes or an int."""
+    t = type(h)
+    if t is bytes:
+        n = len(h)  # type: ignore[arg-type]
+        return _last8(h, n - 8)[0] if n >= 8 else int.from_bytes(h, "big")  # type: ignore[arg-type]
+    if t is int:
+        return h & U64_MASK  # type: ignore[operator]
+    raise InvalidArgumentError(f"a block hash is bytes or an int, got {h!r}")
+
+
+def to_u64_all(hashes: Sequence[bytes | int]) -> tuple[int, ...]:
+    """``to_u64`` of each hash, in order. Many 16-byte hashes (``block_hash``'s) fold in one
+    pass over their bytes; anything else hash by hash. ``InvalidArgumentError`` for a hash
+    that is neither bytes nor an int."""
+    n = len(hashes)
+    if n > 1 and type(hashes[0]) is bytes:
+        try:
+            joined = b"".join(hashes)  # type: ignore[arg-type]
+        except TypeError:
+            joined = b""
+        if len(joined) == HASH_BYTES * n and min(map(len, hashes)) == HASH_BYTES:  # type: ignore[arg-type]
+            words = array("Q")
+            words.frombytes(joined)
+            if _SWAP:
+                words.byteswap()
+            return tuple(words[1::2])  # each hash's last 8 bytes, big-endian
+    last8, mask = _last8, U64_MASK
+    try:
+        return tuple([last8(h, len(h) - 8)[0] if type(h) is bytes and len(h) >= 8 else
+                      (h & mask if type(h) is int else to_u64(h)) for h in hashes])
+    except TypeError:
+        raise InvalidArgumentError(f"block hashes are bytes or ints, got {hashes!r}") from None

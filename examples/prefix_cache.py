@@ -66,8 +66,8 @@ def main() -> None:
     for r in live:
         ledger.finish(r)
     ledger.seal_step(args.requests)
-    stored = sum(type(e).__name__ == "BlockStored" for b in batches for e in b.events)
-    removed = sum(type(e).__name__ == "BlockRemoved" for b in batches for e in b.events)
+    stored = sum(e.__struct_config__.tag == "BlockStored" for b in batches for e in b.events)
+    removed = sum(e.__struct_config__.tag == "BlockRemoved" for b in batches for e in b.events)
     print(f"\n{shared} blocks shared, {computed} pages computed, {refused} requests refused; "
           f"KV events: {len(batches)} batches, {stored} BlockStored, {removed} BlockRemoved")
 

@@ -282,3 +282,46 @@ def test_helper_hashes_publish_and_look_up():
     assert L.lookup(block_hashes(other, 4)) == 1
     assert L.lookup(block_hashes(prompt + [1, 2], 4)) == 3
     assert L.share(2, block_hashes(other, 4)[:1]) == L.kv_pages(2) == (L.state.hash_page[hashes[0]],)
+
+
+# --------------------------------------------------------------------------- the u64 form (issue #19)
+
+
+def _vllm_fold():
+    """``maybe_convert_block_hash`` from vLLM 0.33.0's wheel (``vllm/v1/core/kv_cache_utils.py``), the
+    function's own source run with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` at its default (on)."""
+    import ast
+    from types import SimpleNamespace
+
+    from support.upstream import UpstreamUnavailable, wheel_file
+
+    try:
+        path = wheel_file("vllm/v1/core/kv_cache_utils.py")
+    except UpstreamUnavailable as exc:
+        import warnings
+
+        msg = f"vLLM 0.33.0's kv_cache_utils.py could not be fetched ({exc}): the fold was NOT checked against it"
+        warnings.warn(msg, stacklevel=1)
+        pytest.skip(msg)
+    tree = ast.parse(path.read_text())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "maybe_convert_block_hash")
+    space = {"envs": SimpleNamespace(VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=True), "BlockHash": bytes,
+             "ExternalBlockHash": bytes | int}
+    exec(compile(ast.Module([fn], []), str(path), "exec"), space)  # noqa: S102
+    return space["maybe_convert_block_hash"]
+
+
+def test_the_u64_form_is_vllms_fold_of_a_wider_hash():
+    from kvledger.core.hashing import U64_MASK, to_u64, to_u64_all
+
+    vllm_fold = _vllm_fold()
+    rng = __import__("random").Random(3)
+    wide = [rng.randbytes(n) for n in (16, 16, 32, 8, 9, 64, 1, 3)] + block_hashes(list(range(64)), 16)
+    assert [to_u64(h) for h in wide] == [vllm_fold(h) for h in wide] == list(to_u64_all(wide))
+    assert all(0 <= to_u64(h) <= U64_MASK for h in wide)
+    assert to_u64(-1) == U64_MASK and to_u64(5) == 5 and to_u64_all([-2, 7]) == (U64_MASK - 1, 7)
+    for bad in ("ab", 1.5, None, True):
+        with pytest.raises(InvalidArgumentError):
+            to_u64(bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError):
+        to_u64_all([b"a" * 16, "x"])  # type: ignore[list-item]

@@ -4,9 +4,14 @@ Pins: ``open_engine(..., kv_events=publisher)`` starts the publisher before the 
 observes every folded event, flushes once after each step's outcome is recorded and stops
 it at close, after the last step settled; a real SUB socket on loopback (ephemeral port)
 with a DEALER on the replay socket receives BlockStored / BlockRemoved batches whose
-hashes rebuild the ledger's published set exactly, for an engine driven through
-lookup / share / reserve (evicting) / commit / run_step / publish / finish / evict; an
-endpoint string builds the publisher; a bad endpoint or kv_events value opens nothing.
+hashes (u64, vLLM's fold) rebuild the ledger's published set exactly, for an engine driven
+through lookup / share / reserve (evicting) / commit / run_step / publish / finish / evict;
+an endpoint string, a mapping of vLLM's KVEventsConfig fields and its JSON build the
+publisher (disabled: none); a bad endpoint, config or kv_events value opens nothing.
+
+The router reads while the engine (and so the replay socket) is still up, waiting on
+what it needs with a generous deadline: on a loaded box the subscription may reach the
+PUB socket after the first batches left, and only a replay brings those back.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import pytest
 zmq = pytest.importorskip("zmq")
 
 from kvledger import ConfigurationError, Geometry, InvalidArgumentError, OutOfPagesError  # noqa: E402
-from kvledger.core.hashing import block_hashes  # noqa: E402
+from kvledger.core.hashing import block_hashes, to_u64  # noqa: E402
 from kvledger.engine import open_engine  # noqa: E402
 from kvledger.kvevents import SEQ_END, KVEventPublisher, decode_batch, seq_bytes, seq_from_bytes  # noqa: E402
 
@@ -71,16 +76,16 @@ class Router:
             else:
                 self.hashes.clear()
 
-    def _replay(self):
+    def _replay(self, timeout=30.0):
         self.replay.send_multipart([b"", seq_bytes(self.next)])
         while True:
-            assert self.replay.poll(5000), "no replay answer"
-            _, seq, payload = self.replay.recv_multipart()
+            assert self.replay.poll(int(timeout * 1000)), "no replay answer"
+            _, _topic, seq, payload = self.replay.recv_multipart()
             if seq == SEQ_END:
                 return
             self._apply(seq_from_bytes(seq), payload)
 
-    def pump(self, last, timeout=10.0):
+    def pump(self, last, timeout=60.0):
         """Receive until batch ``last`` is applied (live, or replayed where the live stream missed)."""
         deadline = time.monotonic() + timeout
         while self.next <= last:
@@ -137,7 +142,8 @@ async def drive(engine, seed=2, steps=60):
 
 
 def published(ledger):
-    return {h for h in (ledger.block_hash(p) for p in range(ledger.geometry.num_pages)) if h is not None}
+    """The ledger's published hashes as the wire carries them (u64)."""
+    return {to_u64(h) for h in (ledger.block_hash(p) for p in range(ledger.geometry.num_pages)) if h is not None}
 
 
 @pytest.fixture
@@ -158,13 +164,17 @@ async def test_an_engine_publishes_batches_that_rebuild_its_cache(ctx, tmp_path,
             assert engine.kv_events is pub and pub.running  # started before the ledger: it saw seq 0
             router = Router(ctx, pub.endpoint, pub.replay_endpoint)
             n = await drive(engine)
+            await engine.run_step(60)  # its outcome flushes what the last step's publishes left
             steps = engine.statistics()["steps_completed"]
-            assert pub.flushes == steps == 60
+            assert pub.flushes == steps == 61
             expected = published(engine.ledger)
+            last = pub.statistics().last_seq
+            assert pub.wait_sent(last, 60)
+            router.pump(last)  # the replay socket still answers: every gap can be filled
         assert not pub.running  # stopped at close, after the last step settled
         stats = pub.statistics()
+        assert stats.last_seq == last  # nothing was left for the close to send
         assert stats.batches_dropped == stats.send_errors == 0 and stats.batches_sent == stats.last_seq + 1 > 10
-        router.pump(stats.last_seq)
         assert router.hashes == expected and len(expected) > 10
         assert n["shared"] > 20 and n["evicted"] > 0
         assert router.kinds["BlockRemoved"] > n["evicted"]  # evictions inside reserve too
@@ -193,8 +203,38 @@ async def test_an_endpoint_builds_the_publisher_and_bad_values_open_nothing(tmp_
     holder = KVEventPublisher("tcp://127.0.0.1:0").start()
     try:
         with pytest.raises(ConfigurationError):
-            async with open_engine(G, log=tmp_path / "never.kvlog", kv_events=holder.endpoint):
+            async with open_engine(G, log=tmp_path / "never.kvlog", kv_events={"endpoint": holder.endpoint,
+                                                                               "bind": True}):
                 pass
         assert not (tmp_path / "never.kvlog").exists()
     finally:
         holder.stop()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("bad", ['{"endpoint": "tcp://*:0", "bufer_steps": 5}', '{"endpoint": ', '[1]',
+                                 {"hwm": "many"}, {"publisher": "kafka"}, {"enable_kv_cache_events": 1}])
+async def test_a_bad_kv_events_config_opens_nothing(bad, tmp_path):
+    with pytest.raises(ConfigurationError):
+        async with open_engine(G, log=tmp_path / "never.kvlog", kv_events=bad):
+            pass
+    assert not (tmp_path / "never.kvlog").exists()
+
+
+@pytest.mark.asyncio
+async def test_vllms_kv_events_config_builds_the_publisher():
+    """vLLM's --kv-events-config JSON (its KVEventsConfig fields) and a mapping with kvledger's
+    options; disabled, or publisher "null": no publisher at all."""
+    cfg = ('{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:0", '
+           '"replay_endpoint": "tcp://127.0.0.1:0", "buffer_steps": 64, "hwm": 1000, "max_queue_size": 32, '
+           '"topic": "kv@pod-0@m"}')
+    async with open_engine(G, kv_events=cfg) as engine:
+        pub = engine.kv_events
+        assert pub.topic == "kv@pod-0@m" and pub.replay_endpoint.startswith("tcp://127.0.0.1:")
+        assert (pub.layout, pub.hashes, pub.replay_format) == ("map", "u64", "vllm")
+    async with open_engine(G, kv_events={"endpoint": "tcp://127.0.0.1:0", "layout": "array",
+                                         "replay_format": "legacy", "hashes": "raw"}) as engine:
+        assert (engine.kv_events.layout, engine.kv_events.hashes) == ("array", "raw")
+    for off in ('{"enable_kv_cache_events": false}', {"publisher": "null", "endpoint": "tcp://*:5557"}):
+        async with open_engine(G, kv_events=off) as engine:
+            assert engine.kv_events is None

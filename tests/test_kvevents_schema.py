@@ -24,7 +24,7 @@ import pytest
 
 from kvledger import Geometry, InvalidArgumentError, Ledger
 from kvledger.core.events.events import BlocksRemoved, BlocksStored, ClearPages, StepPlan
-from kvledger.core.hashing import block_hashes
+from kvledger.core.hashing import block_hashes, to_u64, to_u64_all
 from kvledger.kvevents import (
     SEQ_END,
     AllBlocksCleared,
@@ -106,7 +106,7 @@ def test_golden_bytes_map_layout():
 
 
 def test_round_trip_both_layouts():
-    assert decode_batch(bytes.fromhex(BATCH_HEX)) == BATCH
+    assert decode_batch(bytes.fromhex(BATCH_HEX), "array") == BATCH
     m = KVEventBatchMap(2.0, (BlockStoredMap(*msgspec.structs.astuple(STORED)),), 3)
     assert decode_batch(encode_batch(m), "map") == m
 
@@ -246,7 +246,7 @@ def test_our_structs_decode_vllm_bytes_array_era():
         v.removed(block_hashes=[big], medium="GPU"),
         v.cleared(),
     ], data_parallel_rank=0)
-    got = decode_batch(msgspec.msgpack.encode(theirs))
+    got = decode_batch(msgspec.msgpack.encode(theirs), "array")
     assert got == KVEventBatch(3.0, (BlockStored((big, b"\x01\x02"), big, (1, 2), 2, None, "GPU", None),
                                      BlockRemoved((big,), "GPU"), AllBlocksCleared()), 0)
 
@@ -259,8 +259,8 @@ def test_our_structs_decode_vllm_bytes_map_era_with_newer_fields():
         v.removed(block_hashes=[5], medium="GPU", group_idx=0),
     ], data_parallel_rank=2)
     got = decode_batch(msgspec.msgpack.encode(theirs), "map")
-    assert got == KVEventBatchMap(3.0, (BlockStoredMap((5,), None, (1, 2), 2, None, "GPU", None),
-                                        BlockRemovedMap((5,), "GPU")), 2)
+    assert got == KVEventBatchMap(3.0, (BlockStoredMap((5,), None, (1, 2), 2, None, "GPU", None, (None,)),
+                                        BlockRemovedMap((5,), "GPU")), 2)  # extra_keys read, the rest skipped
 
 
 # ---------------------------------------------------------------------- framing and decode errors
@@ -312,14 +312,42 @@ def test_to_kv_events_maps_effects_and_skips_the_rest():
                             lora_name="x"),
                StepPlan(step=1),
                BlocksRemoved(hashes=(2,)))
-    assert to_kv_events(effects) == [BlockStored((1, 2), 0, (1, 2, 3, 4), 2, 3, "GPU", "x"),
-                                     BlockRemoved((2,), "GPU")]
-    assert to_kv_events(effects, medium=None, layout="map") == [
-        BlockStoredMap((1, 2), 0, (1, 2, 3, 4), 2, 3, None, "x"), BlockRemovedMap((2,), None)]
+    assert to_kv_events(effects, layout="array") == [BlockStored((1, 2), 0, (1, 2, 3, 4), 2, 3, "GPU", "x"),
+                                                     BlockRemoved((2,), "GPU")]
+    # the default, vLLM 0.33's: map events, the LoRA name in every block's extra keys
+    assert to_kv_events(effects, medium=None) == [
+        BlockStoredMap((1, 2), 0, (1, 2, 3, 4), 2, 3, None, "x", (("x",), ("x",))), BlockRemovedMap((2,), None)]
+    wide = (BlocksStored(hashes=(b"\x01" * 16, -1), parent_hash=b"\xff" * 9, token_ids=(1, 2, 3, 4), page_tokens=2),
+            BlocksRemoved(hashes=(b"ab",)))
+    assert to_kv_events(wide) == [  # vLLM's fold: the last 8 bytes, big-endian; an int modulo 2**64
+        BlockStoredMap((0x0101010101010101, 2**64 - 1), 2**64 - 1, (1, 2, 3, 4), 2, None, "GPU", None),
+        BlockRemovedMap((0x6162,), "GPU")]
+    assert to_kv_events(wide, hashes="raw")[1] == BlockRemovedMap((b"ab",), "GPU")
+    with pytest.raises(InvalidArgumentError):
+        to_kv_events(effects, hashes="u32")
     with pytest.raises(InvalidArgumentError):
         to_kv_events(effects, medium=3)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError):
         to_kv_events(effects, layout="tuple")
+
+
+_R = random.Random(19)
+FOLD_CASES = [tuple(_R.randbytes(16) for _ in range(k)) for k in (1, 2, 3, 4, 5, 16, 17)] + [
+    (b"a" * 8, b"b" * 24), (b"a" * 8, b"b" * 24, b"c" * 16), (b"a" * 16, b"b" * 8, b"c" * 24),
+    (b"a" * 16, b"b" * 24, b"c" * 8, b"d" * 16), (b"a" * 16, b"a" * 16, b"b" * 8, b"c" * 24),  # 16 x k bytes
+    (b"ab",), (b"x" * 20,), (b"y" * 64, b"z"), (1, 2), (-5,), (5, -7, 9), (2**63 - 1,), (b"a" * 16, 3), (3, b"a" * 16)]
+
+
+@pytest.mark.parametrize("hashes", FOLD_CASES, ids=range(len(FOLD_CASES)))
+def test_the_u64_fold_of_every_hash_shape(hashes):
+    """The batcher's inlined fold (16-byte hashes in one call, lengths that only add up to 16 x k,
+    ints, negative ints, mixes) equals vLLM's rule, core.hashing.to_u64, hash by hash."""
+    want = tuple(int.from_bytes(h, "big") % 2**64 if type(h) is bytes else h % 2**64 for h in hashes)
+    assert want == tuple(map(to_u64, hashes)) == to_u64_all(hashes)
+    got = to_kv_events([BlocksRemoved(hashes=hashes),
+                        BlocksStored(hashes=hashes, parent_hash=hashes[0], token_ids=(1,) * len(hashes),
+                                     page_tokens=1)])
+    assert got[0].block_hashes == got[1].block_hashes == want and got[1].parent_block_hash == want[0]
 
 
 def test_one_batch_per_sealed_step_never_empty():
@@ -330,7 +358,7 @@ def test_one_batch_per_sealed_step_never_empty():
     assert b.pending == 1 and out == []  # AllBlocksCleared waits for the first seal
     led.seal_step(0)
     led.seal_step(1)  # nothing pending: no batch
-    assert [x.events for x in out] == [(AllBlocksCleared(),)] and out[0].ts == 0.0
+    assert [x.events for x in out] == [(AllBlocksClearedMap(),)] and out[0].ts == 0.0
     led.reserve(1, 2)
     led.commit(1, 2, 2)
     led.seal_step(2)
@@ -338,8 +366,38 @@ def test_one_batch_per_sealed_step_never_empty():
     led.publish(1, [10, 11], [1, 2, 3, 4])
     assert len(out) == 1 and b.pending == 1
     assert b.flush() is out[1] and b.flush() is None
-    assert out[1].events == (BlockStored((10, 11), None, (1, 2, 3, 4), 2, None, "GPU", None),)
+    assert out[1].events == (BlockStoredMap((10, 11), None, (1, 2, 3, 4), 2, None, "GPU", None),)
     assert (b.batches, b.events) == (2, 2)
+
+
+def test_tenants_and_cache_salts_travel_in_extra_keys():
+    """Equal prefixes of two tenants stay apart: each block carries its writer's tenant (from the
+    ledger's events) and the cache salt the caller set for that request; a finished request's
+    keys are forgotten, and a publish without any has no extra_keys at all."""
+    out: list = []
+    b = KVEventBatcher(out.append, clock=lambda: 0.0)
+    led = Ledger(Geometry(num_pages=16, page_tokens=2), observer=b.observe)
+    for r, tenant in ((1, "acme"), (2, "globex"), (3, None)):
+        led.reserve(r, 2, tenant=tenant)
+        led.commit(r, 0, 2)
+    b.set_cache_salt(2, "s3cret")
+    led.seal_step(0)
+    led.complete_step(0, 0)
+    for r in (1, 2, 3):
+        led.publish(r, [10 * r, 10 * r + 1], [1, 2, 3, 4])  # the same tokens in every request
+    b.flush()
+    stored = [e for e in out[-1].events if type(e) is BlockStoredMap]
+    assert [e.extra_keys for e in stored] == [(("acme",), ("acme",)), (("globex", "s3cret"),) * 2, None]
+    led.finish(2)
+    led.reserve(2, 1)  # the id again, a new request without a tenant: no keys carried over
+    led.commit(2, 1, 1)
+    led.seal_step(1)
+    led.complete_step(1, 0)
+    led.publish(2, [99], [5, 6])
+    b.flush()
+    assert [e.extra_keys for e in out[-1].events if type(e) is BlockStoredMap] == [None]
+    with pytest.raises(InvalidArgumentError):
+        b.set_cache_salt(1, b"salt")  # type: ignore[arg-type]
 
 
 def test_auto_flush_off_and_bad_arguments():

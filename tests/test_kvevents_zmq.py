@@ -10,6 +10,8 @@ the offline export of the log recorded in the same run is byte-identical to what
 was sent; the CLI (JSON lines, ZMQ over ipc://, a corrupt log, no pyzmq); drops
 counted when the queue is full; bad endpoints, an endpoint in use and a missing
 pyzmq raise kvledger errors; ``import kvledger.kvevents`` does not import zmq.
+Both layouts, both hash forms and both replay formats (vLLM 0.33's by default,
+``legacy`` for older consumers); vLLM's bind/connect rule and DP-rank offset.
 
 (A REQ socket receives only the first frame of a replay answer under libzmq, so
 the consumer here uses a DEALER with an empty delimiter: the same bytes on the wire.)
@@ -38,13 +40,12 @@ from kvledger import (  # noqa: E402
     Ledger,
     OutOfPagesError,
 )
-from kvledger.core.hashing import block_hashes  # noqa: E402
+from kvledger.core.hashing import block_hashes, to_u64  # noqa: E402
 from kvledger.core.log import EventLog  # noqa: E402
 from kvledger.kvevents import (  # noqa: E402
     SEQ_END,
     AllBlocksCleared,
     BlockRemoved,
-    BlockStored,
     BlockStoredMap,
     BlockRemovedMap,
     AllBlocksClearedMap,
@@ -65,7 +66,8 @@ class Consumer:
     """What a router does: SUB on the PUB endpoint, DEALER on the replay endpoint, gaps filled by
     replay, and the set of cached hashes rebuilt from the events."""
 
-    def __init__(self, ctx, endpoint: str, replay_endpoint: str | None, topic: str = "", layout: str = "array"):
+    def __init__(self, ctx, endpoint: str, replay_endpoint: str | None, topic: str = "", layout: str = "map",
+                 replay_format: str = "vllm"):
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self.sub.connect(endpoint)
@@ -75,6 +77,7 @@ class Consumer:
             self.replay.connect(replay_endpoint)
         self.topic = topic.encode()
         self.layout = layout
+        self.legacy = replay_format == "legacy"
         self.next = 0
         self.payloads: dict[int, bytes] = {}
         self.hashes: set = set()
@@ -92,8 +95,13 @@ class Consumer:
         out: list[tuple[int, bytes]] = []
         while True:
             assert self.replay.poll(5000), "no replay answer"
-            empty, seq, payload = self.replay.recv_multipart()
-            assert empty == b""
+            frames = self.replay.recv_multipart()
+            assert frames[0] == b""
+            if self.legacy:  # [seq, payload], [SEQ_END, b""]
+                _, seq, payload = frames
+            else:  # vLLM 0.33: [topic, seq, payload], [b"", SEQ_END, b""]
+                _, topic, seq, payload = frames
+                assert topic == (b"" if seq == SEQ_END else self.topic)
             if seq == SEQ_END:
                 assert payload == b""
                 return out
@@ -182,8 +190,10 @@ def drive(led: Ledger, seed: int = 1, steps: int = 80) -> Counter:
     return n
 
 
-def published_hashes(led: Ledger) -> set:
-    return {h for h in (led.block_hash(p) for p in range(led.geometry.num_pages)) if h is not None}
+def published_hashes(led: Ledger, form: str = "u64") -> set:
+    """The ledger's published hashes as the wire carries them (u64 by default)."""
+    got = {h for h in (led.block_hash(p) for p in range(led.geometry.num_pages)) if h is not None}
+    return {to_u64(h) for h in got} if form == "u64" else got
 
 
 def ticks():
@@ -237,6 +247,27 @@ def test_live_stream_rebuilds_the_ledgers_cache_and_the_export_matches(ctx, tmp_
     assert pub.publish_nowait(KVEventBatch(0.0, (), 0)) is None  # after stop: dropped, counted
 
 
+def test_array_layout_raw_hashes_and_legacy_replay_on_the_wire(ctx, tmp_path):
+    """The options older consumers need: positional events, the ledger's own bytes hashes,
+    [seq, payload] replay answers ending with [SEQ_END, b""]."""
+    pub = KVEventPublisher(f"ipc://{tmp_path}/a", replay_endpoint=f"ipc://{tmp_path}/b", layout="array",
+                           hashes="raw", replay_format="legacy", clock=ticks()).start()
+    con = Consumer(ctx, pub.endpoint, pub.replay_endpoint, layout="array", replay_format="legacy")
+    try:
+        led = Ledger(G, observer=pub.observe)
+        drive(led, steps=30)
+        last = pub.flush()
+        assert last is not None and pub.wait_sent(last, timeout=10)
+        con.pump(last)
+        assert con.hashes == published_hashes(led, "raw") and all(type(h) is bytes for h in con.hashes)
+        assert [s for s, _ in con.request_replay(1)] == list(range(1, last + 1))
+        raw = msgspec.msgpack.decode(con.payloads[1])
+        assert type(raw[1][0]) is list and raw[1][0][0] in ("BlockStored", "BlockRemoved")  # positional, tag first
+    finally:
+        con.close()
+        pub.stop()
+
+
 def test_map_layout_and_data_parallel_rank_on_the_wire(ctx):
     with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", layout="map",
                           data_parallel_rank=3, medium="CPU") as pub:
@@ -257,7 +288,7 @@ def test_map_layout_and_data_parallel_rank_on_the_wire(ctx):
     assert [b.data_parallel_rank for b in batches] == [3, 3]
     assert batches[0].events == (AllBlocksClearedMap(),)
     assert batches[1].events == (BlockStoredMap((99,), None, (5, 6), 2, None, "CPU", None),
-                                 BlockRemovedMap((99,), "CPU"))
+                                 BlockRemovedMap((99,), "CPU"))  # an int hash < 2**64 folds to itself
     assert msgspec.msgpack.decode(con.payloads[1])[1][0]["type"] == "BlockStored"
 
 
@@ -284,22 +315,23 @@ def test_replay_socket_answers_bad_requests_with_the_end_marker(ctx):
         d = ctx.socket(zmq.DEALER)
         d.connect(pub.replay_endpoint)
         d.send_multipart([b"", b"abc"])  # a seq frame that is not 8 bytes
-        assert d.poll(5000) and d.recv_multipart() == [b"", SEQ_END, b""]
+        assert d.poll(5000) and d.recv_multipart() == [b"", b"", SEQ_END, b""]
         d.send_multipart([b"no-delimiter"])  # no envelope: nothing to answer
         d.send_multipart([b"", seq_bytes(0)])
-        assert d.poll(5000) and d.recv_multipart()[1] == seq_bytes(0)
-        assert d.poll(5000) and d.recv_multipart() == [b"", SEQ_END, b""]
+        assert d.poll(5000) and d.recv_multipart()[2] == seq_bytes(0)
+        assert d.poll(5000) and d.recv_multipart() == [b"", b"", SEQ_END, b""]
         d.close(linger=0)
         s = pub.statistics()
         assert (s.replay_requests, s.replay_errors, s.replay_batches) == (3, 2, 1)
 
 
 def test_connecting_publisher_reaches_a_bound_subscriber(ctx):
+    """vLLM's rule: an endpoint without a wildcard is connected to (llm-d's centralized mode)."""
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     port = sub.bind_to_random_port("tcp://127.0.0.1")
-    with KVEventPublisher(f"tcp://127.0.0.1:{port}", bind=False) as pub:
-        assert pub.endpoint == f"tcp://127.0.0.1:{port}"
+    with KVEventPublisher(f"tcp://127.0.0.1:{port}") as pub:
+        assert pub.endpoint == f"tcp://127.0.0.1:{port}" and not pub.binds
         got = None
         for _ in range(50):  # until the subscription has reached the PUB side
             pub.publish_nowait(KVEventBatch(2.0, (AllBlocksCleared(),), 0))
@@ -307,7 +339,7 @@ def test_connecting_publisher_reaches_a_bound_subscriber(ctx):
                 got = sub.recv_multipart()
                 break
     sub.close(linger=0)
-    assert got is not None and decode_batch(got[2]).events == (AllBlocksCleared(),)
+    assert got is not None and decode_batch(got[2], "array").events == (AllBlocksCleared(),)
 
 
 @pytest.mark.parametrize("endpoint", ["", "http://127.0.0.1:5557", "tcp://127.0.0.1", "tcp://", "ipc://", 5557, None])
@@ -320,14 +352,14 @@ def test_bad_endpoints_raise_configuration_error(endpoint):
 
 def test_an_endpoint_in_use_raises_and_leaves_nothing_open():
     with KVEventPublisher("tcp://127.0.0.1:0") as first:
-        second = KVEventPublisher(first.endpoint)
+        second = KVEventPublisher(first.endpoint, bind=True)
         with pytest.raises(ConfigurationError, match="cannot bind"):
             second.start()
         assert not second.running
         third = KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint=first.endpoint)
         with pytest.raises(ConfigurationError):
             third.start()
-        third2 = KVEventPublisher(third.endpoint)  # the PUB port third bound was released again
+        third2 = KVEventPublisher(third.endpoint, bind=True)  # the PUB port third bound was released again
         third2.start().stop()
         assert first.running
 
@@ -374,7 +406,7 @@ class _JsonBatch(msgspec.Struct):
 def test_cli_jsonl_equals_the_export(tmp_path, capsys):
     path, led = recorded_log(tmp_path)
     out = tmp_path / "events.jsonl"
-    assert events_main(["--jsonl", str(path), "-o", str(out), "--dp-rank", "1"]) == 0
+    assert events_main(["--jsonl", str(path), "-o", str(out), "--dp-rank", "1", "--objects"]) == 0
     assert "batches" in capsys.readouterr().err
     lines = [msgspec.json.decode(line, type=_JsonBatch) for line in out.read_bytes().splitlines()]
     exported: list = []
@@ -407,6 +439,35 @@ def test_cli_zmq_over_ipc_rebuilds_the_cache(tmp_path, ctx):
     assert con.hashes == published_hashes(led)
 
 
+def test_cli_connects_by_vllms_rule_and_binds_when_told(tmp_path, ctx, capsys):
+    """``kvledger events --zmq tcp://host:port`` connects (a subscriber or proxy that binds, as
+    llm-d's centralized indexer does); ``--bind`` overrides; the endpoint is printed as dialled."""
+    path, led = recorded_log(tmp_path, seed=4)
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    codes: list = []
+    th = threading.Thread(target=lambda: codes.append(events_main(
+        [str(path), "--zmq", f"tcp://127.0.0.1:{port}", "--wait", "1.0"])))
+    th.start()
+    got: list = []
+    deadline = time.monotonic() + 30
+    while th.is_alive() or sub.poll(0):
+        if sub.poll(100):
+            got.append(sub.recv_multipart())
+        assert time.monotonic() < deadline
+    th.join()
+    sub.close(linger=0)
+    exported: list = []
+    export_log(path, exported.append)
+    seqs = [int.from_bytes(m[1], "big") for m in got]  # all of them, unless the subscription was late
+    assert codes == [0] and seqs and seqs == list(range(seqs[0], len(exported)))
+    assert f"PUB connected to tcp://127.0.0.1:{port}" in capsys.readouterr().err
+    with KVEventPublisher("tcp://127.0.0.1:0", bind=True) as holder:  # --bind on a taken port: refused, exit 2
+        assert events_main([str(path), "--zmq", holder.endpoint, "--bind", "--wait", "0"]) == 2
+    assert events_main([str(path), "--bind"]) == 2  # --bind without --zmq
+
+
 def test_cli_refuses_a_corrupt_log_and_bad_usage(tmp_path, capsys):
     path, _ = recorded_log(tmp_path)
     data = bytearray(path.read_bytes())
@@ -428,10 +489,10 @@ def test_export_of_a_log_up_to_a_seq(tmp_path):
     path, led = recorded_log(tmp_path)
     first: list = []
     s = export_log(path, first.append, until=0)
-    assert (s.events, s.last_seq, s.batches) == (1, 0, 1) and first[0].events == (AllBlocksCleared(),)
+    assert (s.events, s.last_seq, s.batches) == (1, 0, 1) and first[0].events == (AllBlocksClearedMap(),)
     whole: list = []
     export_log(path, whole.append)
-    stored = [e for b in whole for e in b.events if type(e) is BlockStored]
+    stored = [e for b in whole for e in b.events if type(e) is BlockStoredMap]
     assert stored and all(e.block_size == G.page_tokens and e.medium == "GPU" for e in stored)
 
 

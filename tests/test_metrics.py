@@ -259,7 +259,36 @@ def test_holder_gauges_equal_a_full_scan_of_the_page_table(policy):
         assert v(got, "kvledger_hashed_pages") == sum(led.block_hash(p) is not None for p in range(G.num_pages))
         assert (v(got, "kvledger_ledger_seq"), v(got, "kvledger_open_step")) == (led.seq, led.open_step)
         assert v(got, "kvledger_requests") == len(st.requests)
+        idle = truth[HOLDER_NAMES.index("free")] + truth[HOLDER_NAMES.index("cached")]
+        assert v(got, "kvledger_kv_cache_pages") == G.num_pages
+        assert v(got, "kvledger_kv_cache_usage_ratio") == pytest.approx(1 - idle / G.num_pages)
     assert all(seen[h] for h in HOLDER_NAMES), seen  # the walk reached every holder
+
+
+@pytest.mark.asyncio
+async def test_an_engine_counts_prefix_lookups_beside_the_hits():
+    """open_engine(metrics=) feeds the lookup counters from engine.lookup; the hit rate is
+    lookup hits / lookups; a bad count is refused and counts nothing."""
+    from kvledger.engine import open_engine
+
+    reg, m = fresh()
+    async with open_engine(G, metrics=m) as engine:
+        await engine.reserve(1, 2)
+        await engine.commit(1, 0, 2)
+        await engine.run_step(0)
+        await engine.publish(1, [11, 12], [1, 2, 3, 4])
+        assert await engine.lookup([11, 12, 13]) == 2
+        assert await engine.lookup(iter([11, 99])) == 1  # any iterable
+        assert await engine.lookup([7]) == 0
+        await engine.share(2, [11])
+    got = scrape(reg)
+    assert v(got, "kvledger_prefix_cache_lookup_pages_total") == 6
+    assert v(got, "kvledger_prefix_cache_lookup_hit_pages_total") == 3
+    assert v(got, "kvledger_prefix_cache_hit_pages_total") == 1  # what share took
+    for bad in ((2, 3), (-1, 0), (1.0, 0)):
+        with pytest.raises(InvalidArgumentError):
+            m.prefix_lookup(*bad)
+    assert v(scrape(reg), "kvledger_prefix_cache_lookup_pages_total") == 6
 
 
 # ---------------------------------------------------------------------- steps, through a real engine
@@ -306,7 +335,8 @@ async def test_step_hooks_count_what_the_engine_and_its_backends_did():
         r = str(rank)
         # the backends also zeroed the failed step's 2 pages (the clear runs before the graph that
         # raised); the metric counts completed steps, which zeroed them again in the next step
-        assert v(got, "kvledger_bytes_zeroed_total", rank=r) == cleared * 20 == stats[rank]["bytes"] - 2 * 20
+        assert v(got, "kvledger_zeroed_bytes_total", rank=r) == cleared * 20 == stats[rank]["bytes"] - 2 * 20
+        assert v(got, "kvledger_bytes_zeroed_total", rank=r) == cleared * 20  # the deprecated name, one release
         assert v(got, "kvledger_rank_clear_seconds_count", rank=r) == with_clears
         assert v(got, "kvledger_rank_plans_total", rank=r, status="completed") == 4 + (rank == 0)
     assert v(got, "kvledger_rank_plans_total", rank="1", status="failed") == 1

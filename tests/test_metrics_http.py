@@ -9,9 +9,11 @@ from __future__ import annotations
 import collections
 import json
 import re
+import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -81,6 +83,55 @@ def test_server_serves_the_registry_counts_scrapes_and_releases_its_port():
     for port in (-1, 65536, "80"):
         with pytest.raises(InvalidArgumentError):
             MetricsServer(reg, port=port)  # type: ignore[arg-type]
+
+
+def test_an_idle_client_blocks_no_scrape_and_close_returns_at_once():
+    """The probe of issue #19 (cc956ad: one idle TCP client blocked every scrape and made close()
+    hang): a client that connects and sends nothing, and one that sends half a request, sit on
+    the server while scrapes are answered; close() returns at once; idle connections are dropped
+    after idle_timeout; past max_clients a connection is closed at once."""
+    reg, m = fresh()
+    led = Ledger(G, observer=m.observe)
+    m.track_ledger(led)
+    server = MetricsServer(reg, port=0, idle_timeout=0.5, max_clients=3)
+    idle = socket.create_connection(("127.0.0.1", server.port))
+    half = socket.create_connection(("127.0.0.1", server.port))
+    half.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never finished
+    closer = threading.Thread(target=server.close)
+    try:
+        got = parse(get(server.url))
+        assert v(got, "kvledger_kv_cache_pages") == G.num_pages and server.scrapes == 1
+        late = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(3)]  # over max_clients
+        assert _closed_within(late[-1], 10)  # past max_clients: closed at once (or, at the latest, idle-dropped)
+        assert _closed_within(idle, 10)  # idle_timeout: the server dropped it
+        for s in late:
+            s.close()
+        assert v(parse(get(server.url)), "kvledger_ledger_seq") == 1
+        half2 = socket.create_connection(("127.0.0.1", server.port))
+        half2.sendall(b"GET /metrics HTTP/1.1\r\n")
+        t0 = time.monotonic()
+        closer.start()
+        closer.join(10)
+        took = time.monotonic() - t0
+        half2.close()
+    finally:
+        idle.close()
+        half.close()
+        if not closer.is_alive() and closer.ident is None:
+            server.close()
+    print(f"close() with a half-sent request open: {took * 1000:.0f} ms")
+    assert not closer.is_alive() and took < 1.0
+
+
+def _closed_within(sock: socket.socket, timeout: float) -> bool:
+    """True once the peer closed ``sock`` (a read returns EOF or a reset), within ``timeout``."""
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
 
 
 # ---------------------------------------------------------------------- the demo, scraped over HTTP
@@ -164,7 +215,7 @@ def test_demo_serves_metrics_that_equal_its_own_figures(tmp_path):
     assert v(got, "kvledger_steps_completed_total") == run["steps"] == v(got, "kvledger_step_seconds_count")
     assert v(got, "kvledger_step_seconds_sum") == pytest.approx(run["step_s"], rel=1e-9)
     assert v(got, "kvledger_pages_cleared_total") == run["pages_zeroed"] == run["pages_listed"]
-    assert sum(v(got, "kvledger_bytes_zeroed_total", rank=str(r)) for r in range(world)) == run["bytes_zeroed"]
+    assert sum(v(got, "kvledger_zeroed_bytes_total", rank=str(r)) for r in range(world)) == run["bytes_zeroed"]
     for r in range(world):
         assert v(got, "kvledger_rank_clear_seconds_count", rank=str(r)) == run["steps_with_clears"]
         assert v(got, "kvledger_rank_plans_total", rank=str(r), status="completed") == run["steps"]

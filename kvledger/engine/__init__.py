@@ -39,7 +39,8 @@ Optional parts (``opening.py`` lists every option):
     sanitize=True      debug mode: poison -> clear -> check on every local rank; a violation
                        is recorded and raises SanitizerError with the page's lifecycle
     metrics=...        a kvledger.metrics.LedgerMetrics, fed by the engine
-    kv_events=...      a KVEventPublisher (or a ZMQ endpoint): one batch per step, as steps complete
+    kv_events=...      a KVEventPublisher (or an endpoint, or vLLM's --kv-events-config JSON):
+                       one batch per step, as steps complete
     observers=(...)    the caller's Ledger observers, composed with the engine's into one
 
 What a failure leaves behind:

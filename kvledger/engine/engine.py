@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from typing import Any
 
 import anyio
@@ -86,6 +86,7 @@ class Engine:
         )
         self.remote_address: tuple[str, int] | None = None
         self._kv_events = extras.publisher if extras is not None else None
+        self._metrics = extras.metrics if extras is not None else None
 
     # ------------------------------------------------------------------ plumbing
 
@@ -233,10 +234,17 @@ class Engine:
         return await self._access.call(self._ledger.publish, request, hashes, token_ids, **kw)
 
     async def lookup(self, hashes: Iterable[int | bytes], *, tenant: str | None = None) -> int:
-        """``Ledger.lookup``: how many leading blocks of ``hashes`` are ready to ``share``."""
+        """``Ledger.lookup``: how many leading blocks of ``hashes`` are ready to ``share`` (the
+        metrics, when given, count the blocks asked and found: ``prefix_lookup``)."""
+        if self._metrics is not None and not isinstance(hashes, Sized):
+            hashes = tuple(hashes)
         if self._access.direct:
-            return self._ledger.lookup(hashes, tenant=tenant)
-        return await self._access.call(self._ledger.lookup, hashes, tenant=tenant)
+            found = self._ledger.lookup(hashes, tenant=tenant)
+        else:
+            found = await self._access.call(self._ledger.lookup, hashes, tenant=tenant)
+        if self._metrics is not None:
+            self._metrics.prefix_lookup(len(hashes), found)  # type: ignore[arg-type]
+        return found
 
     async def share(self, request: int, hashes: Sequence[int | bytes], *, tenant: str | None = None
                     ) -> tuple[int, ...]:

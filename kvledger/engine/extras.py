@@ -1,7 +1,7 @@
 """``Extras``: what ``open_engine`` wires in besides the ledger and the ranks, and in which order.
 
     open_engine(..., metrics=, kv_events=, sanitize=, observers=)
-      Extras(...)        check the arguments; build a KVEventPublisher for an endpoint; a
+      Extras(...)        check the arguments; build a KVEventPublisher for an endpoint or a config; a
                          SanitizerTracker in sanitize mode
       .start()           the publisher starts (binds its sockets) before the ledger opens
       .observer          one Ledger observer for all of them (kvledger.durable.chain_observers:
@@ -34,15 +34,15 @@ from .sanitizer import SanitizerTracker
 __all__ = ["Extras"]
 
 _METRICS_HOOKS = ("observe", "track_engine", "step_completed", "step_failed", "wire_decision",
-                  "sanitizer_violation", "timed_layer")
+                  "sanitizer_violation", "timed_layer", "prefix_lookup")
 _PUBLISHER_CALLS = ("observe", "flush", "start", "stop")
 
 
 class Extras:
     """The optional parts of one engine (module docstring). Raises ``InvalidArgumentError`` for
-    a ``metrics`` that is not a ``LedgerMetrics``, a ``kv_events`` that is neither an endpoint
-    nor a publisher, an observer that is not callable; ``ConfigurationError`` for a bad
-    endpoint or a missing pyzmq. Nothing is opened by the constructor."""
+    a ``metrics`` that is not a ``LedgerMetrics``, a ``kv_events`` that is neither an endpoint,
+    a config nor a publisher, an observer that is not callable; ``ConfigurationError`` for a
+    bad endpoint or config or a missing pyzmq. Nothing is opened by the constructor."""
 
     def __init__(self, *, sanitize: bool = False, metrics: Any = None, kv_events: Any = None,
                  observers: Iterable[Any] = ()) -> None:
@@ -100,15 +100,16 @@ class Extras:
 
 
 def _publisher(kv_events: Any) -> Any:
-    """A publisher for ``kv_events``: None, an endpoint (a ``KVEventPublisher`` is built on it),
+    """A publisher for ``kv_events``: None, an endpoint, vLLM's ``--kv-events-config`` JSON or a
+    mapping of its fields (a ``KVEventPublisher`` is built: ``kvledger.kvevents.make_publisher``),
     or a publisher (anything with observe, flush, start and stop)."""
     if kv_events is None:
         return None
-    if isinstance(kv_events, str):
-        from kvledger.kvevents import KVEventPublisher
+    if isinstance(kv_events, (str, Mapping)):
+        from kvledger.kvevents import make_publisher
 
-        return KVEventPublisher(kv_events)
+        return make_publisher(kv_events)
     if all(callable(getattr(kv_events, n, None)) for n in _PUBLISHER_CALLS):
         return kv_events
-    raise InvalidArgumentError(f"kv_events must be a ZMQ endpoint or a kvledger.kvevents.KVEventPublisher, "
-                               f"got {kv_events!r}")
+    raise InvalidArgumentError(f"kv_events must be a ZMQ endpoint, vLLM's --kv-events-config JSON or a "
+                               f"kvledger.kvevents.KVEventPublisher, got {kv_events!r}")

@@ -46,7 +46,9 @@ The options of ``open_engine``:
                      track_engine, step_completed / step_failed per step, wire_decision per
                      remote handshake, sanitizer_violation; with a log, its timed file layer
                      (unless log_options names a layer)
-    kv_events        a kvledger.kvevents.KVEventPublisher, or a ZMQ endpoint to build one on:
+    kv_events        a kvledger.kvevents.KVEventPublisher, or a ZMQ endpoint, vLLM's
+                     --kv-events-config JSON or a mapping of its fields to build one on
+                     (kvledger.kvevents.make_publisher; disabled there: none):
                      started (if new) before the ledger opens, its observer on the ledger,
                      flushed after each step's outcome is recorded, stopped at close
     observers        more Ledger observers (seq, event, effects), called after the engine's

@@ -6,9 +6,14 @@ events vLLM publishes, so existing consumers read kvledger unchanged:
 
     schema.py     the msgpack structs (BlockStored, BlockRemoved, AllBlocksCleared,
                   KVEventBatch) in vLLM's two layouts, the frame layout, encode / decode
-    batcher.py    KVEventBatcher (sans-I/O): (seq, event, effects) in, one batch per step out
+    batcher.py    KVEventBatcher (sans-I/O): (seq, event, effects) in, one batch per step out;
+                  u64 hashes, extra keys (tenant, cache salt)
+    endpoints.py  vLLM's endpoint rules: bind or connect, DP-rank offset, a dialable endpoint
+    replay.py     ReplayService: the replay buffer and the answers owed, served a bounded
+                  amount per turn
     publisher.py  KVEventPublisher: a ZMQ PUB socket and a replay socket, a bounded queue,
                   a background thread; ``publisher.observe`` is a ``Ledger`` observer
+    config.py     make_publisher: an endpoint, vLLM's --kv-events-config JSON or a mapping
     export.py     export_log: the same batches, rebuilt offline by folding a recorded log
     cli.py        ``kvledger events LOG [--jsonl | --zmq ENDPOINT]``
 
@@ -19,34 +24,41 @@ Live::
     ...
     pub.stop()
 
-Matched field by field (our own code) against vLLM's ``vllm/distributed/kv_events.py``:
+The defaults are what vLLM 0.33 sends and its own decoder (``vllm/distributed/
+kv_events.py``: ``msgspec.msgpack.Decoder(type=KVEventBatch)``) accepts; the test
+suite decodes the live stream, the CLI's and a full replay with that file, taken
+from vLLM 0.33.0's wheel. Per consumer:
 
-* ``"array"`` (the default; the layout issue #13 names): positional structs, events
-  tagged by class name in the first slot, ``BlockStored(block_hashes,
-  parent_block_hash, token_ids, block_size, lora_id, medium, lora_name)``: the file
-  between vllm-project/vllm#27577 (``lora_name``) and #33304 (``extra_keys``), read
-  at commit 92a785cb21e2b2acbd4be1dfd87e799c9c632a37 of 1CatAI/1Cat-vLLM, a vLLM
-  fork whose event structs are that upstream state (the upstream snapshots we
-  could read are older, b4e69e0af33f, or newer);
-* ``"map"``: events as maps tagged under ``"type"`` (vllm-project/vllm#42892), the
-  event structs read at vllm-project/vllm 0181ea3173e53eea8cf04a86891488e3dc89bb34,
-  the batch kept positional as released vLLM sends it (vLLM 0.26.0 batches read
-  ``[ts, [{"type": "BlockStored", ...}], 0]``; that commit's file declares the
-  batch without ``array_like``).
+    consumer                   settings                         what it reads
+    vLLM >= 0.26 (0.33 incl.)  the defaults                     map events, u64 hashes, extra_keys,
+                                                                replay [topic, seq, payload] + [b"", -1, b""]
+    vLLM < 0.26 consumers      layout="array",                  positional events, replay [seq, payload]
+                               replay_format="legacy"           + [-1, b""]
+    Dynamo's KV indexer        the defaults (replay_format=     3 frames, 8-byte seq, i64/u64 hashes (it
+      (ZMQ relay)              "legacy" where its replay        drops bytes hashes: keep hashes="u64"),
+                               reader expects [seq, payload])   map or positional events
+    llm-d's KV-cache indexer   topic="kv@<pod>@<model>"; the    the topic names pod and model; replays
+                               defaults otherwise               carry the topic frame; token ids by block
 
-The PUB framing, the replay protocol and its end marker are the same in every
-version read (publisher.py).
+``hashes="raw"`` sends the ledger's own hashes (16-byte bytes from
+``core.hashing.block_hashes``) for a consumer that wants them; ``bind=True`` /
+``False`` overrides vLLM's bind/connect rule (llm-d's centralized mode: every
+publisher connects to one indexer that binds).
 
 ``import kvledger`` does not import this package, and this package imports pyzmq
 only when a ``KVEventPublisher`` is made (``pip install kvledger[events]``).
 """
 
 from .batcher import KVEventBatcher, PendingBatch, to_kv_events
+from .config import make_publisher, publisher_options
+from .endpoints import binds, dialable, offset_endpoint
 from .export import ExportSummary, JsonLinesSink, export_log
 from .publisher import KVEventPublisher, PublisherStatistics
 from .schema import (
+    HASH_FORMS,
     LAYOUTS,
     MEDIUM_GPU,
+    REPLAY_FORMATS,
     SEQ_END,
     AllBlocksCleared,
     AllBlocksClearedMap,
@@ -63,8 +75,10 @@ from .schema import (
 )
 
 __all__ = [
+    "HASH_FORMS",
     "LAYOUTS",
     "MEDIUM_GPU",
+    "REPLAY_FORMATS",
     "SEQ_END",
     "AllBlocksCleared",
     "AllBlocksClearedMap",
@@ -80,9 +94,14 @@ __all__ = [
     "KVEventPublisher",
     "PendingBatch",
     "PublisherStatistics",
+    "binds",
     "decode_batch",
+    "dialable",
     "encode_batch",
     "export_log",
+    "make_publisher",
+    "offset_endpoint",
+    "publisher_options",
     "seq_bytes",
     "seq_from_bytes",
     "to_kv_events",

@@ -1,11 +1,14 @@
 """From the fold's effects to KV event batches: sans-I/O, shared by the live publisher and the export.
 
     Ledger._submit ─► observer(seq, event, effects) ─► KVEventBatcher.observe: collect
-                        effects   BlocksStored, BlocksRemoved (the objects, as they are)
+                        effects   BlocksStored (with its request's extra keys), BlocksRemoved
                         event     CacheConfigured ─► AllBlocksCleared (a new cache starts empty)
+                                  PagesReserved / PagesShared ─► the request's tenant
+                                  RequestFinished / RequestCancelled ─► forget its keys
                                   StepSealed ─► close the batch (auto_flush), stamped clock()
-                    ─► build: BlocksStored ─► BlockStored (block_size = page_tokens, medium)
-                              BlocksRemoved ─► BlockRemoved (medium)
+                    ─► build: BlocksStored ─► BlockStored (block_size = page_tokens, medium,
+                                             hashes folded to u64, extra_keys)
+                              BlocksRemoved ─► BlockRemoved (medium, hashes folded to u64)
                     ─► sink(KVEventBatch(ts, events, data_parallel_rank))
                        (deferred: sink(PendingBatch(ts, effects)); the consumer builds it)
 
@@ -17,18 +20,44 @@ early (and ``stop()`` of the publisher closes the last one). The boundaries at
 seals come from the log, so exporting a recorded log yields the same batches
 the live run sent when nothing else flushed; an explicit ``flush()`` is not in
 the log and moves a boundary, never an event.
+
+Hashes (``hashes=``): ``"u64"`` (the default) folds every block hash and parent
+hash the way vLLM 0.33 folds its own (``core.hashing.to_u64``), what Dynamo's
+indexer and vLLM's own consumers expect; ``"raw"`` sends the ledger's hashes as
+they are (16-byte bytes from ``core.hashing.block_hashes``).
+
+Extra keys (the map layout's ``extra_keys``, one entry per block): what separates
+equal token prefixes in a router's index. A block's entry is, in order, the
+publish's LoRA name (when set), the tenant of the request that wrote it (the
+ledger's, from the ``PagesReserved`` / ``PagesShared`` that created the request)
+and the cache salt the caller set for that request (``set_cache_salt``); None when
+it has none of them, and the field is left out when no block of the event has
+any. Every block of a publish carries the same entry (``core.hashing`` applies the
+extra keys to every block too). The log records tenants but not salts: an export
+carries the tenant only, unless its caller passes the salts again.
 """
 
 from __future__ import annotations
 
+import struct
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from kvledger.core.errors import InvalidArgumentError
-from kvledger.core.events.events import BlocksRemoved, BlocksStored, CacheConfigured, StepSealed
+from kvledger.core.events.events import (
+    BlocksRemoved,
+    BlocksStored,
+    CacheConfigured,
+    PagesReserved,
+    PagesShared,
+    RequestCancelled,
+    RequestFinished,
+    StepSealed,
+)
+from kvledger.core.hashing import to_u64, to_u64_all
 
-from .schema import MEDIUM_GPU, Layout, get_layout
+from .schema import HASH_FORMS, MEDIUM_GPU, Layout, check_choice, get_layout
 
 __all__ = ["KVEventBatcher", "PendingBatch", "to_kv_events"]
 
@@ -38,32 +67,101 @@ def _check_medium(medium) -> None:
         raise InvalidArgumentError(f"medium must be a str or None, got {medium!r}")
 
 
-def to_kv_events(effects: Iterable, *, medium: str | None = MEDIUM_GPU, layout: str = "array") -> list:
+def to_kv_events(effects: Iterable, *, medium: str | None = MEDIUM_GPU, layout: str = "map",
+                 hashes: str = "u64") -> list:
     """The KV events of some effects, in order: ``BlocksStored`` -> ``BlockStored``,
     ``BlocksRemoved`` -> ``BlockRemoved``; every other effect (``ClearPages``,
-    ``StepPlan``) has none. Raises ``InvalidArgumentError`` for a bad layout or medium."""
+    ``StepPlan``) has none. Raises ``InvalidArgumentError`` for a bad layout, hash form or medium."""
     _check_medium(medium)
     lay = get_layout(layout)
     out: list = []
-    _convert(effects, lay, medium, out)
+    kv = [e for e in effects if type(e) is BlocksStored or type(e) is BlocksRemoved]
+    _convert(kv, lay, medium, check_choice(hashes, HASH_FORMS, "hashes") == "u64", out)
     return out
 
 
-_CLEARED = object()  # collected for a CacheConfigured: AllBlocksCleared
+class _Cleared:
+    """Collected for a ``CacheConfigured``: an ``AllBlocksCleared`` (no hashes)."""
+
+    __slots__ = ()
+    hashes: tuple = ()
 
 
-def _convert(effects: Iterable, lay: Layout, medium: str | None, out: list) -> None:
+_CLEARED = _Cleared()
+
+
+class _Keyed(NamedTuple):
+    """A ``BlocksStored`` collected with the extra keys of the request that published it."""
+
+    effect: BlocksStored
+    keys: tuple
+    hashes: tuple  # the effect's own
+
+
+_last8 = struct.Struct(">Q").unpack_from  # core.hashing.to_u64 of one hash of 8 bytes or more
+_UNPACK16 = [struct.Struct(">" + "8xQ" * k).unpack for k in range(17)]  # k 16-byte hashes: their last 8 bytes
+
+
+def _convert(effects: Iterable, lay: Layout, medium: str | None, fold: bool, out: list) -> None:
+    """Append the KV event of each effect to ``out``; ``fold``: hashes as u64. The common folds
+    (int hashes; up to 16 of ``core.hashing.block_hash``'s 16 bytes in one C call) are inlined:
+    a call per event costs as much as the fold. The rest: ``core.hashing.to_u64_all``."""
     stored, removed, cleared = lay.stored, lay.removed, lay.cleared
+    with_keys = lay.name == "map"
     append = out.append
+    last8, unpack, join = _last8, _UNPACK16, b"".join
+    prev_raw: object = None  # the last block hash of the latest publish, and its u64 form
+    prev_u64 = 0
     for eff in effects:
         t = type(eff)
-        if t is BlocksStored:
-            append(stored(eff.hashes, eff.parent_hash, eff.token_ids, eff.page_tokens,
-                          eff.lora_id, medium, eff.lora_name))
-        elif t is BlocksRemoved:
-            append(removed(eff.hashes, medium))
-        elif eff is _CLEARED:
+        if t is _Cleared:
             append(cleared())
+            continue
+        keys = None
+        if t is _Keyed:
+            eff, keys, hs = eff
+        else:
+            hs = eff.hashes
+        raw = hs
+        if fold and hs:
+            h, k = hs[0], len(hs)
+            if type(h) is int:  # int hashes: the ledger's are signed 64-bit, so >= 0 ones fold to themselves
+                try:
+                    if min(hs) < 0:
+                        hs = to_u64_all(hs)
+                except TypeError:  # ints and bytes mixed
+                    hs = to_u64_all(hs)
+            elif k == 1:
+                hs = (last8(h, 8)[0],) if type(h) is bytes and len(h) == 16 else to_u64_all(hs)
+            else:
+                try:
+                    joined = join(hs)
+                except TypeError:  # int hashes
+                    joined = b""
+                # all k are 16 bytes: the total says so once all but one are known to be
+                if (len(joined) == 16 * k and len(h) == 16 and len(hs[-1]) == 16 and k <= 16
+                        and (k == 2 or k == 3 or (k == 4 and len(hs[1]) == 16) or min(map(len, hs)) == 16)):
+                    hs = unpack[k](joined)
+                else:
+                    hs = to_u64_all(hs)
+        if t is BlocksRemoved:
+            append(removed(hs, medium))
+            continue
+        parent = eff.parent_hash
+        if fold and raw:
+            if parent is not None:  # usually the last block of the publish before: folded already
+                parent = prev_u64 if parent is prev_raw else (
+                    last8(parent, len(parent) - 8)[0] if type(parent) is bytes and len(parent) >= 8
+                    else to_u64(parent))
+            prev_raw, prev_u64 = raw[-1], hs[-1]
+        lora = eff.lora_name
+        if lora is not None:
+            keys = (lora, *keys) if keys else (lora,)
+        if with_keys:
+            append(stored(hs, parent, eff.token_ids, eff.page_tokens, eff.lora_id, medium, lora,
+                          (keys,) * len(hs) if keys else None))
+        else:
+            append(stored(hs, parent, eff.token_ids, eff.page_tokens, eff.lora_id, medium, lora))
 
 
 class PendingBatch(NamedTuple):
@@ -76,9 +174,10 @@ class PendingBatch(NamedTuple):
 class KVEventBatcher:
     """Collects the KV events of folded events and hands each closed batch to ``sink``.
 
-    ``observe(seq, event, effects)`` is a ``Ledger`` observer. ``layout``: ``"array"``
-    or ``"map"`` (``schema``); ``medium``: the events' medium (``"GPU"``; None
-    allowed); ``data_parallel_rank``: stamped on every batch (None leaves it out);
+    ``observe(seq, event, effects)`` is a ``Ledger`` observer. ``layout``: ``"map"``
+    (vLLM 0.33's) or ``"array"`` (``schema``); ``hashes``: ``"u64"`` or ``"raw"``
+    (module docstring); ``medium``: the events' medium (``"GPU"``; None
+    allowed); ``data_parallel_rank``: stamped on every batch (None: nil);
     ``clock``: the batch timestamp in seconds (``time.time``); ``auto_flush``:
     close a batch when a ``StepSealed`` is observed; ``deferred``: hand the sink a
     ``PendingBatch`` (stamped, not converted) and let a consumer thread ``build`` it,
@@ -87,13 +186,19 @@ class KVEventBatcher:
     raising propagates out of ``observe`` / ``flush`` (that batch is then gone from here).
     """
 
-    def __init__(self, sink: Callable[[Any], object], *, layout: str = "array", medium: str | None = MEDIUM_GPU,
+    def __init__(self, sink: Callable[[Any], object], *, layout: str = "map", medium: str | None = MEDIUM_GPU,
                  data_parallel_rank: int | None = 0, clock: Callable[[], float] = time.time,
-                 auto_flush: bool = True, deferred: bool = False) -> None:
+                 auto_flush: bool = True, deferred: bool = False, hashes: str = "u64") -> None:
         _check_medium(medium)
         if data_parallel_rank is not None and (type(data_parallel_rank) is not int or data_parallel_rank < 0):
             raise InvalidArgumentError(f"data_parallel_rank must be an int >= 0 or None, got {data_parallel_rank!r}")
         self._layout = get_layout(layout)
+        self._fold = check_choice(hashes, HASH_FORMS, "hashes") == "u64"
+        self._tenants: dict[int, str] = {}  # request -> its tenant (requests that have one)
+        self._salts: dict[int, str] = {}  # request -> the cache salt its caller set
+        self._hooks: dict[type, Callable[[Any], None]] = {
+            StepSealed: self._sealed, PagesReserved: self._tenant, PagesShared: self._tenant,
+            RequestFinished: self._gone, RequestCancelled: self._gone, CacheConfigured: self._configured}
         self._sink = sink
         self._medium = medium
         self._rank = data_parallel_rank
@@ -109,6 +214,34 @@ class KVEventBatcher:
         return self._layout.name
 
     @property
+    def hashes(self) -> str:
+        return "u64" if self._fold else "raw"
+
+    def set_cache_salt(self, request: int, salt: str | None) -> None:
+        """Publish ``salt`` in the extra keys of the blocks ``request`` publishes from now on
+        (None: none), until it finishes or is cancelled. ``InvalidArgumentError`` for a
+        request that is not an int or a salt that is not a str."""
+        if type(request) is not int:
+            raise InvalidArgumentError(f"request must be an int, got {request!r}")
+        if salt is None:
+            self._salts.pop(request, None)
+        elif type(salt) is not str:
+            raise InvalidArgumentError(f"a cache salt is a str, got {salt!r}")
+        else:
+            self._salts[request] = salt
+
+    def set_tenants(self, tenants: dict[int, str | None]) -> None:
+        """Know these requests' tenants (``request -> tenant``; None entries skipped): an
+        export that starts at a checkpoint seeds them from the checkpoint's state."""
+        self._tenants.update({r: t for r, t in tenants.items() if t is not None})
+
+    def _keys_of(self, request: int) -> tuple | None:
+        tenant, salt = self._tenants.get(request), self._salts.get(request)
+        if tenant is None:
+            return None if salt is None else (salt,)
+        return (tenant,) if salt is None else (tenant, salt)
+
+    @property
     def pending(self) -> int:
         """KV events collected and not yet in a batch."""
         return len(self._pending)
@@ -116,18 +249,36 @@ class KVEventBatcher:
     def observe(self, seq: int, event, effects: tuple) -> None:
         """Collect the KV effects of one folded event (the ``Ledger`` observer signature).
 
-        Only the effect objects are kept; they become structs when a batch is built."""
+        Only the effect objects are kept (a publish's with its request's extra keys); they
+        become structs when a batch is built."""
         if effects:
             for eff in effects:
                 t = type(eff)
-                if t is BlocksStored or t is BlocksRemoved:
+                if t is BlocksRemoved:
                     self._pending.append(eff)
-        t = type(event)
-        if t is StepSealed:
-            if self._auto and self._pending:
-                self.flush()
-        elif t is CacheConfigured:
-            self._pending.append(_CLEARED)
+                elif t is BlocksStored:
+                    keys = self._keys_of(event.request) if self._tenants or self._salts else None
+                    self._pending.append(eff if keys is None else _Keyed(eff, keys, eff.hashes))
+        hook = self._hooks.get(type(event))
+        if hook is not None:
+            hook(event)
+
+    def _sealed(self, event) -> None:
+        if self._auto and self._pending:
+            self.flush()
+
+    def _tenant(self, event) -> None:
+        if event.tenant is not None:
+            self._tenants[event.request] = event.tenant
+
+    def _gone(self, event) -> None:
+        if self._tenants or self._salts:
+            self._tenants.pop(event.request, None)
+            self._salts.pop(event.request, None)
+
+    def _configured(self, event) -> None:
+        self._pending.append(_CLEARED)
+        self._tenants.clear()
 
     def flush(self):
         """Close the pending events into a batch (stamped ``clock()``) and hand it to the sink;
@@ -145,5 +296,5 @@ class KVEventBatcher:
     def build(self, ts: float, effects: Iterable):
         """The batch (this batcher's layout, medium and rank) of collected effects, stamped ``ts``."""
         events: list = []
-        _convert(effects, self._layout, self._medium, events)
+        _convert(effects, self._layout, self._medium, self._fold, events)
         return self._layout.batch(ts, tuple(events), self._rank)

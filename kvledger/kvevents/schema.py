@@ -1,50 +1,63 @@
 """KV events on the wire, in vLLM's msgpack format: the structs, the framing, encode and decode.
 
 Matched field by field against vLLM's ``vllm/distributed/kv_events.py`` (our own code;
-the package docstring names the commits read). Two layouts, one per vLLM era:
+the package docstring names what was read; the conformance tests decode our bytes
+with vLLM 0.33.0's own file). Two layouts, one per vLLM era:
 
-``"array"`` (the default; what kvledger issue #13 names): every struct is
-``array_like``, so a struct is a msgpack array of its fields in declaration order,
-and an event is tagged by its class name in the first slot::
+``"map"`` (the default: what vLLM 0.26 and later, 0.33 included, send and decode):
+the batch is an array, each event a msgpack map of its named fields with the tag
+under ``"type"``::
 
     EventBatch        [ts: float64, events: [event, ...], data_parallel_rank: int]
-    BlockStored       ["BlockStored", block_hashes: [int | bin, ...], parent_block_hash: int | bin | nil,
-                       token_ids: [int, ...], block_size: int, lora_id: int | nil,
-                       medium: str | nil, lora_name: str | nil]
-    BlockRemoved      ["BlockRemoved", block_hashes: [int | bin, ...], medium: str | nil]
+    BlockStored       {"type": "BlockStored", "block_hashes": [u64, ...], "parent_block_hash": u64 | nil,
+                       "token_ids": [int, ...], "block_size": int, "lora_id": int | nil,
+                       "medium": str | nil, "lora_name": str | nil,
+                       "extra_keys": [[key, ...] | nil, ...]}      (only when some block has keys)
+    BlockRemoved      {"type": "BlockRemoved", "block_hashes": [u64, ...], "medium": str | nil}
+    AllBlocksCleared  {"type": "AllBlocksCleared"}
+
+``extra_keys`` (vLLM 0.33's field) holds, per block, what separates equal token
+prefixes: the LoRA name, the tenant, the caller's cache salt (``batcher``). The later
+vLLM fields (``group_idx``, ``kv_cache_spec_kind``, ...) default to None and are
+omitted (``omit_defaults``), as is ``extra_keys`` when no block has any.
+
+``"array"`` (``layout="array"``, for consumers of the vLLM releases before 0.26):
+every struct is ``array_like``, so a struct is a msgpack array of its fields in
+declaration order, and an event is tagged by its class name in the first slot::
+
+    BlockStored       ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+                       lora_id, medium, lora_name]
+    BlockRemoved      ["BlockRemoved", block_hashes, medium]
     AllBlocksCleared  ["AllBlocksCleared"]
 
-``"map"`` (vLLM after vllm-project/vllm#42892): the batch stays an array, each event
-is a msgpack map of its named fields with the tag under ``"type"``
-(``{"type": "BlockStored", "block_hashes": [...], ...}``). The later vLLM fields
-(``extra_keys``, ``group_idx``, ``kv_cache_spec_kind``, ...) all default to None
-there and are omitted (``omit_defaults``), so current vLLM decoders read these maps.
+(no ``extra_keys``: that era's decoders read 8 slots). Hashes are u64 ints by default
+(``batcher``: ``core.hashing.to_u64``, vLLM's fold), or the ledger's own ints / bytes
+(``hashes="raw"``); decoding accepts any msgpack int or bytes. Fields are tuples here
+(frozen structs); msgpack arrays either way. A ``data_parallel_rank`` of None is nil.
 
-Both layouts declare ``omit_defaults`` as vLLM does; msgspec writes array-like
-structs whole anyway (a ``data_parallel_rank`` of None is nil, not left out;
-kvledger sets it, 0 by default, as vLLM's publisher does), and no event field has
-a default, so every field is always written. Hashes are the ledger's: signed 64-bit ints
-or bytes; decoding accepts any msgpack int (vLLM sends unsigned 64-bit ones) or bytes.
-Fields are tuples here (frozen structs); msgpack arrays either way.
-
-A batch travels on a ZMQ PUB socket as three frames, and a replay answer as two::
+A batch travels on a ZMQ PUB socket as three frames; a replay answer as three
+(vLLM 0.33, the default) or two (``replay_format="legacy"``, vLLM before 0.26)::
 
     PUB       [topic (utf-8, "" by default), seq (8 bytes, big-endian), payload (msgpack EventBatch)]
-    replay    request: [seq (8 bytes, big-endian)]   (on a REQ / DEALER socket; ROUTER sees [id, b"", seq])
-              answer:  [seq, payload] for every buffered batch with seq >= the requested one,
-                       then [SEQ_END, b""] (SEQ_END = -1 as 8 signed big-endian bytes: ff ff ff ff ff ff ff ff)
+    replay    request: [seq (8 bytes, big-endian)]   (on a DEALER / REQ socket; ROUTER sees [id, b"", seq])
+      "vllm"    answer:  [topic, seq, payload] for every buffered batch with seq >= the requested one,
+                         then [b"", SEQ_END, b""]
+      "legacy"  answer:  [seq, payload] ..., then [SEQ_END, b""]
+              (SEQ_END = -1 as 8 signed big-endian bytes: ff ff ff ff ff ff ff ff)
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 
 from kvledger.core.errors import InvalidArgumentError
 
 __all__ = [
+    "HASH_FORMS",
     "LAYOUTS",
+    "REPLAY_FORMATS",
     "MEDIUM_GPU",
     "SEQ_END",
     "AllBlocksCleared",
@@ -56,6 +69,7 @@ __all__ = [
     "KVEventBatch",
     "KVEventBatchMap",
     "Layout",
+    "check_choice",
     "decode_batch",
     "encode_batch",
     "get_layout",
@@ -64,12 +78,14 @@ __all__ = [
 ]
 
 MEDIUM_GPU = "GPU"  # vLLM's MEDIUM_GPU: where the blocks live
+HASH_FORMS = ("u64", "raw")  # block hashes on the wire: vLLM's u64 fold (default), or the ledger's own
+REPLAY_FORMATS = ("vllm", "legacy")  # replay answers: [topic, seq, payload] (vLLM >= 0.26), or [seq, payload]
 SEQ_END = (-1).to_bytes(8, "big", signed=True)  # the replay answer's end marker
 
 WireHash = int | bytes  # vLLM's ExternalBlockHash (bytes | int); unbounded int so vLLM's u64 hashes decode
 
 
-# ---------------------------------------------------------------------- "array": positional (issue #13)
+# ---------------------------------------------------------------------- "array": positional (vLLM < 0.26)
 
 
 class _ArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
@@ -107,7 +123,7 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
-# ---------------------------------------------------------------------- "map": named fields (vLLM >= #42892)
+# ---------------------------------------------------------------------- "map": named fields (vLLM >= 0.26)
 
 
 class _MapEvent(msgspec.Struct, omit_defaults=True, gc=False, frozen=True, tag_field="type"):
@@ -115,7 +131,9 @@ class _MapEvent(msgspec.Struct, omit_defaults=True, gc=False, frozen=True, tag_f
 
 
 class BlockStoredMap(_MapEvent, frozen=True, tag="BlockStored"):
-    """``BlockStored`` as a tagged map (same fields, same order as ``BlockStored``)."""
+    """``BlockStored`` as a tagged map (``BlockStored``'s fields in order, then vLLM 0.33's
+    ``extra_keys``: one entry per block, a tuple of keys or None; None (left out) when no
+    block has keys)."""
 
     block_hashes: tuple[WireHash, ...]
     parent_block_hash: WireHash | None
@@ -124,6 +142,7 @@ class BlockStoredMap(_MapEvent, frozen=True, tag="BlockStored"):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
 
 
 class BlockRemovedMap(_MapEvent, frozen=True, tag="BlockRemoved"):
@@ -158,17 +177,17 @@ class Layout(NamedTuple):
 
 
 LAYOUTS: dict[str, Layout] = {
-    "array": Layout("array", BlockStored, BlockRemoved, AllBlocksCleared, KVEventBatch,
-                    msgspec.msgpack.Decoder(KVEventBatch)),
     "map": Layout("map", BlockStoredMap, BlockRemovedMap, AllBlocksClearedMap, KVEventBatchMap,
                   msgspec.msgpack.Decoder(KVEventBatchMap)),
+    "array": Layout("array", BlockStored, BlockRemoved, AllBlocksCleared, KVEventBatch,
+                    msgspec.msgpack.Decoder(KVEventBatch)),
 }
 
 _encoder = msgspec.msgpack.Encoder()
 
 
 def get_layout(name: str) -> Layout:
-    """The layout called ``name`` (``"array"`` or ``"map"``); ``InvalidArgumentError`` otherwise."""
+    """The layout called ``name`` (``"map"`` or ``"array"``); ``InvalidArgumentError`` otherwise."""
     got = LAYOUTS.get(name) if type(name) is str else None
     if got is None:
         raise InvalidArgumentError(f"KV event layout must be one of {tuple(LAYOUTS)}, got {name!r}")
@@ -186,7 +205,7 @@ def encode_batch(batch) -> bytes:
         raise InvalidArgumentError(f"cannot encode KV event batch: {exc}") from None
 
 
-def decode_batch(payload: bytes, layout: str = "array"):
+def decode_batch(payload: bytes, layout: str = "map"):
     """Decode a payload into a batch of ``layout``'s structs, checking every field's type.
 
     Untrusted bytes raise only ``InvalidArgumentError`` (naming the problem); nothing else.
@@ -211,3 +230,10 @@ def seq_from_bytes(frame: bytes) -> int:
     if frame == SEQ_END:
         return -1
     return int.from_bytes(frame, "big")
+
+
+def check_choice(value, choices: tuple[str, ...], what: str) -> str:
+    """``value`` if it is one of ``choices``; ``InvalidArgumentError`` naming them otherwise."""
+    if type(value) is not str or value not in choices:
+        raise InvalidArgumentError(f"{what} must be one of {choices}, got {value!r}")
+    return value

@@ -14,12 +14,14 @@ Where each family comes from (docs/METRICS.md has the table, one row per metric)
                                                        sealed, clear-list sizes, aborts by
                                                        reason, pages marked, blocks stored /
                                                        removed, prefix-cache hit pages)
+    per lookup  prefix_lookup(asked, found)            prefix-cache lookup and lookup-hit pages
     per step    step_completed(StepResult)             steps, pages cleared, bytes zeroed per
                 step_failed(StepFailedError)           rank, step and per-rank clear seconds,
                 wire_decision(Decision, seconds)       failures by reason, wire round trips,
                 sanitizer_violation(rank, kind, ...)   aborts by REJECT code, violations
     per I/O     timed_layer()                          the log's write and fsync seconds
-    at scrape   track_ledger / track_log / track_engine   holders, marks, shares, seq; the
+    at scrape   track_ledger / track_log / track_engine   holders, KV cache pages and usage
+                                                       ratio, marks, shares, seq; the
                                                        log's durable lag, records, bytes,
                                                        fsyncs; plans per rank; wire links
 
@@ -40,7 +42,8 @@ The rooms:
     families.py  what a scrape builds: observer counts, state, log, executors, wire leader
     hooks.py     LedgerMetrics: registration, the per-step hooks, tracking
     layer.py     TimedFileLayer: the log's writes and fsyncs, timed
-    server.py    MetricsServer: the registry over HTTP on loopback, stoppable
+    server.py    MetricsServer: the registry over HTTP on loopback, a thread per connection,
+                 idle connections dropped, close() at once
 """
 
 from .counts import ABORT_REASONS, EventCounts, abort_reason

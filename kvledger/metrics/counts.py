@@ -9,6 +9,8 @@
                                            PagesMarked    pages_marked += pages
                                            BlocksStored   blocks_stored += blocks
                                            BlocksRemoved  blocks_removed += blocks
+    LedgerMetrics.prefix_lookup(asked, found)    lookup_pages += asked, lookup_hit_pages += found
+                                                 (Engine.lookup calls it; a ledger's caller may)
 
 No prometheus_client here and no lock: the ledger folds one event at a time (the
 engine's worker thread, or the caller's), and a scrape from another thread reads
@@ -122,6 +124,8 @@ class EventCounts:
         self.blocks_stored = 0  # BlocksStored: block hashes published
         self.blocks_removed = 0  # BlocksRemoved: block hashes evicted
         self.pages_shared = 0  # PagesShared: pages a request took from the prefix cache
+        self.lookup_pages = 0  # blocks prefix-cache lookups asked for
+        self.lookup_hit_pages = 0  # leading blocks those lookups found ready to share
         self.clear_lists = Buckets(CLEAR_LIST_BUCKETS)
         self._effects: dict[type, Callable[[Any], None]] = {
             ClearPages: self._listed,
@@ -151,6 +155,11 @@ class EventCounts:
                 fn = handlers.get(type(eff))
                 if fn is not None:
                     fn(eff)
+
+    def lookup(self, asked: int, found: int) -> None:
+        """One prefix-cache lookup asked for ``asked`` blocks and found the first ``found``."""
+        self.lookup_pages += asked
+        self.lookup_hit_pages += found
 
     def _listed(self, eff: ClearPages) -> None:
         self.pages_listed += len(eff.page_ids)

@@ -45,8 +45,12 @@ SCRAPE_METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvledger_blocks_stored": ("counter", (), "Block hashes published (BlocksStored effects)."),
     "kvledger_blocks_removed": ("counter", (), "Block hashes evicted (BlocksRemoved effects)."),
     "kvledger_prefix_cache_hit_pages": ("counter", (), "Pages requests took from the prefix cache (PagesShared)."),
+    "kvledger_prefix_cache_lookup_pages": ("counter", (), "Blocks prefix-cache lookups asked for (prefix_lookup)."),
+    "kvledger_prefix_cache_lookup_hit_pages": ("counter", (), "Leading blocks those lookups found cached or held."),
     # the ledger's state
     "kvledger_pages": ("gauge", ("holder",), "Pages by holder: free, reserved, kv, alias, cached."),
+    "kvledger_kv_cache_pages": ("gauge", (), "Pages in the KV cache (num_pages)."),
+    "kvledger_kv_cache_usage_ratio": ("gauge", (), "Fraction of pages in use: 1 - (free + cached) / num_pages."),
     "kvledger_marked_pages": ("gauge", (), "Pages holding stale bytes no request may read before a clear."),
     "kvledger_restoring_pages": ("gauge", (), "Pages an inbound restore is writing."),
     "kvledger_shared_pages": ("gauge", (), "KV pages held by two or more requests."),
@@ -123,6 +127,8 @@ def observer_families(counts: EventCounts) -> Iterator[Any]:
         ("kvledger_blocks_stored", counts.blocks_stored),
         ("kvledger_blocks_removed", counts.blocks_removed),
         ("kvledger_prefix_cache_hit_pages", counts.pages_shared),
+        ("kvledger_prefix_cache_lookup_pages", counts.lookup_pages),
+        ("kvledger_prefix_cache_lookup_hit_pages", counts.lookup_hit_pages),
     ):
         yield _one(name, value)
 
@@ -149,6 +155,13 @@ def state_families(state: Any) -> Iterator[Any]:
     for holder, n in holders.items():
         fam.add_metric((holder,), n)
     yield fam
+    total = state.num_pages
+    idle = holders["free"] + holders["cached"]  # what vLLM counts free: cached blocks can be taken
+    for name, value in (
+        ("kvledger_kv_cache_pages", total),
+        ("kvledger_kv_cache_usage_ratio", min(1.0, max(0.0, 1.0 - idle / total)) if total else 0.0),
+    ):
+        yield _one(name, value)
     for name, value in (
         ("kvledger_marked_pages", len(state.marks)),
         ("kvledger_restoring_pages", len(state.restore_targets)),

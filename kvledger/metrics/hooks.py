@@ -8,6 +8,7 @@
     open_ledger(path, g, layer=metrics.timed_layer())   # write and fsync seconds
     metrics.wire_decision(decision, seconds)       # per remote step: the wire leader's Decision
     metrics.sanitizer_violation(rank, kind, plane_kind)
+    metrics.prefix_lookup(asked, found)            # per lookup (Engine.lookup calls it)
 
 Per-event work is the observer's only (``counts.py``); per-step hooks feed
 prometheus_client's own counters and histograms; everything else is read when the
@@ -40,7 +41,9 @@ HOOK_METRICS: dict[str, tuple[str, tuple[str, ...], str, tuple[float, ...]]] = {
     "kvledger_steps_completed": ("counter", (), "Steps every rank completed (step_completed).", ()),
     "kvledger_steps_failed": ("counter", ("reason",), "Steps that failed: rank_error, wire_abort, cancelled.", ()),
     "kvledger_pages_cleared": ("counter", (), "Clear-list pages of completed steps: zeroed on every rank.", ()),
-    "kvledger_bytes_zeroed": ("counter", ("rank",), "Bytes a rank zeroed (pages x its bytes per page).", ()),
+    "kvledger_zeroed_bytes": ("counter", ("rank",), "Bytes a rank zeroed (pages x its bytes per page).", ()),
+    "kvledger_bytes_zeroed": ("counter", ("rank",), "Deprecated: kvledger_zeroed_bytes_total, the same count "
+                              "(this name is removed in the next release).", ()),
     "kvledger_step_seconds": ("histogram", (), "Engine wall time of a completed step, seal to last rank.",
                               _SECONDS_STEP),
     "kvledger_rank_clear_seconds": ("histogram", ("rank",), "A rank's clear phase, steps with pages to clear.",
@@ -109,7 +112,7 @@ class LedgerMetrics:
         self._register([m for name, m in self._m.items() if name not in _ON_USE] + [self._collector])
         for reason in STEP_FAILURES:
             self._m["kvledger_steps_failed"].labels(reason)  # known values start at 0
-        self._ranks: dict[int, tuple[Any, Any]] = {}
+        self._ranks: dict[int, tuple[Any, Any, Any]] = {}
         self._log_timed = False
 
     @staticmethod
@@ -154,7 +157,7 @@ class LedgerMetrics:
         """Serve an ``Engine``'s ledger, its log (a durable ledger's), its executors' plan
         counts and, while it has remote ranks, its wire leader's statistics.
 
-        ``page_bytes``: bytes one page takes on each rank, for ``kvledger_bytes_zeroed``;
+        ``page_bytes``: bytes one page takes on each rank, for ``kvledger_zeroed_bytes``;
         default: from each rank's planes (a rank without planes zeroes none).
         """
         self.track_ledger(engine.ledger)
@@ -175,11 +178,12 @@ class LedgerMetrics:
         for rank in range(len(sizes)):
             self._rank_metrics(rank)
 
-    def _rank_metrics(self, rank: int) -> tuple[Any, Any]:
+    def _rank_metrics(self, rank: int) -> tuple[Any, Any, Any]:
         got = self._ranks.get(rank)
         if got is None:
             r = str(rank)
             got = self._ranks[rank] = (self._m["kvledger_rank_clear_seconds"].labels(r),
+                                       self._m["kvledger_zeroed_bytes"].labels(r),
                                        self._m["kvledger_bytes_zeroed"].labels(r))
         return got
 
@@ -206,10 +210,11 @@ class LedgerMetrics:
         m["kvledger_pages_cleared"].inc(n)
         sizes = self._page_bytes
         for rank, clear_s in timings:
-            seconds, zeroed = self._rank_metrics(rank)
+            seconds, zeroed, deprecated = self._rank_metrics(rank)
             seconds.observe(clear_s)
             if rank < len(sizes) and sizes[rank]:
                 zeroed.inc(n * sizes[rank])
+                deprecated.inc(n * sizes[rank])
 
     def step_failed(self, error: StepFailedError) -> None:
         """A ``StepFailedError``: counted as ``wire_abort`` (a peer's REJECT / ABORT),
@@ -222,6 +227,17 @@ class LedgerMetrics:
         else:
             reason = "rank_error" if causes else "cancelled"
         self._m["kvledger_steps_failed"].labels(reason).inc()
+
+    # ------------------------------------------------------------------ the prefix cache
+
+    def prefix_lookup(self, asked: int, found: int) -> None:
+        """A prefix-cache lookup asked for ``asked`` blocks and ``found`` leading ones were ready
+        (``Ledger.lookup``'s answer): ``kvledger_prefix_cache_lookup_pages_total`` and
+        ``..._lookup_hit_pages_total``, whose ratio is the hit rate. ``InvalidArgumentError``
+        unless ``0 <= found <= asked`` are ints (nothing counted)."""
+        if type(asked) is not int or type(found) is not int or not 0 <= found <= asked:
+            raise InvalidArgumentError(f"prefix_lookup needs ints 0 <= found <= asked, got {found!r}, {asked!r}")
+        self.counts.lookup(asked, found)
 
     # ------------------------------------------------------------------ the log, the wire, the sanitizer
 

@@ -1,17 +1,24 @@
-"""``MetricsServer``: a registry over HTTP on loopback, in one thread, stopped on ``close()``.
+"""``MetricsServer``: a registry over HTTP on loopback, a thread per scrape, stopped on ``close()``.
 
     server = MetricsServer(registry, port=0)      # 0: any free port (server.port says which)
     ... GET http://127.0.0.1:PORT/metrics  (Prometheus text exposition; any path serves it)
     server.wait_scrape(after=n, timeout=30)       # block until scrape n + 1 has been served
-    server.close()                                # the answer in progress is finished first
+    server.close()                                # returns at once; answers in progress finish
 
-One thread serves one request at a time (scrapes are small). ``close()`` stops the
-loop after the request in progress and releases the port; the thread is a daemon
-so an interpreter that exits without ``close()`` does not hang on it.
+One listening thread accepts connections; each connection is served in its own
+daemon thread, so a client that connects and sends nothing (or reads slowly)
+blocks no other scrape and not ``close()``. Such a connection is dropped after
+``idle_timeout`` seconds (5 by default), and at most ``max_clients`` (16)
+connections are served at once: one more is closed at once (the scraper retries
+at its next interval), so memory and threads stay bounded whatever clients do. ``close()`` stops accepting,
+releases the port and returns without waiting for answers in progress (their
+threads end on their own, within ``idle_timeout``). Threads are daemons: an
+interpreter that exits without ``close()`` does not hang on them.
 """
 
 from __future__ import annotations
 
+import socketserver
 import threading
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -24,20 +31,56 @@ __all__ = ["MetricsServer"]
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = 5.0  # seconds a connection may sit idle (per read / write); the server sets its own
+
     def log_message(self, format: str, *args: Any) -> None:  # no access log on stderr
         pass
+
+
+class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
+    """A WSGI server answering each connection in its own daemon thread, at most ``slots`` at once."""
+
+    daemon_threads = True
+    block_on_close = False  # close() never waits for an answer in progress
+    slots: threading.BoundedSemaphore
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):  # max_clients are being served: refused at once
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection that timed out or broke ends quietly (the library prints nothing)."""
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 class MetricsServer:
     """Serve ``registry`` on ``host:port`` until ``close()`` (also a context manager).
 
-    Raises ``InvalidArgumentError`` for a port outside 0..65535 and
-    ``ConfigurationError`` when the address cannot be bound (nothing started then).
+    ``idle_timeout``: seconds a connection may wait between reads or writes before it is
+    dropped; ``max_clients``: connections served at once. Raises ``InvalidArgumentError`` for
+    a port outside 0..65535 or a bad bound, and ``ConfigurationError`` when the address
+    cannot be bound (nothing started then).
     """
 
-    def __init__(self, registry: Any, port: int = 0, host: str = "127.0.0.1") -> None:
+    def __init__(self, registry: Any, port: int = 0, host: str = "127.0.0.1", *, idle_timeout: float = 5.0,
+                 max_clients: int = 16) -> None:
         if type(port) is not int or not 0 <= port <= 65535:
             raise InvalidArgumentError(f"port must be an int in 0..65535, got {port!r}")
+        if type(idle_timeout) not in (int, float) or not idle_timeout > 0:
+            raise InvalidArgumentError(f"idle_timeout must be a positive number of seconds, got {idle_timeout!r}")
+        if type(max_clients) is not int or max_clients < 1:
+            raise InvalidArgumentError(f"max_clients must be a positive int, got {max_clients!r}")
         app = prometheus().make_wsgi_app(registry)
         self.scrapes = 0
         self._served = threading.Condition()
@@ -50,10 +93,13 @@ class MetricsServer:
                     self._served.notify_all()
             return body
 
+        handler = type("_Handler", (_QuietHandler,), {"timeout": float(idle_timeout)})
         try:
-            self._httpd: WSGIServer = make_server(host, port, counted, handler_class=_QuietHandler)
+            self._httpd: WSGIServer = make_server(host, port, counted, server_class=_ThreadingServer,
+                                                  handler_class=handler)
         except OSError as exc:
             raise ConfigurationError(f"cannot serve metrics on {host}:{port}: {exc}") from exc
+        self._httpd.slots = threading.BoundedSemaphore(max_clients)  # type: ignore[attr-defined]
         self.host = host
         self.port: int = self._httpd.server_port
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
@@ -71,11 +117,11 @@ class MetricsServer:
             return self._served.wait_for(lambda: self.scrapes > after, timeout)
 
     def close(self) -> None:
-        """Stop serving (after the request in progress) and release the port. Idempotent."""
+        """Stop accepting and release the port, without waiting for answers in progress. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._httpd.shutdown()
+        self._httpd.shutdown()  # the listening loop ends within its 50 ms poll
         self._thread.join()
         self._httpd.server_close()
 

@@ -1,0 +1,167 @@
+"""The replay side of a publisher: the buffer of sent batches and the answers owed to requesters.
+
+    record(seq, payload)          a batch the PUB socket sent goes into the buffer (the last N kept)
+    request(frames) ─► a job      [id, b"", seq (8 bytes)] from the ROUTER socket: owed every buffered
+                                  batch from seq up to the newest one buffered now, then the end marker
+    serve(send, budget)           send at most ``budget`` frames' worth of answers, round robin over
+                                  the jobs; ``send(frames)`` returns False when the requester's queue
+                                  is full (the job waits for a later turn), raises PeerGone when the
+                                  requester left (its jobs end)
+
+    answer (replay_format "vllm")    [id, b"", topic, seq, payload] ...  [id, b"", b"", SEQ_END, b""]
+           (replay_format "legacy")  [id, b"", seq, payload] ...         [id, b"", SEQ_END, b""]
+
+Why jobs: one request owes up to ``buffer_steps`` batches. Answering it in one go
+(what vLLM does) starves the live stream while it lasts, and a flood of requests
+starves it for good; sending without blocking drops what a slow requester's queue
+cannot take. Here the publisher's thread serves a bounded amount per turn, between
+live batches, and a job whose requester's queue is full keeps its place and goes on
+when there is room: every batch and the end marker arrive, none is dropped.
+
+Bounds (memory and work): at most ``max_clients`` requesters with jobs and
+``per_client`` jobs each (more requests are refused: counted, not answered); a job
+is an id, two seqs and a time (the payloads stay in the buffer; the socket sends
+them without copying, ``publisher``); a job that made no progress for ``stall_s``
+seconds is dropped (its requester stopped reading). Sans-I/O apart from ``clock``.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from collections import deque
+from collections.abc import Callable
+from itertools import islice
+from operator import itemgetter
+
+from .schema import SEQ_END, seq_bytes
+
+__all__ = ["PeerGone", "ReplayService"]
+
+_SEQ = itemgetter(0)
+
+
+class PeerGone(Exception):
+    """Raised by a ``send`` callback: the requester is no longer connected."""
+
+
+class _Job:
+    __slots__ = ("ident", "next_seq", "end_seq", "touched")
+
+    def __init__(self, ident: bytes, next_seq: int, end_seq: int, now: float) -> None:
+        self.ident, self.next_seq, self.end_seq, self.touched = ident, next_seq, end_seq, now
+
+
+class ReplayService:
+    """The buffer and the jobs of one replay socket (module docstring). Owned by one thread."""
+
+    def __init__(self, buffer_steps: int, *, topic: bytes = b"", replay_format: str = "vllm",
+                 max_clients: int = 64, per_client: int = 4, stall_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._topic = topic
+        self._vllm = replay_format == "vllm"
+        self._max_clients, self._per_client, self._stall = max_clients, per_client, stall_s
+        self._clock = clock
+        self._jobs: dict[bytes, deque[_Job]] = {}  # requester -> its jobs, oldest first
+        self.requests = 0  # requests read
+        self.errors = 0  # malformed requests, requesters gone mid-answer
+        self.refused = 0  # requests over the per-requester or requester bounds, or stalled jobs dropped
+        self.batches = 0  # batches resent
+        self.answers = 0  # end markers sent (answers completed)
+
+    @property
+    def pending(self) -> int:
+        """Jobs not finished."""
+        return sum(len(q) for q in self._jobs.values())
+
+    def record(self, seq: int, payload: bytes) -> None:
+        self.buffer.append((seq, payload))
+
+    def request(self, frames: list) -> None:
+        """One message read from the ROUTER socket: a job for a well-formed request; a malformed
+        one with an envelope is owed just the end marker, one without is dropped (counted)."""
+        self.requests += 1
+        if len(frames) < 2 or frames[1] != b"":
+            self.errors += 1  # no envelope to answer to
+            return
+        ident = frames[0]
+        good = len(frames) == 3 and len(frames[2]) == 8
+        if not good:
+            self.errors += 1
+        queue = self._jobs.get(ident)
+        if queue is None:
+            if len(self._jobs) >= self._max_clients:
+                self.refused += 1
+                return
+            queue = self._jobs[ident] = deque()
+        elif len(queue) >= self._per_client:
+            self.refused += 1
+            return
+        buf = self.buffer
+        end = buf[-1][0] if buf else -1
+        start = int.from_bytes(frames[2], "big") if good else end + 1  # malformed: nothing, just the marker
+        queue.append(_Job(ident, start, end, self._clock()))
+
+    def serve(self, send: Callable[[tuple], bool], budget: int) -> int:
+        """Send at most ``budget`` answer messages, one requester's turn after another; returns how
+        many were sent. ``send(frames)`` (``frames`` start with the requester id) returns False
+        when it would block; raises ``PeerGone`` when the requester left."""
+        sent = 0
+        now = self._clock()
+        for ident in list(self._jobs):
+            if sent >= budget:
+                break
+            queue = self._jobs[ident]
+            try:
+                sent += self._serve_one(queue, send, budget - sent, now)
+            except PeerGone:
+                self.errors += len(queue)
+                queue.clear()
+            if not queue:
+                del self._jobs[ident]
+        return sent
+
+    def _serve_one(self, queue: deque[_Job], send: Callable[[tuple], bool], budget: int, now: float) -> int:
+        job = queue[0]
+        sent = 0
+        buf = self.buffer
+        if job.next_seq <= job.end_seq and buf:
+            pos = bisect_left(buf, job.next_seq, key=_SEQ)
+            topic, ident, vllm = self._topic, job.ident, self._vllm
+            for seq, payload in islice(buf, pos, None):
+                if seq > job.end_seq or sent >= budget:
+                    break
+                frames = (ident, b"", topic, seq_bytes(seq), payload) if vllm else (ident, b"", seq_bytes(seq), payload)
+                if not send(frames):
+                    return self._stalled(queue, job, sent, now)
+                sent += 1
+                job.next_seq = seq + 1
+                self.batches += 1
+            else:
+                job.next_seq = job.end_seq + 1  # the rest left the buffer meanwhile: nothing more to send
+            if job.next_seq <= job.end_seq:
+                job.touched = now if sent else job.touched
+                return sent
+        if sent >= budget:
+            return sent
+        end = (job.ident, b"", b"", SEQ_END, b"") if self._vllm else (job.ident, b"", SEQ_END, b"")
+        if not send(end):
+            return self._stalled(queue, job, sent, now)
+        self.answers += 1
+        queue.popleft()
+        return sent + 1
+
+    def _stalled(self, queue: deque[_Job], job: _Job, sent: int, now: float) -> int:
+        if sent:
+            job.touched = now
+        elif now - job.touched > self._stall:
+            self.refused += len(queue)  # the requester stopped reading: its jobs are dropped
+            queue.clear()
+        return sent
+
+    def drop_all(self) -> int:
+        """Forget every job (stop); returns how many there were."""
+        n = self.pending
+        self._jobs.clear()
+        return n
