@@ -660,7 +660,8 @@ def _label(blocks: int) -> str:
     return "1m" if blocks >= 1 << 20 else f"{blocks // 1000}k"
 
 
-def run(quick: bool, *, only: str | None = None, blocks: tuple[int, ...] = BLOCKS) -> dict:
+def run(quick: bool, *, only: str | None = None, blocks: tuple[int, ...] = BLOCKS,
+        caching: tuple[bool, ...] = (False, True)) -> dict:
     """The serving trace and the per-op table; prints both. Skipped without vLLM's files."""
     from tests.support.upstream import UpstreamUnavailable
 
@@ -675,18 +676,18 @@ def run(quick: bool, *, only: str | None = None, blocks: tuple[int, ...] = BLOCK
     if only in (None, "trace"):
         rows = []
         for n in blocks:
-            for caching in (False, True):
+            for cache_on in caching:
                 worst = None
                 for order in ORDERS:
-                    f = run_trace(pool_module, n, caching, order, allocations, repeats)
-                    key = f"trace_{_label(n)}_{'on' if caching else 'off'}_{order}"
+                    f = run_trace(pool_module, n, cache_on, order, allocations, repeats)
+                    key = f"trace_{_label(n)}_{'on' if cache_on else 'off'}_{order}"
                     figures.update({f"{key}_{k}": v for k, v in f.items()})
                     worst = f["ratio"] if worst is None else min(worst, f["ratio"])
-                    rows.append((f"{n:,}", "on" if caching else "off", order, f"{f['ops']:,}",
+                    rows.append((f"{n:,}", "on" if cache_on else "off", order, f"{f['ops']:,}",
                                  fmt_rate(f["vllm_block_ops_per_s"]), fmt_rate(f["plain_block_ops_per_s"]),
                                  fmt_rate(f["kvledger_block_ops_per_s"]), f"{f['ratio']:.2f}",
                                  f"{f['ratio_run_median']:.2f}", f"{f['hit_rate']:.0%}"))
-                figures[f"trace_{_label(n)}_{'on' if caching else 'off'}_ratio"] = worst
+                figures[f"trace_{_label(n)}_{'on' if cache_on else 'off'}_ratio"] = worst
         print_table(f"serving trace: {allocations:,} allocations, 8 growing requests, chunks of 1-16 blocks "
                     f"({repeats} repeats, segments of {SEGMENT_OPS} ops)",
                     ("blocks", "caching", "order", "ops", "vLLM block-ops/s", "plain", "kvledger",
@@ -707,10 +708,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="40,000 allocations, 3 repeats")
     parser.add_argument("--only", choices=("trace", "ops"), help="only the serving trace or only the per-op table")
     parser.add_argument("--blocks", help="comma-separated pool sizes (default 10000,1048576)")
+    parser.add_argument("--caching", choices=("off", "on"), help="only the trace with caching off or on")
     parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH")
     args = parser.parse_args(argv)
     blocks = tuple(int(b) for b in args.blocks.split(",")) if args.blocks else BLOCKS
-    figures = run(args.quick, only=args.only, blocks=blocks)
+    caching = (False, True) if args.caching is None else (args.caching == "on",)
+    figures = run(args.quick, only=args.only, blocks=blocks, caching=caching)
     if "skipped" in figures:
         print(f"SKIPPED: {figures['skipped']}")
     elif TARGETS:

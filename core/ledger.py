@@ -14,6 +14,7 @@ so state and effects are exactly as before. Running out of pages is an ordinary
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from itertools import islice
 from typing import Literal
 
 from . import checks
@@ -44,9 +45,12 @@ from .events.events import (
     StepSealed,
     typed,
 )
+from .state import fold, fold_prefix
 from .state.invariants import check_invariants
 from .state.preconditions import same_tenant
 from .state.state import LedgerState
+from .state.table import RequestRecord
+from .state.transitions import TRANSITIONS
 
 __all__ = ["Ledger", "EventObserver", "EventSink", "replay"]
 
@@ -101,13 +105,16 @@ class Ledger(PrefixCommands):
         self.events: list | None = [] if record else None
         self._sink = sink
         self._observer = observer
-        # nothing around the fold but the fold: _submit's fast branch
-        self._plain = not check and sink is None and not record and observer is None
         self._check = bool(check)
         if state is not None:
             if state.geometry != geometry:
                 raise ConfigurationError(f"state geometry {state.geometry} != {geometry}")
             self.state = state
+        # Nothing around the fold but the fold (no sink, observer, record or check) and the
+        # standard table: the commands' fast paths may fold without building the events.
+        self._plain = (not check and sink is None and not record and observer is None
+                       and (state is None or state.transitions is TRANSITIONS))
+        if state is not None:
             return
         if not isinstance(geometry, Geometry):
             raise InvalidArgumentError(f"geometry must be a Geometry, got {geometry!r}")
@@ -225,11 +232,18 @@ class Ledger(PrefixCommands):
         same one). Raises ``OutOfPagesError`` (nothing changed) when fewer than ``n``
         are reservable, ``TenantMismatchError`` when a known request names another tenant.
         """
+        st = self.state
+        if (self._plain and type(request) is int and type(n) is int and n > 0 and not request >> _ID_BITS
+                and not st.stale_entries and not st.restore_targets
+                and (n <= len(st.free_stack) or self._evict_plain(n))):
+            # fast path: the top of the stack is free and reservable (PagesReserved's precondition)
+            rec = st.requests.get(request)
+            if tenant is None or (type(tenant) is str and (rec is None or rec.tenant == tenant)):
+                return fold.reserve_top(st, rec, request, n, tenant if rec is None else rec.tenant)
         if type(request) is not int or request >> _ID_BITS:
             checks.ident(request, "request")
         if type(n) is not int or n < 1:
             checks.count(n, "n")
-        st = self.state
         if tenant is None:
             rec = st.requests.get(request)
             if rec is not None:
@@ -251,14 +265,55 @@ class Ledger(PrefixCommands):
         refused (a sealed step, a bad step id), the reservation stands: return it with
         ``return_reservation``.
         """
+        st = self.state
+        if (self._plain and type(request) is int and type(step) is int and type(n) is int and n > 0
+                and not (request | step) >> _ID_BITS and step >= st.open_step
+                and not st.stale_entries and not st.restore_targets
+                and (n <= len(st.free_stack) or self._evict_plain(n))):
+            # fast path: both preconditions hold (the top of the stack is reservable; the
+            # step is not sealed; the request has no older reservation to commit first)
+            rec = st.requests.get(request)
+            if rec is None:
+                fast = tenant is None or type(tenant) is str
+            else:
+                fast = not rec.reserved and (tenant is None or tenant == rec.tenant)
+            if fast:
+                stack = st.free_stack
+                if n == 1:
+                    p = stack[-1]
+                    if p not in st.marks:  # (a marked page is listed: commit_pages below)
+                        del stack[-1]
+                        st.holder[p] = request
+                        if rec is None:
+                            st.requests[request] = RequestRecord(request, tenant, [], [p], [step])
+                        else:
+                            rec.kv.append(p)
+                            rec.kv_steps.append(step)
+                        st.seq += 2
+                        return (p,)
+                pages = fold.reserve_top(st, rec, request, n, tenant if rec is None else rec.tenant)
+                fold.commit_pages(st, st.requests[request], step, pages)
+                return pages
         pages = self.reserve(request, n, tenant=tenant)
-        if len(self.state.requests[request].reserved) != n:
+        if len(st.requests[request].reserved) != n:
             self.commit(request, step, pages=pages)  # older reserved pages stay reserved
         elif type(step) is not int:
             checks.ident(step, "step")
         else:
             self._commit(request, step, pages)  # the reservation is exactly these pages: its head
         return pages
+
+    def _evict_plain(self, n: int) -> bool:
+        """Fast paths (a plain ledger, a stack without stale entries, no page restoring): evict
+        the least recently used cached pages that make up for too few free ones (the
+        ``PagesEvicted`` of ``_evict_for``, folded without its event). False when free +
+        cached pages are too few (nothing changed: the command's general path raises)."""
+        st = self.state
+        short = n - len(st.free_stack)
+        if short > len(st.cached):
+            return False
+        fold_prefix.evict_pages(st, tuple(islice(st.cached, short)))
+        return True
 
     def _evict_for(self, n: int, who: str) -> tuple[int, ...]:
         """Too few free pages for ``n``: evict the least recently used cached pages that make
@@ -302,10 +357,19 @@ class Ledger(PrefixCommands):
         are carried in. ``seal_step(step).clear_list`` is the authority on what every
         rank zeroes.
         """
+        st = self.state
+        if (self._plain and pages is None and type(request) is int and type(step) is int and type(n) is int
+                and n > 0 and not (request | step) >> _ID_BITS and step >= st.open_step):
+            rec = st.requests.get(request)
+            if rec is not None and n <= len(rec.reserved):
+                head = tuple(rec.reserved[:n])
+                targets = st.restore_targets
+                if not targets or targets.keys().isdisjoint(head):  # fast path: PagesCommitted's precondition holds
+                    effects = fold.commit_pages(st, rec, step, head)
+                    return effects[0].page_ids if effects else ()
         if type(request) is not int or type(step) is not int:
             checks.ident(request, "request")
             checks.ident(step, "step")
-        st = self.state
         if pages is None and type(n) is int and n > 0:
             rec = st.requests.get(request)
             if rec is None:
@@ -328,25 +392,28 @@ class Ledger(PrefixCommands):
         return effects[0].page_ids if effects else ()
 
     def _commit(self, request: int, step: int, head: tuple[int, ...]) -> tuple[int, ...]:
-        """Commit ``head``, which the caller took from the head of the request's reservation:
-        the command's own decision, so the precondition and the fold may trust it (the
-        ``head`` memo). The ids are int-typed here; their ranges are checked now."""
+        """Commit ``head``, the head of the request's reservation. The ids are int-typed here;
+        their ranges are checked now."""
         if (step | request) >> _ID_BITS:
             checks.ident(request, "request")
             checks.ident(step, "step")
-        st = self.state
-        st.head, st.head_seq = head, st.seq
         effects = self._submit(PagesCommitted(request=request, step=step, page_ids=head))
         return effects[0].page_ids if effects else ()
 
     def cancel(self, request: int) -> None:
         """The request is aborted: its reserved and KV pages go back to the free list."""
+        if self._plain and type(request) is int and request in self.state.requests:
+            fold.release_request(self.state, request)  # fast path: r known is the whole precondition
+            return
         if type(request) is not int or request >> _ID_BITS:
             checks.ident(request, "request")
         self._submit(RequestCancelled(request=request))
 
     def finish(self, request: int) -> None:
         """The request completed: its reserved and KV pages go back to the free list."""
+        if self._plain and type(request) is int and request in self.state.requests:
+            fold.release_request(self.state, request)  # fast path: r known is the whole precondition
+            return
         if type(request) is not int or request >> _ID_BITS:
             checks.ident(request, "request")
         self._submit(RequestFinished(request=request))
@@ -398,14 +465,21 @@ class Ledger(PrefixCommands):
 
     def seal_step(self, step: int) -> StepPlan:
         """Close the open step and return its plan (the pages every rank must zero)."""
+        st = self.state
+        if self._plain and type(step) is int and step == st.open_step:
+            return fold.seal(st, step)  # fast path: the open step is the whole precondition
         if type(step) is not int or step >> _ID_BITS:
             checks.ident(step, "step")
-        clear_list = self.state.derive_clear_list(step)
+        clear_list = st.derive_clear_list(step)
         (plan,) = self._submit(StepSealed(step=step, clear_list=clear_list))
         return plan
 
     def complete_step(self, step: int, rank: int) -> None:
         """Rank ``rank`` ran step ``step``'s input copies, clears and graph."""
+        if (self._plain and type(step) is int and type(rank) is int and 0 <= step < self.state.open_step
+                and not rank >> _ID_BITS and rank >= 0):
+            fold.complete(self.state, step, rank)  # fast path: a sealed step is the whole precondition
+            return
         self._submit(StepCompleted(step=checks.ident(step, "step"), rank=checks.ident(rank, "rank")))
 
     def record_violation(self, step: int, rank: int, plane: int, page_id: int,
@@ -419,7 +493,10 @@ class Ledger(PrefixCommands):
                                         kind=kind))
 
     def abort_step(self, step: int, reason: str = "") -> None:
-        """The last sealed step did not run everywhere: its clear list is carried into the next."""
+        """Step ``step`` (in flight: sealed, not aborted, not yet completed on every rank) and
+        every later step in flight did not run everywhere: nothing of them can be assumed
+        zeroed. Their listed pages still in KV are carried into the open step's clear list;
+        the others get their mark back. Raises ``StepOrderError`` for a step not in flight."""
         if type(reason) is not str:
             raise InvalidArgumentError(f"reason must be a str, got {reason!r}")
         self._submit(StepAborted(step=checks.ident(step, "step"), reason=reason))

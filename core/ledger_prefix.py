@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from . import checks
 from .errors import InvalidArgumentError, UnknownBlockHashError, UnknownRequestError
 from .events.events import PagesEvicted, PagesPublished, PagesShared, typed
+from .state import fold_prefix
 
 if TYPE_CHECKING:
     from .state.state import LedgerState
@@ -26,6 +27,7 @@ class PrefixCommands:
 
     state: LedgerState
     _submit: Callable[[Any], tuple]  # Ledger's one submit path
+    _plain: bool  # Ledger's: no sink, observer, record or check (the fast paths may skip the events)
 
     def publish(
         self,
@@ -49,8 +51,26 @@ class PrefixCommands:
         precondition raises (``PageNotHeldError``, ``StepOrderError``, ...); nothing
         changes then.
         """
-        checks.ident(request, "request")
         st = self.state
+        if (self._plain and type(request) is int and type(start) is int and type(hashes) is tuple
+                and type(token_ids) is tuple and parent_hash is None and lora_id is None and lora_name is None
+                and start >= 0 and st.policy == "released_aliases"):
+            rec = st.requests.get(request)
+            k = len(hashes)
+            if (rec is not None and 0 < k <= len(rec.kv) - start
+                    and len(token_ids) == k * st.geometry.page_tokens  # type: ignore[union-attr]
+                    and (k == 1 or len(set(hashes)) == k) and checks.all_ints(token_ids)):
+                # fast path: PagesPublished's precondition for a run of the block table, as a slice
+                pages = tuple(rec.kv[start : start + k])
+                steps = rec.kv_steps[start : start + k]
+                if (min(steps) >= 0 and max(steps) <= st.completed_step
+                        and (not st.aborted_steps or st.aborted_steps.isdisjoint(steps))
+                        and st.page_hash.keys().isdisjoint(pages)
+                        and checks.block_hash_list(hashes, "publish") is hashes
+                        and st.hash_page.keys().isdisjoint(hashes)):
+                    fold_prefix.publish_pages(st, request, pages, hashes)
+                    return pages
+        checks.ident(request, "request")
         rec = st.requests.get(request)
         if rec is None:
             raise UnknownRequestError(request)
@@ -81,7 +101,20 @@ class PrefixCommands:
         Under ``cross_tenant`` / ``all_reused`` only blocks ``tenant`` itself wrote count
         (``share`` refuses the others).
         """
-        return self.state.lookup(checks.block_hash_list(hashes, "lookup"), tenant)
+        st = self.state
+        if type(hashes) is tuple and st.policy == "released_aliases":
+            # fast path: every published hash counts (a hashed page is never marked or restoring)
+            hp = st.hash_page
+            n = 0
+            for h in hashes:
+                if (type(h) is not bytes and type(h) is not int) or h not in hp:
+                    break  # (an int or bytes key equal to a published one is that hash: checked when published)
+                n += 1
+            else:
+                return n
+            checks.block_hash_list(hashes[n:], "lookup")  # the rest must still be block hashes
+            return n
+        return st.lookup(checks.block_hash_list(hashes, "lookup"), tenant)
 
     def share(self, request: int, hashes: Sequence[int | bytes], *, tenant: str | None = None) -> tuple[int, ...]:
         """Share the pages that hold ``hashes`` into ``request``'s block table, in order.
@@ -91,15 +124,37 @@ class PrefixCommands:
         the cache; held pages become shared and read-only. Shared pages are never
         listed for a clear: they hold the KV the request wants. Returns the page ids.
         """
+        st = self.state
+        if (self._plain and type(request) is int and type(hashes) is tuple and tenant is None and hashes
+                and not request >> 63 and st.policy == "released_aliases"):
+            # fast path: PagesShared's precondition page by page (a hashed page is kv or cached,
+            # never marked or restoring; it must not be r's already), then distinct pages
+            hp, holder, sharers = st.hash_page, st.holder, st.sharers
+            pages = []
+            for h in hashes:
+                if type(h) is not bytes and type(h) is not int:
+                    break
+                p = hp.get(h)
+                if p is None:
+                    break
+                x = holder[p]
+                if x == request or (x >= 0 and p in sharers and request in sharers[p]):
+                    break
+                pages.append(p)
+            else:
+                if len(pages) == 1 or len(set(pages)) == len(pages):
+                    ids = tuple(pages)
+                    fold_prefix.share_pages(st, request, ids, None)
+                    return ids
         checks.ident(request, "request")
         checks.tenant(tenant)
         hashes = checks.block_hash_list(hashes, "share")
-        found = list(map(self.state.hash_page.get, hashes))
+        found = list(map(st.hash_page.get, hashes))
         if None in found:
             h = hashes[found.index(None)]
             raise UnknownBlockHashError(h, f"request {request} cannot share it")
-        pages: tuple[int, ...] = tuple(found)  # type: ignore[arg-type]
-        ev = PagesShared(request=request, page_ids=pages, tenant=tenant)
+        pages_: tuple[int, ...] = tuple(found)  # type: ignore[arg-type]
+        ev = PagesShared(request=request, page_ids=pages_, tenant=tenant)
         self._submit(ev)
         return ev.page_ids
 

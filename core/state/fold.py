@@ -57,6 +57,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "cache_configured",
+    "commit_pages",
+    "complete",
+    "release_request",
+    "reserve_top",
+    "seal",
     "pages_committed",
     "pages_reserved",
     "request_gone",
@@ -181,16 +186,33 @@ def pages_reserved(st: LedgerState, e: PagesReserved) -> tuple:
     if rec is None:
         st.requests[r] = RequestRecord(r, e.tenant, list(pages), [], [])
     else:
-        rec.reserved.extend(pages)
+        rec.reserved += pages
     holder = st.holder
     for p in pages:
         holder[p] = r
-    if st.picked is pages and st.picked_seq == st.seq:
-        del st.free_stack[-len(pages) :]  # the allocator's pick (the memo): the top of a stack without stale entries
-    else:
-        _take_from_stack(st, pages)
+    _take_from_stack(st, pages)
     st.seq += 1
     return _NO_EFFECTS
+
+
+def reserve_top(st: LedgerState, rec: RequestRecord | None, request: int, n: int, tenant: str | None) -> tuple:
+    """The allocator's pick and its PagesReserved in one: the top ``n`` entries of a free
+    stack without stale entries and with no page restoring become ``reserved(request)``
+    (``rec``: the request's record, None for a new request, created with ``tenant``).
+    Returns the pages, top of the stack first (what ``pick_free(n)`` gives)."""
+    stack = st.free_stack
+    pages = stack[-n:]
+    del stack[-n:]
+    pages.reverse()
+    holder = st.holder
+    for p in pages:
+        holder[p] = request
+    if rec is None:
+        st.requests[request] = RequestRecord(request, tenant, pages, [], [])
+    else:
+        rec.reserved += pages
+    st.seq += 1
+    return tuple(pages)
 
 
 def reservation_returned(st: LedgerState, e: ReservationReturned) -> tuple:
@@ -207,8 +229,12 @@ def reservation_returned(st: LedgerState, e: ReservationReturned) -> tuple:
 
 
 def pages_committed(st: LedgerState, e: PagesCommitted) -> tuple:
-    rec = st.requests[e.request]
-    pages = e.page_ids
+    return commit_pages(st, st.requests[e.request], e.step, e.page_ids)
+
+
+def commit_pages(st: LedgerState, rec: RequestRecord, step: int, pages: tuple) -> tuple:
+    """``pages`` (reserved by ``rec``'s request, none restoring, ``step`` not sealed) join its
+    block table; marked ones are listed for ``step``. Returns ``(ClearPages,)`` or ``()``."""
     marks = st.marks
     listed = None
     if marks and not marks.keys().isdisjoint(pages):
@@ -220,40 +246,54 @@ def pages_committed(st: LedgerState, e: PagesCommitted) -> tuple:
                 if m == MARK_TENANT and residue.pop(p) == rec.tenant:
                     continue  # the committing tenant's own bytes
                 if p not in pend:
-                    pend[p] = e.step
+                    pend[p] = step
                     listed.append(p)
     reserved, k = rec.reserved, len(pages)
-    if (st.head is pages and st.head_seq == st.seq) or tuple(reserved[:k]) == pages:  # the usual commit: the head
+    if tuple(reserved[:k]) == pages:  # the usual commit: the head
         del reserved[:k]
     else:
         _remove(reserved, pages)
     if rec.restored:
         rec.restored.difference_update(pages)
-    rec.kv.extend(pages)
-    rec.kv_steps.extend([e.step] * k)
+    rec.kv += pages
+    rec.kv_steps += [step] * k
     st.seq += 1
     if not listed:
         return _NO_EFFECTS
-    cl = st.clear_lists.get(e.step)
+    cl = st.clear_lists.get(step)
     if cl is None:
-        st.clear_lists[e.step] = listed
+        st.clear_lists[step] = listed
     else:
         cl.extend(listed)
-    return (ClearPages(step=e.step, page_ids=tuple(listed)),)
+    return (ClearPages(step=step, page_ids=tuple(listed)),)
 
 
 def request_gone(st: LedgerState, e) -> tuple:
-    """RequestCancelled / RequestFinished: reserved pages go free; each KV page loses r as a
+    """RequestCancelled / RequestFinished: see ``release_request``."""
+    return release_request(st, e.request)
+
+
+def release_request(st: LedgerState, request: int) -> tuple:
+    """Request ``request`` (known) goes: reserved pages go free; each KV page loses r as a
     holder: still held by others, it stays kv(R - {r}); hashed, it goes cached(h) (the
-    request's last block first in line for eviction); otherwise free."""
-    rec = st.requests.pop(e.request)
+    request's last block first in line for eviction); otherwise free. Returns the effects
+    (``PagesMarked`` when the policy or a pending clear marked pages)."""
+    rec = st.requests.pop(request)
     kv, reserved = rec.kv, rec.reserved
     if st.page_hash and not st.page_hash.keys().isdisjoint(kv) or st.sharers and not st.sharers.keys().isdisjoint(kv):
         kv = _release_shares(st, rec)
+    pages = reserved + kv if reserved else kv
+    if st.policy == "released_aliases" and not (st.pending and not st.pending.keys().isdisjoint(pages)):
+        holder, free = st.holder, HOLDER_FREE  # (the usual case: _free_pages without marks, inline)
+        for p in pages:
+            holder[p] = free
+        st.free_stack += pages
+        st.seq += 1
+        return _NO_EFFECTS
     dirty: tuple | list = ()
     if st.policy != "released_aliases":
         dirty = kv + [p for p in reserved if rec.restored and p in rec.restored]
-    marked = _free_pages(st, reserved + kv if reserved else kv, rec.tenant, dirty)
+    marked = _free_pages(st, pages, rec.tenant, dirty)
     st.seq += 1
     return (PagesMarked(page_ids=tuple(marked)),) if marked else _NO_EFFECTS
 
@@ -352,16 +392,21 @@ def restore_completed(st: LedgerState, e: RestoreCompleted) -> tuple:
 
 def step_sealed(st: LedgerState, e: StepSealed) -> tuple:
     """The plan joins the steps in flight (the last ``MAX_IN_FLIGHT`` sealed and not aborted)."""
-    if e.step in st.clear_lists:
-        clear_list = st.derive_clear_list(e.step)
-        del st.clear_lists[e.step]
+    return (seal(st, e.step),)
+
+
+def seal(st: LedgerState, step: int) -> StepPlan:
+    """Seal ``step`` (the open step): its plan, which joins the steps in flight."""
+    if step in st.clear_lists:
+        clear_list = st.derive_clear_list(step)
+        del st.clear_lists[step]
         pend = st.pending
         for p in clear_list:
             del pend[p]
     else:
         clear_list = ()
-    st.open_step = e.step + 1
-    plan = StepPlan(step=e.step, clear_list=clear_list)
+    st.open_step = step + 1
+    plan = StepPlan(step=step, clear_list=clear_list)
     in_flight = st.in_flight
     in_flight.append(plan)
     if len(in_flight) > MAX_IN_FLIGHT:
@@ -370,17 +415,22 @@ def step_sealed(st: LedgerState, e: StepSealed) -> tuple:
             oldest = in_flight[0].step
             st.restored_since = {p: s for p, s in st.restored_since.items() if s > oldest}
     st.seq += 1
-    return (plan,)
+    return plan
 
 
 def step_completed(st: LedgerState, e: StepCompleted) -> tuple:
+    complete(st, e.step, e.rank)
+    return _NO_EFFECTS
+
+
+def complete(st: LedgerState, step: int, rank: int) -> None:
     """A rank ran the step. Once every rank that reports completions has completed a step,
     its plan leaves the steps in flight: it can no longer be aborted (its pages may be
     published from now on)."""
-    if e.step > st.completed.get(e.rank, -1):
-        st.completed[e.rank] = e.step
+    if step > st.completed.get(rank, -1):
+        st.completed[rank] = step
         in_flight = st.in_flight
-        if in_flight and in_flight[0].step <= e.step:
+        if in_flight and in_flight[0].step <= step:
             done = st.completed_step
             while in_flight and in_flight[0].step <= done:
                 del in_flight[0]
@@ -390,7 +440,6 @@ def step_completed(st: LedgerState, e: StepCompleted) -> tuple:
                 oldest = in_flight[0].step
                 st.restored_since = {p: s for p, s in st.restored_since.items() if s > oldest}
     st.seq += 1
-    return _NO_EFFECTS
 
 
 def sanitizer_violation(st: LedgerState, e: SanitizerViolation) -> tuple:

@@ -104,14 +104,6 @@ class LedgerState:
         self.sharers: dict[int, list[int]] = {}
         self.cached: OrderedDict[int, None] = OrderedDict()
         self.aborted_steps: set[int] = set()
-        # Proof memos (not state): the allocator's last pick and the last reservation head a
-        # command decided (the very tuple an event carries), each valid only at the seq it was
-        # made (``*_seq``; every fold advances seq), so a precondition and an applier need not
-        # compare slices again for them: ``st.picked is pages and st.picked_seq == st.seq``.
-        self.picked: tuple = ()
-        self.picked_seq = -1
-        self.head: tuple = ()
-        self.head_seq = -1
         self.dispatch = {t: (row.validate, row.apply) for t, row in self.transitions.items()}
 
     # ------------------------------------------------------------------ entry points
@@ -177,17 +169,14 @@ class LedgerState:
 
     def pick_free(self, n: int) -> tuple[int, ...] | None:
         """The ``n`` pages the allocator takes next (top of the free stack first, skipping
-        pages a restore is still writing), or None when there are too few. Pure (it notes
-        a plain top-of-stack pick in ``picked``, a memo for the precondition and the fold)."""
+        pages a restore is still writing), or None when there are too few. Pure."""
         stack, targets = self.free_stack, self.restore_targets
         if n > len(stack) - self.stale_entries:
             return None
         if not self.stale_entries:
             top = stack[: -n - 1 : -1]  # pop order: the top of the stack first
             if not targets or targets.keys().isdisjoint(top):
-                pick = tuple(top)
-                self.picked, self.picked_seq = pick, self.seq
-                return pick
+                return tuple(top)
             # at most len(targets) restoring pages to skip: they all lie within the top n + len(targets)
             near = stack[: -n - len(targets) - 1 : -1]
             top = [p for p in near if p not in targets][:n]
