@@ -234,11 +234,12 @@ class Ledger(PrefixCommands):
         """
         st = self.state
         if (self._plain and type(request) is int and type(n) is int and n > 0 and not request >> _ID_BITS
-                and not st.stale_entries and not st.restore_targets
-                and (n <= len(st.free_stack) or self._evict_plain(n))):
+                and not st.stale_entries and not st.restore_targets and n <= len(st.free_stack) + len(st.cached)):
             # fast path: the top of the stack is free and reservable (PagesReserved's precondition)
             rec = st.requests.get(request)
             if tenant is None or (type(tenant) is str and (rec is None or rec.tenant == tenant)):
+                if n > len(st.free_stack):
+                    self._evict_plain(n)
                 return fold.reserve_top(st, rec, request, n, tenant if rec is None else rec.tenant)
         if type(request) is not int or request >> _ID_BITS:
             checks.ident(request, "request")
@@ -268,8 +269,7 @@ class Ledger(PrefixCommands):
         st = self.state
         if (self._plain and type(request) is int and type(step) is int and type(n) is int and n > 0
                 and not (request | step) >> _ID_BITS and step >= st.open_step
-                and not st.stale_entries and not st.restore_targets
-                and (n <= len(st.free_stack) or self._evict_plain(n))):
+                and not st.stale_entries and not st.restore_targets and n <= len(st.free_stack) + len(st.cached)):
             # fast path: both preconditions hold (the top of the stack is reservable; the
             # step is not sealed; the request has no older reservation to commit first)
             rec = st.requests.get(request)
@@ -279,7 +279,9 @@ class Ledger(PrefixCommands):
                 fast = not rec.reserved and (tenant is None or tenant == rec.tenant)
             if fast:
                 stack = st.free_stack
-                if n == 1:
+                if n > len(stack):
+                    self._evict_plain(n)
+                elif n == 1:
                     p = stack[-1]
                     if p not in st.marks:  # (a marked page is listed: commit_pages below)
                         del stack[-1]
@@ -303,17 +305,13 @@ class Ledger(PrefixCommands):
             self._commit(request, step, pages)  # the reservation is exactly these pages: its head
         return pages
 
-    def _evict_plain(self, n: int) -> bool:
-        """Fast paths (a plain ledger, a stack without stale entries, no page restoring): evict
-        the least recently used cached pages that make up for too few free ones (the
-        ``PagesEvicted`` of ``_evict_for``, folded without its event). False when free +
-        cached pages are too few (nothing changed: the command's general path raises)."""
+    def _evict_plain(self, n: int) -> None:
+        """Fast paths (a plain ledger, a stack without stale entries, no page restoring, every
+        check passed): evict the least recently used cached pages that make up for too few
+        free ones, ``n - free <= cached`` (the ``PagesEvicted`` of ``_evict_for``, folded
+        without its event)."""
         st = self.state
-        short = n - len(st.free_stack)
-        if short > len(st.cached):
-            return False
-        fold_prefix.evict_pages(st, tuple(islice(st.cached, short)))
-        return True
+        fold_prefix.evict_pages(st, tuple(islice(st.cached, n - len(st.free_stack))))
 
     def _evict_for(self, n: int, who: str) -> tuple[int, ...]:
         """Too few free pages for ``n``: evict the least recently used cached pages that make

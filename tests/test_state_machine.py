@@ -165,6 +165,37 @@ class LedgerMachine(PrefixRules, RuleBasedStateMachine):
         if pages is not None:
             self._commit_pages(rid, self.m.open_step + ahead, pages)
 
+    @rule(data=st.data(), rid=st.sampled_from(REQUEST_IDS), n=st.integers(1, 3), ahead=st.integers(0, 1))
+    def allocate(self, data, rid, n, ahead):
+        """reserve + commit as one command (vLLM's ``get_new_blocks``): the two events the two
+        commands write, the eviction the model predicts first; the hot ledger takes its fast path."""
+        r = self.m.requests.get(rid)
+        tenant = data.draw(st.sampled_from(TENANTS if r is None else (None, r.tenant)))
+        step = self.m.open_step + ahead
+        call = lambda L: L.allocate(rid, step, n, tenant=tenant)  # noqa: E731
+        evict = self.m.to_evict(n)
+        if evict is None:
+            self.rejected(call, OutOfPagesError)
+            return
+        reservable = set(self.m.reservable())
+        since = len(self.seen)
+        pages = self.both(call)
+        assert len(pages) == n and len(set(pages)) == n
+        if evict:
+            hashes = self.m.evict(evict)
+            self.b.evicted(evict)
+            assert self.seen[since] == self._evicted(evict, hashes)
+            assert set(pages) == reservable | set(evict), (pages, reservable, evict)
+            self.stats["evicted by allocate"] += len(evict)
+        else:
+            assert set(pages) <= reservable
+        assert [type(ev).__name__ for ev, _ in self.seen[since + bool(evict):]] == ["PagesReserved", "PagesCommitted"]
+        self.m.reserve(rid, pages, tenant if r is None else r.tenant)
+        expect = self.m.commit(rid, step, list(pages))
+        self.b.committed(expect, step, self.m.requests[rid])
+        self.stats["allocated"] += n
+        self.stats["listed"] += len(expect)
+
     def _with_reserved(self):
         return [r for r in self.m.requests.values() if r.reserved]
 
