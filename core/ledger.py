@@ -234,7 +234,7 @@ class Ledger(PrefixCommands):
         """
         st = self.state
         if (self._plain and type(request) is int and type(n) is int and n > 0 and not request >> _ID_BITS
-                and not st.stale_entries and not st.restore_targets and n <= len(st.free_stack) + len(st.cached)):
+                and not st.stale_entries and n <= len(st.free_stack) + len(st.cached)):
             # fast path: the top of the stack is free and reservable (PagesReserved's precondition)
             rec = st.requests.get(request)
             if tenant is None or (type(tenant) is str and (rec is None or rec.tenant == tenant)):
@@ -269,7 +269,7 @@ class Ledger(PrefixCommands):
         st = self.state
         if (self._plain and type(request) is int and type(step) is int and type(n) is int and n > 0
                 and not (request | step) >> _ID_BITS and step >= st.open_step
-                and not st.stale_entries and not st.restore_targets and n <= len(st.free_stack) + len(st.cached)):
+                and not st.stale_entries and n <= len(st.free_stack) + len(st.cached)):
             # fast path: both preconditions hold (the top of the stack is reservable; the
             # step is not sealed; the request has no older reservation to commit first)
             rec = st.requests.get(request)
@@ -283,7 +283,7 @@ class Ledger(PrefixCommands):
                     self._evict_plain(n)
                 elif n == 1:
                     p = stack[-1]
-                    if p not in st.marks:  # (a marked page is listed: commit_pages below)
+                    if p not in st.marks and not st.parked:  # (a marked page is listed: commit_pages below)
                         del stack[-1]
                         st.holder[p] = request
                         if rec is None:
@@ -306,10 +306,10 @@ class Ledger(PrefixCommands):
         return pages
 
     def _evict_plain(self, n: int) -> None:
-        """Fast paths (a plain ledger, a stack without stale entries, no page restoring, every
-        check passed): evict the least recently used cached pages that make up for too few
-        free ones, ``n - free <= cached`` (the ``PagesEvicted`` of ``_evict_for``, folded
-        without its event)."""
+        """Fast paths (a plain ledger, a stack without stale entries, every check passed):
+        evict the least recently used cached pages that make up for too few free ones,
+        ``n - free <= cached`` (the ``PagesEvicted`` of ``_evict_for``, folded without
+        its event)."""
         st = self.state
         fold_prefix.evict_pages(st, tuple(islice(st.cached, n - len(st.free_stack))))
 

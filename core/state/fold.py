@@ -23,6 +23,7 @@ The other policies also mark pages when a request lets go of bytes it wrote
 
 from __future__ import annotations
 
+from itertools import filterfalse
 from typing import TYPE_CHECKING
 
 from ..events.events import (
@@ -85,27 +86,24 @@ _NO_EFFECTS: tuple = ()
 def _take_from_stack(st: LedgerState, pages) -> None:
     """Pages that were free (their holder already changed) leave the free stack.
 
-    The top is deleted in place; so is a region near the top that holds all of
-    them (the allocator skipping pages a restore is writing). Pages deeper down
-    leave stale entries (O(1) each); stale entries on the top are then popped so
-    the top stays live, and the stack is compacted when more than half is stale.
+    The top is deleted in place. Pages deeper down leave stale entries (O(1) each);
+    stale entries on the top are then popped so the top stays live, and the stack is
+    compacted when more than half is stale. Parked runs above the new top sink onto it.
     """
     stack, holder = st.free_stack, st.holder
     k = len(pages)
-    if not st.stale_entries:
-        if tuple(stack[: -k - 1 : -1]) == tuple(pages):
-            del stack[-k:]  # the allocator's choice: the top
-            return
-        m = k + len(st.restore_targets)
-        if m <= len(stack):
-            kept = [p for p in stack[-m:] if holder[p] == HOLDER_FREE]
-            if len(kept) == m - k:  # every taken page lay in the top m entries
-                stack[-m:] = kept
-                return
+    if not st.stale_entries and tuple(stack[: -k - 1 : -1]) == tuple(pages):
+        del stack[-k:]  # the allocator's choice: the top
+        if st.parked:
+            st.clamp_parked()
+        return
     st.stale_entries += k
-    while stack and holder[stack[-1]] != HOLDER_FREE:
-        stack.pop()
+    targets = st.restore_targets
+    while stack and (holder[stack[-1]] != HOLDER_FREE or stack[-1] in targets):
+        stack.pop()  # (an entry of a parked page is stale too)
         st.stale_entries -= 1
+    if st.parked:
+        st.clamp_parked()
     if st.stale_entries > 64 and 2 * st.stale_entries > len(stack):
         st.compact_free_stack()
 
@@ -142,7 +140,7 @@ def _free_pages(st: LedgerState, pages, tenant: str | None, dirty) -> list[int] 
                 marks[p] = MARK_ALL
                 residue.pop(p, None)
                 marked.append(p)
-    st.free_stack.extend(pages)
+    st.push_free(pages)
     if dirty and st.policy != "released_aliases":
         marks = st.marks
         if st.policy == "all_reused":
@@ -203,6 +201,8 @@ def reserve_top(st: LedgerState, rec: RequestRecord | None, request: int, n: int
     stack = st.free_stack
     pages = stack[-n:]
     del stack[-n:]
+    if st.parked and st.parked[-1][0] > len(stack):
+        st.clamp_parked()
     pages.reverse()
     holder = st.holder
     for p in pages:
@@ -287,7 +287,7 @@ def release_request(st: LedgerState, request: int) -> tuple:
         holder, free = st.holder, HOLDER_FREE  # (the usual case: _free_pages without marks, inline)
         for p in pages:
             holder[p] = free
-        st.free_stack += pages
+        st.push_free(pages)
         st.seq += 1
         return _NO_EFFECTS
     dirty: tuple | list = ()
@@ -304,18 +304,29 @@ def _release_shares(st: LedgerState, rec: RequestRecord) -> list[int]:
     freed: list[int] = []
     to_cache: list[int] = []
     cached = HOLDER_CACHED
-    for p in rec.kv:  # one pass: shared pages lose r, hashed ones go cached, the rest free
-        holders = sharers.get(p)
-        if holders is not None:
-            holders.remove(r)
-            holder[p] = holders[0]
-            if len(holders) == 1:
-                del sharers[p]
-        elif p in hashed:
+    kv = rec.kv
+    if sharers and not sharers.keys().isdisjoint(kv):
+        for p in kv:  # one pass: shared pages lose r, hashed ones go cached, the rest free
+            if p in sharers:
+                holders = sharers[p]
+                if holders[-1] == r:
+                    holders.pop()  # (the last to join: often the first to leave)
+                else:
+                    holders.remove(r)
+                holder[p] = holders[0]
+                if len(holders) == 1:
+                    del sharers[p]
+            elif p in hashed:
+                holder[p] = cached
+                to_cache.append(p)
+            else:
+                freed.append(p)
+    else:  # nothing shared: hashed pages go cached, the rest free (C-level passes)
+        to_cache = list(filter(hashed.__contains__, kv))
+        if len(to_cache) < len(kv):
+            freed = list(filterfalse(hashed.__contains__, kv))
+        for p in to_cache:
             holder[p] = cached
-            to_cache.append(p)
-        else:
-            freed.append(p)
     to_cache.reverse()  # the last block first: the first to be evicted
     st.cached.update(dict.fromkeys(to_cache))
     return freed
@@ -346,7 +357,6 @@ def snapshot_aliased(st: LedgerState, e: SnapshotAliased) -> tuple:
 def snapshot_released(st: LedgerState, e: SnapshotReleased) -> tuple:
     pages = st.snapshots.pop(e.snapshot)
     holder, count, marks, residue = st.holder, st.alias_count, st.marks, st.residue
-    stack = st.free_stack
     marked = []
     for p in pages:
         c = count[p] - 1
@@ -355,8 +365,8 @@ def snapshot_released(st: LedgerState, e: SnapshotReleased) -> tuple:
             holder[p] = HOLDER_FREE
             marks[p] = MARK_ALL
             residue.pop(p, None)
-            stack.append(p)
             marked.append(p)
+    st.push_free(marked)  # (the pages that went free are the ones marked)
     st.seq += 1
     return _marked(marked)
 
@@ -386,6 +396,8 @@ def restore_completed(st: LedgerState, e: RestoreCompleted) -> tuple:
     targets = st.restore_targets
     for p in e.page_ids:
         del targets[p]
+    if st.parked:
+        st.unpark(e.page_ids)  # free pages it was writing go back into the stack where they sit
     st.seq += 1
     return _NO_EFFECTS
 
@@ -435,8 +447,9 @@ def complete(st: LedgerState, step: int, rank: int) -> None:
             while in_flight and in_flight[0].step <= done:
                 del in_flight[0]
             if not in_flight:
-                st.restored_since.clear()
-            else:  # a restore matters only to a plan sealed before it: the oldest in flight bounds them
+                if st.restored_since:
+                    st.restored_since.clear()
+            elif st.restored_since:  # a restore matters only to a plan sealed before it: the oldest bounds them
                 oldest = in_flight[0].step
                 st.restored_since = {p: s for p, s in st.restored_since.items() if s > oldest}
     st.seq += 1

@@ -108,11 +108,11 @@ def _head_of(mine: list[int], page_ids) -> bool:
 
 
 def _top_of_stack(st: LedgerState, page_ids) -> bool:
-    """``page_ids`` is exactly the top of a free stack without stale entries, top first, and
-    no page is restoring (then they are valid, distinct, free and reservable)."""
+    """``page_ids`` is exactly the top of a free stack without stale entries, top first (then
+    they are valid, distinct, free and reservable: a restoring free page is parked, never
+    in the stack)."""
     stack, k = st.free_stack, len(page_ids)
-    return (0 < k <= len(stack) and not st.stale_entries and not st.restore_targets
-            and tuple(stack[: -k - 1 : -1]) == page_ids)
+    return 0 < k <= len(stack) and not st.stale_entries and tuple(stack[: -k - 1 : -1]) == page_ids
 
 
 def _held(st: LedgerState, request: int, page_ids, kind: str) -> None:
