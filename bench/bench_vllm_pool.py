@@ -43,10 +43,13 @@ alternated, best of repeats):
     free 1 block           free_blocks([b])                finish(r) of a 1-page request
     lookup hit             get_cached_block(h, [0])        lookup((h,))
     touch a cached block   touch([b]) (ref 0, in the queue) share(r, (h,))
-    publish 1 block        cache_full_blocks(req, 1 block) publish(r, (h,), tokens)
+    lookup + touch         get_cached_block + touch        lookup((h,)) + share(r, (h,))
+    publish 1 block        cache_full_blocks(req, 1 block) publish(r, (h,), tokens) (1-block requests)
     allocate(1), evicting  get_new_blocks(1) of a cached   allocate(r, step, 1) when only
                            block                           cached pages are left
     bulk 64 / 256          get_new_blocks(n) + free_blocks allocate(r, step, n) + finish(r)
+    allocate(1), events    get_new_blocks(1)               allocate(r, step, 1) on a ledger whose
+      to a sink                                            sink receives both events (no fast path)
 
 Targets: ledger / vLLM time per op <= 1.5 for allocate(1), free, lookup hit and
 touch.
@@ -99,8 +102,8 @@ BLOCKS = (10_000, 1 << 20)
 SEGMENT_OPS = 2_000
 ALLOCATIONS, QUICK_ALLOCATIONS = 200_000, 40_000
 PER_OP_CALLS = 2_000
-OP_ROWS = ("allocate(1)", "free 1 block", "lookup hit", "touch cached", "publish 1 block", "allocate(1) evicting",
-           "bulk 64", "bulk 256")
+OP_ROWS = ("allocate(1)", "free 1 block", "lookup hit", "touch cached", "lookup + touch", "publish 1 block",
+           "allocate(1) evicting", "bulk 64", "bulk 256", "allocate(1), events to a sink")
 TARGETS = {
     "op_allocate1_ratio": ("<=", 1.5),
     "op_free1_ratio": ("<=", 1.5),
@@ -577,22 +580,58 @@ def _op_cases(pool_module, row: str, k: int) -> dict[str, Callable[[], float]]:
             share = L.share
             keys = [(h,) for h in hashes]
             return _per_call(lambda: [share(9, h) for h in keys], k)
+    elif row == "lookup + touch":
+        def v():
+            pool, _ = cached_vllm(k)
+            get, touch = pool.get_cached_block, pool.touch
+            keys = [_hash(i) for i in range(k)]
+
+            def body():
+                for h in keys:
+                    touch(get(h, group))
+
+            return _per_call(body, k)
+
+        def led():
+            L, hashes = cached_ledger(k)
+            L.allocate(9, 1, 1)  # the sharing request exists
+            lookup, share = L.lookup, L.share
+            keys = [(h,) for h in hashes]
+
+            def body():
+                for h in keys:
+                    if lookup(h):
+                        share(9, h)
+
+            return _per_call(body, k)
     elif row == "publish 1 block":
         def v():
             pool = vpool(True)
-            blocks = pool.get_new_blocks(k)
-            req = _Request(0, [_hash(i) for i in range(k)])
+            tables = [pool.get_new_blocks(1) for _ in range(k)]
+            reqs = [_Request(i, [_hash(i)]) for i in range(k)]
             cache = pool.cache_full_blocks
-            return _per_call(lambda: [cache(req, blocks, i, i + 1, PAGE_TOKENS, 0) for i in range(k)], k)
+            return _per_call(lambda: [cache(reqs[i], tables[i], 0, 1, PAGE_TOKENS, 0) for i in range(k)], k)
 
         def led():
             L = Ledger(geometry)
-            L.allocate(1, 0, k)
+            for r in range(k):
+                L.allocate(r, 0, 1)
             L.seal_step(0)
             L.complete_step(0, 0)
             publish = L.publish
             keys = [(_hash(i),) for i in range(k)]
-            return _per_call(lambda: [publish(1, keys[i], tok, start=i) for i in range(k)], k)
+            return _per_call(lambda: [publish(i, keys[i], tok, start=0) for i in range(k)], k)
+    elif row == "allocate(1), events to a sink":
+        def v():
+            pool = vpool()
+            get = pool.get_new_blocks
+            return _per_call(lambda: [get(1) for _ in range(k)], k)
+
+        def led():
+            events: list = []
+            L = Ledger(geometry, sink=lambda seq, ev: events.append(ev))
+            alloc = L.allocate
+            return _per_call(lambda: [alloc(7, 0, 1) for _ in range(k)], k)
     elif row == "allocate(1) evicting":
         def v():
             pool, _ = cached_vllm(k)
@@ -634,8 +673,8 @@ def _op_cases(pool_module, row: str, k: int) -> dict[str, Callable[[], float]]:
 
 
 OP_KEYS = {"allocate(1)": "allocate1", "free 1 block": "free1", "lookup hit": "lookup", "touch cached": "touch",
-           "publish 1 block": "publish1", "allocate(1) evicting": "evict1", "bulk 64": "bulk64",
-           "bulk 256": "bulk256"}
+           "lookup + touch": "hit", "publish 1 block": "publish1", "allocate(1) evicting": "evict1",
+           "bulk 64": "bulk64", "bulk 256": "bulk256", "allocate(1), events to a sink": "allocate1_sink"}
 
 
 def run_ops(pool_module, repeats: int, calls: int = PER_OP_CALLS) -> tuple[dict, list]:

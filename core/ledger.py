@@ -110,10 +110,11 @@ class Ledger(PrefixCommands):
             if state.geometry != geometry:
                 raise ConfigurationError(f"state geometry {state.geometry} != {geometry}")
             self.state = state
-        # Nothing around the fold but the fold (no sink, observer, record or check) and the
-        # standard table: the commands' fast paths may fold without building the events.
-        self._plain = (not check and sink is None and not record and observer is None
-                       and (state is None or state.transitions is TRANSITIONS))
+        # The standard table: the commands' fast paths (a precondition's common case decided
+        # and checked in the command, folded by the table's own appliers) may be taken. With
+        # nothing around the fold (no sink, observer, record or check) they skip the events.
+        self._fast = state is None or state.transitions is TRANSITIONS
+        self._plain = self._fast and not check and sink is None and not record and observer is None
         if state is not None:
             return
         if not isinstance(geometry, Geometry):
@@ -165,6 +166,20 @@ class Ledger(PrefixCommands):
         if self._observer is not None:
             self._observer(seq, event, effects)
         return effects
+
+    def _pre(self, seq: int, event) -> None:
+        """A fast path's event before its fold: the sink (raising refuses it), the record."""
+        if self._sink is not None:
+            self._sink(seq, event)
+        if self.events is not None:
+            self.events.append(event)
+
+    def _post(self, seq: int, event, effects: tuple) -> None:
+        """A fast path's event after its fold: check mode, the observer."""
+        if self._check:
+            check_invariants(self.state)
+        if self._observer is not None:
+            self._observer(seq, event, effects)
 
     def submit(self, event) -> tuple:
         """Type-check, validate and fold an event built elsewhere (tools, a log reader).
@@ -233,14 +248,23 @@ class Ledger(PrefixCommands):
         are reservable, ``TenantMismatchError`` when a known request names another tenant.
         """
         st = self.state
-        if (self._plain and type(request) is int and type(n) is int and n > 0 and not request >> _ID_BITS
-                and not st.stale_entries and n <= len(st.free_stack) + len(st.cached)):
+        if (self._fast and type(request) is int and type(n) is int and n > 0 and not request >> _ID_BITS
+                and not st.stale_entries and n <= len(st.free_stack) + (len(st.cached) if self._plain else 0)):
             # fast path: the top of the stack is free and reservable (PagesReserved's precondition)
             rec = st.requests.get(request)
             if tenant is None or (type(tenant) is str and (rec is None or rec.tenant == tenant)):
-                if n > len(st.free_stack):
-                    self._evict_plain(n)
-                return fold.reserve_top(st, rec, request, n, tenant if rec is None else rec.tenant)
+                if rec is not None:
+                    tenant = rec.tenant
+                if self._plain:
+                    if n > len(st.free_stack):
+                        self._evict_plain(n)
+                    return fold.reserve_top(st, rec, request, n, tenant)
+                seq = st.seq
+                ev = PagesReserved(request=request, page_ids=tuple(st.free_stack[: -n - 1 : -1]), tenant=tenant)
+                self._pre(seq, ev)
+                pages = fold.reserve_top(st, rec, request, n, tenant)
+                self._post(seq, ev, ())
+                return pages
         if type(request) is not int or request >> _ID_BITS:
             checks.ident(request, "request")
         if type(n) is not int or n < 1:
@@ -253,11 +277,10 @@ class Ledger(PrefixCommands):
             if type(tenant) is not str:
                 checks.tenant(tenant)
             same_tenant(st, request, tenant)
-        pages = st.pick_free(n)
-        if pages is None:
-            pages = self._evict_for(n, f"request {request}")
-        self._submit(PagesReserved(request=request, page_ids=pages, tenant=tenant))
-        return pages
+        picked = st.pick_free(n)
+        taken = self._evict_for(n, f"request {request}") if picked is None else picked
+        self._submit(PagesReserved(request=request, page_ids=taken, tenant=tenant))
+        return taken
 
     def allocate(self, request: int, step: int, n: int, *, tenant: str | None = None) -> tuple[int, ...]:
         """``reserve(request, n)`` then ``commit`` those pages for ``step``: the usual way a
@@ -267,9 +290,9 @@ class Ledger(PrefixCommands):
         ``return_reservation``.
         """
         st = self.state
-        if (self._plain and type(request) is int and type(step) is int and type(n) is int and n > 0
+        if (self._fast and type(request) is int and type(step) is int and type(n) is int and n > 0
                 and not (request | step) >> _ID_BITS and step >= st.open_step
-                and not st.stale_entries and n <= len(st.free_stack) + len(st.cached)):
+                and not st.stale_entries and n <= len(st.free_stack) + (len(st.cached) if self._plain else 0)):
             # fast path: both preconditions hold (the top of the stack is reservable; the
             # step is not sealed; the request has no older reservation to commit first)
             rec = st.requests.get(request)
@@ -277,6 +300,8 @@ class Ledger(PrefixCommands):
                 fast = tenant is None or type(tenant) is str
             else:
                 fast = not rec.reserved and (tenant is None or tenant == rec.tenant)
+            if fast and not self._plain:
+                return self._allocate_recorded(rec, request, step, n, tenant)
             if fast:
                 stack = st.free_stack
                 if n > len(stack):
@@ -303,6 +328,26 @@ class Ledger(PrefixCommands):
             checks.ident(step, "step")
         else:
             self._commit(request, step, pages)  # the reservation is exactly these pages: its head
+        return pages
+
+    def _allocate_recorded(self, rec: RequestRecord | None, request: int, step: int, n: int,
+                           tenant: str | None) -> tuple[int, ...]:
+        """``allocate``'s fast path with something attached: the two events, each through the
+        sink before its fold and to the observer after it, exactly as ``reserve`` + ``commit``
+        write them (a sink refusing the commit leaves the reservation standing)."""
+        st = self.state
+        pages = tuple(st.free_stack[: -n - 1 : -1])
+        if rec is not None:
+            tenant = rec.tenant
+        seq = st.seq
+        ev = PagesReserved(request=request, page_ids=pages, tenant=tenant)
+        self._pre(seq, ev)
+        fold.reserve_top(st, rec, request, n, tenant)
+        self._post(seq, ev, ())
+        ev2 = PagesCommitted(request=request, step=step, page_ids=pages)
+        self._pre(seq + 1, ev2)
+        effects = fold.commit_pages(st, st.requests[request], step, pages)
+        self._post(seq + 1, ev2, effects)
         return pages
 
     def _evict_plain(self, n: int) -> None:
@@ -356,14 +401,20 @@ class Ledger(PrefixCommands):
         rank zeroes.
         """
         st = self.state
-        if (self._plain and pages is None and type(request) is int and type(step) is int and type(n) is int
+        if (self._fast and pages is None and type(request) is int and type(step) is int and type(n) is int
                 and n > 0 and not (request | step) >> _ID_BITS and step >= st.open_step):
             rec = st.requests.get(request)
             if rec is not None and n <= len(rec.reserved):
                 head = tuple(rec.reserved[:n])
                 targets = st.restore_targets
                 if not targets or targets.keys().isdisjoint(head):  # fast path: PagesCommitted's precondition holds
-                    effects = fold.commit_pages(st, rec, step, head)
+                    if self._plain:
+                        effects = fold.commit_pages(st, rec, step, head)
+                    else:
+                        seq, ev = st.seq, PagesCommitted(request=request, step=step, page_ids=head)
+                        self._pre(seq, ev)
+                        effects = fold.commit_pages(st, rec, step, head)
+                        self._post(seq, ev, effects)
                     return effects[0].page_ids if effects else ()
         if type(request) is not int or type(step) is not int:
             checks.ident(request, "request")
@@ -400,8 +451,14 @@ class Ledger(PrefixCommands):
 
     def cancel(self, request: int) -> None:
         """The request is aborted: its reserved and KV pages go back to the free list."""
-        if self._plain and type(request) is int and request in self.state.requests:
-            fold.release_request(self.state, request)  # fast path: r known is the whole precondition
+        st = self.state
+        if self._fast and type(request) is int and request in st.requests:  # fast path: r known is all it needs
+            if self._plain:
+                fold.release_request(st, request)
+            else:
+                seq, ev = st.seq, RequestCancelled(request=request)
+                self._pre(seq, ev)
+                self._post(seq, ev, fold.release_request(st, request))
             return
         if type(request) is not int or request >> _ID_BITS:
             checks.ident(request, "request")
@@ -409,8 +466,14 @@ class Ledger(PrefixCommands):
 
     def finish(self, request: int) -> None:
         """The request completed: its reserved and KV pages go back to the free list."""
-        if self._plain and type(request) is int and request in self.state.requests:
-            fold.release_request(self.state, request)  # fast path: r known is the whole precondition
+        st = self.state
+        if self._fast and type(request) is int and request in st.requests:  # fast path: r known is all it needs
+            if self._plain:
+                fold.release_request(st, request)
+            else:
+                seq, ev = st.seq, RequestFinished(request=request)
+                self._pre(seq, ev)
+                self._post(seq, ev, fold.release_request(st, request))
             return
         if type(request) is not int or request >> _ID_BITS:
             checks.ident(request, "request")
@@ -464,8 +527,14 @@ class Ledger(PrefixCommands):
     def seal_step(self, step: int) -> StepPlan:
         """Close the open step and return its plan (the pages every rank must zero)."""
         st = self.state
-        if self._plain and type(step) is int and step == st.open_step:
-            return fold.seal(st, step)  # fast path: the open step is the whole precondition
+        if self._fast and type(step) is int and step == st.open_step:  # fast path: the open step is all it needs
+            if self._plain:
+                return fold.seal(st, step)
+            seq, ev = st.seq, StepSealed(step=step, clear_list=st.derive_clear_list(step))
+            self._pre(seq, ev)
+            plan = fold.seal(st, step)
+            self._post(seq, ev, (plan,))
+            return plan
         if type(step) is not int or step >> _ID_BITS:
             checks.ident(step, "step")
         clear_list = st.derive_clear_list(step)
@@ -474,9 +543,16 @@ class Ledger(PrefixCommands):
 
     def complete_step(self, step: int, rank: int) -> None:
         """Rank ``rank`` ran step ``step``'s input copies, clears and graph."""
-        if (self._plain and type(step) is int and type(rank) is int and 0 <= step < self.state.open_step
-                and not rank >> _ID_BITS and rank >= 0):
-            fold.complete(self.state, step, rank)  # fast path: a sealed step is the whole precondition
+        st = self.state
+        if (self._fast and type(step) is int and type(rank) is int and 0 <= step < st.open_step
+                and not rank >> _ID_BITS and rank >= 0):  # fast path: a sealed step is the whole precondition
+            if self._plain:
+                fold.complete(st, step, rank)
+            else:
+                seq, ev = st.seq, StepCompleted(step=step, rank=rank)
+                self._pre(seq, ev)
+                fold.complete(st, step, rank)
+                self._post(seq, ev, ())
             return
         self._submit(StepCompleted(step=checks.ident(step, "step"), rank=checks.ident(rank, "rank")))
 

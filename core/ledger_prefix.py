@@ -14,6 +14,7 @@ from . import checks
 from .errors import InvalidArgumentError, UnknownBlockHashError, UnknownRequestError
 from .events.events import PagesEvicted, PagesPublished, PagesShared, typed
 from .state import fold_prefix
+from .state.table import HOLDER_CACHED, SHARED_IN
 
 if TYPE_CHECKING:
     from .state.state import LedgerState
@@ -27,7 +28,10 @@ class PrefixCommands:
 
     state: LedgerState
     _submit: Callable[[Any], tuple]  # Ledger's one submit path
-    _plain: bool  # Ledger's: no sink, observer, record or check (the fast paths may skip the events)
+    _fast: bool  # Ledger's: the standard table (the commands' fast paths may be taken)
+    _plain: bool  # Ledger's: and no sink, observer, record or check (they may skip the events)
+    _pre: Callable[[int, Any], None]  # Ledger's: a fast path's event before its fold (sink, record)
+    _post: Callable[[int, Any, tuple], None]  # and after it (check mode, observer)
 
     def publish(
         self,
@@ -52,7 +56,7 @@ class PrefixCommands:
         changes then.
         """
         st = self.state
-        if (self._plain and type(request) is int and type(start) is int and type(hashes) is tuple
+        if (self._fast and type(request) is int and type(start) is int and type(hashes) is tuple
                 and type(token_ids) is tuple and parent_hash is None and lora_id is None and lora_name is None
                 and start >= 0 and st.policy == "released_aliases"):
             rec = st.requests.get(request)
@@ -68,7 +72,15 @@ class PrefixCommands:
                         and st.page_hash.keys().isdisjoint(pages)
                         and checks.block_hash_list(hashes, "publish") is hashes
                         and st.hash_page.keys().isdisjoint(hashes)):
-                    fold_prefix.publish_pages(st, request, pages, hashes)
+                    if self._plain:
+                        fold_prefix.publish_pages(st, request, pages, hashes)
+                    else:
+                        seq = st.seq
+                        ev = PagesPublished(request=request, page_ids=pages, hashes=hashes,
+                                            parent_hash=st.page_hash.get(rec.kv[start - 1]) if start else None,
+                                            token_ids=token_ids)
+                        self._pre(seq, ev)
+                        self._post(seq, ev, fold_prefix.pages_published(st, ev))
                     return pages
         checks.ident(request, "request")
         rec = st.requests.get(request)
@@ -125,11 +137,24 @@ class PrefixCommands:
         listed for a clear: they hold the KV the request wants. Returns the page ids.
         """
         st = self.state
-        if (self._plain and type(request) is int and type(hashes) is tuple and tenant is None and hashes
+        if (self._fast and type(request) is int and type(hashes) is tuple and tenant is None and hashes
                 and not request >> 63 and st.policy == "released_aliases"):
             # fast path: PagesShared's precondition page by page (a hashed page is kv or cached,
             # never marked or restoring; it must not be r's already), then distinct pages
-            hp, holder, sharers = st.hash_page, st.holder, st.sharers
+            hp, holder = st.hash_page, st.holder
+            if len(hashes) == 1:  # (one cached block into a known request: vLLM's touch, inline)
+                h = hashes[0]
+                p = hp.get(h) if type(h) is bytes or type(h) is int else None
+                if p is not None and holder[p] == HOLDER_CACHED and self._plain:
+                    rec = st.requests.get(request)
+                    if rec is not None:
+                        del st.cached[p]
+                        holder[p] = request
+                        rec.kv.append(p)
+                        rec.kv_steps.append(SHARED_IN)
+                        st.seq += 1
+                        return (p,)
+            sharers = st.sharers
             pages = []
             for h in hashes:
                 if type(h) is not bytes and type(h) is not int:
@@ -144,7 +169,13 @@ class PrefixCommands:
             else:
                 if len(pages) == 1 or len(set(pages)) == len(pages):
                     ids = tuple(pages)
-                    fold_prefix.share_pages(st, request, ids, None)
+                    if self._plain:
+                        fold_prefix.share_pages(st, request, ids, None)
+                    else:
+                        seq, ev = st.seq, PagesShared(request=request, page_ids=ids, tenant=None)
+                        self._pre(seq, ev)
+                        fold_prefix.share_pages(st, request, ids, None)
+                        self._post(seq, ev, ())
                     return ids
         checks.ident(request, "request")
         checks.tenant(tenant)
