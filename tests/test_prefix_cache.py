@@ -969,3 +969,20 @@ def test_golden_bytes_of_the_new_events(event, hexbytes):
     assert msgspec.msgpack.encode(event).hex() == hexbytes
     decoded = msgspec.msgpack.Decoder(Event).decode(bytes.fromhex(hexbytes))
     assert decoded == event and type(decoded) is type(event)
+
+
+@pytest.mark.parametrize("attached", [False, True], ids=["plain", "recorded"])
+def test_share_refuses_a_hashed_page_the_request_alone_holds(attached):
+    """A request that wrote and published a page cannot share it into itself (the page is its
+    own, held by no one else): ``PageNotHeldError``, nothing changes, on every path."""
+    L = Ledger(GEOMETRY, record=attached)
+    L.allocate(1, 0, 2)
+    L.seal_step(0)
+    L.complete_step(0, 0)
+    L.publish(1, (500, 501), T(0, 2), start=0)
+    digest, seq = L.digest(), L.seq
+    for hashes in ((500,), (501, 500), [500]):
+        with pytest.raises(PageNotHeldError):
+            L.share(1, hashes)
+        assert (L.digest(), L.seq) == (digest, seq)
+    check_invariants(L.state)
