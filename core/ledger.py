@@ -5,17 +5,33 @@
             precondition) ─► sink(seq, event) ─► apply ─► effects
             (ClearPages / StepPlan) ─► [check mode: every invariant]
 
+The serving commands (allocate, reserve, commit(n), finish/cancel, seal_step,
+complete_step, and lookup/share/publish/eviction in ``ledger_prefix.py``) have a
+fast path inside that path: when their arguments fall in the common case of the
+precondition (the top of a free stack without stale entries, the head of a
+reservation, the open step, a known request, published hashes), the command checks
+that case itself as it decides and folds through the table's own appliers
+(``fold.reserve_top``, ``commit_pages``, ``release_request`` ...). With a sink,
+observer, record or check mode attached it still builds each event (the values
+``_submit`` would fold) and hands it to the sink before the fold and to the observer
+after (``_pre`` / ``_post``); with nothing attached it skips building them. Anything
+outside the common case takes ``_submit``, which raises the specific error. A ledger
+whose state has another table than ``TRANSITIONS`` takes no fast path (R8 drives all
+three and compares).
+
 Every command is all-or-nothing: argument errors, precondition failures and a
 failing sink (the durable log, when one is attached) all raise before the fold,
 so state and effects are exactly as before. Running out of pages is an ordinary
 ``OutOfPagesError``: cheap, nothing changed. Synchronous and I/O-free by itself.
+The prefix-caching commands live in ``ledger_prefix.py``, the snapshot-row and
+restore commands in ``ledger_snapshots.py``, the step commands in ``ledger_steps.py``
+(mixins of ``Ledger``, on its plumbing: ``_submit``, ``_pre``, ``_post``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from itertools import islice
-from typing import Literal
 
 from . import checks
 from .errors import (
@@ -25,25 +41,11 @@ from .errors import (
     UnknownRequestError,
 )
 from .ledger_prefix import PrefixCommands
+from .ledger_snapshots import SnapshotCommands
+from .ledger_steps import StepCommands
 from .events.events import (
-    CacheConfigured,
-    Geometry,
-    PagesCommitted,
-    PagesEvicted,
-    PagesReserved,
-    RequestCancelled,
-    RequestFinished,
-    ReservationReturned,
-    RestoreCompleted,
-    SanitizerViolation,
-    RestoreStarted,
-    SnapshotAliased,
-    SnapshotReleased,
-    StepAborted,
-    StepCompleted,
-    StepPlan,
-    StepSealed,
-    typed,
+    CacheConfigured, Geometry, PagesCommitted, PagesEvicted, PagesReserved, RequestCancelled,
+    RequestFinished, ReservationReturned, typed,
 )
 from .state import fold, fold_prefix
 from .state.invariants import check_invariants
@@ -72,15 +74,16 @@ _ID_BITS = 63
 assert checks.MAX_ID == (1 << _ID_BITS) - 1
 
 
-class Ledger(PrefixCommands):
+class Ledger(PrefixCommands, SnapshotCommands, StepCommands):
     """The KV-page ledger of one cache. Commands mirror SPEC's event table.
 
     Every command decides one event against the state and hands it to ``_submit``,
     the one path every event takes: ``validate`` (the event's precondition, from
     the transition table) -> ``sink`` (the durable log, when one is attached) ->
-    ``apply`` (the fold) -> in check mode, every invariant. Commands check only
-    their arguments' types themselves; every precondition lives in
-    ``core/state/preconditions.py``.
+    ``apply`` (the fold) -> in check mode, every invariant. Every precondition
+    lives in ``core/state/preconditions.py``; the serving commands' fast paths
+    (the module docstring) check the common case of theirs in the command, in the
+    same order: the case, then the sink, then the fold.
 
     ``sink(seq, event)`` (optional) sees each accepted event before the fold;
     raising refuses it (nothing changes). ``observer(seq, event, effects)``
@@ -478,102 +481,6 @@ class Ledger(PrefixCommands):
         if type(request) is not int or request >> _ID_BITS:
             checks.ident(request, "request")
         self._submit(RequestFinished(request=request))
-
-    def alias_snapshot(
-        self, snapshot: int, n: int | None = None, *, pages: Iterable[int] | None = None
-    ) -> tuple[int, ...]:
-        """Back snapshot rows with pages: ``n`` free pages from the allocator, or named
-        free/aliased pages (snapshot reuse). Returns the page ids."""
-        checks.ident(snapshot, "snapshot")
-        _one_of(n, pages, "alias_snapshot")
-        if pages is None:
-            k = checks.count(n, "n")
-            got = self.state.pick_free(k)
-            if got is None:
-                got = self._evict_for(k, f"snapshot {snapshot}")
-            ids = tuple(got)
-        else:
-            ids = checks.page_ids(pages, self.state.num_pages, allow_empty=False)
-        self._submit(SnapshotAliased(snapshot=snapshot, page_ids=ids))
-        return ids
-
-    def release_snapshot(self, snapshot: int) -> None:
-        """The snapshot is gone; pages it was the last alias of become free and marked."""
-        self._submit(SnapshotReleased(snapshot=checks.ident(snapshot, "snapshot")))
-
-    def _restore_target(self, request, snapshot) -> tuple[Literal["request", "snapshot"], int]:
-        if (request is None) == (snapshot is None):
-            raise InvalidArgumentError("restore: give exactly one of request= or snapshot=")
-        if request is not None:
-            return "request", checks.ident(request, "request")
-        return "snapshot", checks.ident(snapshot, "snapshot")
-
-    def start_restore(
-        self, pages: Iterable[int], *, request: int | None = None, snapshot: int | None = None
-    ) -> None:
-        """An inbound host restore starts writing ``pages`` of a request or a snapshot."""
-        into, target = self._restore_target(request, snapshot)
-        ids = checks.page_ids(pages, self.state.num_pages, allow_empty=False)
-        self._submit(RestoreStarted(into=into, target=target, page_ids=ids))
-
-    def complete_restore(
-        self, pages: Iterable[int], *, request: int | None = None, snapshot: int | None = None
-    ) -> None:
-        """The restore into ``pages`` finished writing; they may be reserved and committed again."""
-        into, target = self._restore_target(request, snapshot)
-        ids = checks.page_ids(pages, self.state.num_pages, allow_empty=False)
-        self._submit(RestoreCompleted(into=into, target=target, page_ids=ids))
-
-    def seal_step(self, step: int) -> StepPlan:
-        """Close the open step and return its plan (the pages every rank must zero)."""
-        st = self.state
-        if self._fast and type(step) is int and step == st.open_step:  # fast path: the open step is all it needs
-            if self._plain:
-                return fold.seal(st, step)
-            seq, ev = st.seq, StepSealed(step=step, clear_list=st.derive_clear_list(step))
-            self._pre(seq, ev)
-            plan = fold.seal(st, step)
-            self._post(seq, ev, (plan,))
-            return plan
-        if type(step) is not int or step >> _ID_BITS:
-            checks.ident(step, "step")
-        clear_list = st.derive_clear_list(step)
-        (plan,) = self._submit(StepSealed(step=step, clear_list=clear_list))
-        return plan
-
-    def complete_step(self, step: int, rank: int) -> None:
-        """Rank ``rank`` ran step ``step``'s input copies, clears and graph."""
-        st = self.state
-        if (self._fast and type(step) is int and type(rank) is int and 0 <= step < st.open_step
-                and not rank >> _ID_BITS and rank >= 0):  # fast path: a sealed step is the whole precondition
-            if self._plain:
-                fold.complete(st, step, rank)
-            else:
-                seq, ev = st.seq, StepCompleted(step=step, rank=rank)
-                self._pre(seq, ev)
-                fold.complete(st, step, rank)
-                self._post(seq, ev, ())
-            return
-        self._submit(StepCompleted(step=checks.ident(step, "step"), rank=checks.ident(rank, "rank")))
-
-    def record_violation(self, step: int, rank: int, plane: int, page_id: int,
-                         kind: Literal["not_zero", "poison"]) -> None:
-        """Record what the sanitizer found on ``rank``'s ``plane`` before step ``step``'s graph
-        (``kind``: "not_zero" or "poison"); ``kvledger audit --page`` shows it."""
-        if kind not in ("not_zero", "poison"):
-            raise InvalidArgumentError(f"kind must be 'not_zero' or 'poison', got {kind!r}")
-        self._submit(SanitizerViolation(step=checks.ident(step, "step"), rank=checks.ident(rank, "rank"),
-                                        plane=checks.ident(plane, "plane"), page_id=checks.ident(page_id, "page"),
-                                        kind=kind))
-
-    def abort_step(self, step: int, reason: str = "") -> None:
-        """Step ``step`` (in flight: sealed, not aborted, not yet completed on every rank) and
-        every later step in flight did not run everywhere: nothing of them can be assumed
-        zeroed. Their listed pages still in KV are carried into the open step's clear list;
-        the others get their mark back. Raises ``StepOrderError`` for a step not in flight."""
-        if type(reason) is not str:
-            raise InvalidArgumentError(f"reason must be a str, got {reason!r}")
-        self._submit(StepAborted(step=checks.ident(step, "step"), reason=reason))
 
 
 def replay(events: Iterable, *, check: bool = False) -> LedgerState:

@@ -82,6 +82,12 @@ class PrefixCommands:
                         self._pre(seq, ev)
                         self._post(seq, ev, fold_prefix.pages_published(st, ev))
                     return pages
+        return self._publish(request, hashes, token_ids, start, parent_hash, lora_id, lora_name)
+
+    def _publish(self, request, hashes, token_ids, start, parent_hash, lora_id, lora_name) -> tuple[int, ...]:
+        """``publish`` through the table's path: every argument checked, the event decided and
+        submitted (its precondition raises the specific error)."""
+        st = self.state
         checks.ident(request, "request")
         rec = st.requests.get(request)
         if rec is None:

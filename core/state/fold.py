@@ -57,24 +57,10 @@ if TYPE_CHECKING:
     from .state import LedgerState
 
 __all__ = [
-    "cache_configured",
-    "commit_pages",
-    "complete",
-    "release_request",
-    "reserve_top",
-    "seal",
-    "pages_committed",
-    "pages_reserved",
-    "request_gone",
-    "reservation_returned",
-    "restore_completed",
-    "restore_started",
-    "sanitizer_violation",
-    "snapshot_aliased",
-    "snapshot_released",
-    "step_aborted",
-    "step_completed",
-    "step_sealed",
+    "cache_configured", "commit_pages", "complete", "release_request", "reserve_top",
+    "seal", "pages_committed", "pages_reserved", "request_gone", "reservation_returned",
+    "restore_completed", "restore_started", "sanitizer_violation", "snapshot_aliased", "snapshot_released",
+    "step_aborted", "step_completed", "step_sealed",
 ]
 
 _NO_EFFECTS: tuple = ()
@@ -268,8 +254,7 @@ def commit_pages(st: LedgerState, rec: RequestRecord, step: int, pages: tuple) -
     return (ClearPages(step=step, page_ids=tuple(listed)),)
 
 
-def request_gone(st: LedgerState, e) -> tuple:
-    """RequestCancelled / RequestFinished: see ``release_request``."""
+def request_gone(st: LedgerState, e) -> tuple:  # RequestCancelled / RequestFinished
     return release_request(st, e.request)
 
 
@@ -403,12 +388,12 @@ def restore_completed(st: LedgerState, e: RestoreCompleted) -> tuple:
 
 
 def step_sealed(st: LedgerState, e: StepSealed) -> tuple:
-    """The plan joins the steps in flight (the last ``MAX_IN_FLIGHT`` sealed and not aborted)."""
     return (seal(st, e.step),)
 
 
 def seal(st: LedgerState, step: int) -> StepPlan:
-    """Seal ``step`` (the open step): its plan, which joins the steps in flight."""
+    """Seal ``step`` (the open step): its plan joins the steps in flight (the last
+    ``MAX_IN_FLIGHT`` sealed and not aborted)."""
     if step in st.clear_lists:
         clear_list = st.derive_clear_list(step)
         del st.clear_lists[step]
