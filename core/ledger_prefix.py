@@ -160,7 +160,7 @@ class PrefixCommands:
                         rec.kv_steps.append(SHARED_IN)
                         st.seq += 1
                         return (p,)
-            sharers = st.sharers
+            sharers = st.sharers if request in st.requests else {}  # (a new request holds nothing)
             pages = []
             for h in hashes:
                 if type(h) is not bytes and type(h) is not int:

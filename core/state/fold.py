@@ -296,8 +296,8 @@ def _release_shares(st: LedgerState, rec: RequestRecord) -> list[int]:
                 holders = sharers[p]
                 if holders[-1] == r:
                     holders.pop()  # (the last to join: often the first to leave)
-                else:
-                    holders.remove(r)
+                else:  # the last of r's entries: found from the end, where recent joiners are
+                    del holders[len(holders) - 1 - holders[::-1].index(r)]
                 holder[p] = holders[0]
                 if len(holders) == 1:
                     del sharers[p]
