@@ -63,11 +63,6 @@ EventSink = Callable[[int, object], None]
 EventObserver = Callable[[int, object, tuple], None]
 
 
-def _one_of(n, pages, what: str):
-    if (n is None) == (pages is None):
-        raise InvalidArgumentError(f"{what}: give exactly one of n= or pages=")
-
-
 # An id is an int in [0, 2**63): for an int x, ``x >> 63`` is 0 exactly then (-1 below, >= 1 above),
 # so ``(a | b) >> 63`` checks two ints at once. ``checks.ident`` raises the error.
 _ID_BITS = 63
@@ -293,6 +288,27 @@ class Ledger(PrefixCommands, SnapshotCommands, StepCommands):
         ``return_reservation``.
         """
         st = self.state
+        if (self._plain and type(n) is int and n == 1 and type(request) is int and type(step) is int
+                and not (request | step) >> _ID_BITS and step >= st.open_step and st.free_stack
+                and not st.stale_entries and not st.parked):
+            rec = st.requests.get(request)  # one page, nothing attached: the common case inline
+            stack = st.free_stack
+            p = stack[-1]
+            if p not in st.marks:
+                if rec is None:
+                    if tenant is None or type(tenant) is str:
+                        del stack[-1]
+                        st.holder[p] = request
+                        st.requests[request] = RequestRecord(request, tenant, [], [p], [step])
+                        st.seq += 2
+                        return (p,)
+                elif not rec.reserved and (tenant is None or tenant == rec.tenant):
+                    del stack[-1]
+                    st.holder[p] = request
+                    rec.kv.append(p)
+                    rec.kv_steps.append(step)
+                    st.seq += 2
+                    return (p,)
         if (self._fast and type(request) is int and type(step) is int and type(n) is int and n > 0
                 and not (request | step) >> _ID_BITS and step >= st.open_step
                 and not st.stale_entries and n <= len(st.free_stack) + (len(st.cached) if self._plain else 0)):
@@ -306,21 +322,8 @@ class Ledger(PrefixCommands, SnapshotCommands, StepCommands):
             if fast and not self._plain:
                 return self._allocate_recorded(rec, request, step, n, tenant)
             if fast:
-                stack = st.free_stack
-                if n > len(stack):
+                if n > len(st.free_stack):
                     self._evict_plain(n)
-                elif n == 1:
-                    p = stack[-1]
-                    if p not in st.marks and not st.parked:  # (a marked page is listed: commit_pages below)
-                        del stack[-1]
-                        st.holder[p] = request
-                        if rec is None:
-                            st.requests[request] = RequestRecord(request, tenant, [], [p], [step])
-                        else:
-                            rec.kv.append(p)
-                            rec.kv_steps.append(step)
-                        st.seq += 2
-                        return (p,)
                 pages = fold.reserve_top(st, rec, request, n, tenant if rec is None else rec.tenant)
                 fold.commit_pages(st, st.requests[request], step, pages)
                 return pages
@@ -432,7 +435,8 @@ class Ledger(PrefixCommands, SnapshotCommands, StepCommands):
                     f"request {request} has {len(rec.reserved)} reserved pages, cannot commit {n}"
                 )
             return self._commit(request, step, tuple(rec.reserved[:n]))
-        _one_of(n, pages, "commit")
+        if (n is None) == (pages is None):
+            raise InvalidArgumentError("commit: give exactly one of n= or pages=")
         if pages is None:
             checks.count(n, "n")  # not a positive int (the branch above took those)
             raise AssertionError("unreachable")
