@@ -57,6 +57,7 @@ __all__ = [
 
 OUT_OF_RANGE, DUPLICATE = "out_of_range", "duplicate"
 _INT_ONLY = {int}
+_BYTES_ONLY = {bytes}
 _INTS = tuple[int, ...]
 _HASH_MIN, _HASH_MAX = -(1 << 63), (1 << 63) - 1  # an int block hash is a signed 64-bit value
 
@@ -213,8 +214,15 @@ def block_hash_list(hashes, what: str) -> tuple:
             out = tuple(hashes)
         except TypeError:
             raise InvalidArgumentError(f"{what}: block hashes must be a sequence, got {hashes!r}") from None
-    if set(map(type, out)) == _INT_ONLY and min(out) >= _HASH_MIN and max(out) <= _HASH_MAX:
-        return out  # the common case, plain_block_hashes' first branch without its call
+    kinds = set(map(type, out))
+    if kinds == _INT_ONLY:
+        if min(out) >= _HASH_MIN and max(out) <= _HASH_MAX:
+            return out  # the common cases, plain_block_hashes' branches without its call
+    elif kinds == _BYTES_ONLY:
+        if min(map(len, out)) > 0 and max(map(len, out)) <= 64:
+            return out
+    elif not kinds:
+        return out
     if not plain_block_hashes(out):
         for h in out:
             ok = (type(h) is int and -(1 << 63) <= h < (1 << 63)) or (type(h) is bytes and 0 < len(h) <= 64)

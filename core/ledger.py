@@ -5,16 +5,33 @@
             precondition) ─► sink(seq, event) ─► apply ─► effects
             (ClearPages / StepPlan) ─► [check mode: every invariant]
 
+The serving commands (allocate, reserve, commit(n), finish/cancel, seal_step,
+complete_step, and lookup/share/publish/eviction in ``ledger_prefix.py``) have a
+fast path inside that path: when their arguments fall in the common case of the
+precondition (the top of a free stack without stale entries, the head of a
+reservation, the open step, a known request, published hashes), the command checks
+that case itself as it decides and folds through the table's own appliers
+(``fold.reserve_top``, ``commit_pages``, ``release_request`` ...). With a sink,
+observer, record or check mode attached it still builds each event (the values
+``_submit`` would fold) and hands it to the sink before the fold and to the observer
+after (``_pre`` / ``_post``); with nothing attached it skips building them. Anything
+outside the common case takes ``_submit``, which raises the specific error. A ledger
+whose state has another table than ``TRANSITIONS`` takes no fast path (R8 drives all
+three and compares).
+
 Every command is all-or-nothing: argument errors, precondition failures and a
 failing sink (the durable log, when one is attached) all raise before the fold,
 so state and effects are exactly as before. Running out of pages is an ordinary
 ``OutOfPagesError``: cheap, nothing changed. Synchronous and I/O-free by itself.
+The prefix-caching commands live in ``ledger_prefix.py``, the snapshot-row and
+restore commands in ``ledger_snapshots.py``, the step commands in ``ledger_steps.py``
+(mixins of ``Ledger``, on its plumbing: ``_submit``, ``_pre``, ``_post``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Literal
+from itertools import islice
 
 from . import checks
 from .errors import (
@@ -24,29 +41,18 @@ from .errors import (
     UnknownRequestError,
 )
 from .ledger_prefix import PrefixCommands
+from .ledger_snapshots import SnapshotCommands
+from .ledger_steps import StepCommands
 from .events.events import (
-    CacheConfigured,
-    Geometry,
-    PagesCommitted,
-    PagesEvicted,
-    PagesReserved,
-    RequestCancelled,
-    RequestFinished,
-    ReservationReturned,
-    RestoreCompleted,
-    SanitizerViolation,
-    RestoreStarted,
-    SnapshotAliased,
-    SnapshotReleased,
-    StepAborted,
-    StepCompleted,
-    StepPlan,
-    StepSealed,
-    typed,
+    CacheConfigured, Geometry, PagesCommitted, PagesEvicted, PagesReserved, RequestCancelled,
+    RequestFinished, ReservationReturned, typed,
 )
+from .state import fold, fold_prefix
 from .state.invariants import check_invariants
 from .state.preconditions import same_tenant
 from .state.state import LedgerState
+from .state.table import RequestRecord
+from .state.transitions import TRANSITIONS
 
 __all__ = ["Ledger", "EventObserver", "EventSink", "replay"]
 
@@ -57,26 +63,22 @@ EventSink = Callable[[int, object], None]
 EventObserver = Callable[[int, object, tuple], None]
 
 
-def _one_of(n, pages, what: str):
-    if (n is None) == (pages is None):
-        raise InvalidArgumentError(f"{what}: give exactly one of n= or pages=")
-
-
 # An id is an int in [0, 2**63): for an int x, ``x >> 63`` is 0 exactly then (-1 below, >= 1 above),
 # so ``(a | b) >> 63`` checks two ints at once. ``checks.ident`` raises the error.
 _ID_BITS = 63
 assert checks.MAX_ID == (1 << _ID_BITS) - 1
 
 
-class Ledger(PrefixCommands):
+class Ledger(PrefixCommands, SnapshotCommands, StepCommands):
     """The KV-page ledger of one cache. Commands mirror SPEC's event table.
 
     Every command decides one event against the state and hands it to ``_submit``,
     the one path every event takes: ``validate`` (the event's precondition, from
     the transition table) -> ``sink`` (the durable log, when one is attached) ->
-    ``apply`` (the fold) -> in check mode, every invariant. Commands check only
-    their arguments' types themselves; every precondition lives in
-    ``core/state/preconditions.py``.
+    ``apply`` (the fold) -> in check mode, every invariant. Every precondition
+    lives in ``core/state/preconditions.py``; the serving commands' fast paths
+    (the module docstring) check the common case of theirs in the command, in the
+    same order: the case, then the sink, then the fold.
 
     ``sink(seq, event)`` (optional) sees each accepted event before the fold;
     raising refuses it (nothing changes). ``observer(seq, event, effects)``
@@ -101,13 +103,17 @@ class Ledger(PrefixCommands):
         self.events: list | None = [] if record else None
         self._sink = sink
         self._observer = observer
-        # nothing around the fold but the fold: _submit's fast branch
-        self._plain = not check and sink is None and not record and observer is None
         self._check = bool(check)
         if state is not None:
             if state.geometry != geometry:
                 raise ConfigurationError(f"state geometry {state.geometry} != {geometry}")
             self.state = state
+        # The standard table: the commands' fast paths (a precondition's common case decided
+        # and checked in the command, folded by the table's own appliers) may be taken. With
+        # nothing around the fold (no sink, observer, record or check) they skip the events.
+        self._fast = state is None or state.transitions is TRANSITIONS
+        self._plain = self._fast and not check and sink is None and not record and observer is None
+        if state is not None:
             return
         if not isinstance(geometry, Geometry):
             raise InvalidArgumentError(f"geometry must be a Geometry, got {geometry!r}")
@@ -158,6 +164,20 @@ class Ledger(PrefixCommands):
         if self._observer is not None:
             self._observer(seq, event, effects)
         return effects
+
+    def _pre(self, seq: int, event) -> None:
+        """A fast path's event before its fold: the sink (raising refuses it), the record."""
+        if self._sink is not None:
+            self._sink(seq, event)
+        if self.events is not None:
+            self.events.append(event)
+
+    def _post(self, seq: int, event, effects: tuple) -> None:
+        """A fast path's event after its fold: check mode, the observer."""
+        if self._check:
+            check_invariants(self.state)
+        if self._observer is not None:
+            self._observer(seq, event, effects)
 
     def submit(self, event) -> tuple:
         """Type-check, validate and fold an event built elsewhere (tools, a log reader).
@@ -225,11 +245,28 @@ class Ledger(PrefixCommands):
         same one). Raises ``OutOfPagesError`` (nothing changed) when fewer than ``n``
         are reservable, ``TenantMismatchError`` when a known request names another tenant.
         """
+        st = self.state
+        if (self._fast and type(request) is int and type(n) is int and n > 0 and not request >> _ID_BITS
+                and not st.stale_entries and n <= len(st.free_stack) + (len(st.cached) if self._plain else 0)):
+            # fast path: the top of the stack is free and reservable (PagesReserved's precondition)
+            rec = st.requests.get(request)
+            if tenant is None or (type(tenant) is str and (rec is None or rec.tenant == tenant)):
+                if rec is not None:
+                    tenant = rec.tenant
+                if self._plain:
+                    if n > len(st.free_stack):
+                        self._evict_plain(n)
+                    return fold.reserve_top(st, rec, request, n, tenant)
+                seq = st.seq
+                ev = PagesReserved(request=request, page_ids=tuple(st.free_stack[: -n - 1 : -1]), tenant=tenant)
+                self._pre(seq, ev)
+                pages = fold.reserve_top(st, rec, request, n, tenant)
+                self._post(seq, ev, ())
+                return pages
         if type(request) is not int or request >> _ID_BITS:
             checks.ident(request, "request")
         if type(n) is not int or n < 1:
             checks.count(n, "n")
-        st = self.state
         if tenant is None:
             rec = st.requests.get(request)
             if rec is not None:
@@ -238,11 +275,10 @@ class Ledger(PrefixCommands):
             if type(tenant) is not str:
                 checks.tenant(tenant)
             same_tenant(st, request, tenant)
-        pages = st.pick_free(n)
-        if pages is None:
-            pages = self._evict_for(n, f"request {request}")
-        self._submit(PagesReserved(request=request, page_ids=pages, tenant=tenant))
-        return pages
+        picked = st.pick_free(n)
+        taken = self._evict_for(n, f"request {request}") if picked is None else picked
+        self._submit(PagesReserved(request=request, page_ids=taken, tenant=tenant))
+        return taken
 
     def allocate(self, request: int, step: int, n: int, *, tenant: str | None = None) -> tuple[int, ...]:
         """``reserve(request, n)`` then ``commit`` those pages for ``step``: the usual way a
@@ -251,14 +287,82 @@ class Ledger(PrefixCommands):
         refused (a sealed step, a bad step id), the reservation stands: return it with
         ``return_reservation``.
         """
+        st = self.state
+        if (self._plain and type(n) is int and n == 1 and type(request) is int and type(step) is int
+                and not (request | step) >> _ID_BITS and step >= st.open_step and st.free_stack
+                and not st.stale_entries and not st.parked):
+            rec = st.requests.get(request)  # one page, nothing attached: the common case inline
+            stack = st.free_stack
+            p = stack[-1]
+            if p not in st.marks:
+                if rec is None:
+                    if tenant is None or type(tenant) is str:
+                        del stack[-1]
+                        st.holder[p] = request
+                        st.requests[request] = RequestRecord(request, tenant, [], [p], [step])
+                        st.seq += 2
+                        return (p,)
+                elif not rec.reserved and (tenant is None or tenant == rec.tenant):
+                    del stack[-1]
+                    st.holder[p] = request
+                    rec.kv.append(p)
+                    rec.kv_steps.append(step)
+                    st.seq += 2
+                    return (p,)
+        if (self._fast and type(request) is int and type(step) is int and type(n) is int and n > 0
+                and not (request | step) >> _ID_BITS and step >= st.open_step
+                and not st.stale_entries and n <= len(st.free_stack) + (len(st.cached) if self._plain else 0)):
+            # fast path: both preconditions hold (the top of the stack is reservable; the
+            # step is not sealed; the request has no older reservation to commit first)
+            rec = st.requests.get(request)
+            if rec is None:
+                fast = tenant is None or type(tenant) is str
+            else:
+                fast = not rec.reserved and (tenant is None or tenant == rec.tenant)
+            if fast and not self._plain:
+                return self._allocate_recorded(rec, request, step, n, tenant)
+            if fast:
+                if n > len(st.free_stack):
+                    self._evict_plain(n)
+                pages = fold.reserve_top(st, rec, request, n, tenant if rec is None else rec.tenant)
+                fold.commit_pages(st, st.requests[request], step, pages)
+                return pages
         pages = self.reserve(request, n, tenant=tenant)
-        if len(self.state.requests[request].reserved) != n:
+        if len(st.requests[request].reserved) != n:
             self.commit(request, step, pages=pages)  # older reserved pages stay reserved
         elif type(step) is not int:
             checks.ident(step, "step")
         else:
             self._commit(request, step, pages)  # the reservation is exactly these pages: its head
         return pages
+
+    def _allocate_recorded(self, rec: RequestRecord | None, request: int, step: int, n: int,
+                           tenant: str | None) -> tuple[int, ...]:
+        """``allocate``'s fast path with something attached: the two events, each through the
+        sink before its fold and to the observer after it, exactly as ``reserve`` + ``commit``
+        write them (a sink refusing the commit leaves the reservation standing)."""
+        st = self.state
+        pages = tuple(st.free_stack[: -n - 1 : -1])
+        if rec is not None:
+            tenant = rec.tenant
+        seq = st.seq
+        ev = PagesReserved(request=request, page_ids=pages, tenant=tenant)
+        self._pre(seq, ev)
+        fold.reserve_top(st, rec, request, n, tenant)
+        self._post(seq, ev, ())
+        ev2 = PagesCommitted(request=request, step=step, page_ids=pages)
+        self._pre(seq + 1, ev2)
+        effects = fold.commit_pages(st, st.requests[request], step, pages)
+        self._post(seq + 1, ev2, effects)
+        return pages
+
+    def _evict_plain(self, n: int) -> None:
+        """Fast paths (a plain ledger, a stack without stale entries, every check passed):
+        evict the least recently used cached pages that make up for too few free ones,
+        ``n - free <= cached`` (the ``PagesEvicted`` of ``_evict_for``, folded without
+        its event)."""
+        st = self.state
+        fold_prefix.evict_pages(st, tuple(islice(st.cached, n - len(st.free_stack))))
 
     def _evict_for(self, n: int, who: str) -> tuple[int, ...]:
         """Too few free pages for ``n``: evict the least recently used cached pages that make
@@ -302,10 +406,25 @@ class Ledger(PrefixCommands):
         are carried in. ``seal_step(step).clear_list`` is the authority on what every
         rank zeroes.
         """
+        st = self.state
+        if (self._fast and pages is None and type(request) is int and type(step) is int and type(n) is int
+                and n > 0 and not (request | step) >> _ID_BITS and step >= st.open_step):
+            rec = st.requests.get(request)
+            if rec is not None and n <= len(rec.reserved):
+                head = tuple(rec.reserved[:n])
+                targets = st.restore_targets
+                if not targets or targets.keys().isdisjoint(head):  # fast path: PagesCommitted's precondition holds
+                    if self._plain:
+                        effects = fold.commit_pages(st, rec, step, head)
+                    else:
+                        seq, ev = st.seq, PagesCommitted(request=request, step=step, page_ids=head)
+                        self._pre(seq, ev)
+                        effects = fold.commit_pages(st, rec, step, head)
+                        self._post(seq, ev, effects)
+                    return effects[0].page_ids if effects else ()
         if type(request) is not int or type(step) is not int:
             checks.ident(request, "request")
             checks.ident(step, "step")
-        st = self.state
         if pages is None and type(n) is int and n > 0:
             rec = st.requests.get(request)
             if rec is None:
@@ -316,7 +435,8 @@ class Ledger(PrefixCommands):
                     f"request {request} has {len(rec.reserved)} reserved pages, cannot commit {n}"
                 )
             return self._commit(request, step, tuple(rec.reserved[:n]))
-        _one_of(n, pages, "commit")
+        if (n is None) == (pages is None):
+            raise InvalidArgumentError("commit: give exactly one of n= or pages=")
         if pages is None:
             checks.count(n, "n")  # not a positive int (the branch above took those)
             raise AssertionError("unreachable")
@@ -328,101 +448,43 @@ class Ledger(PrefixCommands):
         return effects[0].page_ids if effects else ()
 
     def _commit(self, request: int, step: int, head: tuple[int, ...]) -> tuple[int, ...]:
-        """Commit ``head``, which the caller took from the head of the request's reservation:
-        the command's own decision, so the precondition and the fold may trust it (the
-        ``head`` memo). The ids are int-typed here; their ranges are checked now."""
+        """Commit ``head``, the head of the request's reservation. The ids are int-typed here;
+        their ranges are checked now."""
         if (step | request) >> _ID_BITS:
             checks.ident(request, "request")
             checks.ident(step, "step")
-        st = self.state
-        st.head, st.head_seq = head, st.seq
         effects = self._submit(PagesCommitted(request=request, step=step, page_ids=head))
         return effects[0].page_ids if effects else ()
 
     def cancel(self, request: int) -> None:
         """The request is aborted: its reserved and KV pages go back to the free list."""
+        st = self.state
+        if self._fast and type(request) is int and request in st.requests:  # fast path: r known is all it needs
+            if self._plain:
+                fold.release_request(st, request)
+            else:
+                seq, ev = st.seq, RequestCancelled(request=request)
+                self._pre(seq, ev)
+                self._post(seq, ev, fold.release_request(st, request))
+            return
         if type(request) is not int or request >> _ID_BITS:
             checks.ident(request, "request")
         self._submit(RequestCancelled(request=request))
 
     def finish(self, request: int) -> None:
         """The request completed: its reserved and KV pages go back to the free list."""
+        st = self.state
+        if self._fast and type(request) is int and request in st.requests:  # fast path: r known is all it needs
+            if self._plain:
+                fold.release_request(st, request)
+            else:
+                seq, ev = st.seq, RequestFinished(request=request)
+                self._pre(seq, ev)
+                self._post(seq, ev, fold.release_request(st, request))
+            return
         if type(request) is not int or request >> _ID_BITS:
             checks.ident(request, "request")
         self._submit(RequestFinished(request=request))
-
-    def alias_snapshot(
-        self, snapshot: int, n: int | None = None, *, pages: Iterable[int] | None = None
-    ) -> tuple[int, ...]:
-        """Back snapshot rows with pages: ``n`` free pages from the allocator, or named
-        free/aliased pages (snapshot reuse). Returns the page ids."""
-        checks.ident(snapshot, "snapshot")
-        _one_of(n, pages, "alias_snapshot")
-        if pages is None:
-            k = checks.count(n, "n")
-            got = self.state.pick_free(k)
-            if got is None:
-                got = self._evict_for(k, f"snapshot {snapshot}")
-            ids = tuple(got)
-        else:
-            ids = checks.page_ids(pages, self.state.num_pages, allow_empty=False)
-        self._submit(SnapshotAliased(snapshot=snapshot, page_ids=ids))
-        return ids
-
-    def release_snapshot(self, snapshot: int) -> None:
-        """The snapshot is gone; pages it was the last alias of become free and marked."""
-        self._submit(SnapshotReleased(snapshot=checks.ident(snapshot, "snapshot")))
-
-    def _restore_target(self, request, snapshot) -> tuple[Literal["request", "snapshot"], int]:
-        if (request is None) == (snapshot is None):
-            raise InvalidArgumentError("restore: give exactly one of request= or snapshot=")
-        if request is not None:
-            return "request", checks.ident(request, "request")
-        return "snapshot", checks.ident(snapshot, "snapshot")
-
-    def start_restore(
-        self, pages: Iterable[int], *, request: int | None = None, snapshot: int | None = None
-    ) -> None:
-        """An inbound host restore starts writing ``pages`` of a request or a snapshot."""
-        into, target = self._restore_target(request, snapshot)
-        ids = checks.page_ids(pages, self.state.num_pages, allow_empty=False)
-        self._submit(RestoreStarted(into=into, target=target, page_ids=ids))
-
-    def complete_restore(
-        self, pages: Iterable[int], *, request: int | None = None, snapshot: int | None = None
-    ) -> None:
-        """The restore into ``pages`` finished writing; they may be reserved and committed again."""
-        into, target = self._restore_target(request, snapshot)
-        ids = checks.page_ids(pages, self.state.num_pages, allow_empty=False)
-        self._submit(RestoreCompleted(into=into, target=target, page_ids=ids))
-
-    def seal_step(self, step: int) -> StepPlan:
-        """Close the open step and return its plan (the pages every rank must zero)."""
-        if type(step) is not int or step >> _ID_BITS:
-            checks.ident(step, "step")
-        clear_list = self.state.derive_clear_list(step)
-        (plan,) = self._submit(StepSealed(step=step, clear_list=clear_list))
-        return plan
-
-    def complete_step(self, step: int, rank: int) -> None:
-        """Rank ``rank`` ran step ``step``'s input copies, clears and graph."""
-        self._submit(StepCompleted(step=checks.ident(step, "step"), rank=checks.ident(rank, "rank")))
-
-    def record_violation(self, step: int, rank: int, plane: int, page_id: int,
-                         kind: Literal["not_zero", "poison"]) -> None:
-        """Record what the sanitizer found on ``rank``'s ``plane`` before step ``step``'s graph
-        (``kind``: "not_zero" or "poison"); ``kvledger audit --page`` shows it."""
-        if kind not in ("not_zero", "poison"):
-            raise InvalidArgumentError(f"kind must be 'not_zero' or 'poison', got {kind!r}")
-        self._submit(SanitizerViolation(step=checks.ident(step, "step"), rank=checks.ident(rank, "rank"),
-                                        plane=checks.ident(plane, "plane"), page_id=checks.ident(page_id, "page"),
-                                        kind=kind))
-
-    def abort_step(self, step: int, reason: str = "") -> None:
-        """The last sealed step did not run everywhere: its clear list is carried into the next."""
-        if type(reason) is not str:
-            raise InvalidArgumentError(f"reason must be a str, got {reason!r}")
-        self._submit(StepAborted(step=checks.ident(step, "step"), reason=reason))
 
 
 def replay(events: Iterable, *, check: bool = False) -> LedgerState:

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 from . import checks
 from .errors import InvalidArgumentError, UnknownBlockHashError, UnknownRequestError
 from .events.events import PagesEvicted, PagesPublished, PagesShared, typed
+from .state import fold_prefix
+from .state.table import HOLDER_CACHED, SHARED_IN
 
 if TYPE_CHECKING:
     from .state.state import LedgerState
@@ -26,6 +28,10 @@ class PrefixCommands:
 
     state: LedgerState
     _submit: Callable[[Any], tuple]  # Ledger's one submit path
+    _fast: bool  # Ledger's: the standard table (the commands' fast paths may be taken)
+    _plain: bool  # Ledger's: and no sink, observer, record or check (they may skip the events)
+    _pre: Callable[[int, Any], None]  # Ledger's: a fast path's event before its fold (sink, record)
+    _post: Callable[[int, Any, tuple], None]  # and after it (check mode, observer)
 
     def publish(
         self,
@@ -49,8 +55,40 @@ class PrefixCommands:
         precondition raises (``PageNotHeldError``, ``StepOrderError``, ...); nothing
         changes then.
         """
-        checks.ident(request, "request")
         st = self.state
+        if (self._fast and type(request) is int and type(start) is int and type(hashes) is tuple
+                and type(token_ids) is tuple and parent_hash is None and lora_id is None and lora_name is None
+                and start >= 0 and st.policy == "released_aliases"):
+            rec = st.requests.get(request)
+            k = len(hashes)
+            if (rec is not None and 0 < k <= len(rec.kv) - start
+                    and len(token_ids) == k * st.geometry.page_tokens  # type: ignore[union-attr]
+                    and (k == 1 or len(set(hashes)) == k) and checks.all_ints(token_ids)):
+                # fast path: PagesPublished's precondition for a run of the block table, as a slice
+                pages = tuple(rec.kv[start : start + k])
+                steps = rec.kv_steps[start : start + k]
+                if (min(steps) >= 0 and max(steps) <= st.completed_step
+                        and (not st.aborted_steps or st.aborted_steps.isdisjoint(steps))
+                        and st.page_hash.keys().isdisjoint(pages)
+                        and checks.block_hash_list(hashes, "publish") is hashes
+                        and st.hash_page.keys().isdisjoint(hashes)):
+                    if self._plain:
+                        fold_prefix.publish_pages(st, request, pages, hashes)
+                    else:
+                        seq = st.seq
+                        ev = PagesPublished(request=request, page_ids=pages, hashes=hashes,
+                                            parent_hash=st.page_hash.get(rec.kv[start - 1]) if start else None,
+                                            token_ids=token_ids)
+                        self._pre(seq, ev)
+                        self._post(seq, ev, fold_prefix.pages_published(st, ev))
+                    return pages
+        return self._publish(request, hashes, token_ids, start, parent_hash, lora_id, lora_name)
+
+    def _publish(self, request, hashes, token_ids, start, parent_hash, lora_id, lora_name) -> tuple[int, ...]:
+        """``publish`` through the table's path: every argument checked, the event decided and
+        submitted (its precondition raises the specific error)."""
+        st = self.state
+        checks.ident(request, "request")
         rec = st.requests.get(request)
         if rec is None:
             raise UnknownRequestError(request)
@@ -81,7 +119,20 @@ class PrefixCommands:
         Under ``cross_tenant`` / ``all_reused`` only blocks ``tenant`` itself wrote count
         (``share`` refuses the others).
         """
-        return self.state.lookup(checks.block_hash_list(hashes, "lookup"), tenant)
+        st = self.state
+        if type(hashes) is tuple and st.policy == "released_aliases":
+            # fast path: every published hash counts (a hashed page is never marked or restoring)
+            hp = st.hash_page
+            n = 0
+            for h in hashes:
+                if (type(h) is not bytes and type(h) is not int) or h not in hp:
+                    break  # (an int or bytes key equal to a published one is that hash: checked when published)
+                n += 1
+            else:
+                return n
+            checks.block_hash_list(hashes[n:], "lookup")  # the rest must still be block hashes
+            return n
+        return st.lookup(checks.block_hash_list(hashes, "lookup"), tenant)
 
     def share(self, request: int, hashes: Sequence[int | bytes], *, tenant: str | None = None) -> tuple[int, ...]:
         """Share the pages that hold ``hashes`` into ``request``'s block table, in order.
@@ -91,15 +142,56 @@ class PrefixCommands:
         the cache; held pages become shared and read-only. Shared pages are never
         listed for a clear: they hold the KV the request wants. Returns the page ids.
         """
+        st = self.state
+        if (self._fast and type(request) is int and type(hashes) is tuple and tenant is None and hashes
+                and not request >> 63 and st.policy == "released_aliases"):
+            # fast path: PagesShared's precondition page by page (a hashed page is kv or cached,
+            # never marked or restoring; it must not be r's already), then distinct pages
+            hp, holder = st.hash_page, st.holder
+            if len(hashes) == 1:  # (one cached block into a known request: vLLM's touch, inline)
+                h = hashes[0]
+                p = hp.get(h) if type(h) is bytes or type(h) is int else None
+                if p is not None and holder[p] == HOLDER_CACHED and self._plain:
+                    rec = st.requests.get(request)
+                    if rec is not None:
+                        del st.cached[p]
+                        holder[p] = request
+                        rec.kv.append(p)
+                        rec.kv_steps.append(SHARED_IN)
+                        st.seq += 1
+                        return (p,)
+            sharers = st.sharers if request in st.requests else {}  # (a new request holds nothing)
+            pages = []
+            for h in hashes:
+                if type(h) is not bytes and type(h) is not int:
+                    break
+                p = hp.get(h)
+                if p is None:
+                    break
+                x = holder[p]
+                if x == request or (x >= 0 and p in sharers and request in sharers[p]):
+                    break
+                pages.append(p)
+            else:
+                if len(pages) == 1 or len(set(pages)) == len(pages):
+                    ids = tuple(pages)
+                    if self._plain:
+                        fold_prefix.share_pages(st, request, ids, None)
+                    else:
+                        seq, ev = st.seq, PagesShared(request=request, page_ids=ids, tenant=None)
+                        self._pre(seq, ev)
+                        fold_prefix.share_pages(st, request, ids, None)
+                        self._post(seq, ev, ())
+                    return ids
         checks.ident(request, "request")
         checks.tenant(tenant)
         hashes = checks.block_hash_list(hashes, "share")
-        found = list(map(self.state.hash_page.get, hashes))
+        found = list(map(st.hash_page.get, hashes))
         if None in found:
             h = hashes[found.index(None)]
             raise UnknownBlockHashError(h, f"request {request} cannot share it")
-        pages: tuple[int, ...] = tuple(found)  # type: ignore[arg-type]
-        ev = PagesShared(request=request, page_ids=pages, tenant=tenant)
+        pages_: tuple[int, ...] = tuple(found)  # type: ignore[arg-type]
+        ev = PagesShared(request=request, page_ids=pages_, tenant=tenant)
         self._submit(ev)
         return ev.page_ids
 

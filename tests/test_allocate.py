@@ -50,3 +50,16 @@ def test_a_refused_commit_leaves_the_reservation_standing(step, error):
     assert len(L.events) == n_events + 1  # the reservation, and nothing after it
     assert len(L.reserved_pages(1)) == 2 and L.kv_pages(1) == ()
     assert L.return_reservation(1) and L.reserved_pages(1) == ()
+
+
+@pytest.mark.parametrize("attached", [False, True], ids=["plain", "recorded"])
+def test_allocate_one_marked_page_lists_it_on_every_path(attached):
+    """One page at a time (the inline fast path when nothing is attached): a page a released
+    snapshot row left is committed, listed for the step's clear list and unmarked."""
+    L = Ledger(G, record=attached)
+    L.alias_snapshot(9, 1)
+    (marked,) = L.snapshot_pages(9)
+    L.release_snapshot(9)  # marked, on top of the free stack
+    assert L.allocate(1, 0, 1) == (marked,) and not L.is_marked(marked)
+    assert L.seal_step(0).clear_list == (marked,)
+    assert L.allocate(1, 1, 1) != (marked,) and L.kv_pages(1)[0] == marked

@@ -74,9 +74,12 @@ GEOMETRY = Geometry(num_pages=N, page_tokens=16)
 class World:
     """A ledger in the state of the module docstring, with a recording sink."""
 
-    def __init__(self, check: bool) -> None:
+    def __init__(self, check: bool, plain: bool = False) -> None:
         self.sunk: list = []
-        self.L = Ledger(GEOMETRY, check=check, record=True, sink=lambda seq, ev: self.sunk.append((seq, ev)))
+        if plain:  # nothing attached: the commands' fast paths
+            self.L = Ledger(GEOMETRY)
+        else:
+            self.L = Ledger(GEOMETRY, check=check, record=True, sink=lambda seq, ev: self.sunk.append((seq, ev)))
         sub = self.L.submit
         self.L.seal_step(0)
         sub(SnapshotAliased(snapshot=90, page_ids=(0, 1, 3, 6, 16)))
@@ -126,6 +129,12 @@ def view(L: Ledger) -> dict[int, tuple[str, bool, bool]]:
 @pytest.fixture(params=[False, True], ids=["fast", "check"])
 def world(request) -> World:
     return World(check=request.param)
+
+
+@pytest.fixture(params=[(False, False), (True, False), (False, True)], ids=["fast", "check", "plain"])
+def any_world(request) -> World:
+    """``world``, and the same world in a ledger with nothing attached (the commands' fast paths)."""
+    return World(*request.param)
 
 
 def test_world_is_what_the_table_assumes(world):
@@ -376,7 +385,7 @@ def test_ledger_construction_rejections(kwargs, exc):
 def _assert_rejected(world: World, action, exc, names):
     L = world.L
     digest, seq = L.digest(), L.seq
-    events, sunk = list(L.events), list(world.sunk)
+    events, sunk = list(L.events or ()), list(world.sunk)
     before = view(L)
     with pytest.raises(exc) as ei:
         action(L)
@@ -386,7 +395,7 @@ def _assert_rejected(world: World, action, exc, names):
         assert re.search(r"(?<![\d\w])" + re.escape(str(name)) + r"(?![\d\w])", message), (name, message)
     assert L.digest() == digest
     assert L.seq == seq
-    assert L.events == events
+    assert list(L.events or ()) == events
     assert world.sunk == sunk
     assert view(L) == before
     check_invariants(L.state)
@@ -414,6 +423,8 @@ REJECTS = [
      [1, "a", "b"]),
     ("reserve-cmd-tenant-mismatch", lambda L: L.reserve(1, 1, tenant="b"), TenantMismatchError, [1, "a", "b"]),
     ("reserve-cmd-out-of-pages", lambda L: L.reserve(3, 9), OutOfPagesError, [3, 9, 8]),
+    ("allocate-cmd-out-of-pages", lambda L: L.allocate(3, 1, 9), OutOfPagesError, [3, 9, 8]),
+    ("allocate-cmd-tenant-mismatch", lambda L: L.allocate(2, 1, 1, tenant="a"), TenantMismatchError, [2, "a", "b"]),
     # ---- ReservationReturned
     ("return-kv-page", S(ReservationReturned(request=1, page_ids=(4,))), PageNotHeldError, [4, "reserved(1)"]),
     ("return-wrong-owner", S(ReservationReturned(request=2, page_ids=(2,))), PageNotHeldError, [2, "reserved(2)"]),
@@ -508,8 +519,8 @@ REJECTS = [
 
 
 @pytest.mark.parametrize("action,exc,names", [r[1:] for r in REJECTS], ids=[r[0] for r in REJECTS])
-def test_rejection_changes_nothing(world, action, exc, names):
-    _assert_rejected(world, action, exc, names)
+def test_rejection_changes_nothing(any_world, action, exc, names):
+    _assert_rejected(any_world, action, exc, names)
 
 
 # Wrong argument types and ranges through the Ledger's commands.
@@ -524,6 +535,19 @@ WRONG_TYPES = [
     ("reserve-float-n", lambda L: L.reserve(3, 1.0), ["1.0"]),
     ("reserve-bool-n", lambda L: L.reserve(3, True), ["True"]),
     ("reserve-int-tenant", lambda L: L.reserve(3, 1, tenant=5), [5]),
+    ("allocate-str-request", lambda L: L.allocate("3", 1, 1), ["'3'"]),
+    ("allocate-bool-request", lambda L: L.allocate(True, 1, 1), ["True"]),
+    ("allocate-huge-request", lambda L: L.allocate(1 << 63, 1, 1), [str(1 << 63)]),
+    ("allocate-float-n", lambda L: L.allocate(3, 1, 1.0), ["1.0"]),
+    ("allocate-zero-n", lambda L: L.allocate(3, 1, 0), [0]),
+    ("allocate-int-tenant", lambda L: L.allocate(3, 1, 1, tenant=5), [5]),
+    ("commit-bool-request", lambda L: L.commit(True, 1, 1), ["True"]),
+    ("commit-huge-step", lambda L: L.commit(1, 1 << 63, 1), [str(1 << 63)]),
+    ("cancel-bool", lambda L: L.cancel(True), ["True"]),
+    ("finish-bool", lambda L: L.finish(True), ["True"]),
+    ("seal-bool-step", lambda L: L.seal_step(True), ["True"]),
+    ("step-completed-bool-rank", lambda L: L.complete_step(0, True), ["True"]),
+    ("step-completed-huge-rank", lambda L: L.complete_step(0, 1 << 63), [str(1 << 63)]),
     ("return-str-request", lambda L: L.return_reservation("1"), ["'1'"]),
     ("return-float-page", lambda L: L.return_reservation(1, [2.0]), ["2.0"]),
     ("return-bool-page", lambda L: L.return_reservation(1, [True]), ["True"]),
@@ -567,8 +591,8 @@ WRONG_TYPES = [
 
 
 @pytest.mark.parametrize("action,names", [r[1:] for r in WRONG_TYPES], ids=[r[0] for r in WRONG_TYPES])
-def test_command_argument_errors_change_nothing(world, action, names):
-    _assert_rejected(world, action, InvalidArgumentError, names)
+def test_command_argument_errors_change_nothing(any_world, action, names):
+    _assert_rejected(any_world, action, InvalidArgumentError, names)
 
 
 # Events built elsewhere (tools, a decoder that skipped type checks) go through

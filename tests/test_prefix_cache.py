@@ -82,13 +82,16 @@ def T(page: int, k: int = 1) -> tuple[int, ...]:
 class World:
     """A ledger in the state of the module docstring, with a recording sink and an observer."""
 
-    def __init__(self, policy: str, check: bool) -> None:
+    def __init__(self, policy: str, check: bool, plain: bool = False) -> None:
         self.policy = policy
         self.sunk: list = []
         self.observed: list = []
-        L = self.L = Ledger(GEOMETRY, policy=policy, check=check, record=True,
-                            sink=lambda seq, ev: self.sunk.append((seq, ev)),
-                            observer=lambda seq, ev, eff: self.observed.append((seq, ev, eff)))
+        if plain:  # nothing attached: the commands' fast paths
+            L = self.L = Ledger(GEOMETRY, policy=policy)
+        else:
+            L = self.L = Ledger(GEOMETRY, policy=policy, check=check, record=True,
+                                sink=lambda seq, ev: self.sunk.append((seq, ev)),
+                                observer=lambda seq, ev, eff: self.observed.append((seq, ev, eff)))
         assert L.reserve(1, 3, tenant="a") == (0, 1, 2)
         L.commit(1, 0, 3)
         assert L.reserve(3, 2, tenant="b") == (3, 4)
@@ -142,6 +145,14 @@ def lru(L: Ledger) -> list[int]:
 @pytest.fixture(params=[(p, c) for p in POLICIES for c in (False, True)],
                 ids=[f"{p}-{'check' if c else 'fast'}" for p in POLICIES for c in (False, True)])
 def world(request) -> World:
+    return World(*request.param)
+
+
+@pytest.fixture(params=[(p, c, False) for p in POLICIES for c in (False, True)] + [(p, False, True) for p in POLICIES],
+                ids=[f"{p}-{'check' if c else 'fast'}" for p in POLICIES for c in (False, True)]
+                + [f"{p}-plain" for p in POLICIES])
+def any_world(request) -> World:
+    """``world``, and the same world in a ledger with nothing attached (the commands' fast paths)."""
     return World(*request.param)
 
 
@@ -334,7 +345,7 @@ def test_evict_with_nothing_cached_writes_nothing():
 def _assert_rejected(world: World, action, exc, names):
     L = world.L
     digest, seq, canon = L.digest(), L.seq, L.state.canonical_bytes()
-    events, sunk, observed = list(L.events), list(world.sunk), list(world.observed)
+    events, sunk, observed = list(L.events or ()), list(world.sunk), list(world.observed)
     before, order = view(L), lru(L)
     with pytest.raises(exc) as ei:
         action(L)
@@ -343,7 +354,7 @@ def _assert_rejected(world: World, action, exc, names):
     for name in names:
         assert re.search(r"(?<![\d\w])" + re.escape(str(name)) + r"(?![\d\w])", message), (name, message)
     assert (L.digest(), L.seq, L.state.canonical_bytes()) == (digest, seq, canon)
-    assert (L.events, world.sunk, world.observed) == (events, sunk, observed)
+    assert (list(L.events or ()), world.sunk, world.observed) == (events, sunk, observed)
     assert view(L) == before and lru(L) == order
     check_invariants(L.state)
 
@@ -457,12 +468,36 @@ REJECTS = [
     ("lookup-unhashable-hash", lambda L: L.lookup([100, [1]]), InvalidArgumentError, ["[1]"]),
     ("lookup-hash-out-of-range", lambda L: L.lookup([1 << 63]), InvalidArgumentError, []),
     ("evict-cmd-both-n-and-pages", lambda L: L.evict(1, pages=[5]), InvalidArgumentError, ["n=", "pages="]),
+    # ---- the same with tuples and an explicit start (the shape the fast paths take)
+    ("share-tuple-unknown-hash", lambda L: L.share(7, (999,)), UnknownBlockHashError, [999, 7]),
+    ("share-tuple-same-hash-twice", lambda L: L.share(7, (100, 100)), DuplicatePageError, [0]),
+    ("share-tuple-its-own-page", lambda L: L.share(1, (100,)), PageNotHeldError, [0, 1]),
+    ("share-tuple-a-page-it-shares-already", lambda L: L.share(2, (101,)), PageNotHeldError, [1, 2]),
+    ("share-tuple-all-or-nothing", lambda L: L.share(7, (-7, 999)), UnknownBlockHashError, [999]),
+    ("share-tuple-float-equal-to-a-hash", lambda L: L.share(7, (100.0,)), InvalidArgumentError, []),
+    ("share-tuple-bool-hash", lambda L: L.share(7, (True,)), InvalidArgumentError, []),
+    ("share-tuple-huge-request", lambda L: L.share(1 << 63, (-7,)), InvalidArgumentError, []),
+    ("share-tuple-bool-request", lambda L: L.share(True, (-7,)), InvalidArgumentError, ["True"]),
+    ("lookup-tuple-float-equal-to-a-hash", lambda L: L.lookup((100.0,)), InvalidArgumentError, []),
+    ("lookup-tuple-bad-hash-after-a-miss", lambda L: L.lookup((100, 999, 1.5)), InvalidArgumentError, []),
+    ("lookup-tuple-unhashable-after-a-miss", lambda L: L.lookup((999, [1])), InvalidArgumentError, ["[1]"]),
+    ("publish-tuple-published-page", lambda L: L.publish(1, (200,), T(0), start=0), PageNotHeldError, [0]),
+    ("publish-tuple-hash-published", lambda L: L.publish(1, (100,), T(2), start=2), InvalidArgumentError, [100]),
+    ("publish-tuple-not-completed", lambda L: L.publish(2, (200,), T(6), start=2), StepOrderError, [6]),
+    ("publish-tuple-shared-page", lambda L: L.publish(2, (200,), T(0), start=0), PageNotHeldError, [0]),
+    ("publish-tuple-float-hash", lambda L: L.publish(1, (200.5,), T(2), start=2), InvalidArgumentError, []),
+    ("publish-tuple-str-token", lambda L: L.publish(1, (200,), ("a",) * 4, start=2), InvalidArgumentError, []),
+    ("publish-tuple-few-tokens", lambda L: L.publish(1, (200,), T(2)[:3], start=2), InvalidArgumentError, []),
+    ("publish-tuple-repeated-hash", lambda L: L.publish(1, (200, 200), T(1, 2), start=1), InvalidArgumentError, [200]),
+    ("publish-tuple-bool-request", lambda L: L.publish(True, (200,), T(2), start=2), InvalidArgumentError, []),
+    ("allocate-more-than-free-and-cached", lambda L: L.allocate(9, 2, 8), OutOfPagesError, [9, 8, 7]),
+    ("allocate-tenant-mismatch-evicts-nothing", lambda L: L.allocate(2, 2, 6, tenant="b"), TenantMismatchError, [2]),
 ]
 
 
 @pytest.mark.parametrize("action,exc,names", [r[1:] for r in REJECTS], ids=[r[0] for r in REJECTS])
-def test_rejection_changes_nothing(world, action, exc, names):
-    _assert_rejected(world, action, exc, names)
+def test_rejection_changes_nothing(any_world, action, exc, names):
+    _assert_rejected(any_world, action, exc, names)
 
 
 # --------------------------------------------------------------------------- lookup
@@ -934,3 +969,20 @@ def test_golden_bytes_of_the_new_events(event, hexbytes):
     assert msgspec.msgpack.encode(event).hex() == hexbytes
     decoded = msgspec.msgpack.Decoder(Event).decode(bytes.fromhex(hexbytes))
     assert decoded == event and type(decoded) is type(event)
+
+
+@pytest.mark.parametrize("attached", [False, True], ids=["plain", "recorded"])
+def test_share_refuses_a_hashed_page_the_request_alone_holds(attached):
+    """A request that wrote and published a page cannot share it into itself (the page is its
+    own, held by no one else): ``PageNotHeldError``, nothing changes, on every path."""
+    L = Ledger(GEOMETRY, record=attached)
+    L.allocate(1, 0, 2)
+    L.seal_step(0)
+    L.complete_step(0, 0)
+    L.publish(1, (500, 501), T(0, 2), start=0)
+    digest, seq = L.digest(), L.seq
+    for hashes in ((500,), (501, 500), [500]):
+        with pytest.raises(PageNotHeldError):
+            L.share(1, hashes)
+        assert (L.digest(), L.seq) == (digest, seq)
+    check_invariants(L.state)

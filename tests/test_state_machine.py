@@ -9,10 +9,13 @@ of an older step in flight does to it and every later one, which completions
 retire plans, which pages ``reserve`` / ``alias_snapshot`` evict, every
 ``BlocksStored`` / ``BlocksRemoved`` effect and every page a ``PagesMarked``
 effect names. It never reads the ledger's state to decide anything. The machine
-drives two ledgers with the same commands: one that records its events
-(replayed at the end of every run) and one on the hot path (no check, no record,
-no sink, no observer); both must agree with each other and with the model after
-every step, and ``check_invariants`` must pass.
+drives three ledgers with the same commands: one that records its events
+(replayed at the end of every run; its commands take their fast paths, events
+built and sunk), one on the hot path (no check, no record, no sink, no observer:
+the fast paths skip the events) and one whose state has its own copy of the
+transition table (every command through ``_submit``: validate, apply); all must
+agree with each other (digests, events, errors) and with the model after every
+step, and ``check_invariants`` must pass.
 
 On top of the model, a second, semantic oracle (``r8_bytes.Bytes``) follows
 what every page physically holds and asserts RELIABILITY.md's promises at every
@@ -43,7 +46,8 @@ from kvledger import (
     check_invariants,
     replay,
 )
-from kvledger.core.events import BlocksRemoved, PagesEvicted, PagesMarked, StepAborted
+from kvledger.core.events import BlocksRemoved, CacheConfigured, PagesEvicted, PagesMarked, StepAborted
+from kvledger.core.state import TRANSITIONS, LedgerState
 
 NUM_PAGES = 16
 PAGE_TOKENS = 16
@@ -54,6 +58,12 @@ TENANTS = ("a", "b", None)
 RANKS = (0, 1, 2)
 
 STATS: dict[str, Counter] = {}
+
+
+class TableOnly(LedgerState):
+    """A state whose table is a copy of the standard one: a ledger over it takes no fast path."""
+
+    transitions = dict(TRANSITIONS)
 
 
 class LedgerMachine(PrefixRules, RuleBasedStateMachine):
@@ -67,6 +77,9 @@ class LedgerMachine(PrefixRules, RuleBasedStateMachine):
         self.L = Ledger(GEOMETRY, policy=self.policy, record=True,
                         observer=lambda seq, ev, eff: self.seen.append((ev, eff)))
         self.hot = Ledger(GEOMETRY, policy=self.policy)  # the plain hot path
+        table = TableOnly()  # a state with its own copy of the table: every command through _submit
+        table.fold(CacheConfigured(geometry=GEOMETRY, policy=self.policy))
+        self.table = Ledger(GEOMETRY, state=table, record=True)
         self.m = Model(NUM_PAGES, self.policy)
         self.b = Bytes(self.m)
         self.ok = True
@@ -86,19 +99,22 @@ class LedgerMachine(PrefixRules, RuleBasedStateMachine):
         except KVLedgerError as e:
             with pytest.raises(type(e)):
                 call(self.hot)
+            with pytest.raises(type(e)):
+                call(self.table)
             raise
         assert call(self.hot) == got
+        assert call(self.table) == got
         return got
 
     def rejected(self, call, exc):
         """``call`` must raise ``exc`` and change nothing, on both ledgers."""
         digest, seq, n_events, n_seen = self.L.digest(), self.L.seq, len(self.L.events), len(self.seen)
-        hot_digest = self.hot.digest()
+        hot_digest, table_digest = self.hot.digest(), self.table.digest()
         with pytest.raises(exc) as ei:
             self.both(call)
         assert type(ei.value) is exc, (type(ei.value), exc)
         assert (self.L.digest(), self.L.seq, len(self.L.events), len(self.seen)) == (digest, seq, n_events, n_seen)
-        assert self.hot.digest() == hot_digest
+        assert self.hot.digest() == hot_digest and self.table.digest() == table_digest
         self.stats["rejected"] += 1
 
     def draw_subset(self, data, pool, max_size=None):
@@ -164,6 +180,37 @@ class LedgerMachine(PrefixRules, RuleBasedStateMachine):
         pages = self._reserve(data, rid, n)
         if pages is not None:
             self._commit_pages(rid, self.m.open_step + ahead, pages)
+
+    @rule(data=st.data(), rid=st.sampled_from(REQUEST_IDS), n=st.integers(1, 3), ahead=st.integers(0, 1))
+    def allocate(self, data, rid, n, ahead):
+        """reserve + commit as one command (vLLM's ``get_new_blocks``): the two events the two
+        commands write, the eviction the model predicts first; the hot ledger takes its fast path."""
+        r = self.m.requests.get(rid)
+        tenant = data.draw(st.sampled_from(TENANTS if r is None else (None, r.tenant)))
+        step = self.m.open_step + ahead
+        call = lambda L: L.allocate(rid, step, n, tenant=tenant)  # noqa: E731
+        evict = self.m.to_evict(n)
+        if evict is None:
+            self.rejected(call, OutOfPagesError)
+            return
+        reservable = set(self.m.reservable())
+        since = len(self.seen)
+        pages = self.both(call)
+        assert len(pages) == n and len(set(pages)) == n
+        if evict:
+            hashes = self.m.evict(evict)
+            self.b.evicted(evict)
+            assert self.seen[since] == self._evicted(evict, hashes)
+            assert set(pages) == reservable | set(evict), (pages, reservable, evict)
+            self.stats["evicted by allocate"] += len(evict)
+        else:
+            assert set(pages) <= reservable
+        assert [type(ev).__name__ for ev, _ in self.seen[since + bool(evict):]] == ["PagesReserved", "PagesCommitted"]
+        self.m.reserve(rid, pages, tenant if r is None else r.tenant)
+        expect = self.m.commit(rid, step, list(pages))
+        self.b.committed(expect, step, self.m.requests[rid])
+        self.stats["allocated"] += n
+        self.stats["listed"] += len(expect)
 
     def _with_reserved(self):
         return [r for r in self.m.requests.values() if r.reserved]
@@ -411,7 +458,8 @@ class LedgerMachine(PrefixRules, RuleBasedStateMachine):
         L, m = self.L, self.m
         check_invariants(L.state)
         check_invariants(self.hot.state)
-        assert self.hot.digest() == L.digest()
+        assert self.hot.digest() == L.digest() == self.table.digest()
+        assert self.table.events == L.events[1:]  # (the table ledger's state was configured before it)
         for p in range(NUM_PAGES):
             assert L.holder_of(p) == m.holder(p), (p, L.holder_of(p), m.holder(p))
             # (a tenant mark vs a mark for everyone shows in which commits list the page)

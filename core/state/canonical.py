@@ -130,7 +130,8 @@ def from_canonical(cls: type[LedgerState], data: dict) -> LedgerState:
         st.restored_since = dict.fromkeys(data["restored_since_seal"], data["open_step"])
         lp = data["last_plan"]
         st.in_flight = [] if lp is None else [StepPlan(step=lp[0], clear_list=tuple(lp[1]))]
-    st.free_stack = list(data["free_stack"])
+    st.free_stack, st.parked, st.parked_count = [], [], 0
+    st.push_free(list(data["free_stack"]))  # (restoring pages are parked where they sit)
     steps = dict(data["kv_steps"]) if version >= 2 else {}
     for r, tenant, reserved, kv, restored in data["requests"]:
         kv_steps = list(steps[r]) if version >= 2 else [UNKNOWN_STEP] * len(kv)

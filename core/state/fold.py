@@ -23,6 +23,7 @@ The other policies also mark pages when a request lets go of bytes it wrote
 
 from __future__ import annotations
 
+from itertools import filterfalse
 from typing import TYPE_CHECKING
 
 from ..events.events import (
@@ -56,19 +57,10 @@ if TYPE_CHECKING:
     from .state import LedgerState
 
 __all__ = [
-    "cache_configured",
-    "pages_committed",
-    "pages_reserved",
-    "request_gone",
-    "reservation_returned",
-    "restore_completed",
-    "restore_started",
-    "sanitizer_violation",
-    "snapshot_aliased",
-    "snapshot_released",
-    "step_aborted",
-    "step_completed",
-    "step_sealed",
+    "cache_configured", "commit_pages", "complete", "release_request", "reserve_top",
+    "seal", "pages_committed", "pages_reserved", "request_gone", "reservation_returned",
+    "restore_completed", "restore_started", "sanitizer_violation", "snapshot_aliased", "snapshot_released",
+    "step_aborted", "step_completed", "step_sealed",
 ]
 
 _NO_EFFECTS: tuple = ()
@@ -80,27 +72,24 @@ _NO_EFFECTS: tuple = ()
 def _take_from_stack(st: LedgerState, pages) -> None:
     """Pages that were free (their holder already changed) leave the free stack.
 
-    The top is deleted in place; so is a region near the top that holds all of
-    them (the allocator skipping pages a restore is writing). Pages deeper down
-    leave stale entries (O(1) each); stale entries on the top are then popped so
-    the top stays live, and the stack is compacted when more than half is stale.
+    The top is deleted in place. Pages deeper down leave stale entries (O(1) each);
+    stale entries on the top are then popped so the top stays live, and the stack is
+    compacted when more than half is stale. Parked runs above the new top sink onto it.
     """
     stack, holder = st.free_stack, st.holder
     k = len(pages)
-    if not st.stale_entries:
-        if tuple(stack[: -k - 1 : -1]) == tuple(pages):
-            del stack[-k:]  # the allocator's choice: the top
-            return
-        m = k + len(st.restore_targets)
-        if m <= len(stack):
-            kept = [p for p in stack[-m:] if holder[p] == HOLDER_FREE]
-            if len(kept) == m - k:  # every taken page lay in the top m entries
-                stack[-m:] = kept
-                return
+    if not st.stale_entries and tuple(stack[: -k - 1 : -1]) == tuple(pages):
+        del stack[-k:]  # the allocator's choice: the top
+        if st.parked:
+            st.clamp_parked()
+        return
     st.stale_entries += k
-    while stack and holder[stack[-1]] != HOLDER_FREE:
-        stack.pop()
+    targets = st.restore_targets
+    while stack and (holder[stack[-1]] != HOLDER_FREE or stack[-1] in targets):
+        stack.pop()  # (an entry of a parked page is stale too)
         st.stale_entries -= 1
+    if st.parked:
+        st.clamp_parked()
     if st.stale_entries > 64 and 2 * st.stale_entries > len(stack):
         st.compact_free_stack()
 
@@ -137,7 +126,7 @@ def _free_pages(st: LedgerState, pages, tenant: str | None, dirty) -> list[int] 
                 marks[p] = MARK_ALL
                 residue.pop(p, None)
                 marked.append(p)
-    st.free_stack.extend(pages)
+    st.push_free(pages)
     if dirty and st.policy != "released_aliases":
         marks = st.marks
         if st.policy == "all_reused":
@@ -181,16 +170,35 @@ def pages_reserved(st: LedgerState, e: PagesReserved) -> tuple:
     if rec is None:
         st.requests[r] = RequestRecord(r, e.tenant, list(pages), [], [])
     else:
-        rec.reserved.extend(pages)
+        rec.reserved += pages
     holder = st.holder
     for p in pages:
         holder[p] = r
-    if st.picked is pages and st.picked_seq == st.seq:
-        del st.free_stack[-len(pages) :]  # the allocator's pick (the memo): the top of a stack without stale entries
-    else:
-        _take_from_stack(st, pages)
+    _take_from_stack(st, pages)
     st.seq += 1
     return _NO_EFFECTS
+
+
+def reserve_top(st: LedgerState, rec: RequestRecord | None, request: int, n: int, tenant: str | None) -> tuple:
+    """The allocator's pick and its PagesReserved in one: the top ``n`` entries of a free
+    stack without stale entries and with no page restoring become ``reserved(request)``
+    (``rec``: the request's record, None for a new request, created with ``tenant``).
+    Returns the pages, top of the stack first (what ``pick_free(n)`` gives)."""
+    stack = st.free_stack
+    pages = stack[-n:]
+    del stack[-n:]
+    if st.parked and st.parked[-1][0] > len(stack):
+        st.clamp_parked()
+    pages.reverse()
+    holder = st.holder
+    for p in pages:
+        holder[p] = request
+    if rec is None:
+        st.requests[request] = RequestRecord(request, tenant, pages, [], [])
+    else:
+        rec.reserved += pages
+    st.seq += 1
+    return tuple(pages)
 
 
 def reservation_returned(st: LedgerState, e: ReservationReturned) -> tuple:
@@ -207,8 +215,12 @@ def reservation_returned(st: LedgerState, e: ReservationReturned) -> tuple:
 
 
 def pages_committed(st: LedgerState, e: PagesCommitted) -> tuple:
-    rec = st.requests[e.request]
-    pages = e.page_ids
+    return commit_pages(st, st.requests[e.request], e.step, e.page_ids)
+
+
+def commit_pages(st: LedgerState, rec: RequestRecord, step: int, pages: tuple) -> tuple:
+    """``pages`` (reserved by ``rec``'s request, none restoring, ``step`` not sealed) join its
+    block table; marked ones are listed for ``step``. Returns ``(ClearPages,)`` or ``()``."""
     marks = st.marks
     listed = None
     if marks and not marks.keys().isdisjoint(pages):
@@ -220,40 +232,53 @@ def pages_committed(st: LedgerState, e: PagesCommitted) -> tuple:
                 if m == MARK_TENANT and residue.pop(p) == rec.tenant:
                     continue  # the committing tenant's own bytes
                 if p not in pend:
-                    pend[p] = e.step
+                    pend[p] = step
                     listed.append(p)
     reserved, k = rec.reserved, len(pages)
-    if (st.head is pages and st.head_seq == st.seq) or tuple(reserved[:k]) == pages:  # the usual commit: the head
+    if tuple(reserved[:k]) == pages:  # the usual commit: the head
         del reserved[:k]
     else:
         _remove(reserved, pages)
     if rec.restored:
         rec.restored.difference_update(pages)
-    rec.kv.extend(pages)
-    rec.kv_steps.extend([e.step] * k)
+    rec.kv += pages
+    rec.kv_steps += [step] * k
     st.seq += 1
     if not listed:
         return _NO_EFFECTS
-    cl = st.clear_lists.get(e.step)
+    cl = st.clear_lists.get(step)
     if cl is None:
-        st.clear_lists[e.step] = listed
+        st.clear_lists[step] = listed
     else:
         cl.extend(listed)
-    return (ClearPages(step=e.step, page_ids=tuple(listed)),)
+    return (ClearPages(step=step, page_ids=tuple(listed)),)
 
 
-def request_gone(st: LedgerState, e) -> tuple:
-    """RequestCancelled / RequestFinished: reserved pages go free; each KV page loses r as a
+def request_gone(st: LedgerState, e) -> tuple:  # RequestCancelled / RequestFinished
+    return release_request(st, e.request)
+
+
+def release_request(st: LedgerState, request: int) -> tuple:
+    """Request ``request`` (known) goes: reserved pages go free; each KV page loses r as a
     holder: still held by others, it stays kv(R - {r}); hashed, it goes cached(h) (the
-    request's last block first in line for eviction); otherwise free."""
-    rec = st.requests.pop(e.request)
+    request's last block first in line for eviction); otherwise free. Returns the effects
+    (``PagesMarked`` when the policy or a pending clear marked pages)."""
+    rec = st.requests.pop(request)
     kv, reserved = rec.kv, rec.reserved
     if st.page_hash and not st.page_hash.keys().isdisjoint(kv) or st.sharers and not st.sharers.keys().isdisjoint(kv):
         kv = _release_shares(st, rec)
+    pages = reserved + kv if reserved else kv
+    if st.policy == "released_aliases" and not (st.pending and not st.pending.keys().isdisjoint(pages)):
+        holder, free = st.holder, HOLDER_FREE  # (the usual case: _free_pages without marks, inline)
+        for p in pages:
+            holder[p] = free
+        st.push_free(pages)
+        st.seq += 1
+        return _NO_EFFECTS
     dirty: tuple | list = ()
     if st.policy != "released_aliases":
         dirty = kv + [p for p in reserved if rec.restored and p in rec.restored]
-    marked = _free_pages(st, reserved + kv if reserved else kv, rec.tenant, dirty)
+    marked = _free_pages(st, pages, rec.tenant, dirty)
     st.seq += 1
     return (PagesMarked(page_ids=tuple(marked)),) if marked else _NO_EFFECTS
 
@@ -264,18 +289,29 @@ def _release_shares(st: LedgerState, rec: RequestRecord) -> list[int]:
     freed: list[int] = []
     to_cache: list[int] = []
     cached = HOLDER_CACHED
-    for p in rec.kv:  # one pass: shared pages lose r, hashed ones go cached, the rest free
-        holders = sharers.get(p)
-        if holders is not None:
-            holders.remove(r)
-            holder[p] = holders[0]
-            if len(holders) == 1:
-                del sharers[p]
-        elif p in hashed:
+    kv = rec.kv
+    if sharers and not sharers.keys().isdisjoint(kv):
+        for p in kv:  # one pass: shared pages lose r, hashed ones go cached, the rest free
+            if p in sharers:
+                holders = sharers[p]
+                if holders[-1] == r:
+                    holders.pop()  # (the last to join: often the first to leave)
+                else:  # the last of r's entries: found from the end, where recent joiners are
+                    del holders[len(holders) - 1 - holders[::-1].index(r)]
+                holder[p] = holders[0]
+                if len(holders) == 1:
+                    del sharers[p]
+            elif p in hashed:
+                holder[p] = cached
+                to_cache.append(p)
+            else:
+                freed.append(p)
+    else:  # nothing shared: hashed pages go cached, the rest free (C-level passes)
+        to_cache = list(filter(hashed.__contains__, kv))
+        if len(to_cache) < len(kv):
+            freed = list(filterfalse(hashed.__contains__, kv))
+        for p in to_cache:
             holder[p] = cached
-            to_cache.append(p)
-        else:
-            freed.append(p)
     to_cache.reverse()  # the last block first: the first to be evicted
     st.cached.update(dict.fromkeys(to_cache))
     return freed
@@ -306,7 +342,6 @@ def snapshot_aliased(st: LedgerState, e: SnapshotAliased) -> tuple:
 def snapshot_released(st: LedgerState, e: SnapshotReleased) -> tuple:
     pages = st.snapshots.pop(e.snapshot)
     holder, count, marks, residue = st.holder, st.alias_count, st.marks, st.residue
-    stack = st.free_stack
     marked = []
     for p in pages:
         c = count[p] - 1
@@ -315,8 +350,8 @@ def snapshot_released(st: LedgerState, e: SnapshotReleased) -> tuple:
             holder[p] = HOLDER_FREE
             marks[p] = MARK_ALL
             residue.pop(p, None)
-            stack.append(p)
             marked.append(p)
+    st.push_free(marked)  # (the pages that went free are the ones marked)
     st.seq += 1
     return _marked(marked)
 
@@ -346,22 +381,29 @@ def restore_completed(st: LedgerState, e: RestoreCompleted) -> tuple:
     targets = st.restore_targets
     for p in e.page_ids:
         del targets[p]
+    if st.parked:
+        st.unpark(e.page_ids)  # free pages it was writing go back into the stack where they sit
     st.seq += 1
     return _NO_EFFECTS
 
 
 def step_sealed(st: LedgerState, e: StepSealed) -> tuple:
-    """The plan joins the steps in flight (the last ``MAX_IN_FLIGHT`` sealed and not aborted)."""
-    if e.step in st.clear_lists:
-        clear_list = st.derive_clear_list(e.step)
-        del st.clear_lists[e.step]
+    return (seal(st, e.step),)
+
+
+def seal(st: LedgerState, step: int) -> StepPlan:
+    """Seal ``step`` (the open step): its plan joins the steps in flight (the last
+    ``MAX_IN_FLIGHT`` sealed and not aborted)."""
+    if step in st.clear_lists:
+        clear_list = st.derive_clear_list(step)
+        del st.clear_lists[step]
         pend = st.pending
         for p in clear_list:
             del pend[p]
     else:
         clear_list = ()
-    st.open_step = e.step + 1
-    plan = StepPlan(step=e.step, clear_list=clear_list)
+    st.open_step = step + 1
+    plan = StepPlan(step=step, clear_list=clear_list)
     in_flight = st.in_flight
     in_flight.append(plan)
     if len(in_flight) > MAX_IN_FLIGHT:
@@ -370,27 +412,32 @@ def step_sealed(st: LedgerState, e: StepSealed) -> tuple:
             oldest = in_flight[0].step
             st.restored_since = {p: s for p, s in st.restored_since.items() if s > oldest}
     st.seq += 1
-    return (plan,)
+    return plan
 
 
 def step_completed(st: LedgerState, e: StepCompleted) -> tuple:
+    complete(st, e.step, e.rank)
+    return _NO_EFFECTS
+
+
+def complete(st: LedgerState, step: int, rank: int) -> None:
     """A rank ran the step. Once every rank that reports completions has completed a step,
     its plan leaves the steps in flight: it can no longer be aborted (its pages may be
     published from now on)."""
-    if e.step > st.completed.get(e.rank, -1):
-        st.completed[e.rank] = e.step
+    if step > st.completed.get(rank, -1):
+        st.completed[rank] = step
         in_flight = st.in_flight
-        if in_flight and in_flight[0].step <= e.step:
+        if in_flight and in_flight[0].step <= step:
             done = st.completed_step
             while in_flight and in_flight[0].step <= done:
                 del in_flight[0]
             if not in_flight:
-                st.restored_since.clear()
-            else:  # a restore matters only to a plan sealed before it: the oldest in flight bounds them
+                if st.restored_since:
+                    st.restored_since.clear()
+            elif st.restored_since:  # a restore matters only to a plan sealed before it: the oldest bounds them
                 oldest = in_flight[0].step
                 st.restored_since = {p: s for p, s in st.restored_since.items() if s > oldest}
     st.seq += 1
-    return _NO_EFFECTS
 
 
 def sanitizer_violation(st: LedgerState, e: SanitizerViolation) -> tuple:

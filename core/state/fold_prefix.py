@@ -18,29 +18,40 @@ from .table import HOLDER_CACHED, SHARED_IN, RequestRecord
 if TYPE_CHECKING:
     from .state import LedgerState
 
-__all__ = ["pages_evicted", "pages_published", "pages_shared"]
+__all__ = ["pages_evicted", "pages_published", "pages_shared", "evict_pages", "publish_pages", "share_pages"]
 
 
 def pages_published(st: LedgerState, e: PagesPublished) -> tuple:
     geometry = st.geometry
     assert geometry is not None  # configured before any request
-    st.page_hash.update(zip(e.page_ids, e.hashes, strict=True))
-    st.hash_page.update(zip(e.hashes, e.page_ids, strict=True))
-    if st.policy != "released_aliases":  # the writer's tenant decides sharing and eviction marks
-        st.hash_tenant.update(dict.fromkeys(e.page_ids, st.requests[e.request].tenant))
-    st.seq += 1
+    publish_pages(st, e.request, e.page_ids, e.hashes)
     return (BlocksStored(hashes=e.hashes, parent_hash=e.parent_hash, token_ids=e.token_ids,
                          page_tokens=geometry.page_tokens,
                          lora_id=e.lora_id, lora_name=e.lora_name),)
 
 
+def publish_pages(st: LedgerState, request: int, pages: tuple, hashes: tuple) -> None:
+    """``pages`` of ``request`` gain ``hashes`` (the state's part of PagesPublished)."""
+    st.page_hash.update(zip(pages, hashes, strict=True))
+    st.hash_page.update(zip(hashes, pages, strict=True))
+    if st.policy != "released_aliases":  # the writer's tenant decides sharing and eviction marks
+        st.hash_tenant.update(dict.fromkeys(pages, st.requests[request].tenant))
+    st.seq += 1
+
+
 def pages_shared(st: LedgerState, e: PagesShared) -> tuple:
-    r = e.request
+    share_pages(st, e.request, e.page_ids, e.tenant)
+    return _NO_EFFECTS
+
+
+def share_pages(st: LedgerState, r: int, pages: tuple, tenant: str | None) -> None:
+    """Hashed ``pages`` (cached, or held by others) join ``r``'s block table (a new request
+    is created with ``tenant``): the state's part of PagesShared."""
     rec = st.requests.get(r)
     if rec is None:
-        rec = st.requests[r] = RequestRecord(r, e.tenant, [], [], [])
+        rec = st.requests[r] = RequestRecord(r, tenant, [], [], [])
     holder, sharers, cached = st.holder, st.sharers, st.cached
-    for p in e.page_ids:
+    for p in pages:
         x = holder[p]
         if x == HOLDER_CACHED:
             del cached[p]
@@ -51,16 +62,20 @@ def pages_shared(st: LedgerState, e: PagesShared) -> tuple:
                 sharers[p] = [x, r]
             else:
                 holders.append(r)
-    rec.kv.extend(e.page_ids)
-    rec.kv_steps.extend([SHARED_IN] * len(e.page_ids))
+    rec.kv += pages
+    rec.kv_steps += [SHARED_IN] * len(pages)
     st.seq += 1
-    return _NO_EFFECTS
 
 
 def pages_evicted(st: LedgerState, e: PagesEvicted) -> tuple:
+    hashes, marked = evict_pages(st, e.page_ids)
+    return (BlocksRemoved(hashes=hashes), *_marked(marked))
+
+
+def evict_pages(st: LedgerState, pages: tuple) -> tuple[tuple, list[int] | tuple]:
     """Cached pages go free and lose their hashes; under the isolating policies they are
-    marked for the writer's tenant (cross_tenant) or for everyone (all_reused)."""
-    pages = e.page_ids
+    marked for the writer's tenant (cross_tenant) or for everyone (all_reused). Returns
+    (their hashes, the pages marked)."""
     page_hash, hash_page, cached = st.page_hash, st.hash_page, st.cached
     hashes = tuple(map(page_hash.pop, pages))
     for h in hashes:
@@ -80,4 +95,4 @@ def pages_evicted(st: LedgerState, e: PagesEvicted) -> tuple:
             st.hash_tenant.pop(p, None)
         marked = list(_free_pages(st, pages, None, pages))
     st.seq += 1
-    return (BlocksRemoved(hashes=hashes), *_marked(marked))
+    return hashes, marked

@@ -91,11 +91,18 @@ def _free_stack_agrees(st: LedgerState, h: bytearray) -> None:
     """1. The free stack holds exactly the free pages, each once."""
     free = h.count(FREE)
     live = st.live_free_stack()
-    if free != len(live) or len(st.free_stack) - st.stale_entries != free:
+    parked = [p for _, pages in st.parked for p in pages]
+    if free != len(live) or len(st.free_stack) - st.stale_entries + len(parked) != free:
         raise InvariantViolation(1, f"free stack holds {len(live)} live pages ({len(st.free_stack)} entries, "
-                                 f"{st.stale_entries} counted stale), {free} are free")
-    if st.free_stack and h[st.free_stack[-1]] != FREE:
-        raise InvariantViolation(1, f"the top of the free stack, page {st.free_stack[-1]}, is not free")
+                                 f"{st.stale_entries} counted stale, {len(parked)} parked), {free} are free")
+    if st.free_stack and (h[st.free_stack[-1]] != FREE or st.free_stack[-1] in st.restore_targets):
+        raise InvariantViolation(1, f"the top of the free stack, page {st.free_stack[-1]}, is not free and reservable")
+    markers = [m for m, _ in st.parked]
+    restoring_free = {p for p in st.restore_targets if h[p] == FREE}
+    if (len(parked) != st.parked_count or set(parked) != restoring_free or markers != sorted(set(markers))
+            or (markers and markers[-1] > len(st.free_stack)) or not all(pages for _, pages in st.parked)):
+        raise InvariantViolation(1, f"parked runs {st.parked[:4]} do not hold exactly the free pages a restore is "
+                                 f"writing {sorted(restoring_free)[:8]}, in order below the top of the stack")
     stack_counts = Counter(live)
     for p in range(st.num_pages):
         c = stack_counts.get(p, 0)

@@ -108,11 +108,11 @@ def _head_of(mine: list[int], page_ids) -> bool:
 
 
 def _top_of_stack(st: LedgerState, page_ids) -> bool:
-    """``page_ids`` is exactly the top of a free stack without stale entries, top first, and
-    no page is restoring (then they are valid, distinct, free and reservable)."""
+    """``page_ids`` is exactly the top of a free stack without stale entries, top first (then
+    they are valid, distinct, free and reservable: a restoring free page is parked, never
+    in the stack)."""
     stack, k = st.free_stack, len(page_ids)
-    return (0 < k <= len(stack) and not st.stale_entries and not st.restore_targets
-            and tuple(stack[: -k - 1 : -1]) == page_ids)
+    return 0 < k <= len(stack) and not st.stale_entries and tuple(stack[: -k - 1 : -1]) == page_ids
 
 
 def _held(st: LedgerState, request: int, page_ids, kind: str) -> None:
@@ -141,8 +141,8 @@ def cache_configured(st: LedgerState, e: CacheConfigured) -> None:
 def pages_reserved(st: LedgerState, e: PagesReserved) -> None:
     """Each page free and not restoring; a known request keeps its tenant."""
     pages = e.page_ids
-    # the allocator's choice, the top of the free stack (its memo, or compared), needs no per-page check
-    top = (st.picked is pages and st.picked_seq == st.seq) or _top_of_stack(st, pages)
+    # the allocator's choice, the top of the free stack, needs no per-page check
+    top = _top_of_stack(st, pages)
     if not top:
         _pages(st, pages)
     rec = st.requests.get(e.request)
@@ -169,8 +169,8 @@ def pages_committed(st: LedgerState, e: PagesCommitted) -> None:
     """Each page reserved(r), not restoring; the step not older than the open step."""
     pages = e.page_ids
     rec = st.requests.get(e.request)
-    # the usual commit, the head of r's reservation (as the command decided it: the memo), needs no per-page check
-    head = rec is not None and ((st.head is pages and st.head_seq == st.seq) or _head_of(rec.reserved, pages))
+    # the usual commit, the head of r's reservation, needs no per-page check
+    head = rec is not None and _head_of(rec.reserved, pages)
     if not head:
         _pages(st, pages)
     if e.step < st.open_step:

@@ -92,6 +92,8 @@ class LedgerState:
         self.restored_since: dict[int, int] = {}
         self.free_stack: list[int] = []
         self.stale_entries = 0  # stale entries in free_stack (see the module docstring)
+        self.parked: list[list] = []  # [marker, pages]: free pages a restore is writing (the module docstring)
+        self.parked_count = 0
         self.requests: dict[int, RequestRecord] = {}
         self.snapshots: dict[int, list[int]] = {}
         self.open_step = 0
@@ -104,14 +106,6 @@ class LedgerState:
         self.sharers: dict[int, list[int]] = {}
         self.cached: OrderedDict[int, None] = OrderedDict()
         self.aborted_steps: set[int] = set()
-        # Proof memos (not state): the allocator's last pick and the last reservation head a
-        # command decided (the very tuple an event carries), each valid only at the seq it was
-        # made (``*_seq``; every fold advances seq), so a precondition and an applier need not
-        # compare slices again for them: ``st.picked is pages and st.picked_seq == st.seq``.
-        self.picked: tuple = ()
-        self.picked_seq = -1
-        self.head: tuple = ()
-        self.head_seq = -1
         self.dispatch = {t: (row.validate, row.apply) for t, row in self.transitions.items()}
 
     # ------------------------------------------------------------------ entry points
@@ -145,7 +139,7 @@ class LedgerState:
 
     @property
     def free_count(self) -> int:
-        return len(self.free_stack) - self.stale_entries
+        return len(self.free_stack) - self.stale_entries + self.parked_count
 
     @property
     def cached_count(self) -> int:
@@ -153,12 +147,9 @@ class LedgerState:
 
     @property
     def free_reservable(self) -> int:
-        """Free pages an allocation may take without evicting (free and not restoring)."""
-        n = len(self.free_stack) - self.stale_entries
-        if not self.restore_targets:
-            return n
-        holder = self.holder
-        return n - sum(1 for p in self.restore_targets if holder[p] == HOLDER_FREE)
+        """Free pages an allocation may take without evicting (free and not restoring: the
+        live entries of the free stack; the restoring ones are parked beside it)."""
+        return len(self.free_stack) - self.stale_entries
 
     @property
     def reservable_count(self) -> int:
@@ -176,55 +167,157 @@ class LedgerState:
         return min(self.completed.values()) if self.completed else -1
 
     def pick_free(self, n: int) -> tuple[int, ...] | None:
-        """The ``n`` pages the allocator takes next (top of the free stack first, skipping
-        pages a restore is still writing), or None when there are too few. Pure (it notes
-        a plain top-of-stack pick in ``picked``, a memo for the precondition and the fold)."""
-        stack, targets = self.free_stack, self.restore_targets
+        """The ``n`` pages the allocator takes next (top of the free stack first; pages a
+        restore is still writing are parked beside it, never in it), or None when there
+        are too few. Pure."""
+        stack = self.free_stack
         if n > len(stack) - self.stale_entries:
             return None
         if not self.stale_entries:
-            top = stack[: -n - 1 : -1]  # pop order: the top of the stack first
-            if not targets or targets.keys().isdisjoint(top):
-                pick = tuple(top)
-                self.picked, self.picked_seq = pick, self.seq
-                return pick
-            # at most len(targets) restoring pages to skip: they all lie within the top n + len(targets)
-            near = stack[: -n - len(targets) - 1 : -1]
-            top = [p for p in near if p not in targets][:n]
-            return tuple(top) if len(top) == n else None
+            return tuple(stack[: -n - 1 : -1])  # pop order: the top of the stack first
         picked: list[int] = []
-        holder, seen = self.holder, set()
+        holder, targets, seen = self.holder, self.restore_targets, set()
         for i in range(len(stack) - 1, -1, -1):
             p = stack[i]
-            if p in seen or holder[p] != HOLDER_FREE:
-                continue  # a stale entry
+            if p in seen or holder[p] != HOLDER_FREE or p in targets:
+                continue  # a stale entry (an entry of a parked page is one too)
             seen.add(p)
-            if p not in targets:
-                picked.append(p)
-                if len(picked) == n:
-                    return tuple(picked)
+            picked.append(p)
+            if len(picked) == n:
+                return tuple(picked)
         return None
 
+    # The parked pages. A page that goes free while a restore is still writing it cannot
+    # be reserved until the restore completes, yet its place in the allocator's order is
+    # where it was freed. It is parked beside the stack instead of pushed: ``parked`` holds
+    # runs ``[marker, pages]`` (markers ascending, distinct), a run sitting between
+    # ``free_stack[marker - 1]`` and ``free_stack[marker]``, its pages bottom to top. The
+    # stack itself then holds no restoring page, so the allocator takes its top whatever
+    # the number of restores in flight; when the stack shrinks below a marker, the runs
+    # above sink with it (``clamp_parked``); a completed restore puts its page back into
+    # the stack where its run sits (``unpark``: O(the entries above it)).
+
+    def push_free(self, pages) -> None:
+        """Push pages that just went free, in order; restoring ones are parked in place."""
+        targets = self.restore_targets
+        if not targets or targets.keys().isdisjoint(pages):
+            self.free_stack += pages
+            return
+        stack, runs = self.free_stack, self.parked
+        for p in pages:
+            if p in targets:
+                marker = len(stack)
+                if runs and runs[-1][0] == marker:
+                    runs[-1][1].append(p)
+                else:
+                    runs.append([marker, [p]])
+                self.parked_count += 1
+            else:
+                stack.append(p)
+
+    def clamp_parked(self) -> None:
+        """After the stack shrank: runs above its new top sink onto it (merged, in order)."""
+        runs, top = self.parked, len(self.free_stack)
+        if not runs or runs[-1][0] <= top:
+            return
+        if len(runs) == 1 or runs[-2][0] < top:
+            runs[-1][0] = top  # (one run sinks: the usual case)
+            return
+        i = len(runs)
+        while i and runs[i - 1][0] >= top:
+            i -= 1
+        base = runs[i][1]
+        for _, pages in runs[i + 1 :]:
+            base += pages
+        del runs[i + 1 :]
+        runs[i][0] = top
+
+    def unpark(self, pages) -> None:
+        """Restores into ``pages`` completed: the parked ones among them go back into the
+        stack where they sit (pages that are not parked are left alone)."""
+        done = set(pages)
+        runs, stack = self.parked, self.free_stack
+        shift = 0  # pages put back so far: the markers above move up by as many
+        out: list[list] = []
+        for marker, run in runs:
+            marker += shift
+            if done.isdisjoint(run):
+                out.append([marker, run])
+                continue
+            back: list[int] = []
+            rest: list[int] = []
+            for p in run:
+                if p in done:
+                    if rest:
+                        out.append([marker + len(back), rest])
+                        rest = []
+                    back.append(p)
+                else:
+                    rest.append(p)
+            if rest:
+                out.append([marker + len(back), rest])
+            if marker == len(stack):
+                stack += back
+            else:
+                stack[marker:marker] = back
+            shift += len(back)
+            self.parked_count -= len(back)
+        self.parked = out
+
     def live_free_stack(self) -> list[int]:
-        """The free pages in stack order, bottom to top (stale entries left out). O(stack)."""
-        stack = self.free_stack
+        """The free pages in stack order, bottom to top: the live entries of the stack
+        (stale entries left out) with the parked runs in their places. O(stack)."""
+        stack, runs = self.free_stack, self.parked
         if not self.stale_entries:
-            return list(stack)
-        holder, seen = self.holder, set()
-        live = []
-        for i in range(len(stack) - 1, -1, -1):
-            p = stack[i]
-            if p not in seen and holder[p] == HOLDER_FREE:
-                seen.add(p)
-                live.append(p)
-        live.reverse()
-        return live
+            if not runs:
+                return list(stack)
+            live_at = None
+        else:
+            holder, targets, seen = self.holder, self.restore_targets, set()
+            live_at = [False] * len(stack)
+            for i in range(len(stack) - 1, -1, -1):
+                p = stack[i]
+                if p not in seen and holder[p] == HOLDER_FREE and p not in targets:
+                    seen.add(p)
+                    live_at[i] = True
+        out: list[int] = []
+        at = 0
+        for marker, pages in (*runs, (len(stack), ())):
+            if live_at is None:
+                out += stack[at:marker]
+            else:
+                out += [stack[i] for i in range(at, marker) if live_at[i]]
+            out += pages
+            at = marker
+        return out
 
     def compact_free_stack(self) -> None:
-        """Drop the stale entries (the allocator's order is unchanged)."""
-        if self.stale_entries:
-            self.free_stack = self.live_free_stack()
-            self.stale_entries = 0
+        """Drop the stale entries (the allocator's order is unchanged; the runs' markers follow)."""
+        if not self.stale_entries:
+            return
+        stack, runs = self.free_stack, self.parked
+        holder, targets, seen = self.holder, self.restore_targets, set()
+        live_at = [False] * len(stack)
+        for i in range(len(stack) - 1, -1, -1):
+            p = stack[i]
+            if p not in seen and holder[p] == HOLDER_FREE and p not in targets:
+                seen.add(p)
+                live_at[i] = True
+        kept: list[int] = []
+        at = 0
+        for run in runs:
+            kept += [stack[i] for i in range(at, run[0]) if live_at[i]]
+            at, run[0] = run[0], len(kept)
+        kept += [stack[i] for i in range(at, len(stack)) if live_at[i]]
+        self.free_stack = kept
+        self.stale_entries = 0
+        merged: list[list] = []
+        for run in runs:  # (runs whose stale entries between them went are now at one marker)
+            if merged and merged[-1][0] == run[0]:
+                merged[-1][1] += run[1]
+            else:
+                merged.append(run)
+        self.parked = merged
 
     def derive_clear_list(self, step: int) -> tuple[int, ...]:
         """The plan's clear list for ``step``: its listed pages still pending for it, each

@@ -22,8 +22,9 @@ table and nothing else; an event type that is not in it is refused
     RestoreCompleted        restoring                        unchanged             unchanged  restoring cleared
     StepSealed              step open                        -                     -          StepPlan
     StepCompleted           step sealed                      -                     -          -
-    StepAborted             the last sealed step             -                     re-listed  -
-                                                                                   or set
+    StepAborted             a step in flight (sealed, not    -                     re-listed  -
+                            completed everywhere); it and                          or set
+                            every later step in flight
     PagesPublished          kv(r) written by r, completed    gain their hash       -          BlocksStored
     PagesShared             hashed kv(R) or cached(h)        -> kv(R + {r})        unchanged  -
     PagesEvicted            cached(h)                        -> free               policy     BlocksRemoved
@@ -123,8 +124,9 @@ TRANSITIONS: dict[type, Transition] = {
         "step sealed", "—", "—", "—",
         pre.step_completed, fold.step_completed),
     StepAborted: Transition(
-        "the last sealed step, not yet aborted", "—",
-        "its pages still in kv(r) listed again for the open step; the others set", "—",
+        "a step in flight (sealed, not aborted, not yet completed on every rank, among the last "
+        "MAX_IN_FLIGHT sealed); it is aborted with every later step in flight", "—",
+        "their pages still in kv(r) listed again for the open step; the others set", "—",
         pre.step_aborted, fold.step_aborted),
     SanitizerViolation: Transition(
         "step sealed; page in range", "—", "—", "— (a record for audits; the step is aborted by its own event)",
