@@ -141,8 +141,10 @@ async def test_two_ranks_through_the_engine_both_ways():
 
 
 def _cli(*argv, cwd=None):
+    # a wide console: rich wraps the table (and the log's path in it) at 80 columns otherwise
+    env = {**os.environ, "COLUMNS": "400"}
     return subprocess.run([sys.executable, "-m", "kvledger.demo", *argv], capture_output=True, text=True,
-                          timeout=120, cwd=cwd)
+                          timeout=120, cwd=cwd, env=env)
 
 
 def test_cli_both_ways_table_json_and_exit_status(tmp_path):
