@@ -12,14 +12,20 @@ a page is zeroing its row. Two ways to zero a clear list, chosen per plane:
            id tensor is built once per clear and, on CUDA, copied from pinned memory
            without blocking the host)
 
-``strategy="auto"`` (the default) picks per plane and per list, from a cost model
-whose constants ``bench/bench_clear_torch.py`` measured (see ``_COST``, and
-bench/README.md for the figures). On the CPU a slice fill costs about 2.3 us, an
-indexed fill about 3.5 times that plus a little per row, and an indexed fill
-writes bytes about 2.5 times slower than a memset: adjacent ids (few runs) go by
-runs, scattered ids by one indexed fill, and for very wide pages (tens of KiB)
-runs win again. On CUDA every call is a launch, so a list of more than three
-runs takes one indexed fill per plane.
+On the CPU (``strategy`` "auto" or "runs") a run of up to ``_HOST_CHUNK`` bytes is
+one slice assignment into a ``memoryview`` of the plane's memory from a buffer of
+zero (or 0xFF) bytes: about 0.4 us, where a torch slice fill costs 2 to 5 us of
+dispatch and an indexed fill about 8 us plus 0.2 us a row; a longer run is one
+torch slice fill (a memset, whose dispatch no longer matters). By runs, whatever
+the list: an indexed fill writes bytes about 2.5 times slower than a memset and
+costs about as much per row as a slice assignment. ``strategy="index"`` still
+takes ``index_fill_``. On CUDA ``strategy="auto"`` picks per plane and per
+list from a cost model whose constants ``bench/bench_clear_torch.py`` measured
+(see ``_COST``, and bench/README.md for the figures): every call is a launch, so
+a list of more than three runs takes one indexed fill per plane.
+
+``clear_checked(ids)`` (a sealed plan's clear list: distinct ids in range, a tuple)
+skips the id check, which is most of a small clear's host cost on the CPU.
 
 On CUDA planes the work is enqueued on ``stream`` (the rank's model stream; the
 current stream when ``None``) and ``clear`` returns without waiting for it.
@@ -31,6 +37,7 @@ check with :class:`~kvledger.executors.sanitize.TorchVerifier`.
 
 from __future__ import annotations
 
+import ctypes
 from array import array
 from collections.abc import Sequence
 from operator import sub as _sub
@@ -38,7 +45,7 @@ from typing import Any, NamedTuple
 
 from ..core import checks
 from ..core.errors import ConfigurationError
-from .backend import coalesce_runs
+from .backend import ClearBackendBase, coalesce_runs
 from .sanitize import SanitizerCheck, TorchVerifier, Violation
 
 __all__ = ["STRATEGIES", "TorchClearBackend"]
@@ -61,6 +68,9 @@ _COST = {
     "cuda": (3.0, 0.0, 0.0),
 }
 _WIDE = ((8, "int64"), (4, "int32"), (2, "int16"))
+_HOST_CHUNK = 256 * 1024  # CPU runs up to this many bytes: a slice assignment from these buffers
+_HOST_ZEROS = memoryview(bytes(_HOST_CHUNK))
+_HOST_ONES = memoryview(b"\xff" * _HOST_CHUNK)
 
 
 class _PageRows(NamedTuple):
@@ -72,7 +82,7 @@ class _PageRows(NamedTuple):
     page_bytes: list[int]  # per non-empty plane, bytes of one page
 
 
-class TorchClearBackend:
+class TorchClearBackend(ClearBackendBase):
     """Zeroes pages of torch-tensor planes. ``TorchClearBackend(planes, stream=None)``.
 
     Raises ``ConfigurationError`` (and builds nothing) when ``planes`` is empty, a
@@ -82,6 +92,7 @@ class TorchClearBackend:
     """
 
     name = "torch"
+    can_sanitize = True
 
     def __init__(self, planes: Sequence[Any], stream: Any = None, *, strategy: str = "auto") -> None:
         import torch
@@ -107,6 +118,11 @@ class TorchClearBackend:
         self._per_page = tuple(per_row + pb * per_byte for pb in layout.page_bytes)
         self._calls = self._pages = self._bytes = self._slice_fills = self._index_fills = 0
         self._verifier: TorchVerifier | None = None
+        # CPU planes, filled by runs: (the plane's bytes as a memoryview, bytes a page, its rows) per plane
+        self._host: tuple[tuple[memoryview, int, Any], ...] | None = None
+        if not self._cuda and strategy != "index":
+            self._host = tuple((_bytes_of(r, layout.num_pages * pb), pb, r)
+                               for r, pb in zip(self._rows, layout.page_bytes, strict=True))
 
     # ------------------------------------------------------------------ the hot path
 
@@ -124,8 +140,20 @@ class TorchClearBackend:
         self._pages += len(ids)
         self._bytes += len(ids) * self._page_bytes_total
 
+    def clear_checked(self, page_ids: tuple[int, ...]) -> None:
+        """``clear`` for ids known good (a sealed plan's clear list: a tuple of distinct ids in
+        range); the check is skipped. Never call it with the caller's input."""
+        if not page_ids:
+            return
+        self._on_stream(page_ids, False)
+        self._calls += 1
+        self._pages += len(page_ids)
+        self._bytes += len(page_ids) * self._page_bytes_total
+
     def _on_stream(self, ids: tuple[int, ...], ones: bool) -> None:
-        if self.stream is not None:  # CUDA planes with a named model stream
+        if self._host is not None:  # CPU planes: a slice assignment per run
+            self._fill_host(ids, ones)
+        elif self.stream is not None:  # CUDA planes with a named model stream
             with self._torch.cuda.stream(self.stream):
                 self._fill(ids, ones)
         else:  # the CPU, or CUDA on the current stream
@@ -156,6 +184,30 @@ class TorchClearBackend:
                 fills += 1
         self._slice_fills += slices
         self._index_fills += fills
+
+    def _fill_host(self, ids: tuple[int, ...], ones: bool) -> None:
+        """CPU planes: every byte of the listed pages := 0 (or 0xFF), one slice assignment per run
+        per plane (a torch fill for a run longer than ``_HOST_CHUNK``)."""
+        src = _HOST_ONES if ones else _HOST_ZEROS
+        host = self._host or ()
+        if len(ids) == 1:
+            p = ids[0]
+            for mv, pb, rows in host:
+                if pb <= _HOST_CHUNK:
+                    mv[p * pb:(p + 1) * pb] = src[:pb]
+                else:
+                    rows[p:p + 1].fill_(_ones(rows) if ones else 0)
+            self._slice_fills += len(host)
+            return
+        runs = coalesce_runs(sorted(ids))
+        for mv, pb, rows in host:
+            for a, b in runs:
+                n = (b - a) * pb
+                if n <= _HOST_CHUNK:
+                    mv[a * pb:b * pb] = src[:n]
+                else:
+                    rows[a:b].fill_(_ones(rows) if ones else 0)
+        self._slice_fills += len(runs) * len(host)
 
     def _index(self, srt: list[int]) -> Any:
         torch = self._torch
@@ -247,6 +299,12 @@ def _plane_shape(torch: Any, plane: Any, i: int) -> tuple[int, Any]:
     if plane.requires_grad:
         raise ConfigurationError(f"plane {i} requires grad; cache planes must not")
     return int(plane.shape[0]), plane.device
+
+
+def _bytes_of(rows: Any, nbytes: int) -> memoryview:
+    """A writable memoryview of the ``nbytes`` bytes of a contiguous CPU tensor (no copy, no numpy).
+    The backend keeps the tensor (and so the memory) alive for as long as the view."""
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(int(rows.data_ptr()))).cast("B")
 
 
 def _ones(rows: Any) -> int:

@@ -162,8 +162,11 @@ async def test_a_failed_step_aborts_the_later_sealed_step_which_runs_nothing(log
 async def test_a_page_freed_in_step_k_and_committed_in_step_k1_is_cleared_after_step_ks_graph():
     seen: dict = {}
     planes = [planes_of_rank()]
+    gate = anyio.Event()
 
-    def graph(ctx, step, inputs):
+    async def graph(ctx, step, inputs):
+        if step == 0:
+            await gate.wait()  # step 0's graph still runs while step 1 is committed and sealed
         seen[step] = [bool(is_zero(plane, p)) for plane in ctx.planes for p in seen["rows"]]
 
     async with open_engine(G, ranks=[RankSpec(planes=p, graph=graph) for p in planes], record=True, check=True,
@@ -174,18 +177,26 @@ async def test_a_page_freed_in_step_k_and_committed_in_step_k1_is_cleared_after_
         await engine.reserve(1, 1)
         await engine.commit(1, 0, 1)
 
-        async def scheduler():
-            # step 0 is sealed and has not run: free the snapshot's pages and commit them for step 1
-            assert engine.open_step == 1
+        async def step1():
+            seen["result"] = await engine.run_step(1)
+
+        async def scheduler(tg):
+            # step 0 is sealed and its graph has not read the pages: free the snapshot's pages and
+            # commit them for step 1, seal it, then let step 0's graph go on
+            while engine.open_step != 1:
+                await anyio.sleep(0)
             await engine.release_snapshot(7)
             await engine.reserve(2, 3)
             listed = await engine.commit(2, 1, 3)
             assert sorted(listed) == sorted(rows)
-            seen["result"] = await engine.run_step(1)
+            tg.start_soon(step1)
+            while engine.open_step != 2:
+                await anyio.sleep(0)
+            gate.set()
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(engine.run_step, 0)
-            tg.start_soon(scheduler)
+            tg.start_soon(scheduler, tg)
         assert seen[0] == [False] * 6  # step 0's graph read the snapshot's bytes: not cleared under it
         assert seen[1] == [True] * 6  # step 1's clear ran before its graph
         assert sorted(seen["result"].clear_list) == sorted(rows)
@@ -208,6 +219,8 @@ async def test_a_sealed_step_cancelled_before_it_ran_is_aborted_and_the_earlier_
                 await engine.run_step(1)
 
         async def cancel():
+            while engine.open_step != 2:  # both sealed
+                await anyio.sleep(0)
             scope.cancel()
 
         async with anyio.create_task_group() as tg:
