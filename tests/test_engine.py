@@ -590,7 +590,7 @@ async def test_cuda_ranks_clear_on_their_model_streams_without_blocking_the_loop
             await anyio.sleep(0)
 
     specs = [RankSpec(planes=p, graph=graph, stream=s) for p, s in zip(planes, streams, strict=True)]
-    async with open_engine(G, ranks=specs, record=True) as engine:
+    async with open_engine(G, ranks=specs, record=True, timings=True) as engine:
         seen = await released_then_committed(engine, planes)
         inputs = [StepInputs(copies=[(host, buf)]) for buf in bufs]
         async with anyio.create_task_group() as tg:
