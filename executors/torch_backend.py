@@ -12,17 +12,17 @@ a page is zeroing its row. Two ways to zero a clear list, chosen per plane:
            id tensor is built once per clear and, on CUDA, copied from pinned memory
            without blocking the host)
 
-On the CPU (``strategy`` "auto" or "runs") a run of up to ``_HOST_CHUNK`` bytes is
-one slice assignment into a ``memoryview`` of the plane's memory from a buffer of
-zero (or 0xFF) bytes: about 0.4 us, where a torch slice fill costs 2 to 5 us of
-dispatch and an indexed fill about 8 us plus 0.2 us a row; a longer run is one
-torch slice fill (a memset, whose dispatch no longer matters). By runs, whatever
-the list: an indexed fill writes bytes about 2.5 times slower than a memset and
-costs about as much per row as a slice assignment. ``strategy="index"`` still
-takes ``index_fill_``. On CUDA ``strategy="auto"`` picks per plane and per
-list from a cost model whose constants ``bench/bench_clear_torch.py`` measured
-(see ``_COST``, and bench/README.md for the figures): every call is a launch, so
-a list of more than three runs takes one indexed fill per plane.
+``strategy="auto"`` (the default) picks per plane and per list, from a cost model
+whose constants ``bench/bench_clear_torch.py`` measured (see ``_COST``, and
+bench/README.md for the figures). On the CPU a run is one slice assignment into
+a ``memoryview`` of the plane's memory from a buffer of zero (or 0xFF) bytes,
+about 0.45 us (``_HOST_RUN``; a torch slice fill costs about 2.3 us of dispatch;
+a run longer than ``_HOST_CHUNK`` bytes is one torch fill, a memset whose
+dispatch no longer matters); an indexed fill about 8 us plus a little per row,
+writing bytes about 2.5 times slower than a memset: adjacent ids (few runs) and
+short scattered lists go by runs, long scattered lists of narrow pages by one
+indexed fill. On CUDA every call is a launch, so a list of more than three runs
+takes one indexed fill per plane.
 
 ``clear_checked(ids)`` (a sealed plan's clear list: distinct ids in range, a tuple)
 skips the id check, which is most of a small clear's host cost on the CPU.
@@ -69,6 +69,7 @@ _COST = {
 }
 _WIDE = ((8, "int64"), (4, "int32"), (2, "int16"))
 _HOST_CHUNK = 256 * 1024  # CPU runs up to this many bytes: a slice assignment from these buffers
+_HOST_RUN = 0.2  # a CPU run by slice assignment (about 0.45 us), in units of a torch slice fill (about 2.3 us)
 _HOST_ZEROS = memoryview(bytes(_HOST_CHUNK))
 _HOST_ONES = memoryview(b"\xff" * _HOST_CHUNK)
 
@@ -120,7 +121,7 @@ class TorchClearBackend(ClearBackendBase):
         self._verifier: TorchVerifier | None = None
         # CPU planes, filled by runs: (the plane's bytes as a memoryview, bytes a page, its rows) per plane
         self._host: tuple[tuple[memoryview, int, Any], ...] | None = None
-        if not self._cuda and strategy != "index":
+        if not self._cuda:
             self._host = tuple((_bytes_of(r, layout.num_pages * pb), pb, r)
                                for r, pb in zip(self._rows, layout.page_bytes, strict=True))
 
@@ -151,9 +152,7 @@ class TorchClearBackend(ClearBackendBase):
         self._bytes += len(page_ids) * self._page_bytes_total
 
     def _on_stream(self, ids: tuple[int, ...], ones: bool) -> None:
-        if self._host is not None:  # CPU planes: a slice assignment per run
-            self._fill_host(ids, ones)
-        elif self.stream is not None:  # CUDA planes with a named model stream
+        if self.stream is not None:  # CUDA planes with a named model stream
             with self._torch.cuda.stream(self.stream):
                 self._fill(ids, ones)
         else:  # the CPU, or CUDA on the current stream
@@ -162,20 +161,29 @@ class TorchClearBackend(ClearBackendBase):
     def _fill(self, ids: tuple[int, ...], ones: bool) -> None:
         """Every byte of the listed pages := 0 (``ones`` false) or 0xFF, by runs or one indexed fill per plane."""
         k = len(ids)
+        host = self._host
+        if host is not None and self.strategy != "index" and k * _HOST_RUN <= self._fixed:
+            # a short CPU list: by runs whatever they are (no cost model to consult)
+            self._host_runs(((ids[0], ids[0] + 1),) if k == 1 else coalesce_runs(sorted(ids)), ones)
+            return
         srt = sorted(ids)
         # runs = pages - adjacent pairs (C-level: no Python loop over the ids)
         nruns = k - list(map(_sub, srt[1:], srt[:-1])).count(1) if k > 1 else 1
         strategy = self.strategy
         fixed = self._fixed
+        run_cost = nruns * (_HOST_RUN if host is not None else 1.0)
         runs = index = None
         slices = fills = 0
-        for rows, per_page in zip(self._rows, self._per_page, strict=True):
-            if strategy == "runs" or (strategy == "auto" and nruns <= fixed + k * per_page):
+        for i, (rows, per_page) in enumerate(zip(self._rows, self._per_page, strict=True)):
+            if strategy == "runs" or (strategy == "auto" and run_cost <= fixed + k * per_page):
                 if runs is None:
                     runs = coalesce_runs(srt)
-                value = _ones(rows) if ones else 0
-                for a, b in runs:
-                    rows[a:b].fill_(value)
+                if host is not None:
+                    self._host_plane(host[i], runs, ones)
+                else:
+                    value = _ones(rows) if ones else 0
+                    for a, b in runs:
+                        rows[a:b].fill_(value)
                 slices += nruns
             else:
                 if index is None:
@@ -185,29 +193,24 @@ class TorchClearBackend(ClearBackendBase):
         self._slice_fills += slices
         self._index_fills += fills
 
-    def _fill_host(self, ids: tuple[int, ...], ones: bool) -> None:
-        """CPU planes: every byte of the listed pages := 0 (or 0xFF), one slice assignment per run
-        per plane (a torch fill for a run longer than ``_HOST_CHUNK``)."""
+    def _host_runs(self, runs: Sequence[tuple[int, int]], ones: bool) -> None:
+        """CPU planes: ``runs`` of every plane by slice assignment."""
+        for plane in self._host or ():
+            self._host_plane(plane, runs, ones)
+        self._slice_fills += len(runs) * len(self._rows)
+
+    @staticmethod
+    def _host_plane(plane: tuple[memoryview, int, Any], runs: Sequence[tuple[int, int]], ones: bool) -> None:
+        """Every byte of ``runs`` of one CPU plane := 0 (or 0xFF): a slice assignment from a
+        buffer of such bytes per run, a torch fill for a run longer than ``_HOST_CHUNK``."""
+        mv, pb, rows = plane
         src = _HOST_ONES if ones else _HOST_ZEROS
-        host = self._host or ()
-        if len(ids) == 1:
-            p = ids[0]
-            for mv, pb, rows in host:
-                if pb <= _HOST_CHUNK:
-                    mv[p * pb:(p + 1) * pb] = src[:pb]
-                else:
-                    rows[p:p + 1].fill_(_ones(rows) if ones else 0)
-            self._slice_fills += len(host)
-            return
-        runs = coalesce_runs(sorted(ids))
-        for mv, pb, rows in host:
-            for a, b in runs:
-                n = (b - a) * pb
-                if n <= _HOST_CHUNK:
-                    mv[a * pb:b * pb] = src[:n]
-                else:
-                    rows[a:b].fill_(_ones(rows) if ones else 0)
-        self._slice_fills += len(runs) * len(host)
+        for a, b in runs:
+            n = (b - a) * pb
+            if n <= _HOST_CHUNK:
+                mv[a * pb:b * pb] = src[:n]
+            else:
+                rows[a:b].fill_(_ones(rows) if ones else 0)
 
     def _index(self, srt: list[int]) -> Any:
         torch = self._torch

@@ -34,8 +34,9 @@ class RankSpec:
     contiguous); none for a rank that holds no cache (its clear lists are still
     validated). ``graph``: ``graph(ctx, step, inputs)``, sync or async, run after the
     clears; when every rank's planes are on the CPU and its graph is a plain function
-    (or none), the ranks' jobs run inline in ``run_step``'s task, rank after rank (a
-    graph that awaits anything is declared ``async def``). ``stream``: the model stream
+    (or none), or when there is one rank, the ranks' jobs run inline in ``run_step``'s
+    task, rank after rank (a graph that awaits anything is declared ``async def``);
+    otherwise each rank's in its executor task. ``stream``: the model stream
     for CUDA planes (default: the device's current stream). ``backend``: a backend
     name (see ``kvledger.executors.backend``) or a ready ``ClearBackend``; ``None``
     takes the engine's ``backend``.
