@@ -45,6 +45,7 @@ from ..core import checks
 from ..core.errors import ConfigurationError, InvalidArgumentError, InvariantViolation
 from ..core.events import StepPlan
 from .backend import ClearBackend, as_clear_backend
+from .cuda_rank import CudaRank
 from .sanitize import Violation
 
 __all__ = [
@@ -262,9 +263,9 @@ class RankExecutor:
         self.graph = graph
         self.sanitize = bool(sanitize) and clearer is not None
         self.timings = bool(timings)
-        self._cuda: _CudaRank | None = None
+        self._cuda: CudaRank | None = None
         if device is not None and getattr(device, "type", None) == "cuda":
-            self._cuda = _CudaRank(device, stream, sanitize=self.sanitize, timings=self.timings)
+            self._cuda = CudaRank(device, stream, sanitize=self.sanitize, timings=self.timings)
             stream = self._cuda.stream
         self.context = RankContext(
             rank=rank, world_size=world_size, device=device, stream=stream, planes=tuple(planes), backend=clearer
@@ -404,7 +405,7 @@ class RankExecutor:
         else:
             backend.clear(clear_list)
 
-    async def _execute_cuda(self, cu: _CudaRank, job: StepJob, t0: float) -> tuple[RankTiming, tuple[Violation, ...]]:
+    async def _execute_cuda(self, cu: CudaRank, job: StepJob, t0: float) -> tuple[RankTiming, tuple[Violation, ...]]:
         """The plan on the model stream: one stream switch around everything enqueued before
         the wait; events only where asked for (``timings``) or needed (completion, the check)."""
         plan, inputs = job.plan, job.inputs
@@ -415,9 +416,7 @@ class RankExecutor:
         check = None
         result: Any = None
         graph = self.graph
-        on_stream = cu.on_stream
-        on_stream.__enter__()
-        try:
+        with cu.on_stream:
             if marks is not None:
                 marks[0].record(stream)
             for src, dst in inputs.copies:
@@ -439,59 +438,21 @@ class RankExecutor:
                     marks[4].record(stream)
             elif graph is not None:
                 result = graph(self.context, plan.step, inputs)
-        finally:
-            on_stream.__exit__(None, None, None)
         found: tuple[Violation, ...] = ()
         if check is not None:
             await wait_cuda_event(check)  # the graph runs only on pages the check passed
             found = check.result()
             if graph is not None and not found:
-                on_stream.__enter__()
-                try:
+                with cu.on_stream:
                     result = graph(self.context, plan.step, inputs)
-                finally:
-                    on_stream.__exit__(None, None, None)
         if inspect.isawaitable(result):
             await result
         cu.done.record(stream)
         await wait_cuda_event(cu.done)
         total = time.perf_counter() - t0
-        if marks is None:
-            return RankTiming(rank=self.rank, copies_s=0.0, clear_s=0.0, graph_s=0.0, total_s=total,
-                              clear_host_s=clear_host), found
-        start, copied, poisoned, cleared, checked = marks
-        done = cu.done
-        copies_s = start.elapsed_time(copied) * 1e-3
-        clear_s = poisoned.elapsed_time(cleared) * 1e-3 if sanitize else copied.elapsed_time(cleared) * 1e-3
-        graph_s = checked.elapsed_time(done) * 1e-3 if sanitize else cleared.elapsed_time(done) * 1e-3
-        sanitize_s = (copied.elapsed_time(poisoned) + cleared.elapsed_time(checked)) * 1e-3 if sanitize else 0.0
+        copies_s, clear_s, graph_s, sanitize_s = cu.phases(sanitize)
         return RankTiming(rank=self.rank, copies_s=copies_s, clear_s=clear_s, graph_s=graph_s, total_s=total,
                           clear_host_s=clear_host, sanitize_s=sanitize_s), found
-
-
-class _CudaRank:
-    """A CUDA rank's stream, its stream context and its events, made once (no per-plan lookups).
-
-    ``on_stream``: one ``torch.cuda.StreamContext`` for the model stream, entered around
-    each plan's enqueued work (a plan never runs nested in another on one rank). ``done``:
-    the completion event (timed only with ``timings``). ``marks``: with ``timings``, the
-    phase events start, copied, poisoned, cleared, checked (the poisoned and checked ones
-    only recorded in sanitize mode); else None.
-    """
-
-    __slots__ = ("stream", "on_stream", "done", "marks")
-
-    def __init__(self, device: Any, stream: Any, *, sanitize: bool, timings: bool) -> None:
-        import torch
-
-        if stream is None:
-            stream = torch.cuda.current_stream(device)
-        self.stream = stream
-        self.on_stream = torch.cuda.stream(stream)
-        self.done = torch.cuda.Event(enable_timing=timings)
-        self.marks: tuple[Any, ...] | None = None
-        if timings:
-            self.marks = tuple(torch.cuda.Event(enable_timing=True) for _ in range(5))
 
 
 def _violation_error(rank: int, step: int, found: Sequence[Violation]) -> InvariantViolation:

@@ -216,14 +216,12 @@ def make_graph(ranks: list, world: int) -> Callable:
 
 def backend_bytes(engine: Any) -> int | None:
     """Bytes the ranks' backends report having zeroed, where they keep count (the torch
-    backend does); None if one does not."""
+    backend does); None if one does not (another backend, or ``--no-clear``)."""
     total = 0
     for ex in engine.executors:
-        stats = getattr(ex.backend, "statistics", None)
-        figures = stats() if callable(stats) else None
-        if not isinstance(figures, dict) or "bytes" not in figures:
+        if not isinstance(ex.backend, TorchClearBackend):
             return None
-        total += int(figures["bytes"])
+        total += ex.backend.statistics()["bytes"]
     return total
 
 

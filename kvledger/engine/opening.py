@@ -151,11 +151,7 @@ async def open_engine(
         try:
             executors = _build_executors(specs, ledger.geometry.num_pages, backend, sanitize,
                                          timings or sanitize or extras.metrics is not None)
-            local: RankStrategy
-            if len(executors) == 1 or all(map(runs_inline, executors)):
-                local = InlineRanks(executors)
-            else:
-                local = DispatchedRanks(executors, queue_size=queue_size, drain_timeout_s=drain_timeout_s)
+            local = _local_ranks(executors, queue_size, drain_timeout_s)
             async with _wire(ledger, local, remote, extras, logger) as (ranks, leader, address):
                 engine = Engine(ledger, executors, ranks, depth=depth, hooks=extras.hooks, logger=logger,
                                 leader=leader, publisher=extras.publisher, sanitize=sanitize,
@@ -167,6 +163,14 @@ async def open_engine(
             await _close(engine, ledger)
     finally:
         await extras.stop()
+
+
+def _local_ranks(executors: list[RankExecutor], queue_size: int, drain_timeout_s: float) -> RankStrategy:
+    """How a step reaches the local ranks: in run_step's own task when there is one rank or
+    every rank is inline-able (CPU planes, a plain-function graph), else dispatched."""
+    if len(executors) == 1 or all(map(runs_inline, executors)):
+        return InlineRanks(executors)
+    return DispatchedRanks(executors, queue_size=queue_size, drain_timeout_s=drain_timeout_s)
 
 
 async def _close(engine: Engine | None, ledger: Ledger) -> None:
