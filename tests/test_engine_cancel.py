@@ -9,8 +9,9 @@ after random short delays (a cancellation that lands while the log opens in the
 worker thread).
 
 F12: the engine's async calls are cancellation points: ``move_on_after`` around a
-loop of awaited commands and ``run_step`` stops it, another task runs in between,
-and a command or step cancelled that way did nothing.
+loop of awaited commands and ``run_step`` (or of commands alone) stops it, another
+task runs in between, and a step cancelled that way, or a command at its turn, did
+nothing. ``yield_every_s=0`` gives the loop a turn at every command.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def test_a_cancelled_open_closes_what_it_opened(tmp_path, background):
 
 
 @pytest.mark.asyncio
-async def test_awaited_commands_and_steps_are_cancellation_points():
+@pytest.mark.parametrize("yield_every_s", [0, 50e-6])
+async def test_awaited_commands_and_steps_are_cancellation_points(yield_every_s):
     ticks = 0
 
     async def ticker():
@@ -113,7 +115,7 @@ async def test_awaited_commands_and_steps_are_cancellation_points():
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(ticker)
-        async with open_engine(G, ranks=2, record=True) as engine:
+        async with open_engine(G, ranks=2, record=True, yield_every_s=yield_every_s) as engine:
             steps = 0
             give_up = time.monotonic() + 5.0
             with anyio.move_on_after(0.2) as scope:
@@ -125,13 +127,24 @@ async def test_awaited_commands_and_steps_are_cancellation_points():
                     steps += 1
             assert scope.cancelled_caught
             assert ticks > steps  # another task ran in between
+            # commands alone: the loop gets its turns too (every command, or every yield_every_s)
+            before, done = ticks, 0
+            with anyio.move_on_after(0.05) as scope:
+                while time.monotonic() < give_up:
+                    await engine.reserve(10_000 + done, 1)
+                    await engine.return_reservation(10_000 + done)
+                    done += 1
+            assert scope.cancelled_caught and ticks > before
+            if yield_every_s == 0:
+                assert ticks - before >= done  # a turn at every command
             events = len(engine.ledger.events)
-            # a call made under a cancelled scope does nothing
-            with anyio.CancelScope() as dead:
-                dead.cancel()
-                await engine.reserve(9999, 1)
+            # a step under a cancelled scope records nothing; so does a command at its turn
             with anyio.CancelScope() as dead:
                 dead.cancel()
                 await engine.run_step(engine.open_step)
+            if yield_every_s == 0:  # every command is a turn
+                with anyio.CancelScope() as dead:
+                    dead.cancel()
+                    await engine.reserve(9999, 1)
             assert len(engine.ledger.events) == events
         tg.cancel_scope.cancel()

@@ -44,6 +44,7 @@ from typing import Any
 
 import asyncio
 import functools
+import time
 from collections.abc import Awaitable
 
 import anyio
@@ -51,7 +52,9 @@ import anyio.lowlevel
 
 from kvledger.core.errors import EngineClosedError
 
-__all__ = ["LedgerAccess", "loop_checkpoint"]
+__all__ = ["YIELD_EVERY_S", "LedgerAccess", "loop_checkpoint"]
+
+YIELD_EVERY_S = 50e-6  # commands on the loop give it a turn at least this often by default (_command_point)
 
 
 def loop_checkpoint() -> Callable[[], Awaitable[None]]:
@@ -92,6 +95,8 @@ class LedgerAccess:
         self.direct = False
         self._refresh()
         self.checkpoint = loop_checkpoint()
+        self.yield_every_s = YIELD_EVERY_S
+        self.yield_at = 0.0  # (perf_counter) the next command on the loop yields from then on
 
     # ------------------------------------------------------------------ state
 
@@ -129,19 +134,19 @@ class LedgerAccess:
     # ------------------------------------------------------------------ the calls
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """A command (or a seal): a cancellation point (a checkpoint where the call runs on the
-        loop; the hop to the worker thread otherwise), then ``fn(*args, **kwargs)`` on the
+        """A command (or a seal): a cancellation point (``_command_point`` where the call runs on
+        the loop; the hop to the worker thread otherwise), then ``fn(*args, **kwargs)`` on the
         ledger, exclusive. Raises ``EngineClosedError`` unless open (nothing runs), the
-        cancellation when the caller was cancelled at the checkpoint (nothing runs), else
-        what ``fn`` raises."""
+        cancellation when the caller's scope was cancelled (nothing runs), else what ``fn``
+        raises."""
         if self.direct:
-            await self.checkpoint()
+            await self._command_point()
             if self.direct:
                 return fn(*args, **kwargs)
         if self._state is not _OPEN:
             self._refuse()
         if self._here():  # (a background log: on the loop, while it says an append will not wait)
-            await self.checkpoint()
+            await self._command_point()
             if self._state is not _OPEN:
                 self._refuse()
             if self._here():
@@ -185,6 +190,18 @@ class LedgerAccess:
             if self.durable and not self._ledger_closed:
                 self._ledger_closed = True
                 await self._in_thread(self.ledger.close, ())
+
+    async def _command_point(self) -> None:
+        """A command's cancellation point on the loop: the loop gets a turn (a full checkpoint:
+        deadlines fire, a cancellation is delivered, other tasks run) once ``yield_every_s``
+        has passed since the engine last gave it one (0: at every command). A yield per
+        command would cost more than the command (3 to 10 us on asyncio, a poll of the
+        selector); a step (``run_step``) always is a cancellation point. A command run
+        before the turn comes is done and recorded; its caller sees a cancellation of its
+        scope at the turn."""
+        if time.perf_counter() >= self.yield_at:
+            await self.checkpoint()
+            self.yield_at = time.perf_counter() + self.yield_every_s
 
     # ------------------------------------------------------------------ the worker thread
 

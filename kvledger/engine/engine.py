@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 from anyio.abc import TaskGroup
 
 from kvledger.core.errors import ConfigurationError, InvalidArgumentError
@@ -16,7 +18,7 @@ from kvledger.durable import DurableLedger
 from kvledger.executors.executor import NO_INPUTS, RankExecutor, StepInputs
 from kvledger.logs import get_logger
 
-from .access import LedgerAccess
+from .access import YIELD_EVERY_S, LedgerAccess
 from .plugins import EventPublisher, StepHook
 from .ranks import RankStrategy
 from .recorder import StepRecorder
@@ -53,9 +55,11 @@ class Engine:
     which picks how a step reaches the ranks (``ranks``: a ``RankStrategy``, ``ranks.py``),
     the order of steps (``depth``) and the step hooks (``plugins.py``).
 
-    Commands mirror the ledger's and raise what it raises (nothing changed). Each is a
-    cancellation point (a caller cancelled before it ran: nothing done) and reaches the
-    ledger through one serialized path (``access.py``): on the loop when the ledger cannot
+    Commands mirror the ledger's and raise what it raises (nothing changed). They are
+    cancellation points: on the loop, the loop gets a turn at least every
+    ``yield_every_s`` of commands (``open_engine``'s option; 0: at every command), where
+    deadlines fire and cancellations are delivered; a worker-thread hop always is one.
+    They reach the ledger through one serialized path (``access.py``): on the loop when the ledger cannot
     block (in memory, or a log that writes in the background); in the engine's one worker
     thread for a log that writes and fsyncs inline. After the engine began closing they
     raise ``EngineClosedError``.
@@ -74,6 +78,7 @@ class Engine:
         publisher: EventPublisher | None = None,
         sanitize: bool = False,
         remote_address: tuple[str, int] | None = None,
+        yield_every_s: float = YIELD_EVERY_S,
     ) -> None:
         self._ledger = ledger
         self._executors = tuple(executors)
@@ -87,8 +92,11 @@ class Engine:
         self._order: OneStep | InFlight = (OneStep(self._runner, self._access) if depth == 1
                                            else InFlight(self._runner, self._access, depth))
         # run_step's cancellation point: ranks that always wait (dispatched, remote) yield anyway,
-        # after the seal; the others (inline) get a checkpoint before it
-        self._entry = None if ranks.always_yields else self._access.checkpoint
+        # after the seal, so a cancelled caller is only looked for before it; the others
+        # (inline) get a full checkpoint before the seal
+        self._yields = not ranks.always_yields
+        self._entry = self._access.checkpoint if self._yields else anyio.lowlevel.checkpoint_if_cancelled
+        self._access.yield_every_s = yield_every_s
         self._no_inputs = [NO_INPUTS] * self.world_size
         self._leader = leader
         self._kv_events = publisher
@@ -303,9 +311,10 @@ class Engine:
             if not isinstance(payload, (bytes, bytearray)):
                 raise InvalidArgumentError(f"payload must be bytes, got {type(payload).__name__}")
             payload = bytes(payload)
-        if self._entry is not None:
-            await self._entry()
         access = self._access
+        await self._entry()
+        if self._yields:
+            access.yield_at = time.perf_counter() + access.yield_every_s
         if access.state != "open":
             access.check_open()
         return await self._order.run(step, per_rank, payload)

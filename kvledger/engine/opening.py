@@ -72,10 +72,16 @@ The options of ``open_engine``:
                      recorded and those read 0.0 (total_s and clear_host_s are host times,
                      always there; CPU ranks always time their phases). On with metrics
                      or sanitize
+    yield_every_s    commands run on the loop give it a turn (a full checkpoint: deadlines
+                     fire, cancellations are delivered, other tasks run) at least this often
+                     (default 50 us; 0: at every command, trio's rule, about 3 to 10 us a
+                     command on asyncio); run_step always is a cancellation point, and a
+                     command in the worker thread always yields
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import threading
@@ -93,6 +99,7 @@ from kvledger.executors.backend import ClearBackend, as_clear_backend, make_back
 from kvledger.executors.executor import RankExecutor
 from kvledger.logs import get_logger
 
+from .access import YIELD_EVERY_S
 from .engine import Engine, RankSpec
 from .extras import Extras
 from .ranks import DispatchedRanks, InlineRanks, RankStrategy, runs_inline
@@ -125,6 +132,7 @@ async def open_engine(
     log_options: Mapping[str, Any] | None = None,
     depth: int = 1,
     timings: bool = False,
+    yield_every_s: float = YIELD_EVERY_S,
 ) -> AsyncIterator[Engine]:
     """Open the embedded engine: a ledger (durable when ``log`` is a path) and one
     executor per rank, in a task group that lives as long as the ``async with``.
@@ -133,15 +141,14 @@ async def open_engine(
     Raises ``InvalidArgumentError`` / ``ConfigurationError`` for bad arguments or
     planes that do not fit the geometry (nothing opened), ``ConfigurationError`` for
     a KV event endpoint that cannot be bound, and what opening the log raises
-    (``CorruptLogError``, ...). Cancelled while it opens (also by asyncio's own
-    ``task.cancel()``), it closes what it opened: the log, the executors' tasks, the
-    wire leader, the publisher. On exit (shielded) the step in flight is waited
+    (``CorruptLogError``, ...). Cancelled while it opens (asyncio's ``task.cancel()``
+    too), it closes what it opened. On exit (shielded) the step in flight is waited
     for, or cancelled and recorded as aborted when the body raised or was cancelled;
     then the executors stop, the log is closed (``kvledger.engine`` says what
     callers see; nothing is written after it) and the KV event publisher stops.
     """
     specs = _rank_specs(ranks)
-    _check_options(remote, policy, queue_size, depth, timings)
+    _check_options(remote, policy, queue_size, depth, timings, yield_every_s)
     extras = Extras(sanitize=sanitize, metrics=metrics, kv_events=kv_events, observers=observers)
     extras.start()
     try:
@@ -155,7 +162,7 @@ async def open_engine(
             async with _wire(ledger, local, remote, extras, logger) as (ranks, leader, address):
                 engine = Engine(ledger, executors, ranks, depth=depth, hooks=extras.hooks, logger=logger,
                                 leader=leader, publisher=extras.publisher, sanitize=sanitize,
-                                remote_address=address)
+                                remote_address=address, yield_every_s=float(yield_every_s))
                 extras.attach(engine)
                 async with _running(engine):
                     yield engine
@@ -183,7 +190,8 @@ async def _close(engine: Engine | None, ledger: Ledger) -> None:
             await anyio.to_thread.run_sync(ledger.close)
 
 
-def _check_options(remote: Any, policy: str | None, queue_size: Any, depth: Any, timings: Any) -> None:
+def _check_options(remote: Any, policy: str | None, queue_size: Any, depth: Any, timings: Any,
+                   yield_every_s: Any) -> None:
     if remote is not None and not isinstance(remote, RemoteRanks):
         raise InvalidArgumentError(f"remote must be a RemoteRanks or None, got {type(remote).__name__}")
     if policy is not None and policy not in CLEAR_POLICIES:
@@ -196,6 +204,8 @@ def _check_options(remote: Any, policy: str | None, queue_size: Any, depth: Any,
         raise ConfigurationError("steps in flight together (depth > 1) run on local ranks only, not with remote ranks")
     if type(timings) is not bool:
         raise InvalidArgumentError(f"timings must be True or False, got {timings!r}")
+    if type(yield_every_s) not in (int, float) or not 0 <= yield_every_s <= 1:
+        raise InvalidArgumentError(f"yield_every_s must be a number of seconds from 0 to 1, got {yield_every_s!r}")
 
 
 def _rank_specs(ranks: Any) -> list[RankSpec]:
@@ -267,46 +277,71 @@ async def _open_ledger(geometry, log, policy, check, record, fsync, background, 
     try:
         await anyio.to_thread.run_sync(opening.run)
     except BaseException:
-        opened = opening.abandon()
-        if opened is not None:  # the thread finished before the cancellation landed: close it here
+        started, opened = opening.abandon()
+        if opened is not None:  # the thread opened it before the cancellation landed: close it here
             opened.close()
+        elif started:  # the thread is opening it: it closes it; wait for that
+            await opening.wait_finished()
         raise
     return opening.result()
 
 
 class _Opening:
-    """A durable ledger opened in a worker thread, whose opener may go away first: the one
-    of the thread and of the caller that comes second closes what was opened (under a lock,
-    so exactly one of them sees both the ledger and the abandonment)."""
+    """A durable ledger opened in a worker thread, whose caller may be cancelled meanwhile
+    (asyncio's own ``task.cancel()`` reaches through anyio's shield around the thread). The
+    cancelled caller marks it abandoned (``abandon``) and, if the thread had begun, waits for
+    it (``wait_finished``): a thread that finds it abandoned before it opens opens nothing;
+    one that finds it abandoned once it opened closes what it opened. So nothing is left
+    once the cancellation goes on (a retry finds the log unlocked)."""
 
     def __init__(self, opener: Callable[[], DurableLedger]) -> None:
         self._opener = opener
         self._lock = threading.Lock()
         self._ledger: DurableLedger | None = None
         self._error: BaseException | None = None
-        self._abandoned = False
+        self._abandoned = self._started = False
+        self._finished = threading.Event()
 
     def run(self) -> None:
-        """In the worker thread: open; keep the ledger for the caller, or close it when the
-        caller went away meanwhile."""
+        """In the worker thread: open (unless abandoned already); keep the ledger for the caller,
+        or close it when the caller went away meanwhile."""
         try:
-            ledger = self._opener()
-        except BaseException as exc:
-            self._error = exc
-            return
-        with self._lock:
-            if not self._abandoned:
-                self._ledger = ledger
+            with self._lock:
+                if self._abandoned:
+                    return
+                self._started = True
+            try:
+                ledger = self._opener()
+            except BaseException as exc:
+                self._error = exc
                 return
-        ledger.close()
+            with self._lock:
+                if not self._abandoned:
+                    self._ledger = ledger
+                    return
+            ledger.close()
+        finally:
+            self._finished.set()
 
-    def abandon(self) -> DurableLedger | None:
-        """The caller goes away: the ledger, if the thread opened it already (close it), else
-        None (the thread closes it when it is done)."""
+    def abandon(self) -> tuple[bool, DurableLedger | None]:
+        """The caller goes away: ``(started, ledger)``: whether the thread had begun to open,
+        and the ledger if it had opened it already (the caller closes it; else the thread
+        closes what it opens)."""
         with self._lock:
             self._abandoned = True
             ledger, self._ledger = self._ledger, None
-        return ledger
+            return self._started, ledger
+
+    async def wait_finished(self) -> None:
+        """Until the thread is done (shielded; a cancellation landing again meanwhile is waited
+        through: the open takes milliseconds). Another exception leaves at once."""
+        cancelled = (anyio.get_cancelled_exc_class(), asyncio.CancelledError)
+        with anyio.CancelScope(shield=True):
+            while not self._finished.is_set():
+                try:
+                    await anyio.to_thread.run_sync(self._finished.wait, 0.05)
+                except cancelled:
+                    continue
 
     def result(self) -> DurableLedger:
         if self._error is not None:
