@@ -450,7 +450,8 @@ async def test_with_a_log_every_ledger_call_runs_in_a_worker_thread(tmp_path):
 @pytest.mark.asyncio
 async def test_inline_ranks_run_in_the_callers_task_without_a_task_switch():
     # CPU ranks whose graph is a plain function run in run_step's own task: run_step is one
-    # cancellation point at its entry (a ticker task runs once), none while the ranks run;
+    # cancellation point at its entry (with yield_every_s=0 a ticker task runs once there),
+    # none while the ranks run;
     # with more than one rank, an async graph, or an object whose __call__ is async, runs
     # in the rank's executor task
     seen: dict[str, set] = {"plain": set(), "async": set()}
@@ -473,7 +474,8 @@ async def test_inline_ranks_run_in_the_callers_task_without_a_task_switch():
     me = anyio.get_current_task().id
     async with anyio.create_task_group() as tg:
         tg.start_soon(ticker)
-        async with open_engine(G, ranks=[RankSpec(planes=make_planes(), graph=plain)] * 2, record=True) as engine:
+        async with open_engine(G, ranks=[RankSpec(planes=make_planes(), graph=plain)] * 2, record=True,
+                               yield_every_s=0) as engine:
             await anyio.sleep(0)
             for step in range(3):
                 before = ticks

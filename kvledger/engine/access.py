@@ -54,7 +54,7 @@ from kvledger.core.errors import EngineClosedError
 
 __all__ = ["YIELD_EVERY_S", "LedgerAccess", "loop_checkpoint"]
 
-YIELD_EVERY_S = 50e-6  # commands on the loop give it a turn at least this often by default (_command_point)
+YIELD_EVERY_S = 200e-6  # commands on the loop give it a turn at least this often by default (_command_point)
 
 
 def loop_checkpoint() -> Callable[[], Awaitable[None]]:
@@ -140,6 +140,8 @@ class LedgerAccess:
         cancellation when the caller's scope was cancelled (nothing runs), else what ``fn``
         raises."""
         if self.direct:
+            if time.perf_counter() < self.yield_at:  # (the loop had a turn lately: _command_point)
+                return fn(*args, **kwargs)
             await self._command_point()
             if self.direct:
                 return fn(*args, **kwargs)
@@ -196,9 +198,9 @@ class LedgerAccess:
         deadlines fire, a cancellation is delivered, other tasks run) once ``yield_every_s``
         has passed since the engine last gave it one (0: at every command). A yield per
         command would cost more than the command (3 to 10 us on asyncio, a poll of the
-        selector); a step (``run_step``) always is a cancellation point. A command run
-        before the turn comes is done and recorded; its caller sees a cancellation of its
-        scope at the turn."""
+        selector); ``run_step`` takes its turns on the same clock. A command run before
+        the turn comes is done and recorded; its caller sees a cancellation of its scope
+        at the turn."""
         if time.perf_counter() >= self.yield_at:
             await self.checkpoint()
             self.yield_at = time.perf_counter() + self.yield_every_s

@@ -91,11 +91,10 @@ class Engine:
         self._runner = StepRunner(self._access, ranks, self._recorder, hooks)
         self._order: OneStep | InFlight = (OneStep(self._runner, self._access) if depth == 1
                                            else InFlight(self._runner, self._access, depth))
-        # run_step's cancellation point: ranks that always wait (dispatched, remote) yield anyway,
-        # after the seal, so a cancelled caller is only looked for before it; the others
-        # (inline) get a full checkpoint before the seal
+        # run_step's cancellation point: a cancelled caller is looked for before the seal; ranks
+        # that always wait (dispatched, remote) yield anyway, after it; before inline ones the
+        # loop gets its turn as for commands (every yield_every_s, access.py)
         self._yields = not ranks.always_yields
-        self._entry = self._access.checkpoint if self._yields else anyio.lowlevel.checkpoint_if_cancelled
         self._access.yield_every_s = yield_every_s
         self._no_inputs = [NO_INPUTS] * self.world_size
         self._leader = leader
@@ -292,10 +291,12 @@ class Engine:
         for bad ``inputs`` and the ledger's ``StepOrderError`` for a step that is not
         the open one (nothing changed either way), and ``StepFailedError`` when a rank
         failed (see ``kvledger.engine`` for what is recorded). It is a cancellation
-        point: a cancellation that lands before the step is sealed (the call's entry,
-        waiting for the previous step or for the ledger's worker thread) records
-        nothing and leaves the step open, to be run again; one that lands after the
-        seal records the step as aborted first, then is re-raised.
+        point: a cancelled caller is refused at its entry, and the loop gets a turn in
+        it (at least every ``yield_every_s``, as for commands; dispatched and remote
+        ranks always wait). A cancellation that lands before the step is sealed (the
+        call's entry, waiting for the previous step or for the ledger's worker thread)
+        records nothing and leaves the step open, to be run again; one that lands after
+        the seal records the step as aborted first, then is re-raised.
 
         With ``depth`` > 1 (``open_engine``), the call holds one of ``depth`` slots from
         the seal until the step settled: the next step may be sealed meanwhile, and its
@@ -312,9 +313,11 @@ class Engine:
                 raise InvalidArgumentError(f"payload must be bytes, got {type(payload).__name__}")
             payload = bytes(payload)
         access = self._access
-        await self._entry()
-        if self._yields:
+        if self._yields and time.perf_counter() >= access.yield_at:
+            await access.checkpoint()
             access.yield_at = time.perf_counter() + access.yield_every_s
+        else:
+            await anyio.lowlevel.checkpoint_if_cancelled()
         if access.state != "open":
             access.check_open()
         return await self._order.run(step, per_rank, payload)

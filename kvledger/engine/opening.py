@@ -72,11 +72,11 @@ The options of ``open_engine``:
                      recorded and those read 0.0 (total_s and clear_host_s are host times,
                      always there; CPU ranks always time their phases). On with metrics
                      or sanitize
-    yield_every_s    commands run on the loop give it a turn (a full checkpoint: deadlines
-                     fire, cancellations are delivered, other tasks run) at least this often
-                     (default 50 us; 0: at every command, trio's rule, about 3 to 10 us a
-                     command on asyncio); run_step always is a cancellation point, and a
-                     command in the worker thread always yields
+    yield_every_s    commands and steps run on the loop give it a turn (a full checkpoint:
+                     deadlines fire, cancellations are delivered, other tasks run) at least
+                     this often (default 200 us; 0: at every call, trio's rule, about 3 to 10
+                     us a call on asyncio); run_step also refuses a caller already cancelled;
+                     a call in the worker thread, or a step on dispatched ranks, always yields
 """
 
 from __future__ import annotations
