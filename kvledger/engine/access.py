@@ -133,6 +133,11 @@ class LedgerAccess:
 
     # ------------------------------------------------------------------ the calls
 
+    def fast(self) -> bool:
+        """Whether a command may call the ledger right here, now, with nothing to await first:
+        ``direct`` and the loop had its turn less than ``yield_every_s`` ago."""
+        return self.direct and time.perf_counter() < self.yield_at
+
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """A command (or a seal): a cancellation point (``_command_point`` where the call runs on
         the loop; the hop to the worker thread otherwise), then ``fn(*args, **kwargs)`` on the
@@ -148,6 +153,8 @@ class LedgerAccess:
         if self._state is not _OPEN:
             self._refuse()
         if self._here():  # (a background log: on the loop, while it says an append will not wait)
+            if time.perf_counter() < self.yield_at:
+                return fn(*args, **kwargs)
             await self._command_point()
             if self._state is not _OPEN:
                 self._refuse()

@@ -173,45 +173,69 @@ class Engine:
 
     # ------------------------------------------------------------------ commands
     #
-    # ``access.call`` is a cancellation point, then the ledger call: right here on the loop
-    # when the ledger cannot block (microseconds, no await in between: it cannot interleave
-    # with another call), else in the worker thread.
+    # ``access.fast()``: the ledger may be called right here (open, cannot block, nothing in
+    # the worker thread) and the loop had its turn lately: a plain call on the loop, no await
+    # in between (it cannot interleave with another call). Else ``access.call``: the loop's
+    # turn when it is due (a cancellation point), then the call, here or in the worker thread.
 
     async def reserve(self, request: int, n: int, *, tenant: str | None = None) -> tuple[int, ...]:
         """``Ledger.reserve``: ``n`` free pages for ``request``. ``OutOfPagesError`` under pressure."""
+        if self._access.fast():
+            return self._ledger.reserve(request, n, tenant=tenant)
         return await self._access.call(self._ledger.reserve, request, n, tenant=tenant)
 
     async def return_reservation(self, request: int, pages: Iterable[int] | None = None) -> tuple[int, ...]:
+        if self._access.fast():
+            return self._ledger.return_reservation(request, pages)
         return await self._access.call(self._ledger.return_reservation, request, pages)
 
     async def commit(
         self, request: int, step: int, n: int | None = None, *, pages: Iterable[int] | None = None
     ) -> tuple[int, ...]:
         """``Ledger.commit``: returns the page ids that joined ``step``'s clear list."""
+        if self._access.fast():
+            return self._ledger.commit(request, step, n, pages=pages)
         return await self._access.call(self._ledger.commit, request, step, n, pages=pages)
 
     async def cancel(self, request: int) -> None:
+        if self._access.fast():
+            self._ledger.cancel(request)
+            return
         await self._access.call(self._ledger.cancel, request)
 
     async def finish(self, request: int) -> None:
+        if self._access.fast():
+            self._ledger.finish(request)
+            return
         await self._access.call(self._ledger.finish, request)
 
     async def alias_snapshot(
         self, snapshot: int, n: int | None = None, *, pages: Iterable[int] | None = None
     ) -> tuple[int, ...]:
+        if self._access.fast():
+            return self._ledger.alias_snapshot(snapshot, n, pages=pages)
         return await self._access.call(self._ledger.alias_snapshot, snapshot, n, pages=pages)
 
     async def release_snapshot(self, snapshot: int) -> None:
+        if self._access.fast():
+            self._ledger.release_snapshot(snapshot)
+            return
         await self._access.call(self._ledger.release_snapshot, snapshot)
 
     async def start_restore(
         self, pages: Iterable[int], *, request: int | None = None, snapshot: int | None = None
     ) -> None:
+        if self._access.fast():
+            self._ledger.start_restore(pages, request=request, snapshot=snapshot)
+            return
         await self._access.call(self._ledger.start_restore, pages, request=request, snapshot=snapshot)
 
     async def complete_restore(
         self, pages: Iterable[int], *, request: int | None = None, snapshot: int | None = None
     ) -> None:
+        if self._access.fast():
+            self._ledger.complete_restore(pages, request=request, snapshot=snapshot)
+            return
         await self._access.call(self._ledger.complete_restore, pages, request=request, snapshot=snapshot)
 
     async def publish(self, request: int, hashes: Sequence[int | bytes], token_ids: Sequence[int], *,
@@ -219,20 +243,28 @@ class Engine:
                       lora_name: str | None = None) -> tuple[int, ...]:
         """``Ledger.publish``: full KV pages of ``request`` (written in a completed step) gain block
         hashes; a KV event publisher sends them with the next batch."""
-        return await self._access.call(self._ledger.publish, request, hashes, token_ids, start=start,
-                                       parent_hash=parent_hash, lora_id=lora_id, lora_name=lora_name)
+        kw: dict[str, Any] = {"start": start, "parent_hash": parent_hash, "lora_id": lora_id, "lora_name": lora_name}
+        if self._access.fast():
+            return self._ledger.publish(request, hashes, token_ids, **kw)
+        return await self._access.call(self._ledger.publish, request, hashes, token_ids, **kw)
 
     async def lookup(self, hashes: Iterable[int | bytes], *, tenant: str | None = None) -> int:
         """``Ledger.lookup``: how many leading blocks of ``hashes`` are ready to ``share``."""
+        if self._access.fast():
+            return self._ledger.lookup(hashes, tenant=tenant)
         return await self._access.call(self._ledger.lookup, hashes, tenant=tenant)
 
     async def share(self, request: int, hashes: Sequence[int | bytes], *, tenant: str | None = None
                     ) -> tuple[int, ...]:
         """``Ledger.share``: the pages holding ``hashes`` join ``request``'s block table."""
+        if self._access.fast():
+            return self._ledger.share(request, hashes, tenant=tenant)
         return await self._access.call(self._ledger.share, request, hashes, tenant=tenant)
 
     async def evict(self, n: int | None = None, *, pages: Iterable[int] | None = None) -> tuple[int, ...]:
         """``Ledger.evict``: cached pages go free (the ``n`` least recently used, the named ones, or all)."""
+        if self._access.fast():
+            return self._ledger.evict(n, pages=pages)
         return await self._access.call(self._ledger.evict, n, pages=pages)
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
