@@ -17,8 +17,10 @@ and, to show where the engine's overhead goes (each timed alone, in the same run
     ledger            ``seal_step`` + ``complete_step`` on a bare ``Ledger`` in the same state
     input copies      the copy alone (host time: ``dst.copy_(src, non_blocking=True)``)
     clear             the backend's ``clear_checked`` on the same kind of list (host time)
-    executor          ``RankExecutor.run_job`` called directly, minus graph, copies and clear:
-                      the executor's own bookkeeping (stream switch, events, outcome)
+    executor          ``RankExecutor.run_job`` called directly on the job an inline rank gets
+                      (no scope of its own; timings as the engine's default), minus graph,
+                      copies and clear: the executor's own bookkeeping (stream switch, events,
+                      outcome)
     engine machinery  engine overhead - ledger - (run_job - graph): the runner's own work
                       (hand-off to the ranks, scopes, records, hooks)
     checkpoint        one ``anyio.lowlevel.checkpoint()`` (what a cancellation point costs)
@@ -26,7 +28,9 @@ and, to show where the engine's overhead goes (each timed alone, in the same run
 Timing: every side is built fresh per repeat (an engine in its own event loop), warmed up,
 then the sides run segment by segment, alternately (the order flips every segment), with
 the collector disabled; each figure is the sum over segments of each segment's best over
-the repeats, per step. The machine may be shared: compare rows of one run, not runs.
+the repeats, per step. The machine may be shared: compare rows of one run, not runs. The
+parts run alone stay hot in the caches; the engine's step does not (the other sides ran
+in between, as a serving loop's own work does): what that costs lands in "machinery".
 
     python bench/bench_steps.py [--quick] [--device cuda] [--backend triton] [--json PATH]
 """
@@ -314,20 +318,18 @@ class _ExecutorSide:
         planes = s.planes()
         backend = make_backend(s.backend, planes, stream=s.stream)
         self.ex = RankExecutor(0, num_pages=NUM_PAGES, backend=backend, graph=s.graph, planes=planes,
-                               device=s.device, stream=s.stream, world_size=1)
+                               device=s.device, stream=s.stream, world_size=1, timings=False)
         self.loop = asyncio.new_event_loop()
         self.lists = _lists()
         self.step = 0
         self.segment(WARMUP)
 
     def _job(self, step: int) -> Any:
-        import anyio
-
         from kvledger.core.events import StepPlan
         from kvledger.executors.executor import StepJob, StepReplies
 
         plan = StepPlan(step=step, clear_list=self.lists[step % len(self.lists)])
-        return StepJob(plan, self.s.inputs(), anyio.CancelScope(), StepReplies(1), checked=True)
+        return StepJob(plan, self.s.inputs(), None, StepReplies(1), checked=True)  # the inline ranks' job
 
     async def _run(self, k: int) -> float:
         jobs = [self._job(self.step + i) for i in range(k)]
