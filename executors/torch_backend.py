@@ -114,6 +114,8 @@ class TorchClearBackend(ClearBackendBase):
         if stream is not None and not self._cuda:
             raise ConfigurationError(f"a stream was given but the planes are on {layout.device}, not CUDA")
         self.stream = stream
+        # one stream context, made once and entered around each fill (never nested: no lookup per clear)
+        self._on_model_stream = torch.cuda.stream(stream) if stream is not None else None
         fixed, per_row, per_byte = _COST["cuda" if self._cuda else "cpu"]
         self._fixed = fixed
         self._per_page = tuple(per_row + pb * per_byte for pb in layout.page_bytes)
@@ -152,8 +154,8 @@ class TorchClearBackend(ClearBackendBase):
         self._bytes += len(page_ids) * self._page_bytes_total
 
     def _on_stream(self, ids: tuple[int, ...], ones: bool) -> None:
-        if self.stream is not None:  # CUDA planes with a named model stream
-            with self._torch.cuda.stream(self.stream):
+        if self._on_model_stream is not None:  # CUDA planes with a named model stream
+            with self._on_model_stream:
                 self._fill(ids, ones)
         else:  # the CPU, or CUDA on the current stream
             self._fill(ids, ones)

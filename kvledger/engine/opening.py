@@ -233,10 +233,12 @@ def _build_executors(specs: list[RankSpec], num_pages: int, default_backend: Any
     out = []
     for rank, spec in enumerate(specs):
         planes = tuple(spec.planes)
+        device = planes[0].device if planes else None
+        stream = _model_stream(device, spec.stream)
         chosen = spec.backend if spec.backend is not None else default_backend
         backend: ClearBackend | None
         if isinstance(chosen, str):
-            backend = make_backend(chosen, planes, stream=spec.stream) if planes else None
+            backend = make_backend(chosen, planes, stream=stream) if planes else None
         else:
             try:
                 backend = as_clear_backend(chosen, num_pages)
@@ -245,11 +247,21 @@ def _build_executors(specs: list[RankSpec], num_pages: int, default_backend: Any
         if backend is not None and backend.num_pages != num_pages:
             raise ConfigurationError(f"rank {rank}: planes hold {backend.num_pages} pages but the geometry has "
                                      f"{num_pages}")
-        device = planes[0].device if planes else None
         out.append(RankExecutor(rank, num_pages=num_pages, backend=backend, graph=spec.graph, planes=planes,
-                                device=device, stream=spec.stream, world_size=world, sanitize=sanitize,
+                                device=device, stream=stream, world_size=world, sanitize=sanitize,
                                 timings=timings))
     return out
+
+
+def _model_stream(device: Any, stream: Any) -> Any:
+    """A rank's model stream, resolved once: the one given, or for CUDA planes the device's
+    current stream now (what the executor takes by default), handed to the backend too, so
+    that no clear looks the current stream up (a device lookup and a new stream object each)."""
+    if stream is not None or device is None or getattr(device, "type", None) != "cuda":
+        return stream
+    import torch
+
+    return torch.cuda.current_stream(device)
 
 
 async def _open_ledger(geometry, log, policy, check, record, fsync, background, logger, observer,
