@@ -399,9 +399,11 @@ class Engine:
         await self._order.wait_settled()
 
     def stop_ranks(self) -> None:
-        """Closing, step 2: no more plans; the executors stop after their current one."""
+        """Closing, step 2: no more plans; the executors stop after their current one. The wire
+        leader's links close next: ``leader`` is None from now on."""
         self._access.begin_close()
         self._ranks.stop()
+        self._leader = None
 
     async def close_ledger(self) -> None:
         """Closing, step 3 (shielded): the last call on the ledger's path; nothing after it."""
