@@ -59,6 +59,7 @@ class WireRanks:
     async def run(self, sealed: SealedStep, inputs: Sequence[StepInputs], replies: StepReplies
                   ) -> list[RankOutcome]:
         await self._handshake(sealed)
+        replies.expected = self.local.world_size  # the local ranks answer there; the peers over the wire
         outcomes = await self.local.run(sealed, inputs, replies)
         with anyio.CancelScope(shield=True):  # the outcome is recorded from them whatever happens to the caller
             remote = await collect_remote(self.leader, self.remote, sealed.step, local_ranks=self.local.world_size)
