@@ -27,8 +27,8 @@ import importlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from ..core import checks
 from ..core.errors import BackendUnavailableError, ConfigurationError
+from .sanitize import SanitizerCheck
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -36,6 +36,8 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "BACKENDS",
     "ClearBackend",
+    "ClearBackendBase",
+    "as_clear_backend",
     "backend_class",
     "coalesce_runs",
     "make_backend",
@@ -44,18 +46,92 @@ __all__ = [
 
 @runtime_checkable
 class ClearBackend(Protocol):
-    """Zeroes listed pages in every plane it was built with.
+    """What the engine and the executors use of a clear backend (every member; typed, no lookups).
 
     ``clear(page_ids)`` enqueues zeroing of every listed page in every plane on the
     backend's stream (for CUDA: the rank's model stream; on the CPU it is done when
     the call returns). It validates the ids first (``< num_pages``, distinct) and
     raises a ``KVLedgerError`` subclass (``PageOutOfRangeError``,
     ``DuplicatePageError``, ``InvalidArgumentError``) before touching any plane.
+
+    ``clear_checked(page_ids)``: the same for ids known good (the clear list of a plan
+    the ledger sealed: a tuple of distinct ints in range); it may skip the check.
+    ``poison`` / ``start_verify``: the sanitizer's device side
+    (``kvledger.executors.sanitize``), usable when ``can_sanitize`` is True.
+    ``num_pages``: pages in every plane (the geometry's, checked when a rank opens).
+
+    Subclass :class:`ClearBackendBase` to get ``clear_checked`` (it calls ``clear``)
+    and a refusing sanitizer side; an object with only ``clear`` is wrapped by
+    :func:`as_clear_backend`.
     """
 
     name: str
+    num_pages: int
+    can_sanitize: bool
 
     def clear(self, page_ids: Sequence[int]) -> None: ...
+
+    def clear_checked(self, page_ids: tuple[int, ...]) -> None: ...
+
+    def poison(self, page_ids: Sequence[int]) -> None: ...
+
+    def start_verify(self, cleared_ids: Sequence[int], committed_ids: Sequence[int]) -> SanitizerCheck: ...
+
+
+class ClearBackendBase:
+    """The base of a clear backend: subclasses implement ``clear`` (and set ``num_pages``);
+    ``clear_checked`` calls ``clear``; the sanitizer's side refuses with ``ConfigurationError``
+    unless a subclass implements ``poison`` and ``start_verify`` and sets ``can_sanitize``."""
+
+    name: str = "custom"
+    num_pages: int
+    can_sanitize: bool = False
+
+    def clear(self, page_ids: Sequence[int]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must implement clear(page_ids)")
+
+    def clear_checked(self, page_ids: tuple[int, ...]) -> None:
+        """``clear`` for ids known good; a backend whose check costs something skips it here."""
+        self.clear(page_ids)
+
+    def poison(self, page_ids: Sequence[int]) -> None:
+        raise ConfigurationError(f"clear backend {self.name!r} cannot poison pages (no sanitizer support)")
+
+    def start_verify(self, cleared_ids: Sequence[int], committed_ids: Sequence[int]) -> SanitizerCheck:
+        raise ConfigurationError(f"clear backend {self.name!r} cannot check pages (no sanitizer support)")
+
+
+@runtime_checkable
+class _ClearsPages(Protocol):
+    """The least a caller's backend object offers: ``clear(page_ids)``."""
+
+    def clear(self, page_ids: Sequence[int]) -> None: ...
+
+
+class _ClearOnly(ClearBackendBase):
+    """A caller's object with only ``clear``, as a ``ClearBackend`` (no sanitizer support)."""
+
+    def __init__(self, inner: _ClearsPages, num_pages: int) -> None:
+        self.inner = inner
+        self.num_pages = num_pages
+        self.name = f"{type(inner).__name__} (clear only)"
+
+    def clear(self, page_ids: Sequence[int]) -> None:
+        self.inner.clear(page_ids)
+
+    def __repr__(self) -> str:
+        return f"_ClearOnly({self.inner!r})"
+
+
+def as_clear_backend(backend: object, num_pages: int) -> ClearBackend:
+    """``backend`` as a ``ClearBackend``: itself when it is one (every member present), a
+    wrapper around an object that only has ``clear`` (``num_pages`` then the geometry's; it
+    cannot poison or check). Raises ``ConfigurationError`` for anything else."""
+    if isinstance(backend, ClearBackend):
+        return backend
+    if isinstance(backend, _ClearsPages):
+        return _ClearOnly(backend, num_pages)
+    raise ConfigurationError(f"backend {backend!r} has no clear(page_ids)")
 
 
 _REGISTRY: dict[str, str] = {
@@ -65,11 +141,6 @@ _REGISTRY: dict[str, str] = {
 }
 
 BACKENDS: tuple[str, ...] = tuple(_REGISTRY)
-
-# Kept for kvledger/demo/run.py until it calls kvledger.core.checks.page_ids itself;
-# not part of this module's API (no second implementation: the same function).
-check_page_ids = checks.page_ids
-
 
 def backend_class(name: str) -> type:
     """Import and return the class registered as ``name``.

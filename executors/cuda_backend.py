@@ -36,7 +36,7 @@ import torch
 from ..core import checks
 from ..core.errors import ConfigurationError
 from . import cuda_driver
-from .backend import coalesce_runs
+from .backend import ClearBackendBase, coalesce_runs
 from .sanitize import SanitizerCheck, TorchVerifier, Violation
 
 __all__ = ["CudaClearBackend", "PlaneLayout", "describe_planes", "stream_handle"]
@@ -116,7 +116,7 @@ def stream_handle(stream: Any) -> int:
         ) from None
 
 
-class CudaClearBackend:
+class CudaClearBackend(ClearBackendBase):
     """Zero listed pages of every plane with ``cuMemsetD8Async`` on the model stream.
 
     ``planes``: contiguous CUDA tensors ``[num_pages, ...]`` of one device (any
@@ -132,6 +132,7 @@ class CudaClearBackend:
     """
 
     MODES = ("coalesced", "per_page")
+    can_sanitize = True
 
     def __init__(self, planes: Sequence[torch.Tensor], stream: Any = None, *, mode: str = "coalesced") -> None:
         if mode not in self.MODES:
@@ -168,6 +169,13 @@ class CudaClearBackend:
         self._calls += self._memset(ids, 0)
         self._clears += 1
         self._pages += len(ids)
+
+    def clear_checked(self, page_ids: tuple[int, ...]) -> None:
+        """``clear`` for ids known good (a sealed plan's clear list): the id check is skipped."""
+        if page_ids:
+            self._calls += self._memset(page_ids, 0)
+            self._clears += 1
+            self._pages += len(page_ids)
 
     def _memset(self, ids: tuple[int, ...], value: int) -> int:
         """Enqueue ``value`` over every listed page of every plane; returns the driver calls made."""

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import msgspec
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream
@@ -43,6 +44,8 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from ..core import checks
 from ..core.errors import ConfigurationError, InvalidArgumentError, InvariantViolation
 from ..core.events import StepPlan
+from .backend import ClearBackend, as_clear_backend
+from .cuda_rank import CudaRank
 from .sanitize import Violation
 
 __all__ = [
@@ -139,74 +142,98 @@ class RankOutcome(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
 
 class StepReplies:
-    """Where the ranks answer one step: each rank's ``RankOutcome`` is appended;
-    ``event`` is set once every rank answered or any rank did not complete.
-    ``close()`` makes later answers vanish (the engine gave up on the step)."""
+    """Where the ranks answer one step: each rank's ``RankOutcome`` is appended to
+    ``outcomes``; ``wait()`` returns once every expected rank answered, any rank did not
+    complete, or ``wake()`` was called (a rank's executor task ended). ``close()`` makes
+    later answers vanish (the engine gave up on the step). The event behind ``wait`` is
+    made only when someone waits (inline ranks never do)."""
 
-    __slots__ = ("outcomes", "expected", "event", "closed")
+    __slots__ = ("outcomes", "expected", "closed", "_woken", "_event")
 
     def __init__(self, expected: int) -> None:
         self.outcomes: list[RankOutcome] = []
         self.expected = expected
-        self.event = anyio.Event()
         self.closed = False
+        self._woken = False
+        self._event: anyio.Event | None = None
 
     def send_nowait(self, outcome: RankOutcome) -> None:
         if self.closed:
             return
         self.outcomes.append(outcome)
         if outcome.status != "ok" or len(self.outcomes) >= self.expected:
-            self.event.set()
+            self.wake()
+
+    def wake(self) -> None:
+        """End the current ``wait``."""
+        self._woken = True
+        if self._event is not None:
+            self._event.set()
+
+    async def wait(self) -> None:
+        """Until woken (see the class docstring); a checkpoint either way."""
+        if self._woken:
+            await anyio.lowlevel.checkpoint()
+            return
+        if self._event is None:
+            self._event = anyio.Event()
+        await self._event.wait()
 
     def rearm(self) -> None:
-        """A fresh event for waiting on the remaining answers (after a failure woke us)."""
-        self.event = anyio.Event()
-        if len(self.outcomes) >= self.expected:
-            self.event.set()
+        """Wait afresh for the remaining answers (after a failure woke us)."""
+        self._event = None
+        self._woken = len(self.outcomes) >= self.expected
 
     def close(self) -> None:
         self.closed = True
 
 
 class StepJob:
-    """One plan for one rank. ``scope`` cancels this rank's part of the step only;
-    ``reply`` (a ``StepReplies``) receives exactly one ``RankOutcome``, never blocking.
+    """One plan for one rank. ``scope`` cancels this rank's part of the step only (None: the
+    job runs under its caller's scopes, as inline ranks do); ``reply`` (a ``StepReplies``)
+    receives exactly one ``RankOutcome``, never blocking.
 
     For the sanitizer: ``poison``, the pages to fill with 0xFF before the clear, and
-    ``committed``, the pages committed this step (checked for poison after it);
-    each defaults to the plan's attribute of that name when it has one, else empty.
-    Read only by an executor with ``sanitize=True``.
+    ``committed``, the pages committed this step (checked for poison after it); empty
+    when not given. Read only by an executor with ``sanitize=True``.
+    ``checked``: the plan's clear list is a sealed ledger plan's tuple (distinct ids in
+    range): the backend's ``clear_checked`` skips re-checking it. Only the engine, which
+    sealed the plan, sets it (a list that is not a tuple is checked all the same).
     """
 
     __slots__ = ("plan", "inputs", "scope", "reply", "poison", "committed", "checked")
 
-    def __init__(self, plan: StepPlan, inputs: StepInputs, scope: anyio.CancelScope, reply: StepReplies, *,
+    def __init__(self, plan: StepPlan, inputs: StepInputs, scope: anyio.CancelScope | None, reply: StepReplies, *,
                  poison: Sequence[int] | None = None, committed: Sequence[int] | None = None,
                  checked: bool = False) -> None:
         self.plan = plan
-        # the plan's clear list is a sealed ledger plan's tuple (distinct ids in range): a backend
-        # with clear_checked skips re-checking it. Only the engine, which sealed the plan, sets it.
         self.checked = checked and type(plan.clear_list) is tuple
         self.inputs = inputs
         self.scope = scope
         self.reply = reply
-        self.poison = getattr(plan, "poison", ()) if poison is None else poison
-        self.committed = getattr(plan, "committed", ()) if committed is None else committed
+        self.poison: Sequence[int] = () if poison is None else poison
+        self.committed: Sequence[int] = () if committed is None else committed
 
 
 class RankExecutor:
     """Runs step plans for one rank: input copies -> clears -> graph, on the model stream.
 
-    ``backend``: a ``ClearBackend`` over the rank's planes, or ``None`` for a rank with no
-    cache planes (the clear list is still validated against ``num_pages``).
+    ``backend``: a ``ClearBackend`` over the rank's planes (an object with only ``clear``
+    is wrapped: ``as_clear_backend``), or ``None`` for a rank with no cache planes (the
+    clear list is still validated against ``num_pages``).
     ``graph``: ``graph(ctx, step, inputs)``, sync or async, or ``None``.
     ``device``/``stream``: where the work runs; for a CUDA device and no stream, the
-    device's current stream at construction is the model stream.
+    device's current stream at construction is the model stream. The stream context,
+    its device and the CUDA events are made once, here, never per plan.
     ``sanitize``: poison, clear, check, then the graph (module docstring); the
-    backend must offer ``poison`` and ``start_verify`` (every kvledger backend does).
+    backend must be able to (``can_sanitize``: every kvledger backend is).
+    ``timings``: on a CUDA rank, time the phases with CUDA events on the model stream
+    (``RankTiming``'s copies_s, clear_s, graph_s, sanitize_s); off, only the completion
+    event is recorded, those phases read 0.0, and ``total_s`` / ``clear_host_s`` are
+    still measured on the host. CPU ranks always time their phases (on the host).
 
     Raises ``ConfigurationError`` for a negative rank or a rank outside ``world_size``,
-    and for ``sanitize`` with a backend that cannot poison and check.
+    a backend with no ``clear``, and ``sanitize`` with a backend that cannot poison and check.
     """
 
     def __init__(
@@ -221,35 +248,34 @@ class RankExecutor:
         stream: Any = None,
         world_size: int = 1,
         sanitize: bool = False,
+        timings: bool = True,
     ) -> None:
         if type(rank) is not int or not 0 <= rank < world_size:
             raise ConfigurationError(f"rank must be an int in [0, {world_size}), got {rank!r}")
         if graph is not None and not callable(graph):
             raise ConfigurationError(f"graph must be callable, got {graph!r}")
-        if sanitize and backend is not None and not (hasattr(backend, "poison") and hasattr(backend, "start_verify")):
+        clearer = as_clear_backend(backend, num_pages) if backend is not None else None
+        if sanitize and clearer is not None and not clearer.can_sanitize:
             raise ConfigurationError(f"sanitize=True needs a backend with poison and start_verify, got {backend!r}")
         self.rank = rank
         self.num_pages = num_pages
-        self.backend = backend
+        self.backend: ClearBackend | None = clearer
         self.graph = graph
-        self.sanitize = bool(sanitize) and backend is not None
-        self._torch: Any = None  # the torch module, for CUDA ranks
-        self._cuda = device is not None and getattr(device, "type", None) == "cuda"
-        self._marks: list[Any] = []
-        if self._cuda:
-            import torch
-
-            self._torch = torch
-            if stream is None:
-                stream = torch.cuda.current_stream(device)
-            a, b, c, d, e, f = (torch.cuda.Event(enable_timing=True) for _ in range(6))
-            # start, copied, poisoned, cleared, checked, done; without the sanitizer the
-            # poisoned and checked marks are the copied and cleared ones (zero-length phases)
-            self._marks = [a, b, c, d, e, f] if self.sanitize else [a, b, b, d, d, f]
+        self.sanitize = bool(sanitize) and clearer is not None
+        self.timings = bool(timings)
+        self._cuda: CudaRank | None = None
+        if device is not None and getattr(device, "type", None) == "cuda":
+            self._cuda = CudaRank(device, stream, sanitize=self.sanitize, timings=self.timings)
+            stream = self._cuda.stream
         self.context = RankContext(
-            rank=rank, world_size=world_size, device=device, stream=stream, planes=tuple(planes), backend=backend
+            rank=rank, world_size=world_size, device=device, stream=stream, planes=tuple(planes), backend=clearer
         )
         self._ok = self._failed = self._cancelled = self._pages = self._violations = 0
+
+    @property
+    def cuda(self) -> bool:
+        """Whether the rank's work runs on a CUDA stream (its completion is awaited)."""
+        return self._cuda is not None
 
     def statistics(self) -> dict[str, int]:
         """Plans run to completion, failed, cancelled; pages this rank zeroed; sanitizer violations seen."""
@@ -284,22 +310,33 @@ class RankExecutor:
                 await self.run_job(job)
 
     async def run_job(self, job: StepJob) -> RankOutcome:
-        """Run one job and send its outcome to ``job.reply``; also return it."""
+        """Run one job and send its outcome to ``job.reply``; also return it.
+
+        A job with a scope runs under it (a cancelled scope: "cancelled", before or while
+        it runs); one without runs under its caller's scopes. A cancellation of the
+        caller (its task or scope) is answered "cancelled" and re-raised."""
         step = job.plan.step
         scope = job.scope
-        if scope.cancel_called:
-            return self._answer(job, RankOutcome(rank=self.rank, step=step, status="cancelled"))
         t0 = time.perf_counter()
         ran: tuple[RankTiming, tuple[Violation, ...]] | None = None
         error: Exception | None = None
         try:
-            with scope:
+            if scope is None:
                 try:
                     ran = await self._execute(job, t0)
                 except Exception as exc:  # a rank failure, reported, never escapes the task
                     error = exc
+            else:
+                if scope.cancel_called:
+                    self._cancelled += 1
+                    return self._answer(job, RankOutcome(rank=self.rank, step=step, status="cancelled"))
+                with scope:
+                    try:
+                        ran = await self._execute(job, t0)
+                    except Exception as exc:  # a rank failure, reported, never escapes the task
+                        error = exc
         except BaseException:
-            # Our own task is being cancelled (or interrupted): answer, then re-raise.
+            # The caller (or our own task) is being cancelled or interrupted: answer, then re-raise.
             self._cancelled += 1
             self._answer(job, RankOutcome(rank=self.rank, step=step, status="cancelled"))
             raise
@@ -319,6 +356,11 @@ class RankExecutor:
         self._pages += len(job.plan.clear_list)
         return self._answer(job, RankOutcome(rank=self.rank, step=step, status="ok", timing=timing))
 
+    def skip(self, job: StepJob) -> RankOutcome:
+        """Answer a job that will not run (another rank of its step failed first): "cancelled"."""
+        self._cancelled += 1
+        return self._answer(job, RankOutcome(rank=self.rank, step=job.plan.step, status="cancelled"))
+
     @staticmethod
     def _answer(job: StepJob, outcome: RankOutcome) -> RankOutcome:
         job.reply.send_nowait(outcome)  # never blocks; dropped if the engine gave up on the step
@@ -327,20 +369,21 @@ class RankExecutor:
     # ------------------------------------------------------------------ one plan
 
     async def _execute(self, job: StepJob, t0: float) -> tuple[RankTiming, tuple[Violation, ...]]:
-        if self._cuda:
-            return await self._execute_cuda(job, t0)
+        if self._cuda is not None:
+            return await self._execute_cuda(self._cuda, job, t0)
         plan, inputs = job.plan, job.inputs
         for src, dst in inputs.copies:
             dst.copy_(src, non_blocking=True)
         t1 = t2 = time.perf_counter()
-        if self.sanitize:
-            self.backend.poison(job.poison)
+        backend = self.backend
+        if self.sanitize and backend is not None:
+            backend.poison(job.poison)
             t2 = time.perf_counter()
         self._clear(plan.clear_list, job.checked)
         t3 = t4 = time.perf_counter()
         found: tuple[Violation, ...] = ()
-        if self.sanitize:
-            found = self.backend.start_verify(plan.clear_list, job.committed).result()
+        if self.sanitize and backend is not None:
+            found = backend.start_verify(plan.clear_list, job.committed).result()
             t4 = time.perf_counter()
         graph = self.graph
         if graph is not None and not found:
@@ -353,57 +396,63 @@ class RankExecutor:
 
     def _clear(self, clear_list: Sequence[int], checked: bool = False) -> None:
         backend = self.backend
-        if backend is not None:
-            if clear_list:
-                fast = getattr(backend, "clear_checked", None) if checked else None
-                if fast is not None:
-                    fast(clear_list)
-                else:
-                    backend.clear(clear_list)
-        elif clear_list:
+        if not clear_list:
+            return
+        if backend is None:
             checks.page_ids(clear_list, self.num_pages)
+        elif checked:
+            backend.clear_checked(clear_list)  # type: ignore[arg-type]  # (checked: a sealed plan's tuple)
+        else:
+            backend.clear(clear_list)
 
-    async def _execute_cuda(self, job: StepJob, t0: float) -> tuple[RankTiming, tuple[Violation, ...]]:
-        torch = self._torch
-        stream = self.context.stream
-        start, copied, poisoned, cleared, checked, done = self._marks
+    async def _execute_cuda(self, cu: CudaRank, job: StepJob, t0: float) -> tuple[RankTiming, tuple[Violation, ...]]:
+        """The plan on the model stream: one stream switch around everything enqueued before
+        the wait; events only where asked for (``timings``) or needed (completion, the check)."""
         plan, inputs = job.plan, job.inputs
+        backend = self.backend
+        sanitize = self.sanitize and backend is not None
+        marks = cu.marks
+        stream = cu.stream
         check = None
-        with torch.cuda.stream(stream):
-            start.record(stream)
+        result: Any = None
+        graph = self.graph
+        with cu.on_stream:
+            if marks is not None:
+                marks[0].record(stream)
             for src, dst in inputs.copies:
                 dst.copy_(src, non_blocking=True)
-            copied.record(stream)
-            if self.sanitize:
-                self.backend.poison(job.poison)
-                poisoned.record(stream)
+            if marks is not None:
+                marks[1].record(stream)
+            if sanitize:
+                backend.poison(job.poison)  # type: ignore[union-attr]
+                if marks is not None:
+                    marks[2].record(stream)
             h0 = time.perf_counter()
             self._clear(plan.clear_list, job.checked)
             clear_host = time.perf_counter() - h0
-            cleared.record(stream)
-            if self.sanitize:
-                check = self.backend.start_verify(plan.clear_list, job.committed)
-                checked.record(stream)
+            if marks is not None:
+                marks[3].record(stream)
+            if sanitize:
+                check = backend.start_verify(plan.clear_list, job.committed)  # type: ignore[union-attr]
+                if marks is not None:
+                    marks[4].record(stream)
+            elif graph is not None:
+                result = graph(self.context, plan.step, inputs)
         found: tuple[Violation, ...] = ()
         if check is not None:
             await wait_cuda_event(check)  # the graph runs only on pages the check passed
             found = check.result()
-        result = None
-        with torch.cuda.stream(stream):
-            graph = self.graph
             if graph is not None and not found:
-                result = graph(self.context, plan.step, inputs)
-            if not inspect.isawaitable(result):
-                done.record(stream)
+                with cu.on_stream:
+                    result = graph(self.context, plan.step, inputs)
         if inspect.isawaitable(result):
             await result
-            done.record(stream)
-        await wait_cuda_event(done)
+        cu.done.record(stream)
+        await wait_cuda_event(cu.done)
         total = time.perf_counter() - t0
-        ms = [a.elapsed_time(b) * 1e-3 for a, b in ((start, copied), (copied, poisoned), (poisoned, cleared),
-                                                      (cleared, checked), (checked, done))]
-        return RankTiming(rank=self.rank, copies_s=ms[0], clear_s=ms[2], graph_s=ms[4], total_s=total,
-                          clear_host_s=clear_host, sanitize_s=ms[1] + ms[3]), found
+        copies_s, clear_s, graph_s, sanitize_s = cu.phases(sanitize)
+        return RankTiming(rank=self.rank, copies_s=copies_s, clear_s=clear_s, graph_s=graph_s, total_s=total,
+                          clear_host_s=clear_host, sanitize_s=sanitize_s), found
 
 
 def _violation_error(rank: int, step: int, found: Sequence[Violation]) -> InvariantViolation:

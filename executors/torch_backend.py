@@ -14,12 +14,18 @@ a page is zeroing its row. Two ways to zero a clear list, chosen per plane:
 
 ``strategy="auto"`` (the default) picks per plane and per list, from a cost model
 whose constants ``bench/bench_clear_torch.py`` measured (see ``_COST``, and
-bench/README.md for the figures). On the CPU a slice fill costs about 2.3 us, an
-indexed fill about 3.5 times that plus a little per row, and an indexed fill
-writes bytes about 2.5 times slower than a memset: adjacent ids (few runs) go by
-runs, scattered ids by one indexed fill, and for very wide pages (tens of KiB)
-runs win again. On CUDA every call is a launch, so a list of more than three
-runs takes one indexed fill per plane.
+bench/README.md for the figures). On the CPU a run is one slice assignment into
+a ``memoryview`` of the plane's memory from a buffer of zero (or 0xFF) bytes,
+about 0.45 us (``_HOST_RUN``; a torch slice fill costs about 2.3 us of dispatch;
+a run longer than ``_HOST_CHUNK`` bytes is one torch fill, a memset whose
+dispatch no longer matters); an indexed fill about 8 us plus a little per row,
+writing bytes about 2.5 times slower than a memset: adjacent ids (few runs) and
+short scattered lists go by runs, long scattered lists of narrow pages by one
+indexed fill. On CUDA every call is a launch, so a list of more than three runs
+takes one indexed fill per plane.
+
+``clear_checked(ids)`` (a sealed plan's clear list: distinct ids in range, a tuple)
+skips the id check, which is most of a small clear's host cost on the CPU.
 
 On CUDA planes the work is enqueued on ``stream`` (the rank's model stream; the
 current stream when ``None``) and ``clear`` returns without waiting for it.
@@ -31,6 +37,7 @@ check with :class:`~kvledger.executors.sanitize.TorchVerifier`.
 
 from __future__ import annotations
 
+import ctypes
 from array import array
 from collections.abc import Sequence
 from operator import sub as _sub
@@ -38,7 +45,7 @@ from typing import Any, NamedTuple
 
 from ..core import checks
 from ..core.errors import ConfigurationError
-from .backend import coalesce_runs
+from .backend import ClearBackendBase, coalesce_runs
 from .sanitize import SanitizerCheck, TorchVerifier, Violation
 
 __all__ = ["STRATEGIES", "TorchClearBackend"]
@@ -61,6 +68,10 @@ _COST = {
     "cuda": (3.0, 0.0, 0.0),
 }
 _WIDE = ((8, "int64"), (4, "int32"), (2, "int16"))
+_HOST_CHUNK = 256 * 1024  # CPU runs up to this many bytes: a slice assignment from these buffers
+_HOST_RUN = 0.2  # a CPU run by slice assignment (about 0.45 us), in units of a torch slice fill (about 2.3 us)
+_HOST_ZEROS = memoryview(bytes(_HOST_CHUNK))
+_HOST_ONES = memoryview(b"\xff" * _HOST_CHUNK)
 
 
 class _PageRows(NamedTuple):
@@ -72,7 +83,7 @@ class _PageRows(NamedTuple):
     page_bytes: list[int]  # per non-empty plane, bytes of one page
 
 
-class TorchClearBackend:
+class TorchClearBackend(ClearBackendBase):
     """Zeroes pages of torch-tensor planes. ``TorchClearBackend(planes, stream=None)``.
 
     Raises ``ConfigurationError`` (and builds nothing) when ``planes`` is empty, a
@@ -82,6 +93,7 @@ class TorchClearBackend:
     """
 
     name = "torch"
+    can_sanitize = True
 
     def __init__(self, planes: Sequence[Any], stream: Any = None, *, strategy: str = "auto") -> None:
         import torch
@@ -102,11 +114,18 @@ class TorchClearBackend:
         if stream is not None and not self._cuda:
             raise ConfigurationError(f"a stream was given but the planes are on {layout.device}, not CUDA")
         self.stream = stream
+        # one stream context, made once and entered around each fill (never nested: no lookup per clear)
+        self._on_model_stream = torch.cuda.stream(stream) if stream is not None else None
         fixed, per_row, per_byte = _COST["cuda" if self._cuda else "cpu"]
         self._fixed = fixed
         self._per_page = tuple(per_row + pb * per_byte for pb in layout.page_bytes)
         self._calls = self._pages = self._bytes = self._slice_fills = self._index_fills = 0
         self._verifier: TorchVerifier | None = None
+        # CPU planes, filled by runs: (the plane's bytes as a memoryview, bytes a page, its rows) per plane
+        self._host: tuple[tuple[memoryview, int, Any], ...] | None = None
+        if not self._cuda:
+            self._host = tuple((_bytes_of(r, layout.num_pages * pb), pb, r)
+                               for r, pb in zip(self._rows, layout.page_bytes, strict=True))
 
     # ------------------------------------------------------------------ the hot path
 
@@ -124,9 +143,19 @@ class TorchClearBackend:
         self._pages += len(ids)
         self._bytes += len(ids) * self._page_bytes_total
 
+    def clear_checked(self, page_ids: tuple[int, ...]) -> None:
+        """``clear`` for ids known good (a sealed plan's clear list: a tuple of distinct ids in
+        range); the check is skipped. Never call it with the caller's input."""
+        if not page_ids:
+            return
+        self._on_stream(page_ids, False)
+        self._calls += 1
+        self._pages += len(page_ids)
+        self._bytes += len(page_ids) * self._page_bytes_total
+
     def _on_stream(self, ids: tuple[int, ...], ones: bool) -> None:
-        if self.stream is not None:  # CUDA planes with a named model stream
-            with self._torch.cuda.stream(self.stream):
+        if self._on_model_stream is not None:  # CUDA planes with a named model stream
+            with self._on_model_stream:
                 self._fill(ids, ones)
         else:  # the CPU, or CUDA on the current stream
             self._fill(ids, ones)
@@ -134,20 +163,29 @@ class TorchClearBackend:
     def _fill(self, ids: tuple[int, ...], ones: bool) -> None:
         """Every byte of the listed pages := 0 (``ones`` false) or 0xFF, by runs or one indexed fill per plane."""
         k = len(ids)
+        host = self._host
+        if host is not None and self.strategy != "index" and k * _HOST_RUN <= self._fixed:
+            # a short CPU list: by runs whatever they are (no cost model to consult)
+            self._host_runs(((ids[0], ids[0] + 1),) if k == 1 else coalesce_runs(sorted(ids)), ones)
+            return
         srt = sorted(ids)
         # runs = pages - adjacent pairs (C-level: no Python loop over the ids)
         nruns = k - list(map(_sub, srt[1:], srt[:-1])).count(1) if k > 1 else 1
         strategy = self.strategy
         fixed = self._fixed
+        run_cost = nruns * (_HOST_RUN if host is not None else 1.0)
         runs = index = None
         slices = fills = 0
-        for rows, per_page in zip(self._rows, self._per_page, strict=True):
-            if strategy == "runs" or (strategy == "auto" and nruns <= fixed + k * per_page):
+        for i, (rows, per_page) in enumerate(zip(self._rows, self._per_page, strict=True)):
+            if strategy == "runs" or (strategy == "auto" and run_cost <= fixed + k * per_page):
                 if runs is None:
                     runs = coalesce_runs(srt)
-                value = _ones(rows) if ones else 0
-                for a, b in runs:
-                    rows[a:b].fill_(value)
+                if host is not None:
+                    self._host_plane(host[i], runs, ones)
+                else:
+                    value = _ones(rows) if ones else 0
+                    for a, b in runs:
+                        rows[a:b].fill_(value)
                 slices += nruns
             else:
                 if index is None:
@@ -156,6 +194,25 @@ class TorchClearBackend:
                 fills += 1
         self._slice_fills += slices
         self._index_fills += fills
+
+    def _host_runs(self, runs: Sequence[tuple[int, int]], ones: bool) -> None:
+        """CPU planes: ``runs`` of every plane by slice assignment."""
+        for plane in self._host or ():
+            self._host_plane(plane, runs, ones)
+        self._slice_fills += len(runs) * len(self._rows)
+
+    @staticmethod
+    def _host_plane(plane: tuple[memoryview, int, Any], runs: Sequence[tuple[int, int]], ones: bool) -> None:
+        """Every byte of ``runs`` of one CPU plane := 0 (or 0xFF): a slice assignment from a
+        buffer of such bytes per run, a torch fill for a run longer than ``_HOST_CHUNK``."""
+        mv, pb, rows = plane
+        src = _HOST_ONES if ones else _HOST_ZEROS
+        for a, b in runs:
+            n = (b - a) * pb
+            if n <= _HOST_CHUNK:
+                mv[a * pb:b * pb] = src[:n]
+            else:
+                rows[a:b].fill_(_ones(rows) if ones else 0)
 
     def _index(self, srt: list[int]) -> Any:
         torch = self._torch
@@ -247,6 +304,12 @@ def _plane_shape(torch: Any, plane: Any, i: int) -> tuple[int, Any]:
     if plane.requires_grad:
         raise ConfigurationError(f"plane {i} requires grad; cache planes must not")
     return int(plane.shape[0]), plane.device
+
+
+def _bytes_of(rows: Any, nbytes: int) -> memoryview:
+    """A writable memoryview of the ``nbytes`` bytes of a contiguous CPU tensor (no copy, no numpy).
+    The backend keeps the tensor (and so the memory) alive for as long as the view."""
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(int(rows.data_ptr()))).cast("B")
 
 
 def _ones(rows: Any) -> int:

@@ -40,6 +40,7 @@ import torch
 from ..core import checks
 from ..core.errors import ConfigurationError
 from . import cuda_driver
+from .backend import ClearBackendBase
 from .cuda_backend import describe_planes, stream_handle
 from .page_lists import ListRing, ListSlot, packer
 from .sanitize import SanitizerCheck, Violation
@@ -79,7 +80,7 @@ class _Fill:
         self.launches += 1
 
 
-class TritonClearBackend:
+class TritonClearBackend(ClearBackendBase):
     """Zero listed pages of every plane with one Triton launch on the model stream.
 
     ``planes``: contiguous CUDA tensors ``[num_pages, ...]`` of one device (any
@@ -96,6 +97,7 @@ class TritonClearBackend:
     """
 
     name = "triton"
+    can_sanitize = True
 
     def __init__(self, planes: Sequence[torch.Tensor], stream: Any = None, *, config: FillConfig | None = None,
                  programs_per_sm: int | None = None, num_warps: int | None = None, launch: str | None = None,
@@ -357,7 +359,7 @@ class TritonClearBackend:
                 f"launch={self.launch!r})")
 
 
-class StagedClear:
+class StagedClear(ClearBackendBase):
     """The clear step of a rank whose step graph holds the Triton clear kernel (``clear_staged``).
 
     ``RankExecutor`` calls ``clear(clear_list)`` between the input copies and the
@@ -367,13 +369,20 @@ class StagedClear:
     """
 
     name = "triton-graph"
+    can_sanitize = True
 
     def __init__(self, backend: TritonClearBackend) -> None:
         self.backend = backend
         self.num_pages = backend.num_pages
-        self.poison = backend.poison
-        self.start_verify = backend.start_verify
-        self.verify = backend.verify
+
+    def poison(self, page_ids: Sequence[int]) -> None:
+        self.backend.poison(page_ids)
+
+    def start_verify(self, cleared_ids: Sequence[int], committed_ids: Sequence[int]) -> SanitizerCheck:
+        return self.backend.start_verify(cleared_ids, committed_ids)
+
+    def verify(self, cleared_ids: Sequence[int], committed_ids: Sequence[int]) -> tuple[Violation, ...]:
+        return self.backend.verify(cleared_ids, committed_ids)
 
     def clear(self, page_ids: Sequence[int]) -> None:
         """Stage ``page_ids`` for the next replay; raises what ``TritonClearBackend.stage`` raises."""

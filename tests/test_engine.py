@@ -449,9 +449,11 @@ async def test_with_a_log_every_ledger_call_runs_in_a_worker_thread(tmp_path):
 
 @pytest.mark.asyncio
 async def test_inline_ranks_run_in_the_callers_task_without_a_task_switch():
-    # CPU ranks whose graph is a plain function run in run_step's own task, with no
-    # checkpoint (a ticker task never runs meanwhile); an async graph, or an object whose
-    # __call__ is async, runs in the rank's executor task
+    # CPU ranks whose graph is a plain function run in run_step's own task: run_step is one
+    # cancellation point at its entry (with yield_every_s=0 a ticker task runs once there),
+    # none while the ranks run;
+    # with more than one rank, an async graph, or an object whose __call__ is async, runs
+    # in the rank's executor task
     seen: dict[str, set] = {"plain": set(), "async": set()}
 
     def plain(ctx, step, inputs):
@@ -472,12 +474,13 @@ async def test_inline_ranks_run_in_the_callers_task_without_a_task_switch():
     me = anyio.get_current_task().id
     async with anyio.create_task_group() as tg:
         tg.start_soon(ticker)
-        async with open_engine(G, ranks=[RankSpec(planes=make_planes(), graph=plain)] * 2, record=True) as engine:
+        async with open_engine(G, ranks=[RankSpec(planes=make_planes(), graph=plain)] * 2, record=True,
+                               yield_every_s=0) as engine:
             await anyio.sleep(0)
             for step in range(3):
                 before = ticks
                 await engine.run_step(step)
-                assert ticks == before  # no task switch inside the step
+                assert ticks == before + 1  # the entry's checkpoint only, no switch inside the step
             assert seen["plain"] == {me}
             assert_consistent(engine)
         async with open_engine(G, ranks=[RankSpec(graph=plain), RankSpec(graph=AsyncGraph())]) as engine:
@@ -589,7 +592,7 @@ async def test_cuda_ranks_clear_on_their_model_streams_without_blocking_the_loop
             await anyio.sleep(0)
 
     specs = [RankSpec(planes=p, graph=graph, stream=s) for p, s in zip(planes, streams, strict=True)]
-    async with open_engine(G, ranks=specs, record=True) as engine:
+    async with open_engine(G, ranks=specs, record=True, timings=True) as engine:
         seen = await released_then_committed(engine, planes)
         inputs = [StepInputs(copies=[(host, buf)]) for buf in bufs]
         async with anyio.create_task_group() as tg:

@@ -108,6 +108,9 @@ class NoClear(TorchClearBackend):
     def clear(self, page_ids):
         pass
 
+    def clear_checked(self, page_ids):  # (the engine's path: a sealed plan's list)
+        pass
+
 
 @pytest.mark.asyncio
 async def test_an_engine_with_metrics_on_a_durable_log_exports_its_figures(tmp_path):

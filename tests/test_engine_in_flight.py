@@ -1,13 +1,17 @@
 """Steps in flight together in the engine (``open_engine(..., depth=2)``), on real inline CPU ranks.
 
+The interleavings below are the scheduler's: every engine call gives the loop its turn
+(``yield_every_s=0``), so which task runs when does not depend on the clock.
+
 Step k+1 is sealed while step k has not run yet; the ranks run them in step order. If
 step k fails, one ``StepAborted(k)`` aborts k and k+1, recorded before k's completions;
 k+1 runs nothing and raises ``StepFailedError`` naming step k; every page of both clear
 lists is listed again for the next step and zeroed there. A page freed in step k and
 committed in step k+1 is cleared after step k's graph (the rank runs k, then k+1's clear).
 
-The tasks are started before either yields (asyncio runs ready tasks in order): step 0's
-task seals and yields once, step 1's task seals while step 0 has not run.
+The tasks are started before either yields (asyncio runs ready tasks in order): each
+yields at run_step's entry; step 0's task seals and yields once more, step 1's task seals
+while step 0 has not run.
 """
 
 from __future__ import annotations
@@ -98,7 +102,7 @@ async def test_two_steps_in_flight_run_in_step_order_and_both_complete():
     planes = [planes_of_rank(), planes_of_rank()]
     specs = [RankSpec(planes=p, graph=recording_graph(ran)) for p in planes]
     results = {}
-    async with open_engine(G, ranks=specs, record=True, check=True, depth=2) as engine:
+    async with open_engine(G, ranks=specs, record=True, check=True, depth=2, yield_every_s=0) as engine:
         rows0 = await listed_pages(engine, planes, snapshot=7, request=1, n=2, step=0)
         rows1 = await listed_pages(engine, planes, snapshot=8, request=2, n=3, step=1)
 
@@ -127,7 +131,7 @@ async def test_a_failed_step_aborts_the_later_sealed_step_which_runs_nothing(log
     specs = [RankSpec(planes=p, graph=recording_graph(ran, fail_at=(0, 1))) for p in planes]
     errors: dict = {}
     opts = {"record": True} if log == "memory" else {"log": tmp_path / "l.kvlog", "background": False}
-    async with open_engine(G, ranks=specs, check=True, depth=2, **opts) as engine:
+    async with open_engine(G, ranks=specs, check=True, depth=2, yield_every_s=0, **opts) as engine:
         rows0 = await listed_pages(engine, planes, snapshot=7, request=1, n=2, step=0)
         rows1 = await listed_pages(engine, planes, snapshot=8, request=2, n=3, step=1)
 
@@ -162,30 +166,41 @@ async def test_a_failed_step_aborts_the_later_sealed_step_which_runs_nothing(log
 async def test_a_page_freed_in_step_k_and_committed_in_step_k1_is_cleared_after_step_ks_graph():
     seen: dict = {}
     planes = [planes_of_rank()]
+    gate = anyio.Event()
 
-    def graph(ctx, step, inputs):
+    async def graph(ctx, step, inputs):
+        if step == 0:
+            await gate.wait()  # step 0's graph still runs while step 1 is committed and sealed
         seen[step] = [bool(is_zero(plane, p)) for plane in ctx.planes for p in seen["rows"]]
 
     async with open_engine(G, ranks=[RankSpec(planes=p, graph=graph) for p in planes], record=True, check=True,
-                           depth=2) as engine:
+                           depth=2, yield_every_s=0) as engine:
         rows = seen["rows"] = await engine.alias_snapshot(7, 3)
         for plane in planes[0]:
             plane[list(rows)] = ROW
         await engine.reserve(1, 1)
         await engine.commit(1, 0, 1)
 
-        async def scheduler():
-            # step 0 is sealed and has not run: free the snapshot's pages and commit them for step 1
-            assert engine.open_step == 1
+        async def step1():
+            seen["result"] = await engine.run_step(1)
+
+        async def scheduler(tg):
+            # step 0 is sealed and its graph has not read the pages: free the snapshot's pages and
+            # commit them for step 1, seal it, then let step 0's graph go on
+            while engine.open_step != 1:
+                await anyio.sleep(0)
             await engine.release_snapshot(7)
             await engine.reserve(2, 3)
             listed = await engine.commit(2, 1, 3)
             assert sorted(listed) == sorted(rows)
-            seen["result"] = await engine.run_step(1)
+            tg.start_soon(step1)
+            while engine.open_step != 2:
+                await anyio.sleep(0)
+            gate.set()
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(engine.run_step, 0)
-            tg.start_soon(scheduler)
+            tg.start_soon(scheduler, tg)
         assert seen[0] == [False] * 6  # step 0's graph read the snapshot's bytes: not cleared under it
         assert seen[1] == [True] * 6  # step 1's clear ran before its graph
         assert sorted(seen["result"].clear_list) == sorted(rows)
@@ -198,7 +213,7 @@ async def test_a_sealed_step_cancelled_before_it_ran_is_aborted_and_the_earlier_
     ran: list = []
     planes = [planes_of_rank(), planes_of_rank()]
     specs = [RankSpec(planes=p, graph=recording_graph(ran)) for p in planes]
-    async with open_engine(G, ranks=specs, record=True, check=True, depth=2) as engine:
+    async with open_engine(G, ranks=specs, record=True, check=True, depth=2, yield_every_s=0) as engine:
         await listed_pages(engine, planes, snapshot=7, request=1, n=2, step=0)
         rows1 = await listed_pages(engine, planes, snapshot=8, request=2, n=3, step=1)
         scope = anyio.CancelScope()
@@ -208,6 +223,8 @@ async def test_a_sealed_step_cancelled_before_it_ran_is_aborted_and_the_earlier_
                 await engine.run_step(1)
 
         async def cancel():
+            while engine.open_step != 2:  # both sealed
+                await anyio.sleep(0)
             scope.cancel()
 
         async with anyio.create_task_group() as tg:
@@ -227,7 +244,8 @@ async def test_a_sealed_step_cancelled_before_it_ran_is_aborted_and_the_earlier_
 @pytest.mark.asyncio
 async def test_depth_bounds_the_steps_sealed_at_once():
     planes = [planes_of_rank()]
-    async with open_engine(G, ranks=[RankSpec(planes=p) for p in planes], record=True, depth=2) as engine:
+    async with open_engine(G, ranks=[RankSpec(planes=p) for p in planes], record=True, depth=2,
+                           yield_every_s=0) as engine:
         sealed_while_first_waits: list = []
 
         async def run(k):
@@ -281,7 +299,7 @@ async def test_on_the_gpu_a_page_freed_in_k_and_committed_in_k1_is_zeroed_after_
         reads[step] = torch.stack([plane[list(reads["rows"])] for plane in ctx.planes])  # on the stream
 
     spec = RankSpec(planes=planes, graph=graph, stream=stream, backend=backend)
-    async with open_engine(G, ranks=[spec], record=True, check=True, depth=2) as engine:
+    async with open_engine(G, ranks=[spec], record=True, check=True, depth=2, yield_every_s=0) as engine:
         rows = reads["rows"] = await engine.alias_snapshot(7, 3)
         with torch.cuda.stream(stream):
             for plane in planes:

@@ -188,6 +188,43 @@ async def test_remote_peers_over_tcp_clear_the_same_pages():
 
 
 @pytest.mark.asyncio
+async def test_two_dispatched_local_ranks_and_two_peers_complete_every_step():
+    # two local ranks with an async graph are dispatched to their executor tasks; the peers are
+    # engine ranks 2 and 3: the local ranks' answers end the local wait, the peers' COMPLETEs
+    # come after (kills a wait that counts the peers among the local answers: it never ends)
+    locals_ = [make_planes(), make_planes()]
+    peers = {r: Peer(r) for r in (1, 2)}
+    ran: list = []
+
+    async def graph(ctx, step, inputs):
+        ran.append((step, ctx.rank))
+
+    remote = RemoteRanks(world_size=WORLD, listen=("127.0.0.1", 0), timeout=2.0)
+    async with (
+        anyio.create_task_group() as tg,
+        open_engine(G, ranks=[RankSpec(planes=p, graph=graph) for p in locals_], remote=remote,
+                    record=True, check=True) as engine,
+    ):
+        host, port = engine.remote_address
+        for peer in peers.values():
+            tg.start_soon(peer.run, host, port)
+        await engine.wait_remote(5)
+        assert engine.remote_ranks == frozenset({2, 3})
+        everyone = locals_ + [p.planes for p in peers.values()]
+        for step in range(3):
+            rows = await snapshot_tail(engine, everyone, snapshot=10 + step, request=step, step=step)
+            with anyio.fail_after(10):
+                result = await engine.run_step(step)
+            assert sorted(result.clear_list) == sorted(rows) and [t.rank for t in result.ranks] == [0, 1]
+            await until(lambda step=step: all(step in p.launched for p in peers.values()))
+            for planes in everyone:
+                assert zero(planes, rows), step
+        assert engine.ledger.events[-4:] == [StepCompleted(step=2, rank=r) for r in range(4)]
+        assert sorted(ran) == [(s, r) for s in range(3) for r in range(2)]
+        assert_consistent(engine)
+
+
+@pytest.mark.asyncio
 async def test_silent_peer_aborts_the_step_nothing_cleared_next_step_carries_it():
     local = make_planes()
     peers = {r: Peer(r) for r in (1, 2)}

@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvledger import ConfigurationError, InvariantViolation, PageOutOfRangeError, StepPlan  # noqa: E402
+from kvledger.executors.backend import ClearBackendBase  # noqa: E402
 from kvledger.executors.executor import RankExecutor, StepInputs, StepJob, StepReplies  # noqa: E402
 from kvledger.executors.sanitize import NOT_ZERO, POISON, SanitizerCheck, TorchVerifier, Violation  # noqa: E402
 from kvledger.executors.torch_backend import TorchClearBackend  # noqa: E402
@@ -111,17 +112,22 @@ def test_the_index_strategy_poisons_too():
     assert {v.page for v in backend.verify([], [1, 9, 17])} == {1, 9, 17}
 
 
-class SkipsOnePlane:
+class SkipsOnePlane(ClearBackendBase):
     """A broken backend: its clear zeroes every plane but one; poison and check see them all."""
 
     name = "skips-one-plane"
+    can_sanitize = True
 
     def __init__(self, planes, skip):
         self.full = TorchClearBackend(planes)
         self.partial = TorchClearBackend([p for i, p in enumerate(planes) if i != skip])
         self.num_pages = self.full.num_pages
-        self.poison = self.full.poison
-        self.start_verify = self.full.start_verify
+
+    def poison(self, page_ids):
+        self.full.poison(page_ids)
+
+    def start_verify(self, cleared, committed):
+        return self.full.start_verify(cleared, committed)
 
     def clear(self, page_ids):
         self.partial.clear(page_ids)
@@ -204,18 +210,11 @@ def test_sanitize_needs_a_backend_that_can_poison_and_check():
 
 
 @pytest.mark.asyncio
-async def test_job_lists_default_to_the_plan_attributes_or_empty():
+async def test_job_lists_default_to_empty():
     plan = StepPlan(step=0, clear_list=(1,))
     j = StepJob(plan, StepInputs(), anyio.CancelScope(), StepReplies(1))
     assert (j.poison, j.committed) == ((), ())
-
-    class PlanWithLists:
-        step = 3
-        clear_list = (1,)
-        poison = (4,)
-        committed = (1, 2)
-
-    j2 = StepJob(PlanWithLists(), StepInputs(), anyio.CancelScope(), StepReplies(1))  # type: ignore[arg-type]
+    j2 = StepJob(plan, StepInputs(), None, StepReplies(1), poison=(4,), committed=(1, 2))
     assert (j2.poison, j2.committed) == ((4,), (1, 2))
 
 

@@ -76,6 +76,9 @@ class NoClear(Counting):
     def clear(self, page_ids):
         pass
 
+    def clear_checked(self, page_ids):  # (the engine's path: a sealed plan's list)
+        pass
+
 
 class SkipsPlane(Counting):
     """A broken backend: its clear zeroes every plane but one."""
@@ -85,6 +88,9 @@ class SkipsPlane(Counting):
         self.partial = TorchClearBackend([p for i, p in enumerate(planes) if i != skip])
 
     def clear(self, page_ids):
+        self.partial.clear(page_ids)
+
+    def clear_checked(self, page_ids):  # (the engine's path: a sealed plan's list)
         self.partial.clear(page_ids)
 
 

@@ -96,6 +96,29 @@ def test_clear_property(ids, strategy):
     assert_cleared_exactly(planes, before, ids)
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_cpu_runs_longer_and_shorter_than_the_host_chunk_clear_and_poison_exactly(strategy):
+    # a run is a slice assignment into the plane's memory up to _HOST_CHUNK bytes, a torch fill
+    # beyond it: pages of 48 B, 160 KiB (2 adjacent pages pass the chunk) and 300 KiB (one does)
+    from kvledger.executors import torch_backend
+
+    g = torch.Generator().manual_seed(3)
+    shapes = [(8, 48), (8, 160 * 1024), (8, 300 * 1024)]
+    planes = [torch.randint(1, 255, s, generator=g, dtype=torch.int32).to(torch.uint8) for s in shapes]
+    assert max(s[1] for s in shapes) > torch_backend._HOST_CHUNK
+    backend = TorchClearBackend(planes, strategy=strategy)
+    for ids in ([2, 3], [7], [0, 1, 2, 5]):
+        before = [p.clone() for p in planes]
+        backend.poison(ids)
+        for plane, old in zip(planes, before, strict=True):
+            want = old.clone()
+            want[ids] = 255
+            assert torch.equal(plane, want)
+        before = [p.clone() for p in planes]
+        backend.clear_checked(tuple(ids))
+        assert_cleared_exactly(planes, before, ids)
+
+
 def test_views_share_storage_with_the_planes():
     planes = filled_planes()
     backend = TorchClearBackend(planes)

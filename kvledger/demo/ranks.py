@@ -25,7 +25,9 @@ import torch
 from kvledger.core.errors import ConfigurationError
 from kvledger.core.events import Geometry
 from kvledger.engine import StepInputs
-from kvledger.executors.backend import check_page_ids
+from kvledger.core import checks
+from kvledger.executors.backend import ClearBackendBase
+from kvledger.executors.sanitize import SanitizerCheck
 from kvledger.executors.torch_backend import TorchClearBackend
 
 from .model import HybridDecoder, ModelConfig, RankModel
@@ -37,7 +39,7 @@ __all__ = ["AllReduce", "RankState", "SkipClearBackend", "StepWork", "backend_by
 ALLREDUCE_TIMEOUT_S = 120.0
 
 
-class SkipClearBackend:
+class SkipClearBackend(ClearBackendBase):
     """``--no-clear``: the seed's unfixed executor. Validates each clear list exactly as a
     real backend does (``PageOutOfRangeError`` / ``DuplicatePageError``) and counts the
     pages, but zeroes nothing, so the ledger's plan is intact and only the zeroing is
@@ -46,6 +48,7 @@ class SkipClearBackend:
     demo only; it is not in the backend registry."""
 
     name = "none (--no-clear)"
+    can_sanitize = True
 
     def __init__(self, planes: Sequence[torch.Tensor]) -> None:
         self.num_pages = int(planes[0].shape[0])
@@ -54,7 +57,10 @@ class SkipClearBackend:
         self._sanitizer: TorchClearBackend | None = None
 
     def clear(self, page_ids: Sequence[int]) -> None:
-        self.pages_skipped += len(check_page_ids(page_ids, self.num_pages))
+        self.pages_skipped += len(checks.page_ids(page_ids, self.num_pages))
+
+    def clear_checked(self, page_ids: tuple[int, ...]) -> None:
+        self.pages_skipped += len(page_ids)
 
     def _torch(self) -> TorchClearBackend:
         if self._sanitizer is None:
@@ -65,7 +71,7 @@ class SkipClearBackend:
         """Fill every plane of the listed pages with 0xFF (``TorchClearBackend.poison``)."""
         self._torch().poison(page_ids)
 
-    def start_verify(self, cleared_ids: Sequence[int], committed_ids: Sequence[int]) -> Any:
+    def start_verify(self, cleared_ids: Sequence[int], committed_ids: Sequence[int]) -> SanitizerCheck:
         """The sanitizer's check over the planes (``TorchClearBackend.start_verify``)."""
         return self._torch().start_verify(cleared_ids, committed_ids)
 
@@ -210,14 +216,12 @@ def make_graph(ranks: list, world: int) -> Callable:
 
 def backend_bytes(engine: Any) -> int | None:
     """Bytes the ranks' backends report having zeroed, where they keep count (the torch
-    backend does); None if one does not."""
+    backend does); None if one does not (another backend, or ``--no-clear``)."""
     total = 0
     for ex in engine.executors:
-        stats = getattr(ex.backend, "statistics", None)
-        figures = stats() if callable(stats) else None
-        if not isinstance(figures, dict) or "bytes" not in figures:
+        if not isinstance(ex.backend, TorchClearBackend):
             return None
-        total += int(figures["bytes"])
+        total += ex.backend.statistics()["bytes"]
     return total
 
 

@@ -75,6 +75,7 @@ class RunResult:
     log_path: str | None = None
     backend: str = ""
     logits: dict = dataclasses.field(default_factory=dict, repr=False)  # request -> [gen, vocab] float32
+    clear_lists: list = dataclasses.field(default_factory=list, repr=False)  # each clearing step's list
     failed_requests: list = dataclasses.field(default_factory=list)
 
     def figures(self) -> dict:
@@ -117,6 +118,7 @@ class RunResult:
             self.clear_host_max_s = max(self.clear_host_max_s, clear_host)
             self.clear_dev_sum_s += clear_dev
             self.clear_dev_max_s = max(self.clear_dev_max_s, clear_dev)
+            self.clear_lists.append(result.clear_list)
 
     def add_stop(self, error: Any, requests: int) -> None:
         """Count a step the sanitizer stopped with ``error`` (a ``SanitizerError``) before its

@@ -190,8 +190,9 @@ class _Serving:
     async def run(self) -> RunResult:
         res = self.res
         warm_up(self.ranks, self.mc, self.pt)
-        async with open_engine(self.geometry, log=self.log_path, ranks=self.rank_specs,
-                               policy=self.config.policy, **self.engine_options) as engine:
+        # timings: the demo reports each phase's device time (and the graph's, for the overhead)
+        async with open_engine(self.geometry, log=self.log_path, ranks=self.rank_specs, policy=self.config.policy,
+                               timings=True, **self.engine_options) as engine:
             self.engine = engine
             warm_kernels(engine, self.devices)
             if self.metrics is not None:  # --no-clear zeroes nothing: no bytes to count

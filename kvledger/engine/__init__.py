@@ -5,16 +5,23 @@
         await engine.commit(r, step, 3)              # marked pages join the step's clear list
         result = await engine.run_step(step, inputs) # seal -> every rank: copies, clears, graph
 
-    command ──► one serialized path to the ledger (access.py), which knows the engine's state:
-                on the loop, without yielding: in memory, or a log that writes in the background
-                in the engine's one worker thread: a log that fsyncs inline; flush; close
-    run_step ─► seal_step ─► StepPlan ─┬─► rank 0 ─┐  CPU ranks with plain-function graphs: inline,
-                                       ├─► rank 1 ─┤  in run_step's task, rank by rank; others: one
-                                       └─► ...     ┘  executor task per rank, over bounded streams
+    command ──► a cancellation point, then one serialized path to the ledger (access.py):
+                on the loop, without yielding again: in memory, or a log that writes in the
+                background; in the engine's one worker thread: a log that fsyncs inline;
+                flush; close
+    run_step ─► seal_step ─► StepPlan ─► hooks' sealed() ─► the ranks' strategy, chosen once
+                by open_engine (ranks.py, remote_steps.py):
+                  InlineRanks      in run_step's own task, rank after rank: CPU ranks whose
+                                   graph is a plain function, or a lone rank of any kind
+                  DispatchedRanks  one executor task per rank, over bounded streams
+                  WireRanks        PREPARE / READY / LAUNCH with remote peers around either,
+                                   their COMPLETEs after
                ◄── one RankOutcome per rank ──┘
                ├─ all ok:   StepCompleted(step, rank) for every rank  ─► StepResult
                └─ any not:  StepAborted(step, reason), then StepCompleted for
                             the ranks that did finish                 ─► StepFailedError
+               then every hook's settled() (on the ledger's path); a failed step's
+               failed() may raise another error instead (the sanitizer's SanitizerError)
 
 Steps run one at a time (``run_step`` waits for the previous one); commands may
 interleave with a running step (a commit into the next step, say). With a log
@@ -59,8 +66,9 @@ What a failure leaves behind:
   ``run_step(step)`` may be called again. Once sealed, the step is settled as
   for a failing rank (completions of the ranks that finished,
   ``StepAborted(step, "cancelled")``), under a shielded scope, then the
-  cancellation is re-raised. Inline ranks never yield, so a cancellation that
-  comes while they run lands after ``run_step`` returned, the step completed.
+  cancellation is re-raised. Inline CPU ranks never yield while they run (run_step
+  yields once, at its entry), so a cancellation that comes while they run lands
+  after ``run_step`` returned, the step completed.
   Either way the ledger (and its log) stays consistent: its digest equals a
   replay of its events;
 * leaving the engine's ``async with`` (R16): commands and steps not yet sealed
@@ -104,11 +112,15 @@ ranks that ran.
 
 The rooms:
 
-    engine.py    Engine: the ledger's commands, awaited, run_step's entry, closing; RankSpec
+    engine.py    Engine: the ledger's commands, awaited, run_step's entry, the lifecycle seams; RankSpec
+    opening.py   open_engine: the ledger, the strategies, the hooks, the wire leader; the options
     access.py    LedgerAccess: the one path to the ledger (loop or worker thread; open/closing/closed)
-    steps.py     StepRunner: one step across the ranks (seal, inline or dispatch, record); StepResult
-    remote_steps.py  the remote half of a step: the handshake before, the peers' COMPLETEs after
-    opening.py   open_engine: the ledger, the executors' task group, the wire leader; the options
+    steps.py     StepRunner (seal, run a sealed step, record); OneStep / InFlight: the order of steps
+    ranks.py     RankStrategy: InlineRanks, DispatchedRanks (how a step reaches the local ranks)
+    remote_steps.py  WireRanks: the remote peers around the local ranks' strategy
+    recorder.py  StepRecorder: the one path that records an outcome, and the hooks' settled()
+    records.py   SealedStep, StepResult, StepSettled; jobs_for, the one StepJob builder
+    plugins.py   the typed seams: MetricsHooks, EventPublisher, StepHook and its two adapters
     extras.py    Extras: metrics, KV events, the sanitizer's tracker and the caller's observers, wired in
     sanitizer.py SanitizerTracker: each plan's poison and committed lists, page histories, SanitizerError
     remote.py    RemoteRanks (the leader side's options), collect_remote, serve_remote_rank (a peer)

@@ -3,21 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from typing import Any
 
 import anyio
+import anyio.lowlevel
+from anyio.abc import TaskGroup
 
 from kvledger.core.errors import ConfigurationError, InvalidArgumentError
 from kvledger.core.events import Geometry
 from kvledger.core.ledger import Ledger
-from kvledger.executors.executor import NO_INPUTS, RankExecutor, StepInputs, StepJob
+from kvledger.durable import DurableLedger
+from kvledger.executors.executor import NO_INPUTS, RankExecutor, StepInputs
 from kvledger.logs import get_logger
 
-from .access import LedgerAccess
-from .extras import Extras
-from .steps import StepResult, StepRunner
+from .access import YIELD_EVERY_S, LedgerAccess
+from .plugins import EventPublisher, MetricsHooks, StepHook
+from .ranks import RankStrategy
+from .recorder import StepRecorder
+from .records import StepResult
+from .steps import InFlight, OneStep, StepRunner
 
 __all__ = ["Engine", "RankSpec"]
 
@@ -30,8 +36,9 @@ class RankSpec:
     contiguous); none for a rank that holds no cache (its clear lists are still
     validated). ``graph``: ``graph(ctx, step, inputs)``, sync or async, run after the
     clears; when every rank's planes are on the CPU and its graph is a plain function
-    (or none), the ranks' jobs run inline in ``run_step``'s task, rank after rank (a
-    graph that awaits anything is declared ``async def``). ``stream``: the model stream
+    (or none), or when there is one rank, the ranks' jobs run inline in ``run_step``'s
+    task, rank after rank (a graph that awaits anything is declared ``async def``);
+    otherwise each rank's in its executor task. ``stream``: the model stream
     for CUDA planes (default: the device's current stream). ``backend``: a backend
     name (see ``kvledger.executors.backend``) or a ready ``ClearBackend``; ``None``
     takes the engine's ``backend``.
@@ -44,49 +51,58 @@ class RankSpec:
 
 
 class Engine:
-    """The async face of a ``Ledger`` plus one executor per rank. Built by ``open_engine``.
+    """The async face of a ``Ledger`` plus one executor per rank. Built by ``open_engine``,
+    which picks how a step reaches the ranks (``ranks``: a ``RankStrategy``, ``ranks.py``),
+    the order of steps (``depth``) and the step hooks (``plugins.py``).
 
-    Commands mirror the ledger's and raise what it raises (nothing changed). They
-    reach the ledger through one serialized path (``access.py``): on the loop,
-    without yielding, when the ledger cannot block (in memory, or a log that writes
-    in the background); in the engine's one worker thread for a log that writes
-    and fsyncs inline. After the engine began closing they raise ``EngineClosedError``.
+    Commands mirror the ledger's and raise what it raises (nothing changed). They are
+    cancellation points: on the loop, the loop gets a turn at least every
+    ``yield_every_s`` of commands (``open_engine``'s option; 0: at every command), where
+    deadlines fire and cancellations are delivered; a worker-thread hop always is one.
+    They reach the ledger through one serialized path (``access.py``): on the loop when the ledger cannot
+    block (in memory, or a log that writes in the background); in the engine's one worker
+    thread for a log that writes and fsyncs inline. After the engine began closing they
+    raise ``EngineClosedError``.
     """
 
     def __init__(
         self,
         ledger: Ledger,
         executors: Sequence[RankExecutor],
+        ranks: RankStrategy,
         *,
-        queue_size: int = 1,
-        drain_timeout_s: float = 10.0,
-        logger: Any = None,
-        extras: Extras | None = None,
         depth: int = 1,
+        hooks: Sequence[StepHook] = (),
+        logger: Any = None,
+        leader: Any = None,
+        publisher: EventPublisher | None = None,
+        metrics: MetricsHooks | None = None,
+        sanitize: bool = False,
+        remote_address: tuple[str, int] | None = None,
+        yield_every_s: float = YIELD_EVERY_S,
     ) -> None:
         self._ledger = ledger
         self._executors = tuple(executors)
         self.world_size = len(self._executors)
         self._access = LedgerAccess(ledger)
         self.depth = depth
-        self._slots: Any  # steps sealed and not yet settled: at most ``depth``
-        try:  # anyio >= 4.5: no yield when free
-            self._slots = anyio.Lock(fast_acquire=True) if depth == 1 else anyio.Semaphore(depth, fast_acquire=True)
-        except TypeError:
-            self._slots = anyio.Lock() if depth == 1 else anyio.Semaphore(depth)
-        pairs = [anyio.create_memory_object_stream[StepJob](queue_size) for _ in self._executors]
-        self._job_receivers = [r for _, r in pairs]
+        self._ranks = ranks
+        self._recorder = StepRecorder(self._access, hooks, logger if logger is not None
+                                      else get_logger("kvledger.engine"))
+        self._runner = StepRunner(self._access, ranks, self._recorder, hooks)
+        self._order: OneStep | InFlight = (OneStep(self._runner, self._access) if depth == 1
+                                           else InFlight(self._runner, self._access, depth))
+        # run_step's cancellation point: a cancelled caller is looked for before the seal; ranks
+        # that always wait (dispatched, remote) yield anyway, after it; before inline ones the
+        # loop gets its turn as for commands (every yield_every_s, access.py)
+        self._yields = not ranks.always_yields
+        self._access.yield_every_s = yield_every_s
         self._no_inputs = [NO_INPUTS] * self.world_size
-        self._steps = StepRunner(
-            self._access, self._executors, [s for s, _ in pairs], inline=all(map(_runs_inline, self._executors)),
-            drain_timeout_s=drain_timeout_s, logger=logger if logger is not None else get_logger("kvledger.engine"),
-            metrics=extras.metrics if extras is not None else None,
-            kv_flush=extras.kv_flush if extras is not None else None,
-            sanitizer=extras.tracker if extras is not None else None, depth=depth,
-        )
-        self.remote_address: tuple[str, int] | None = None
-        self._kv_events = extras.publisher if extras is not None else None
-        self._metrics = extras.metrics if extras is not None else None
+        self._leader = leader
+        self._kv_events = publisher
+        self._metrics = metrics
+        self._sanitize = sanitize
+        self.remote_address = remote_address
 
     # ------------------------------------------------------------------ plumbing
 
@@ -117,7 +133,7 @@ class Engine:
         return self._executors
 
     @property
-    def kv_events(self) -> Any:
+    def kv_events(self) -> EventPublisher | None:
         """The KV event publisher (``kvledger.kvevents.KVEventPublisher``) of ``open_engine(...,
         kv_events=...)``, or None; ``kv_events.endpoint`` is the PUB endpoint as bound."""
         return self._kv_events
@@ -125,17 +141,17 @@ class Engine:
     @property
     def sanitize(self) -> bool:
         """Whether the engine runs in sanitize mode (``open_engine(..., sanitize=True)``)."""
-        return self._steps.sanitizer is not None
+        return self._sanitize
 
     @property
     def leader(self) -> Any:
         """The wire leader (``kvledger.wire.WireLeader``) driving the remote ranks, or ``None``."""
-        return self._steps.leader
+        return self._leader
 
     @property
     def remote_ranks(self) -> frozenset:
         """Engine rank numbers of the remote peers whose links are live (empty without ``remote``)."""
-        leader = self._steps.leader
+        leader = self._leader
         if leader is None:
             return frozenset()
         base = self.world_size - 1
@@ -145,7 +161,7 @@ class Engine:
         """Wait up to ``timeout`` s until every remote peer has joined. Raises ``TimeoutError``
         (nothing changes; a step run now aborts naming a missing rank), and
         ``ConfigurationError`` for an engine without ``remote``."""
-        leader = self._steps.leader
+        leader = self._leader
         if leader is None:
             raise ConfigurationError("this engine has no remote ranks")
         with anyio.fail_after(timeout):
@@ -153,26 +169,25 @@ class Engine:
 
     def statistics(self) -> dict[str, int]:
         """Steps completed on every rank, steps aborted, pages zeroed by completed steps."""
-        s = self._steps
-        return {"steps_completed": s.steps_completed, "steps_aborted": s.steps_aborted,
-                "pages_cleared": s.pages_cleared}
+        r = self._recorder
+        return {"steps_completed": r.steps_completed, "steps_aborted": r.steps_aborted,
+                "pages_cleared": r.pages_cleared}
 
     # ------------------------------------------------------------------ commands
     #
-    # ``access.direct``: the ledger may be called right here (open, cannot block, nothing
-    # in the worker thread). Such a command is a plain call on the loop (microseconds, no
-    # await inside): it cannot interleave with another call, and a caller cancelled
-    # meanwhile sees the cancellation at its next checkpoint, with the command done and
-    # recorded. Otherwise it goes through ``access.call``.
+    # ``access.fast()``: the ledger may be called right here (open, cannot block, nothing in
+    # the worker thread) and the loop had its turn lately: a plain call on the loop, no await
+    # in between (it cannot interleave with another call). Else ``access.call``: the loop's
+    # turn when it is due (a cancellation point), then the call, here or in the worker thread.
 
     async def reserve(self, request: int, n: int, *, tenant: str | None = None) -> tuple[int, ...]:
         """``Ledger.reserve``: ``n`` free pages for ``request``. ``OutOfPagesError`` under pressure."""
-        if self._access.direct:
+        if self._access.fast():
             return self._ledger.reserve(request, n, tenant=tenant)
         return await self._access.call(self._ledger.reserve, request, n, tenant=tenant)
 
     async def return_reservation(self, request: int, pages: Iterable[int] | None = None) -> tuple[int, ...]:
-        if self._access.direct:
+        if self._access.fast():
             return self._ledger.return_reservation(request, pages)
         return await self._access.call(self._ledger.return_reservation, request, pages)
 
@@ -180,29 +195,31 @@ class Engine:
         self, request: int, step: int, n: int | None = None, *, pages: Iterable[int] | None = None
     ) -> tuple[int, ...]:
         """``Ledger.commit``: returns the page ids that joined ``step``'s clear list."""
-        if self._access.direct:
+        if self._access.fast():
             return self._ledger.commit(request, step, n, pages=pages)
         return await self._access.call(self._ledger.commit, request, step, n, pages=pages)
 
     async def cancel(self, request: int) -> None:
-        if self._access.direct:
-            return self._ledger.cancel(request)
-        return await self._access.call(self._ledger.cancel, request)
+        if self._access.fast():
+            self._ledger.cancel(request)
+            return
+        await self._access.call(self._ledger.cancel, request)
 
     async def finish(self, request: int) -> None:
-        if self._access.direct:
-            return self._ledger.finish(request)
-        return await self._access.call(self._ledger.finish, request)
+        if self._access.fast():
+            self._ledger.finish(request)
+            return
+        await self._access.call(self._ledger.finish, request)
 
     async def alias_snapshot(
         self, snapshot: int, n: int | None = None, *, pages: Iterable[int] | None = None
     ) -> tuple[int, ...]:
-        if self._access.direct:
+        if self._access.fast():
             return self._ledger.alias_snapshot(snapshot, n, pages=pages)
         return await self._access.call(self._ledger.alias_snapshot, snapshot, n, pages=pages)
 
     async def release_snapshot(self, snapshot: int) -> None:
-        if self._access.direct:
+        if self._access.fast():
             self._ledger.release_snapshot(snapshot)
             return
         await self._access.call(self._ledger.release_snapshot, snapshot)
@@ -210,7 +227,7 @@ class Engine:
     async def start_restore(
         self, pages: Iterable[int], *, request: int | None = None, snapshot: int | None = None
     ) -> None:
-        if self._access.direct:
+        if self._access.fast():
             self._ledger.start_restore(pages, request=request, snapshot=snapshot)
             return
         await self._access.call(self._ledger.start_restore, pages, request=request, snapshot=snapshot)
@@ -218,7 +235,7 @@ class Engine:
     async def complete_restore(
         self, pages: Iterable[int], *, request: int | None = None, snapshot: int | None = None
     ) -> None:
-        if self._access.direct:
+        if self._access.fast():
             self._ledger.complete_restore(pages, request=request, snapshot=snapshot)
             return
         await self._access.call(self._ledger.complete_restore, pages, request=request, snapshot=snapshot)
@@ -229,33 +246,34 @@ class Engine:
         """``Ledger.publish``: full KV pages of ``request`` (written in a completed step) gain block
         hashes; a KV event publisher sends them with the next batch."""
         kw: dict[str, Any] = {"start": start, "parent_hash": parent_hash, "lora_id": lora_id, "lora_name": lora_name}
-        if self._access.direct:
+        if self._access.fast():
             return self._ledger.publish(request, hashes, token_ids, **kw)
         return await self._access.call(self._ledger.publish, request, hashes, token_ids, **kw)
 
     async def lookup(self, hashes: Iterable[int | bytes], *, tenant: str | None = None) -> int:
         """``Ledger.lookup``: how many leading blocks of ``hashes`` are ready to ``share`` (the
         metrics, when given, count the blocks asked and found: ``prefix_lookup``)."""
-        if self._metrics is not None and not isinstance(hashes, Sized):
+        metrics = self._metrics
+        if metrics is not None and not isinstance(hashes, Sized):
             hashes = tuple(hashes)
-        if self._access.direct:
+        if self._access.fast():
             found = self._ledger.lookup(hashes, tenant=tenant)
         else:
             found = await self._access.call(self._ledger.lookup, hashes, tenant=tenant)
-        if self._metrics is not None:
-            self._metrics.prefix_lookup(len(hashes), found)  # type: ignore[arg-type]
+        if metrics is not None:
+            metrics.prefix_lookup(len(hashes), found)  # type: ignore[arg-type]
         return found
 
     async def share(self, request: int, hashes: Sequence[int | bytes], *, tenant: str | None = None
                     ) -> tuple[int, ...]:
         """``Ledger.share``: the pages holding ``hashes`` join ``request``'s block table."""
-        if self._access.direct:
+        if self._access.fast():
             return self._ledger.share(request, hashes, tenant=tenant)
         return await self._access.call(self._ledger.share, request, hashes, tenant=tenant)
 
     async def evict(self, n: int | None = None, *, pages: Iterable[int] | None = None) -> tuple[int, ...]:
         """``Ledger.evict``: cached pages go free (the ``n`` least recently used, the named ones, or all)."""
-        if self._access.direct:
+        if self._access.fast():
             return self._ledger.evict(n, pages=pages)
         return await self._access.call(self._ledger.evict, n, pages=pages)
 
@@ -268,16 +286,16 @@ class Engine:
 
     async def digest(self) -> str:
         """The ledger state's digest (equal to a replay of its events / its log)."""
-        return await self._access.call(self._ledger.digest)
+        digest: str = await self._access.call(self._ledger.digest)
+        return digest
 
     async def flush(self) -> None:
         """Make every event so far durable (``DurableLedger.sync``), waiting in the worker
         thread. Raises ``ConfigurationError`` for an engine without a log, ``LogIOError``
         when the write or fsync fails (the log then refuses appends: the engine's next
         step breaks it), ``EngineClosedError`` once closing began."""
-        if not self._access.durable:
-            raise ConfigurationError("this engine has no log to flush")
-        await self._access.blocking(self._ledger.sync)  # type: ignore[attr-defined]
+        durable = self._durable()
+        await self._access.blocking(durable.sync)
 
     async def wait_durable(self, seq: int) -> None:
         """Wait, without blocking the loop and without writing anything, until event ``seq`` is
@@ -289,12 +307,17 @@ class Engine:
         once closing began, ``LogIOError`` when the writer failed, and ``LogClosedError``
         when the log will not make ``seq`` durable by itself (a log that fsyncs inline:
         its events become durable at the next seal or ``flush``)."""
-        if not self._access.durable:
-            raise ConfigurationError("this engine has no log to wait for")
+        durable = self._durable()
         if type(seq) is not int or not 0 <= seq < self._ledger.seq:
             raise InvalidArgumentError(f"seq must be an event of the log, 0 <= seq < {self._ledger.seq}; got {seq!r}")
         self._access.check_open()
-        await self._ledger.wait_durable_async(seq)  # type: ignore[attr-defined]
+        await durable.wait_durable_async(seq)
+
+    def _durable(self) -> DurableLedger:
+        ledger = self._ledger
+        if not isinstance(ledger, DurableLedger):
+            raise ConfigurationError("this engine has no log (open_engine(..., log=path))")
+        return ledger
 
     # ------------------------------------------------------------------ steps
 
@@ -309,11 +332,13 @@ class Engine:
         recorded ``StepCompleted(step, rank)`` for each. Raises ``InvalidArgumentError``
         for bad ``inputs`` and the ledger's ``StepOrderError`` for a step that is not
         the open one (nothing changed either way), and ``StepFailedError`` when a rank
-        failed (see ``kvledger.engine`` for what is recorded). A cancellation is
-        re-raised: one that lands before the step is sealed (waiting for the previous
-        step, or for the ledger's worker thread) records nothing and leaves the step
-        open, to be run again; one that lands after the seal records the step as
-        aborted first.
+        failed (see ``kvledger.engine`` for what is recorded). It is a cancellation
+        point: a cancelled caller is refused at its entry, and the loop gets a turn in
+        it (at least every ``yield_every_s``, as for commands; dispatched and remote
+        ranks always wait). A cancellation that lands before the step is sealed (the
+        call's entry, waiting for the previous step or for the ledger's worker thread)
+        records nothing and leaves the step open, to be run again; one that lands after
+        the seal records the step as aborted first, then is re-raised.
 
         With ``depth`` > 1 (``open_engine``), the call holds one of ``depth`` slots from
         the seal until the step settled: the next step may be sealed meanwhile, and its
@@ -325,15 +350,19 @@ class Engine:
         READY (see ``kvledger.engine``).
         """
         per_rank = self._inputs_for_ranks(inputs)
-        if not isinstance(payload, (bytes, bytearray)):
-            raise InvalidArgumentError(f"payload must be bytes, got {type(payload).__name__}")
+        if type(payload) is not bytes:
+            if not isinstance(payload, (bytes, bytearray)):
+                raise InvalidArgumentError(f"payload must be bytes, got {type(payload).__name__}")
+            payload = bytes(payload)
         access = self._access
+        if self._yields and time.perf_counter() >= access.yield_at:
+            await access.checkpoint()
+            access.yield_at = time.perf_counter() + access.yield_every_s
+        else:
+            await anyio.lowlevel.checkpoint_if_cancelled()
         if access.state != "open":
             access.check_open()
-        async with self._slots:  # at most depth steps sealed; cancelled before it holds a slot: nothing sealed
-            if access.state != "open":  # closing began while this call waited for a slot
-                access.check_open()
-            return await self._steps.run(step, per_rank, payload if type(payload) is bytes else bytes(payload))
+        return await self._order.run(step, per_rank, payload)
 
     def _inputs_for_ranks(self, inputs: Any) -> list[StepInputs]:
         n = self.world_size
@@ -365,44 +394,27 @@ class Engine:
 
     # ------------------------------------------------------------------ lifecycle (open_engine drives it)
 
-    async def _settle_in_flight(self, *, abort: bool) -> None:
+    async def start_ranks(self, tg: TaskGroup) -> None:
+        """Start what serves the ranks (the executors' tasks, for dispatched ranks) in ``tg``."""
+        await self._ranks.start(tg)
+
+    async def settle_in_flight(self, *, abort: bool) -> None:
         """Closing, step 1 (call shielded): refuse new commands and steps, then wait until
-        the step in flight (if any) is recorded. ``abort``: cancel it first (it is recorded
-        as aborted, "engine closed"); else it runs to its end. Steps that were waiting
-        for it raise ``EngineClosedError`` without being sealed."""
+        the steps in flight (if any) are recorded. ``abort``: cancel the running one first (it
+        is recorded as aborted, "engine closed"); else it runs to its end. Steps that were
+        waiting for it raise ``EngineClosedError`` without being sealed."""
         self._access.begin_close()
         if abort:
-            self._steps.abort_in_flight()
-        if self.depth == 1:
-            async with self._slots:
-                pass
-        else:
-            await self._steps.wait_settled()
+            self._runner.abort_in_flight()
+        await self._order.wait_settled()
 
-    async def _serve_rank(self, rank: int, jobs: Any, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
-        """Rank ``rank``'s executor task (``RankExecutor.serve``); a step waiting on it learns when it ends."""
-        try:
-            await self._executors[rank].serve(jobs, task_status=task_status)
-        finally:
-            self._steps.rank_gone(rank)
-
-    def _stop_executors(self) -> None:
-        """Closing, step 2: no more plans; the executors stop after their current one."""
+    def stop_ranks(self) -> None:
+        """Closing, step 2: no more plans; the executors stop after their current one. The wire
+        leader's links close next: ``leader`` is None from now on."""
         self._access.begin_close()
-        self._steps.close()
+        self._ranks.stop()
+        self._leader = None
 
-    async def _close_ledger(self) -> None:
+    async def close_ledger(self) -> None:
         """Closing, step 3 (shielded): the last call on the ledger's path; nothing after it."""
         await self._access.close()
-
-
-def _runs_inline(ex: RankExecutor) -> bool:
-    """Whether a rank's job runs to its end without awaiting: CPU (or no) planes and a
-    graph that is a plain function (or none). Such a job can run in ``run_step``'s task."""
-    if getattr(ex.context.device, "type", None) == "cuda":
-        return False
-    graph = ex.graph
-    if graph is None:
-        return True
-    call = graph if inspect.isroutine(graph) else type(graph).__call__  # an object: its class's __call__
-    return not (inspect.iscoroutinefunction(graph) or inspect.iscoroutinefunction(call))

@@ -40,6 +40,7 @@ clear backend when it runs).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -196,19 +197,20 @@ async def serve_remote_rank(
     from kvledger.wire.rank import run_peer
     from kvledger.wire.transport import connect_tcp
 
-    if isinstance(backend, str):
-        from kvledger.executors.backend import make_backend
+    from kvledger.executors.backend import ClearBackend, as_clear_backend, make_backend
 
+    clearer: ClearBackend | None
+    if isinstance(backend, str):
         clearer = make_backend(backend, tuple(planes)) if planes else None
     else:
-        clearer = backend
+        clearer = as_clear_backend(backend, geometry.num_pages) if backend is not None else None
 
-    async def on_launch(step, clear_pages, payload):
+    async def on_launch(step: int, clear_pages: Any, payload: bytes) -> None:
         if clearer is not None and len(clear_pages):
             clearer.clear(clear_pages)
         if on_step is not None:
             r = on_step(step, clear_pages, payload)
-            if hasattr(r, "__await__"):
+            if inspect.isawaitable(r):
                 await r
 
     with anyio.fail_after(connect_timeout):

@@ -15,10 +15,10 @@
                   are nobody's to read
       committed = the pages committed for s, still held by a request, not marked now
 
-    run_step ─► seal ─► take(s) ─► StepJob(poison=, committed=) on every local rank:
+    run_step ─► seal ─► sealed hook: take(s) ─► StepJob(poison=, committed=) on every local rank:
                 input copies -> poison -> clear -> check -> graph (RankExecutor(sanitize=True))
              ─► a rank found violations ─► SanitizerViolation per violation, StepAborted (the log)
-                                        ─► error(): SanitizerError naming rank, plane, page,
+                                        ─► failed hook, error(): SanitizerError naming rank, plane, page,
                                            its request now, the step, the kind, the policy,
                                            and the page's lifecycle from this tracker
 
@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from kvledger.core.errors import SanitizerError
+from kvledger.core.errors import SanitizerError, StepFailedError
 from kvledger.core.events import (
     CacheConfigured,
     ClearPages,
@@ -59,6 +59,9 @@ from kvledger.core.events import (
     StepSealed,
 )
 from kvledger.core.state.table import MARK_ALL, MAX_IN_FLIGHT
+
+from .plugins import StepHook
+from .records import SealedStep
 
 __all__ = ["HISTORY", "SanitizerTracker"]
 
@@ -90,9 +93,11 @@ def _tag(event: object) -> str:
     return type(event).__struct_config__.tag  # type: ignore[attr-defined]
 
 
-class SanitizerTracker:
-    """The sanitize-mode ledger observer (module docstring). ``attach(ledger)`` once the
-    ledger exists; ``take(step)`` after each seal; ``error(...)`` when a rank found violations."""
+class SanitizerTracker(StepHook):
+    """The sanitize-mode ledger observer and step hook (module docstring). ``attach(ledger)``
+    once the ledger exists; as a hook: ``sealed`` hands each plan its poison and committed
+    lists (``take``), ``failed`` turns a step whose ranks found violations into a
+    ``SanitizerError`` (``error``)."""
 
     def __init__(self) -> None:
         self._state: Any = None
@@ -259,6 +264,17 @@ class SanitizerTracker:
         lines.append((seq, tag, before, after, note))
 
     # ------------------------------------------------------------------ the engine's side
+
+    def sealed(self, sealed: SealedStep) -> None:
+        """The step hook: the plan just sealed gets its poison and committed lists."""
+        sealed.poison, sealed.committed = self.take(sealed.step)
+
+    def failed(self, sealed: SealedStep, error: StepFailedError, found: Sequence[tuple[int, Any]]
+               ) -> BaseException | None:
+        """The step hook: a failed step whose ranks found violations raises ``SanitizerError``."""
+        if not found:
+            return None
+        return self.error(sealed.plan, sealed.committed or (), found)
 
     def take(self, step: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """``(poison, committed)`` for the plan of ``step`` just sealed (empty lists for another step)."""

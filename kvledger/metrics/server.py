@@ -99,7 +99,7 @@ class MetricsServer:
                                                   handler_class=handler)
         except OSError as exc:
             raise ConfigurationError(f"cannot serve metrics on {host}:{port}: {exc}") from exc
-        self._httpd.slots = threading.BoundedSemaphore(max_clients)  # type: ignore[attr-defined]
+        self._httpd.slots = threading.BoundedSemaphore(max_clients)
         self.host = host
         self.port: int = self._httpd.server_port
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
