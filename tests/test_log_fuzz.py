@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from kvledger import CLEAR_POLICIES, KVLedgerError, replay
 from kvledger.core.log.format import HEADER_SIZE, KIND_CHECKPOINT, KIND_EVENTS, PREFIX
 from kvledger.core.log.scan import scan
-from kvledger.core.log import EventLog, LogView, SimulatedDisk, open_view
+from kvledger.core.log import EventLog, LogView, open_view
+from support.simdisk import SimulatedDisk
 from kvledger.core.log.fold import rebuild_state
 
 from test_log_workload import GEOMETRY, drive, make_events

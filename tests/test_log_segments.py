@@ -19,7 +19,8 @@ import zlib
 import structlog
 
 from kvledger import CorruptLogError, Geometry, replay
-from kvledger.core.log import SimulatedDisk, open_view
+from kvledger.core.log import open_view
+from support.simdisk import SimulatedDisk
 from kvledger.core.log.fold import fold_records, rebuild_state, start_state
 from kvledger.core.log.format import KIND_CHECKPOINT, encode_segment_header
 from kvledger.core.log.segments import list_segments, segment_name

@@ -13,7 +13,8 @@ import msgspec
 import structlog
 
 from kvledger import CLEAR_POLICIES, CorruptLogError, replay
-from kvledger.core.log import SimulatedDisk, open_view
+from kvledger.core.log import open_view
+from support.simdisk import SimulatedDisk
 from kvledger.core.log.fold import fold_records, rebuild_state, start_state
 from kvledger.core.log.format import HEADER_SIZE, KIND_CHECKPOINT, KIND_EVENTS, PREFIX
 from kvledger.core.state import LedgerState

@@ -36,7 +36,8 @@ from kvledger import CLEAR_POLICIES, CorruptLogError, replay
 from kvledger.core.log.format import HEADER_SIZE, KIND_CLOSE, KIND_EVENTS, PREFIX
 from kvledger.core.log.scan import scan
 from kvledger import LogError
-from kvledger.core.log import FaultInjector, SimulatedDisk, open_view
+from kvledger.core.log import open_view
+from support.simdisk import FaultInjector, SimulatedDisk
 from kvledger.core.errors import LogIOError
 from kvledger.durable import open_ledger
 from kvledger.core.log.fold import rebuild_state, state_from_checkpoint

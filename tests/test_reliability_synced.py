@@ -22,7 +22,8 @@ import sys
 import structlog
 
 from kvledger import CorruptLogError, KVLedgerError
-from kvledger.core.log import SimulatedDisk, open_view
+from kvledger.core.log import open_view
+from support.simdisk import SimulatedDisk
 from kvledger.durable import open_ledger
 
 from test_log_workload import GEOMETRY, drive

@@ -24,7 +24,8 @@ import structlog
 from support.syscalls import SyscallRecorder, norm
 
 from kvledger.core.errors import LogIOError
-from kvledger.core.log import EventLog, SimulatedDisk, open_view
+from kvledger.core.log import EventLog, open_view
+from support.simdisk import SimulatedDisk
 from kvledger.durable import open_ledger
 
 from test_log_workload import GEOMETRY, drive

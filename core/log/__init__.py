@@ -4,7 +4,6 @@
     scan.py     the scan: verify records, tell a torn tail from corruption: sans-I/O
     segments.py a log as a directory of segments: rotation, retention, linking
     files.py    the real file layer (atomic create, locks, no links, replace-not-truncate, stamps)
-    simdisk.py  test layers: a simulated disk (power loss) and a fault injector
     writer.py   EventLog: appends, group commit, fsync policies, checkpoints, close
     syncer.py   the background writer thread (group commit, back-pressure)
     opening.py  creating and reopening a log (verify, repair a torn tail, stamp)
@@ -17,7 +16,6 @@ from .fold import check_first_event, fold_records, rebuild_state, start_state, s
 from .format import DEFAULT_MAX_PAGES, Checkpoint, LogHeader, RecordInfo, SyncStamp
 from .reader import LogView, open_view
 from .scan import Scan, scan
-from .simdisk import FaultInjector, SimulatedDisk
 from .writer import DEFAULT_MAX_LAG_BYTES, FSYNC_POLICIES, EventLog, LogStatistics
 
 __all__ = [
@@ -26,14 +24,12 @@ __all__ = [
     "FSYNC_POLICIES",
     "Checkpoint",
     "EventLog",
-    "FaultInjector",
     "LogHeader",
     "LogStatistics",
     "LogView",
     "OsFileLayer",
     "RecordInfo",
     "Scan",
-    "SimulatedDisk",
     "SyncStamp",
     "check_first_event",
     "fold_records",

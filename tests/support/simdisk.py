@@ -7,7 +7,8 @@
     FaultInjector    wraps a layer and fails the n-th write, sync, truncate or
                      stamp with EIO, optionally after writing part of the data
 
-Both are ``FileLayer`` s (``files.py``); the log cannot tell them from real files.
+Both are ``FileLayer`` s (``kvledger/core/log/files.py``); the log cannot tell them from real files.
+They are test doubles: they live here, beside the tests, not in the library.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from __future__ import annotations
 import errno as _errno
 import random
 
-from ..errors import LogExistsError, LogLockedError
-from .files import OsFileLayer, stamp_path
+from kvledger.core.errors import LogExistsError, LogLockedError
+from kvledger.core.log.files import OsFileLayer, stamp_path
 
 __all__ = ["FaultInjector", "SimulatedDisk"]
 
