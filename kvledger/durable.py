@@ -54,6 +54,7 @@ from kvledger.core.log import (
 )
 from kvledger.core.log.files import default_layer
 from kvledger.core.log.fold import rebuild_state
+from kvledger.core.log.segments import unfinished_directory
 from kvledger.core.state import LedgerState
 from kvledger.logs import get_logger
 
@@ -187,13 +188,18 @@ class DurableLedger(Ledger):
             self._next_checkpoint = self.state.seq + self._every
         seq, digest, state = self._checkpoint_state()
         log.rotate(seq, digest, state)  # (raises LogIOError: the command fails, nothing folded)
-        self._logger.info("segment_rotated", seq=seq, segment=log._segment,
+        self._logger.info("segment_rotated", seq=seq, segment=log.segment,
                           segments_deleted=log.segments_deleted)
 
     @property
     def durable_seq(self) -> int:
         """Highest seq on stable storage (-1: none)."""
         return self.log.durable_seq
+
+    @property
+    def logger(self):
+        """The structlog logger the ledger reports on (bound to the log's path)."""
+        return self._logger
 
     def _checkpoint_state(self) -> tuple:
         st = self.state
@@ -319,9 +325,12 @@ def open_ledger(path, geometry: Geometry | None = None, *, policy: str | None = 
             "retain_segments": retain_segments}
     led_opts = {"check": check, "checkpoint_every": checkpoint_every,
                 "logger": logger if logger is not None else get_logger("kvledger"), "observer": observer}
-    if not lay.exists(path):
+    unfinished = lay.exists(path) and getattr(lay, "isdir", None) is not None and lay.isdir(path) \
+        and unfinished_directory(lay, path)  # (a crash while the directory was created)
+    if not lay.exists(path) or unfinished:
         if geometry is None:
-            raise ConfigurationError(f"{path} does not exist: give a geometry to create it")
+            why = "holds only what an interrupted create left" if unfinished else "does not exist"
+            raise ConfigurationError(f"{path} {why}: give a geometry to create it")
         return _create(path, geometry, policy or "released_aliases", opts, led_opts, t0)
     return _reopen(path, geometry, policy, opts, led_opts, t0)
 
@@ -349,7 +358,7 @@ def _create(path: str, geometry: Geometry, policy: str, opts: dict, led_opts: di
     led.recovery = Recovery(path=path, created=True, events=led.seq, checkpoint_seq=None, folded=0,
                             truncated_at=None, truncated_bytes=0, lost_events=None, closed_cleanly=False,
                             seconds=time.perf_counter() - t0)
-    led._logger.info("log_created", geometry=[geometry.num_pages, geometry.page_tokens], policy=policy,
+    led.logger.info("log_created", geometry=[geometry.num_pages, geometry.page_tokens], policy=policy,
                      fsync=opts["fsync"])
     return led
 
@@ -380,8 +389,8 @@ def _reopen(path: str, geometry: Geometry | None, policy: str | None, opts: dict
                             truncated_at=res.torn_at, truncated_bytes=res.torn_bytes, lost_events=res.torn_events,
                             closed_cleanly=res.closed, seconds=time.perf_counter() - t0)
     if res.torn_at is not None:
-        led._logger.warning("log_truncated", offset=res.torn_at, bytes=res.torn_bytes, events=led.seq,
+        led.logger.warning("log_truncated", offset=res.torn_at, bytes=res.torn_bytes, events=led.seq,
                             lost_events=res.torn_events)
-    led._logger.info("log_opened", events=led.seq, checkpoint_seq=ck, folded=folded,
+    led.logger.info("log_opened", events=led.seq, checkpoint_seq=ck, folded=folded,
                      closed_cleanly=res.closed, seconds=round(led.recovery.seconds, 4))
     return led

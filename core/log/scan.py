@@ -24,7 +24,7 @@ from typing import Any
 
 from ..errors import CorruptLogError
 from .format import (
-    _U32,
+    U32,
     DEFAULT_MAX_PAGES,
     KIND_CHECKPOINT,
     KIND_CLOSE,
@@ -99,7 +99,7 @@ def _intact(buf, pos: int, size: int, cap: int) -> int:
         return -1
     end = pos + RECORD_OVERHEAD + n
     rec = buf[pos:end]
-    if zlib.crc32(memoryview(rec)[:-4]) != _U32.unpack_from(rec, len(rec) - 4)[0]:
+    if zlib.crc32(memoryview(rec)[:-4]) != U32.unpack_from(rec, len(rec) - 4)[0]:
         return -1
     return synced
 
@@ -163,7 +163,7 @@ def _walk(buf, res: Scan, chain, stop: int) -> bool:
             break
         rec = buf[off : off + RECORD_OVERHEAD + n]
         mv = memoryview(rec)
-        if crc32(mv[:-4]) != _U32.unpack_from(rec, n + PREFIX_SIZE + 8)[0]:
+        if crc32(mv[:-4]) != U32.unpack_from(rec, n + PREFIX_SIZE + 8)[0]:
             damaged = True
             break
         chain.update(mv[:-TRAILER_SIZE])
