@@ -349,9 +349,9 @@ class EventLog:
         """Seq of the last checkpoint this handle appended (-1: none)."""
         return self._checkpoint_seq
 
-    def _checkpoint_payload(self, seq: int, digest: str, state: bytes) -> bytes:
+    def _checkpoint_payload(self, seq: int, digest: str, state: bytes, report: bool) -> bytes:
         if not self._ok or self._closed:
-            self._refuse(report=False)
+            self._refuse(report=report)
         if seq != self._batch.next_seq:
             raise LogError(f"{self.path}: checkpoint at seq {seq}, the log is at seq {self._batch.next_seq}")
         payload = self._enc.encode(Checkpoint(seq=seq, digest=digest, state=state))
@@ -366,7 +366,7 @@ class EventLog:
         Raises ``LogError`` unless ``seq`` equals ``self.seq``, ``RecordTooLargeError``
         (nothing changed), ``LogClosedError``.
         """
-        payload = self._checkpoint_payload(seq, digest, state)
+        payload = self._checkpoint_payload(seq, digest, state, False)
         self._batch.add_record(KIND_CHECKPOINT, seq, payload)
         self._events = self._batch.events
         self._checkpoints += 1
@@ -379,7 +379,7 @@ class EventLog:
         ``LogClosedError``, ``LogIOError`` (inline)."""
         if self._directory is None:
             raise LogError(f"{self.path}: a single-file log has no segments to rotate")
-        payload = self._checkpoint_payload(seq, digest, state)
+        payload = self._checkpoint_payload(seq, digest, state, True)
         self._batch.add_record(ROLL, seq, payload)
         self._segment += 1
         self._checkpoints += 1
