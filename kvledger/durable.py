@@ -291,7 +291,8 @@ def open_ledger(path, geometry: Geometry | None = None, *, policy: str | None = 
     Creating needs ``geometry``; ``policy`` defaults to ``"released_aliases"``.
     An existing log keeps its own geometry and policy (giving different ones
     raises ``ConfigurationError``). Opening verifies every record, rebuilds the
-    state from the last checkpoint and the events after it, truncates a torn
+    state from the last checkpoint (verified: bytes, digest, invariants) and the
+    events after it (each validated, as ``kvledger replay`` does), truncates a torn
     tail (``recovery`` and a ``log_truncated`` warning report it, with the
     events lost when the torn record says) and refuses corruption with
     ``CorruptLogError`` (offset and seq; the file is untouched), including
@@ -371,7 +372,9 @@ def _reopen(path: str, geometry: Geometry | None, policy: str | None, opts: dict
             raise ConfigurationError(f"{path} holds geometry {hdr.geometry}, not {geometry}")
         if policy is not None and policy != hdr.policy:
             raise ConfigurationError(f"{path} uses clear policy {hdr.policy!r}, not {policy!r}")
-        return rebuild_state(view, check=led_opts["check"])
+        # the events after the last checkpoint (at most checkpoint_every of them) are validated one
+        # by one: the ledger allocates from this state, so a forged event must not reach it
+        return rebuild_state(view, check=led_opts["check"], trusted=False)
 
     log = EventLog.open(path, loader=load, **opts)
     res: Any = log.recovery  # the Scan of what open found, and what load built from it

@@ -25,14 +25,30 @@ from collections.abc import Callable
 import msgspec
 
 from ..errors import CorruptLogError, InvalidArgumentError, KVLedgerError
-from ..events.events import CacheConfigured
+from ..events.events import (
+    CacheConfigured,
+    PagesCommitted,
+    PagesEvicted,
+    PagesPublished,
+    PagesReserved,
+    PagesShared,
+    ReservationReturned,
+    RestoreCompleted,
+    RestoreStarted,
+    SanitizerViolation,
+    SnapshotAliased,
+    StepAborted,
+    StepCompleted,
+    StepSealed,
+)
 from ..state.canonical import digest_of
 from ..state.invariants import check_invariants
 from ..state.state import LedgerState
 from .format import KIND_CHECKPOINT, KIND_EVENTS, Checkpoint, LogHeader, RecordInfo
 from .reader import LogView
 
-__all__ = ["check_first_event", "fold_records", "rebuild_state", "start_state", "state_from_checkpoint"]
+__all__ = ["bounds_problem", "check_first_event", "fold_records", "rebuild_state", "start_state",
+           "state_from_checkpoint"]
 
 Apply = Callable[[int, object], object]
 
@@ -125,24 +141,105 @@ def _fold_checked(st: LedgerState, events: list, rec: RecordInfo, path: str) -> 
                               f"rejected by the fold: {exc}") from exc
 
 
-def _fold_trusted(st: LedgerState, events: list, rec: RecordInfo, path: str, on_event=None) -> None:
-    """Apply each event without its precondition (a verified log of this library's own writing).
+class _Impossible(Exception):
+    """A field of an event that no state of this log can hold (a trusted fold's bounds check)."""
 
-    Refuses a ``CacheConfigured`` after seq 0 (it would allocate a page table); anything an applier
-    raises on an event that would not have validated is corruption at its seq.
+    def __init__(self, field: str, detail: str) -> None:
+        super().__init__(field, detail)
+        self.field, self.detail = field, detail
+
+
+def _pages_in_range(st: LedgerState, ev, field: str = "page_ids") -> None:
+    ids = getattr(ev, field)
+    if ids and (min(ids) < 0 or max(ids) >= st.num_pages):
+        bad = [p for p in ids if not 0 <= p < st.num_pages][:4]
+        raise _Impossible(field, f"page ids {bad} outside the geometry's [0, {st.num_pages})")
+
+
+def _commit_bounds(st: LedgerState, ev) -> None:
+    _pages_in_range(st, ev)
+    if ev.step < st.open_step:
+        raise _Impossible("step", f"commit for step {ev.step}, older than the open step {st.open_step}")
+
+
+def _seal_bounds(st: LedgerState, ev) -> None:
+    if ev.step != st.open_step:
+        raise _Impossible("step", f"seal of step {ev.step}, the open step is {st.open_step}")
+    _pages_in_range(st, ev, "clear_list")
+
+
+def _completed_bounds(st: LedgerState, ev) -> None:
+    if ev.step >= st.open_step:
+        raise _Impossible("step", f"completion of step {ev.step}, never sealed (the open step is {st.open_step})")
+
+
+def _aborted_bounds(st: LedgerState, ev) -> None:
+    if not any(plan.step == ev.step for plan in st.in_flight):
+        raise _Impossible("step", f"abort of step {ev.step}, not in flight (the open step is {st.open_step})")
+
+
+def _violation_bounds(st: LedgerState, ev) -> None:
+    if ev.step >= st.open_step or not 0 <= ev.page_id < st.num_pages:
+        raise _Impossible("step" if ev.step >= st.open_step else "page_id",
+                          f"violation at step {ev.step}, page {ev.page_id} (open step {st.open_step}, "
+                          f"{st.num_pages} pages)")
+
+
+# What a trusted fold still checks of every event before it applies it: page ids against the
+# geometry, step numbers against the open step and the steps in flight. O(ids) and a few compares:
+# the bounds a CRC-valid but forged or buggy record could break to reach a state no validated
+# history reaches (a negative page id indexing the page table from its end, a completion of a step
+# never sealed that would let its pages be published before their clear ran).
+_BOUNDS: dict[type, Callable] = {
+    PagesReserved: _pages_in_range, ReservationReturned: _pages_in_range, PagesCommitted: _commit_bounds,
+    SnapshotAliased: _pages_in_range, RestoreStarted: _pages_in_range, RestoreCompleted: _pages_in_range,
+    StepSealed: _seal_bounds, StepCompleted: _completed_bounds, StepAborted: _aborted_bounds,
+    SanitizerViolation: _violation_bounds, PagesPublished: _pages_in_range, PagesShared: _pages_in_range,
+    PagesEvicted: _pages_in_range,
+}
+
+
+def bounds_problem(st: LedgerState, ev) -> str | None:
+    """What a trusted fold would refuse about ``ev`` in ``st`` before applying it (``_BOUNDS``):
+    ``"field: detail"``, or None. For folds of their own (``audit --page``'s projection)."""
+    check = _BOUNDS.get(type(ev))
+    if check is None:
+        return "type: CacheConfigured after seq 0" if type(ev) is CacheConfigured and st.geometry is not None else None
+    try:
+        check(st, ev)
+    except _Impossible as exc:
+        return f"{exc.field}: {exc.detail}"
+    return None
+
+
+def _fold_trusted(st: LedgerState, events: list, rec: RecordInfo, path: str, on_event=None) -> None:
+    """Apply each event without its precondition (a verified log of this library's own writing),
+    after its bounds (``_BOUNDS``); a sealed step's recorded clear list must be the derived one.
+
+    Refuses a ``CacheConfigured`` after seq 0 (it would allocate a page table); an event out of
+    bounds, a recorded plan that differs, and anything an applier raises on an event that would
+    not have validated are corruption at its seq, naming the field.
     """
-    table = st.transitions
+    table, bounds = st.transitions, _BOUNDS
     i = 0
     try:
         for i, ev in enumerate(events):  # noqa: B007
             t = type(ev)
-            if t is CacheConfigured and rec.seq + i:
-                raise CorruptLogError(path, rec.offset, rec.seq + i, "CacheConfigured after seq 0")
-            table[t].apply(st, ev)
+            check = bounds.get(t)
+            if check is not None:
+                check(st, ev)
+            elif t is CacheConfigured and rec.seq + i:
+                raise _Impossible("type", "CacheConfigured after seq 0")
+            effects = table[t].apply(st, ev)
+            if t is StepSealed and effects[0].clear_list != tuple(ev.clear_list):
+                raise _Impossible("clear_list", f"recorded clear list {list(ev.clear_list)[:16]}, the fold derives "
+                                  f"{list(effects[0].clear_list)[:16]}")
             if on_event is not None:
                 on_event(rec.seq + i, ev)
-    except CorruptLogError:
-        raise
+    except _Impossible as exc:
+        seq = rec.seq + i
+        raise CorruptLogError(path, rec.offset, seq, f"{type(events[i]).__name__} at seq {seq}: {exc.field}: "
+                              f"{exc.detail} (trusted fold)") from None
     except (KVLedgerError, LookupError, ValueError, TypeError, AttributeError) as exc:
         seq = rec.seq + i
         raise CorruptLogError(path, rec.offset, seq, f"{type(events[i]).__name__} at seq {seq} cannot be "

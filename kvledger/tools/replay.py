@@ -6,8 +6,9 @@
       ─► checked (the default), for each event:
              validate (a StepSealed's recorded clear list must equal the one the fold derives,
              else ReplayMismatchError) ─► apply ─► at sealed steps: every invariant
-         trusted (--trusted), for each event: apply without re-validating it (the records'
-             CRCs and hash chain verified: a log of this library's own writing)
+         trusted (--trusted), for each event: its bounds (page ids in the geometry, step numbers
+             against the open step and the steps in flight), apply without its precondition, and a
+             StepSealed's recorded clear list must equal the derived one
       ─► at checkpoint records: the recorded state digest must equal the replayed one
          (checked: every checkpoint; trusted: checkpoints at least 16 x num_pages events apart,
          each with every invariant, and the checkpoint at the end)
@@ -28,9 +29,20 @@ here, as much as folding an event). ``--invariants steps`` runs them at every
 sealed step (trusted: every checkpoint); ``auto`` (the default) at the first
 sealed step (trusted: checkpoint) after every 16 x num_pages events and at the
 end; ``end``; ``none``. A checked replay validates every event and compares
-every recorded plan, whatever the choice. A trusted replay of a log the fold
-would reject reports it as corruption (or as a digest mismatch at the next
-checkpoint it compares): replay it checked to find the event.
+every recorded plan, whatever the choice.
+
+What ``--trusted`` skips, exactly: each event's precondition against the
+state (that a reserved page is free, a committed page reserved by that
+request, a released snapshot live, ...), and with it the invariant checks
+between checkpoints. It still verifies every record's CRC and hash chain,
+refuses any event whose page ids fall outside the geometry or whose step
+number does not fit the open step and the steps in flight (``StepOrder`` /
+``PageOutOfRange``: an impossible state), compares every sealed step's
+recorded clear list, and at checkpoints ``16 x num_pages`` events apart (and
+the last) compares the state digest and checks every invariant. A forged
+event that breaks only a precondition and leaves a state those checks accept
+is not found: replay without ``--trusted`` (``open_ledger`` validates the
+events it folds on reopen for the same reason).
 
 Exit status: 0 the log replays (a torn tail is reported, not replayed: that is
 what a crash leaves, and ``open_ledger`` truncates it); 1 a replay mismatch, a
