@@ -212,38 +212,63 @@ def bounds_problem(st: LedgerState, ev) -> str | None:
     return None
 
 
-def _fold_trusted(st: LedgerState, events: list, rec: RecordInfo, path: str, on_event=None) -> None:
+_PAGES_ONLY = frozenset(t for t, check in _BOUNDS.items() if check is _pages_in_range)
+
+
+class _TrustedFold:
     """Apply each event without its precondition (a verified log of this library's own writing),
-    after its bounds (``_BOUNDS``); a sealed step's recorded clear list must be the derived one.
+    after its bounds (``_BOUNDS``; the two commonest, page ids alone and a commit's, inlined); a
+    sealed step's recorded clear list must be the derived one.
 
     Refuses a ``CacheConfigured`` after seq 0 (it would allocate a page table); an event out of
     bounds, a recorded plan that differs, and anything an applier raises on an event that would
     not have validated are corruption at its seq, naming the field.
     """
-    table, bounds = st.transitions, _BOUNDS
-    i = 0
-    try:
-        for i, ev in enumerate(events):  # noqa: B007
-            t = type(ev)
-            check = bounds.get(t)
-            if check is not None:
-                check(st, ev)
-            elif t is CacheConfigured and rec.seq + i:
-                raise _Impossible("type", "CacheConfigured after seq 0")
-            effects = table[t].apply(st, ev)
-            if t is StepSealed and effects[0].clear_list != tuple(ev.clear_list):
-                raise _Impossible("clear_list", f"recorded clear list {list(ev.clear_list)[:16]}, the fold derives "
-                                  f"{list(effects[0].clear_list)[:16]}")
-            if on_event is not None:
-                on_event(rec.seq + i, ev)
-    except _Impossible as exc:
-        seq = rec.seq + i
-        raise CorruptLogError(path, rec.offset, seq, f"{type(events[i]).__name__} at seq {seq}: {exc.field}: "
-                              f"{exc.detail} (trusted fold)") from None
-    except (KVLedgerError, LookupError, ValueError, TypeError, AttributeError) as exc:
-        seq = rec.seq + i
-        raise CorruptLogError(path, rec.offset, seq, f"{type(events[i]).__name__} at seq {seq} cannot be "
-                              f"applied (trusted fold): {type(exc).__name__}: {exc}") from exc
+
+    def __init__(self, st: LedgerState, on_event=None, on_events=None) -> None:
+        self.st, self.on_event, self.on_events = st, on_event, on_events
+        self.applies = {t: row.apply for t, row in st.transitions.items()}
+
+    def __call__(self, events: list, rec: RecordInfo, path: str) -> None:
+        st, applies, bounds, on_event = self.st, self.applies, _BOUNDS, self.on_event
+        pages_only, commit, seal = _PAGES_ONLY, PagesCommitted, StepSealed
+        n = st.num_pages
+        listed = i = 0
+        try:
+            for i, ev in enumerate(events):  # noqa: B007
+                t = type(ev)
+                if t in pages_only or t is commit:
+                    ids = ev.page_ids
+                    if ids and (min(ids) < 0 or max(ids) >= n) or t is commit and ev.step < st.open_step:
+                        bounds[t](st, ev)  # (raises, naming the field)
+                else:
+                    check = bounds.get(t)
+                    if check is not None:
+                        check(st, ev)
+                    elif t is CacheConfigured and rec.seq + i:
+                        raise _Impossible("type", "CacheConfigured after seq 0")
+                effects = applies[t](st, ev)
+                if effects:
+                    if t is seal:
+                        if effects[0].clear_list != tuple(ev.clear_list):
+                            raise _Impossible("clear_list", f"recorded clear list {list(ev.clear_list)[:16]}, the "
+                                              f"fold derives {list(effects[0].clear_list)[:16]}")
+                    elif t is commit:
+                        listed += 1
+                if t is CacheConfigured:
+                    n = st.num_pages
+                if on_event is not None:
+                    on_event(rec.seq + i, ev)
+        except _Impossible as exc:
+            seq = rec.seq + i
+            raise CorruptLogError(path, rec.offset, seq, f"{type(events[i]).__name__} at seq {seq}: {exc.field}: "
+                                  f"{exc.detail} (trusted fold)") from None
+        except (KVLedgerError, LookupError, ValueError, TypeError, AttributeError) as exc:
+            seq = rec.seq + i
+            raise CorruptLogError(path, rec.offset, seq, f"{type(events[i]).__name__} at seq {seq} cannot be "
+                                  f"applied (trusted fold): {type(exc).__name__}: {exc}") from exc
+        if self.on_events is not None:
+            self.on_events(rec, events, listed)
 
 
 class _Verifier:
@@ -270,7 +295,7 @@ class _Verifier:
 
 
 def _fold_events(view: LogView, st: LedgerState, rec: RecordInfo, until: int | None, apply: Apply | None,
-                 trusted: bool, on_event) -> int:
+                 trusted: _TrustedFold | None) -> int:
     """Decode one events record (up to seq ``until``) and fold it the chosen way; returns its event count."""
     events = view.events(rec)
     if until is not None and rec.seq + len(events) - 1 > until:
@@ -281,8 +306,8 @@ def _fold_events(view: LogView, st: LedgerState, rec: RecordInfo, until: int | N
     if apply is not None:
         for seq, ev in enumerate(events, rec.seq):
             apply(seq, ev)
-    elif trusted:
-        _fold_trusted(st, events, rec, path, on_event)
+    elif trusted is not None:
+        trusted(events, rec, path)
     else:
         _fold_checked(st, events, rec, path)
     return len(events)
@@ -300,6 +325,7 @@ def fold_records(
     trusted: bool = False,
     verify_gap: int | None = None,
     on_event: Callable[[int, object], object] | None = None,
+    on_events: Callable[[RecordInfo, list, int], object] | None = None,
 ) -> int:
     """Fold the records from index ``start`` into ``st``, up to the event with seq ``until``.
 
@@ -312,26 +338,30 @@ def fold_records(
     checkpoints at least ``verify_gap`` events apart (default 16 x num_pages)
     the state digest is compared with the recorded one and every invariant is
     checked; ``on_event(seq, event)`` sees each event right after it was
-    applied (a tool watching a trusted fold). Returns the number of events folded. Raises ``CorruptLogError``
+    applied (a tool watching a trusted fold), ``on_events(record, events,
+    listed)`` each record's events after they were (``listed``: the commits
+    among them that listed pages for a clear; a tool that only counts pays
+    nothing per event). Returns the number of events folded. Raises ``CorruptLogError``
     for a payload that does not decode, a first event that does not match the
     header, or (trusted) a digest mismatch, a broken invariant or an event that
     cannot be applied.
     """
     recs = view.records
     folded = 0
-    verify = None
+    verify = fold = None
     if trusted:
         if apply is not None:
             raise InvalidArgumentError("fold_records: trusted folds apply events themselves (watch them with "
                                        "on_event=, not apply=)")
         verify = _Verifier(st, 16 * view.header.geometry.num_pages if verify_gap is None else verify_gap)
+        fold = _TrustedFold(st, on_event, on_events)
     for idx in range(start, len(recs)):
         rec = recs[idx]
         if until is not None and rec.seq > until:
             break
         kind = rec.kind
         if kind == KIND_EVENTS:
-            folded += _fold_events(view, st, rec, until, apply, trusted, on_event)
+            folded += _fold_events(view, st, rec, until, apply, fold)
         elif kind == KIND_CHECKPOINT and (on_checkpoint is not None or verify is not None):
             cp = view.checkpoint(rec)
             if verify is not None:

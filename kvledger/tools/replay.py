@@ -16,7 +16,7 @@
 
 The loop is the library's own (``kvledger.core.log.fold``: ``start_state`` then
 ``fold_records``); replay hands it its hooks: ``apply`` (checked: count, fold,
-check invariants at sealed steps) or ``on_event`` (trusted: count),
+check invariants at sealed steps) or ``on_events`` (trusted: count a record's events),
 ``on_checkpoint`` (compare digests) and ``on_record`` (progress). Both modes
 count the same things (``replay_report.Tally``) and reach the same digest.
 
@@ -57,6 +57,7 @@ file; 3 a corrupt log (the first bad record's file, offset and seq are printed).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 
 from kvledger.core.errors import (
@@ -70,10 +71,6 @@ from kvledger.core.events.events import (
     PagesEvicted,
     PagesPublished,
     PagesShared,
-    RequestCancelled,
-    RequestFinished,
-    ReservationReturned,
-    StepAborted,
     StepSealed,
 )
 from kvledger.core.log import LogView, open_view
@@ -101,10 +98,6 @@ __all__ = ["EXIT_CORRUPT", "EXIT_MISMATCH", "EXIT_OK", "EXIT_USAGE", "INVARIANT_
            "exit_code", "record_of", "render", "replay_log"]
 
 NEVER = 1 << 62
-# events after which the trusted hook re-reads how many pages are listed (the others leave it alone)
-_PENDING_CHANGES = frozenset({StepSealed, StepAborted, ReservationReturned, RequestCancelled, RequestFinished,
-                              PagesEvicted})
-
 
 def replay_log(path, *, until: int | None = None, from_checkpoint: bool = False, invariants: str = "auto",
                trusted: bool = False, progress: Callable[[int, int], None] | None = None,
@@ -163,6 +156,7 @@ class _Replay:
         self.last_check = 0  # seq of the last invariant check (trusted: of the last checkpoint compared)
         self.last_cp: tuple[RecordInfo, Checkpoint] | None = None  # trusted: the last one not compared
         self.failed_at: tuple[int, int | None, str | None] | None = None  # (seq, offset, file) a hook found
+        self.digested: tuple[int, str] = (-1, "")  # (seq, digest) of the last digest computed: O(num_pages) each
 
     def run(self, until: int | None, from_checkpoint: bool) -> None:
         """Start, fold, finish; the first problem lands in ``s.error``, the counts in the summary."""
@@ -177,7 +171,7 @@ class _Replay:
         self.last_check = st.seq
         hooks: dict = {"on_checkpoint": self._on_checkpoint, "on_record": self._progress_hook()}
         if self.trusted:
-            hooks.update(trusted=True, verify_gap=NEVER, on_event=self._event_hook())
+            hooks.update(trusted=True, verify_gap=NEVER, on_events=self._events_hook())
         else:
             hooks["apply"] = self._apply_hook()
         try:
@@ -187,7 +181,7 @@ class _Replay:
             s.error = self._locate(exc)
         finally:
             tally.into(s, st)
-            s.digest = st.digest() if st.geometry is not None else ""
+            s.digest = self.digest_of(st) if st.geometry is not None else ""
 
     def _start(self, until: int | None, from_checkpoint: bool) -> int:
         """Index of the first record to fold; a checkpoint start replaces ``self.st``."""
@@ -236,32 +230,28 @@ class _Replay:
 
         return apply
 
-    def _event_hook(self) -> Callable[[int, object], None]:
-        """Trusted: ``on_event(seq, event)`` after each applied event counts it. A commit listed
-        pages iff it added pages to ``st.pending`` (nothing else adds to it in a commit)."""
-        st, tally = self.st, self.tally
+    def _events_hook(self) -> Callable[[RecordInfo, list, int], None]:
+        """Trusted: ``on_events(record, events, listed)`` after each record counts its events in bulk
+        (``listed``: the commits that listed pages, which the fold saw in their effects)."""
+        tally = self.tally
         counts = tally.counts
-        listed = [len(st.pending)]  # pages listed after the last event that changed them
+        extra = (PagesCommitted, StepSealed, PagesEvicted, PagesPublished, PagesShared)
 
-        def on_event(seq: int, ev) -> None:
-            t = type(ev)
-            counts[t] += 1
-            if t is PagesCommitted:
-                tally.pages_committed += len(ev.page_ids)
-                n = len(st.pending)
-                if n > listed[0]:
-                    tally.commits_listing += 1
-                listed[0] = n
-            elif t in _PENDING_CHANGES:
-                listed[0] = len(st.pending)
-                if t is StepSealed:
-                    self._sealed(seq, ev)
-                elif t is PagesEvicted:
-                    tally.pages_evicted += len(ev.page_ids)
-            elif t is PagesPublished or t is PagesShared:
-                _count_pages(tally, t, ev)
+        def on_events(rec: RecordInfo, events: list, listed: int) -> None:
+            for t, k in Counter(map(type, events)).items():
+                counts[t] += k
+            tally.commits_listing += listed
+            for seq, ev in enumerate(events, rec.seq):
+                t = type(ev)
+                if t in extra:
+                    if t is PagesCommitted:
+                        tally.pages_committed += len(ev.page_ids)
+                    elif t is StepSealed:
+                        self._sealed(seq, ev)
+                    else:
+                        _count_pages(tally, t, ev)
 
-        return on_event
+        return on_events
 
     def _sealed(self, seq: int, ev: StepSealed) -> None:
         """Count the plan; checked: every invariant at the first sealed step ``gap`` events after the last check."""
@@ -292,11 +282,17 @@ class _Replay:
                 self.last_cp = (rec, cp)  # compared at the end if it is the last one
                 return
             self.last_cp = None
-            self._compare(rec, cp, st.digest())
+            self._compare(rec, cp, self.digest_of(st))
             self._invariants((rec.seq, rec.offset, self.view.paths[rec.segment]))
             self.last_check = st.seq
         else:
-            self._compare(rec, cp, st.digest())
+            self._compare(rec, cp, self.digest_of(st))
+
+    def digest_of(self, st: LedgerState) -> str:
+        """``st.digest()``, computed once per seq (the end's checkpoint and the summary share it)."""
+        if self.digested[0] != st.seq:
+            self.digested = (st.seq, st.digest())
+        return self.digested[1]
 
     def _compare(self, rec: RecordInfo, cp: Checkpoint, digest: str) -> None:
         if digest != cp.digest:
@@ -314,7 +310,7 @@ class _Replay:
             self._invariants((st.seq, self.view.scan.end, self.view.paths[-1]))
         if self.last_cp is not None and self.last_cp[0].seq == st.seq:
             rec, cp = self.last_cp
-            self._compare(rec, cp, st.digest())
+            self._compare(rec, cp, self.digest_of(st))
 
     def _locate(self, exc: KVLedgerError) -> ReplayError:
         """The summary's error: where a hook found it, else the events record holding the seq the fold reached."""
