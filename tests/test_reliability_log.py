@@ -43,6 +43,7 @@ from kvledger.durable import open_ledger
 from kvledger.core.log.fold import rebuild_state, state_from_checkpoint
 from kvledger.tools.replay import replay_log
 
+from support.crashes import R5_HEAVY, R5_QUICK, r5_seeds
 from test_log_workload import GEOMETRY, drive, make_events
 
 HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
@@ -323,8 +324,8 @@ def test_r4_sigkill_crash_sweep(tmp_path):
     """Children append with the default (writer-thread) and the inline policy and are SIGKILLed at
     random instants; the page cache is then dropped past the last sync each child reported, so a
     missing or late fsync loses acknowledged events. Mutants killed: ``os.fdatasync`` made a no-op in
-    ``files._OsHandle.sync`` (acks with no covering sync, lost events); the fsync moved after the
-    acknowledgement in ``syncer.Syncer._round`` (acks ahead of every reported sync)."""
+    ``files._OsHandle.sync`` (acks with no covering sync, lost events); durability published before the
+    fsync in ``durability.Durability._round`` (acks ahead of every reported sync)."""
     if not hasattr(os, "fork"):
         pytest.skip("needs fork")
     kills = 200 * SCALE
@@ -373,80 +374,19 @@ def test_r4_sigkill_crash_sweep(tmp_path):
 # ---------------------------------------------------------------------- R5
 
 
-class _PowerCut(Exception):
-    """The power goes out during an fsync: written, not yet synced."""
-
-    def __init__(self, op: str = "", n: int = 0) -> None:
-        super().__init__(op, n)
-
-
 @pytest.mark.parametrize("layout", ["file", "segments"])
 def test_r5_simulated_power_loss(layout):
     """Mutant killed: the torn tail not truncated on open (``handle.truncate(res.end)`` skipped in
-    ``opening._repair``: appends land after garbage, and the next crash-and-reopen refuses the log).
+    ``opening._continue``: appends land after garbage, and the next crash-and-reopen refuses the log).
     With ``segments``, logs of 4 KiB segments rotate every few steps and the power goes out around
-    rotations too."""
-    seeds = 1000 * SCALE
-    seg = {"segment_bytes": 4096} if layout == "segments" else {}
-    violations = crashes = truncations = failed_opens = mid_sync = 0
-    for seed in range(seeds):
-        rng = random.Random(seed)
-        fsync = "background" if seed % 2 else "per_step"
-        disk = SimulatedDisk(sector=rng.choice([64, 512, 4096]))
-        acked = None  # (durable_seq, digest) of the last acknowledged step
-        every = rng.choice([None, 17, 50])
-        for round_ in range(rng.randint(1, 3) + 1):
-            layer = disk
-            if round_ and rng.random() < 0.1:
-                layer = FaultInjector(disk, fail_sync=1)  # open's own fsync fails: crash right after repair
-            try:
-                led = open_ledger("r5", GEOMETRY, layer=layer, checkpoint_every=every, logger=QUIET, **seg)
-            except LogIOError:
-                failed_opens += 1
-                disk.crash(rng)
-                continue
-            truncations += led.recovery.truncated_at is not None
-            if acked is not None:
-                with open_view("r5", layer=disk) as v:
-                    events = [ev for _, ev, _ in v.iter_events(until=acked[0])]
-                if led.seq < acked[0] + 1 or replay(events).digest() != acked[1]:
-                    violations += 1
-            led.log.abandon()
-            # append until the power goes out in the middle of a random fsync
-            cut = FaultInjector(disk, fail_sync=rng.randint(1, 12), error=_PowerCut)
-            digests: dict[int, str] = {}
-
-            def on_seal(led, plan, digests=digests):
-                nonlocal acked
-                digests[led.seq - 1] = led.digest()
-                d = led.durable_seq
-                if d in digests:  # (the writer thread acknowledges a seal some time after it)
-                    acked = (d, digests[d])
-
-            try:
-                led = open_ledger("r5", GEOMETRY, layer=cut, checkpoint_every=every, fsync=fsync, logger=QUIET,
-                                  **seg)
-                drive(led, f"r5-{seed}-{round_}", 30, on_seal=on_seal)
-                if fsync == "background":
-                    led.flush()
-            except (_PowerCut, LogIOError):  # (the writer thread reports the cut as a failure)
-                mid_sync += 1
-            led.log.abandon()  # no close and no more writes; its writer thread (background) ends
-            disk.crash(rng)  # unsynced writes keep or lose any subset of their sectors
-            crashes += 1
-        led = open_ledger("r5", GEOMETRY, layer=disk, logger=QUIET, **seg)
-        truncations += led.recovery.truncated_at is not None
-        if acked is not None:
-            with open_view("r5", layer=disk) as v:
-                events = [ev for _, ev, _ in v.iter_events(until=acked[0])]
-            if led.seq < acked[0] + 1 or replay(events).digest() != acked[1]:
-                violations += 1
-        led.close()
-    print(f"R5 simulated power loss ({layout}): seeds {seeds}, crashes {crashes} ({mid_sync} in the middle of "
-          f"an fsync), "
-          f"opens that truncated a torn tail {truncations}, opens failed by an injected fsync error "
-          f"{failed_opens}; violations {violations}")
-    assert violations == 0 and crashes >= seeds and truncations > seeds // 4
+    rotations too. The seeds run in ``support.crashes.r5_seeds``; the heavy profile's 100,000 seeds per
+    layout shard across processes (``python tests/support/crashes.py r5 --help``)."""
+    seeds = (R5_HEAVY if HEAVY else R5_QUICK)
+    c = r5_seeds(layout, range(seeds))
+    print(f"R5 simulated power loss ({layout}): seeds {c.seeds}, crashes {c.crashes} ({c.mid_sync} in the middle "
+          f"of an fsync), opens that truncated a torn tail {c.truncations}, opens failed by an injected fsync "
+          f"error {c.failed_opens}; violations {c.violations}")
+    assert c.violations == 0 and c.crashes >= seeds and c.truncations > seeds // 4
 
 
 # ---------------------------------------------------------------------- R6
@@ -488,7 +428,7 @@ def _r6_run(disk, faults, *, background: bool, steps: int, seg: dict):
 def test_r6_io_error_injection(background, layout):
     """Fail the n-th write (whole or half written), fsync or stamp for every n; then the power goes out
     and every unsynced byte is lost (``SimulatedDisk.crash(keep=0.0)``), so a log that acknowledged more
-    than the disk holds is caught. Mutant killed: a failed fsync swallowed in ``writer.EventLog._hand_off``
+    than the disk holds is caught. Mutant killed: a failed fsync swallowed in ``durability.Durability._round``
     (``self._fail("fsync", exc)`` replaced by ``pass``): wrong acks."""
     steps = 25
     seg = {"segment_bytes": 4096} if layout == "segments" else {}

@@ -68,9 +68,9 @@ class _Watch:
 
 def test_r19_a_commit_is_one_write_then_one_fdatasync_then_the_ack(tmp_path, monkeypatch):
     """Mutants killed: ``os.fdatasync`` in ``files._OsHandle.sync`` made a no-op (no fdatasync is
-    counted, and the crash image lacks acknowledged events); ``self._durable_seq = ...`` moved before
-    ``self._handle.sync()`` in ``writer.EventLog._hand_off`` (durability reported before the fsync:
-    caught inside the fdatasync)."""
+    counted, and the crash image lacks acknowledged events); ``self._publish(last_seq)`` moved before
+    ``live.sync()`` in ``durability.Durability._round`` (durability reported before the fsync: caught
+    inside the fdatasync)."""
     path = str(tmp_path / "c.kvlog")
     rec = SyscallRecorder(monkeypatch)
     watch = _Watch(rec, path)
@@ -97,9 +97,8 @@ def test_r19_a_commit_is_one_write_then_one_fdatasync_then_the_ack(tmp_path, mon
 
 @pytest.mark.parametrize("fsync", ["background", "per_event"])
 def test_r19_acknowledged_events_survive_every_crash_image(tmp_path, monkeypatch, fsync):
-    """Mutants killed: as above, and (background) ``handle.sync()`` moved after the publishing block
-    in ``syncer.Syncer._round`` (the fsync after the acknowledgement: ``durable_seq`` already covers
-    events the disk does not hold when the fdatasync starts)."""
+    """Mutants killed: as above, in the writer thread's rounds too (background: the publish before the
+    fsync means ``durable_seq`` already covers events the disk does not hold when the fdatasync starts)."""
     path = str(tmp_path / "a.kvlog")
     rec = SyscallRecorder(monkeypatch)
     watch = _Watch(rec, path)
@@ -126,7 +125,7 @@ def test_r19_acknowledged_events_survive_every_crash_image(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("fsync", ["per_step", "background"])
 def test_r19_a_failed_fdatasync_surfaces_and_acknowledges_nothing_after_it(tmp_path, monkeypatch, fsync):
-    """Mutant killed: a failed fdatasync swallowed in ``_hand_off`` / ``Syncer._round`` (the log acknowledges
+    """Mutant killed: a failed fdatasync swallowed in ``durability.Durability._round`` (the log acknowledges
     events that the crash image does not hold)."""
     results = []
     for n in range(1, 7):

@@ -24,7 +24,8 @@ what was handed off and not yet done (estimated bytes: payloads exactly,
 events at the average size written so far); the appender blocks while it
 passes its bound (back-pressure), and since every hand-off is done by the
 thread whatever the policy, that wait always ends. The thread holds no
-reference to the ``EventLog``: a log dropped without ``close()`` is collected,
+reference to the ``EventLog`` (and starts with the first hand-off): a log dropped
+without ``close()`` is collected,
 and its finalizer (``EventLog``) calls ``abandon`` here, which gives back the
 thread, the file and the lock.
 """
@@ -216,8 +217,7 @@ class Background(Durability):
         self._q: queue.SimpleQueue = queue.SimpleQueue()  # (items, last seq, sync, stamp, estimate) or None: stop
         self.handed = self.done = 0  # hand-offs queued, and finished (written, synced as asked)
         self.released = False
-        self._thread = threading.Thread(target=self._run, name="kvledger-log-fsync", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None  # started by the first hand-off
 
     def hand_off(self, items: list, last_seq: int, sync: bool, stamp: bool = False, estimate: float = 0.0) -> None:
         """Queue the round; returns at once (a failure surfaces through ``failure``)."""
@@ -225,13 +225,19 @@ class Background(Durability):
             self.lag += estimate
             self.handed += 1
         self._q.put((items, last_seq, sync, stamp, estimate))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvledger-log-fsync", daemon=True)
+            self._thread.start()
+
+    def _alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def wait(self, ready: Callable[[], bool], timeout: float | None) -> bool:
         """Block until ``ready()`` (True), or ``timeout`` passes, the log failed or the thread ended (False)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.cond:
             while not ready():
-                if self.failure is not None or not self._thread.is_alive():
+                if self.failure is not None or not self._alive():
                     return False
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -249,10 +255,11 @@ class Background(Durability):
 
     def stop(self) -> None:
         """Finish what was queued, then end the thread (returns when it has)."""
-        if self._thread.is_alive():
+        thread = self._thread
+        if thread is not None and thread.is_alive():
             self._q.put(None)
-            if threading.current_thread() is not self._thread:
-                self._thread.join()
+            if threading.current_thread() is not thread:
+                thread.join()
 
     def abandon(self) -> None:
         """Finish what was queued, end the thread, give back the file and the lock (a finalizer may
