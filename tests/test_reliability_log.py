@@ -19,9 +19,7 @@ import json
 import logging
 import os
 import random
-import select
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -43,7 +41,7 @@ from kvledger.durable import open_ledger
 from kvledger.core.log.fold import rebuild_state, state_from_checkpoint
 from kvledger.tools.replay import replay_log
 
-from support.crashes import R5_HEAVY, R5_QUICK, r5_seeds
+from support.crashes import R4_HEAVY, R4_QUICK, R5_HEAVY, R5_QUICK, r4_kills, r5_seeds
 from test_log_workload import GEOMETRY, drive, make_events
 
 HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
@@ -227,148 +225,25 @@ def test_r3_bit_flips_in_non_final_records(tmp_path):
 # ---------------------------------------------------------------------- R4
 
 
-_MSG = struct.Struct("<qqq32s")  # (kind, a, b, digest): ack (durable_seq, seq, digest at seq) | sync (inode, size)
-_ACK, _SYNC, _OPENED = 0, 1, 2
-
-
-def _child(path: str, seed: str, wfd: int, fsync: str) -> None:
-    """Append until killed. Every completed file sync is reported (inode, size) right after the real
-    call returns, every acknowledgement (durable_seq) at each seal: the pipe holds them in true order."""
-    real = {name: getattr(os, name) for name in ("fsync", "fdatasync")}
-
-    def hook(name):
-        def synced(fd):
-            real[name](fd)
-            st = os.fstat(fd)
-            os.write(wfd, _MSG.pack(_SYNC, st.st_ino, st.st_size, bytes(32)))
-        return synced
-
-    os.fsync, os.fdatasync = hook("fsync"), hook("fdatasync")
-    led = open_ledger(path, GEOMETRY, checkpoint_every=150, fsync=fsync, logger=QUIET)
-    os.write(wfd, _MSG.pack(_OPENED, 0, 0, bytes(32)))
-
-    def on_seal(led, plan):
-        os.write(wfd, _MSG.pack(_ACK, led.durable_seq, led.seq, bytes.fromhex(led.digest())))
-
-    drive(led, seed, 1 << 30, ranks=1, on_seal=on_seal)
-
-
-def _kill_child(path: str, k: int, fsync: str, rng: random.Random) -> list[tuple]:
-    """Fork a child appending to ``path``, SIGKILL it at a random instant; its messages in order."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            _child(path, f"r4-{k}", w, fsync)
-        finally:
-            os._exit(0)
-    os.close(w)
-    chunks: list[bytes] = []
-    if rng.random() < 0.8:  # mostly while appending: after the first acknowledgements, at a random instant
-        deadline = time.monotonic() + 10
-        while sum(map(len, chunks)) < 20 * _MSG.size and time.monotonic() < deadline:
-            if select.select([r], [], [], 0.5)[0]:
-                b = os.read(r, 1 << 16)
-                if not b:
-                    break
-                chunks.append(b)
-        time.sleep(rng.uniform(0.0, 0.02))
-    else:
-        time.sleep(rng.uniform(0.0, 0.01))  # during start-up, open and recovery
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    while True:
-        b = os.read(r, 1 << 16)
-        if not b:
-            break
-        chunks.append(b)
-    os.close(r)
-    raw = b"".join(chunks)
-    return [_MSG.unpack_from(raw, i) for i in range(0, len(raw) - len(raw) % _MSG.size, _MSG.size)]
-
-
-def _power_cut(path: str, msgs: list, rng: random.Random) -> tuple[int, bool]:
-    """Drop what the page cache held: cut the file to its last reported sync (plus, half the time, a
-    random part of the unsynced rest). Returns (synced size, whether a sync of this file was seen)."""
-    ino = os.stat(path).st_ino
-    sizes = [m[2] for m in msgs if m[0] == _SYNC and m[1] == ino]
-    with open(path, "rb") as f:
-        data = f.read()
-    if not sizes:
-        return len(data), False
-    synced = sizes[-1]
-    keep = synced if rng.random() < 0.5 else rng.randint(synced, len(data))
-    with open(path, "r+b") as f:
-        f.truncate(keep)
-    return synced, True
-
-
-def _acks_ahead_of_the_disk(msgs: list, ino: int, ends: list[tuple[int, int]]) -> int:
-    """Acknowledgements whose event was not covered by a completed sync reported before them."""
-    import bisect
-
-    synced = 0
-    ahead = 0
-    last_seqs = [s for s, _ in ends]
-    for kind, a, b, _ in msgs:
-        if kind == _SYNC and a == ino:
-            synced = max(synced, b)
-        elif kind == _ACK and a >= 0:
-            i = bisect.bisect_left(last_seqs, a)  # the record holding event a
-            ahead += i >= len(ends) or ends[i][1] > synced
-    return ahead
-
-
-def test_r4_sigkill_crash_sweep(tmp_path):
+@pytest.mark.parametrize("layout", ["file", "segments"])
+def test_r4_sigkill_crash_sweep(tmp_path, layout):
     """Children append with the default (writer-thread) and the inline policy and are SIGKILLed at
-    random instants; the page cache is then dropped past the last sync each child reported, so a
-    missing or late fsync loses acknowledged events. Mutants killed: ``os.fdatasync`` made a no-op in
-    ``files._OsHandle.sync`` (acks with no covering sync, lost events); durability published before the
-    fsync in ``durability.Durability._round`` (acks ahead of every reported sync)."""
+    random instants; the page cache is then dropped past the last sync each child reported (per file:
+    each segment of a directory), so a missing or late fsync loses acknowledged events. Mutants killed:
+    ``os.fdatasync`` made a no-op in ``files._OsHandle.sync`` (acks with no covering sync, lost
+    events); durability published before the fsync in ``durability.Durability._round`` (acks ahead of
+    every reported sync). The kills run in ``support.crashes.r4_kills``, shardable like R5."""
     if not hasattr(os, "fork"):
         pytest.skip("needs fork")
-    kills = 200 * SCALE
-    rng = random.Random(4)
-    lost = checked = mid_open = ahead = no_sync = 0
-    acked_events = 0
+    kills = (R4_HEAVY if HEAVY else R4_QUICK) // 2
     t0 = time.perf_counter()
-    path = ""
-    for k in range(kills):
-        if k % 5 == 0:
-            path = str(tmp_path / f"r4-{k}.kvlog")
-        fsync = "background" if k % 2 == 0 else "per_step"
-        msgs = _kill_child(path, k, fsync, rng)
-        acks = [m for m in msgs if m[0] == _ACK and m[1] >= 0]
-        if not os.path.exists(path):
-            assert not acks
-            continue
-        with open_view(path) as v:  # the whole file, before the power cut: where each record ends
-            ends = [(rec.seq + rec.count - 1, rec.end) for rec in v.records if rec.kind == KIND_EVENTS]
-        ahead += _acks_ahead_of_the_disk(msgs, os.stat(path).st_ino, ends)
-        _, seen = _power_cut(path, msgs, rng)
-        no_sync += not seen
-        if os.path.exists(f"{path}.sync") and not seen:
-            os.unlink(f"{path}.sync")
-        with open_view(path) as v:
-            assert v.scan.error is None, v.scan.error  # a crash never looks like corruption
-            if not acks:
-                mid_open += 1
-                continue
-            durable_seq = max(a[1] for a in acks)
-            events = [ev for seq, ev, _ in v.iter_events(until=durable_seq)]
-        checked += 1
-        acked_events += durable_seq + 1
-        full = [a for a in acks if a[1] == a[2] - 1]  # inline acks: the digest at durable_seq is known
-        lost += len(events) != durable_seq + 1
-        if full and len(events) == durable_seq + 1:
-            lost += replay(events[: full[-1][1] + 1]).digest() != full[-1][3].hex()
-    print(f"R4 SIGKILL sweep: kills {kills} (half with the writer thread, half inline; {checked} after "
-          f"acknowledged steps, {mid_open} before the first); page cache dropped past each child's last "
-          f"reported sync ({no_sync} kills before any sync of the file); acknowledged events verified "
-          f"{acked_events} (summed over kills); acknowledgements ahead of a completed sync {ahead}; kills that "
-          f"lost an acknowledged event {lost}; {time.perf_counter() - t0:.1f} s")
-    assert checked >= kills // 2 and mid_open > 0 and lost == 0 and ahead == 0
+    c = r4_kills(str(tmp_path), layout, range(kills))
+    print(f"R4 SIGKILL sweep ({layout}): kills {c.kills} (half with the writer thread, half inline; {c.checked} "
+          f"after acknowledged steps, {c.mid_open} before the first); page cache dropped past each child's last "
+          f"reported sync ({c.no_sync} kills before any sync of a file); acknowledged events verified "
+          f"{c.acked_events} (summed over kills); acknowledgements ahead of a completed sync {c.ahead}; kills "
+          f"that lost an acknowledged event {c.lost}; {time.perf_counter() - t0:.1f} s")
+    assert c.checked >= kills // 2 and c.mid_open > 0 and c.lost == 0 and c.ahead == 0
 
 
 # ---------------------------------------------------------------------- R5
