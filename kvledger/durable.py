@@ -164,28 +164,25 @@ class DurableLedger(Ledger):
         self._debug = _debug_enabled(self._logger)
         self._closed = False
         log.notify = self._notify
-        self._append_next = log.append_next
         start = log.seq if state is None else state.seq
         self._next_checkpoint = start + checkpoint_every if checkpoint_every else 1 << 62
+        log.call_at(self._next_checkpoint, self._when_due)
         own = self._observe if self._debug else None
-        super().__init__(log.header.geometry, policy=policy, check=check, sink=self._append, state=state,
+        super().__init__(log.header.geometry, policy=policy, check=check, sink=log.sink, state=state,
                          observer=chain_observers(own, observer))
         if self.state.seq != log.seq:
             raise ConfigurationError(f"state at seq {self.state.seq} for a log at seq {log.seq}")
 
-    def _append(self, seq: int, event) -> None:
-        """The sink: a checkpoint (or a new segment, which opens with one) when due, then the event."""
-        if seq >= self._next_checkpoint or self.log.rotation_due:
-            self._checkpoint_or_rotate()
-        self._append_next(event)
-
-    def _checkpoint_or_rotate(self) -> None:
+    def _when_due(self, seq: int) -> None:
+        """The log's ``call_at`` callback, before the event ``seq`` is appended: a checkpoint when one is
+        due, or a new segment (which opens with one) when the live segment is full."""
         log = self.log
         if not log.rotation_due:
             self.checkpoint()
             return
         if self._every:
             self._next_checkpoint = self.state.seq + self._every
+        log.call_at(self._next_checkpoint, self._when_due)
         seq, digest, state = self._checkpoint_state()
         log.rotate(seq, digest, state)  # (raises LogIOError: the command fails, nothing folded)
         self._logger.info("segment_rotated", seq=seq, segment=log.segment,
@@ -233,6 +230,7 @@ class DurableLedger(Ledger):
         """
         if self._every:
             self._next_checkpoint = self.state.seq + self._every
+            self.log.call_at(self._next_checkpoint, self._when_due)
         if self.log.failed or self.log.closed:
             return
         seq, digest, state = self._checkpoint_state()

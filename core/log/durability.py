@@ -63,7 +63,9 @@ class Durability:
         self.failed_op = ""
         self.records = self.bytes_written = self.syncs = self.events_written = 0
         self.event_bytes = 32.0  # average encoded bytes of an event so far (the lag estimate)
-        self.lag = 0.0
+        # estimated bytes handed off (the appender's count) and done (the writer's): each written
+        # by one thread only, so a hand-off takes no lock; lag = handed - done
+        self.handed_bytes = self.done_bytes = 0.0
         self.on_failure = on_failure
         self.cond = threading.Condition()  # notified after every round and on failure
 
@@ -80,6 +82,11 @@ class Durability:
     @property
     def synced_end(self) -> int:
         return self.live.synced
+
+    @property
+    def lag(self) -> float:
+        """Estimated bytes handed off and not yet written (and synced, when asked)."""
+        return self.handed_bytes - self.done_bytes
 
     def estimate(self, events: int, payload_bytes: int) -> float:
         """The bytes a hand-off of ``events`` events and ``payload_bytes`` of other payloads will write."""
@@ -221,9 +228,8 @@ class Background(Durability):
 
     def hand_off(self, items: list, last_seq: int, sync: bool, stamp: bool = False, estimate: float = 0.0) -> None:
         """Queue the round; returns at once (a failure surfaces through ``failure``)."""
-        with self.cond:
-            self.lag += estimate
-            self.handed += 1
+        self.handed_bytes += estimate
+        self.handed += 1
         self._q.put((items, last_seq, sync, stamp, estimate))
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="kvledger-log-fsync", daemon=True)
@@ -251,7 +257,7 @@ class Background(Durability):
         return self.wait(lambda: self.done >= target, None)
 
     def lag_bytes(self) -> int:
-        return int(self.lag)
+        return max(0, int(self.lag))
 
     def stop(self) -> None:
         """Finish what was queued, then end the thread (returns when it has)."""
@@ -303,9 +309,7 @@ class Background(Durability):
         except BaseException:  # an OSError, or whatever a test's layer raises: recorded, the thread stops writing
             return False
         with self.cond:
-            self.lag -= sum(b[4] for b in batch)
-            if self.lag < 0.5:
-                self.lag = 0.0
+            self.done_bytes += sum(b[4] for b in batch)
             self.done += len(batch)
             self.cond.notify_all()
         return True

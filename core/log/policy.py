@@ -30,8 +30,8 @@ from ..events.events import (
     StepSealed,
 )
 
-__all__ = ["APPENDABLE", "BATCH_EVENTS", "DEFAULT_MAX_LAG_BYTES", "FSYNC_POLICIES", "SIZE_RISKS", "LogStatistics",
-           "policy_mode"]
+__all__ = ["APPENDABLE", "BATCH_EVENTS", "DEFAULT_MAX_LAG_BYTES", "FSYNC_POLICIES", "SIZE_RISKS", "TENANT_CHARS",
+           "TENANT_TYPES", "LogStatistics", "policy_mode"]
 
 FSYNC_POLICIES = ("background", "per_step", "per_event", "none")
 DEFAULT_MAX_LAG_BYTES = 64 << 20
@@ -43,11 +43,12 @@ _POLICIES = {"background": (_SEALS, True), "per_step": (_SEALS, False), "per_eve
              "none": (_NONE, False)}  # commit after these types, in the writer thread?
 
 
-_LONG = 1 << 16
+TENANT_CHARS = 1 << 16  # a tenant up to this long cannot make an event pass max_event_bytes
+TENANT_TYPES = (PagesReserved, PagesShared)
 
 
 def _tenant(ev) -> bool:
-    return ev.tenant is not None and len(ev.tenant) > _LONG
+    return ev.tenant is not None and len(ev.tenant) > TENANT_CHARS
 
 
 def _always(ev) -> bool:
@@ -58,7 +59,7 @@ def _always(ev) -> bool:
 # only these fields are unbounded: an event whose predicate says so is encoded once to be measured
 # (``RecordTooLargeError`` before anything changed).
 SIZE_RISKS: dict[type, Callable[[Any], bool]] = {
-    PagesReserved: _tenant, PagesShared: _tenant, StepAborted: lambda ev: len(ev.reason) > _LONG,
+    PagesReserved: _tenant, PagesShared: _tenant, StepAborted: lambda ev: len(ev.reason) > TENANT_CHARS,
     PagesPublished: _always, CacheConfigured: _always}
 
 

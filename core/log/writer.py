@@ -14,7 +14,8 @@
     LiveSegment  (live.py)        the file appends go to: seal, write, sync, stamp, successor
     LogDirectory (directory.py)   a directory's lock, its roll to the next segment, retention
 
-``append`` has the signature of a ``Ledger`` sink. The policy says when the
+``append`` (and ``sink``, for an owner that validated its events) has the
+signature of a ``Ledger`` sink. The policy says when the
 batch is handed off and fsynced (group commit):
 
     "background" (default) a ``StepSealed`` hands the step's events to the writer
@@ -100,12 +101,16 @@ from .policy import (
     DEFAULT_MAX_LAG_BYTES,
     FSYNC_POLICIES,
     SIZE_RISKS,
+    TENANT_CHARS,
+    TENANT_TYPES,
     LogStatistics,
     policy_mode,
 )
 from .scan import Scan
 
 __all__ = ["DEFAULT_MAX_LAG_BYTES", "FSYNC_POLICIES", "EventLog", "LogStatistics"]
+
+_MEASURE, _COMMIT, _TENANT = 1, 2, 4  # what sink must do after appending an event of a type (EventLog._kinds)
 
 
 def _check_lag(max_lag_bytes) -> None:
@@ -131,7 +136,8 @@ class EventLog:
     __slots__ = ("fsync", "background", "path", "header", "recovery", "loaded", "notify", "max_lag_bytes",
                  "rotation_due", "_sync_types", "_cap_sync", "_batch", "_events", "_durability", "_directory",
                  "_layer", "_enc", "_event_cap", "_record_cap", "_ok", "_closed", "_reported", "_start_seq",
-                 "_checkpoints", "_checkpoint_seq", "_stalls", "_segment", "_segment_size", "_finalizer", "__weakref__")
+                 "_checkpoints", "_checkpoint_seq", "_stalls", "_segment", "_segment_size", "_finalizer", "_due",
+                 "_owner_due", "_when_due", "_kinds", "__weakref__")
 
     def __init__(self, opened: Opened, *, path: str, layer, fsync: str = "background",
                  background: bool | None = None, max_lag_bytes: int = DEFAULT_MAX_LAG_BYTES) -> None:
@@ -147,7 +153,17 @@ class EventLog:
         self.loaded = opened.loaded
         self.notify: Callable[[str, dict], object] | None = None  # how the log tells its owner what happened
         self.rotation_due = False  # a log directory's live segment reached segment_bytes: rotate()
+        # sink's one gate: before appending event _due or later, _gate runs (the log failed or closed,
+        # the batch is full, the owner's call_at is due, a roll is due); _reset_due recomputes it
+        self._owner_due = 1 << 62
+        self._due = BATCH_EVENTS + opened.next_seq
+        self._when_due: Callable[[int], object] | None = None
         self._cap_sync = bool(self._sync_types)  # a full batch is fsynced too (all policies but "none")
+        self._kinds = {t: (_MEASURE if t in SIZE_RISKS else 0) | (_COMMIT if t in self._sync_types else 0)
+                       for t in APPENDABLE}
+        for t in TENANT_TYPES:
+            if self._kinds[t] == _MEASURE:
+                self._kinds[t] = _TENANT
         self._batch = Batch(opened.next_seq)
         self._events = self._batch.events
         self._directory = opened.directory
@@ -299,6 +315,7 @@ class EventLog:
     def _writer_failed(self, op: str, exc: BaseException) -> None:
         """The writer side failed (any thread): no more appends; tell the owner."""
         self._ok = False
+        self._due = -1
         if self.notify is not None:
             self.notify("write_failed", {"op": op, "errno": getattr(exc, "errno", None),
                                          "durable_seq": self._durability.durable_seq, "error": str(exc)})
@@ -306,7 +323,7 @@ class EventLog:
     # ------------------------------------------------------------------ appends
 
     def append(self, seq: int, event) -> None:
-        """Append ``event`` as ``seq`` (a ``Ledger`` sink). Durable per the fsync policy.
+        """Append ``event`` as ``seq``. Durable per the fsync policy.
 
         Raises ``LogError`` (wrong seq), ``InvalidArgumentError`` (not an event),
         ``RecordTooLargeError`` (nothing changed), ``LogClosedError``, or
@@ -321,22 +338,60 @@ class EventLog:
         if type(event) not in APPENDABLE:
             raise InvalidArgumentError(f"not a kvledger event: {type(event).__name__}")
         self._check_size(seq, event)  # (unvalidated events: page lists of any length)
-        self.append_next(event)
+        self.sink(seq, event)
 
-    def append_next(self, event) -> None:
-        """``append(self.seq, event)`` for a caller that owns the sequence and hands only
-        validated kvledger events (``DurableLedger``): no seq or type check, and only the events
-        whose fields a validation leaves unbounded are measured (``policy.SIZE_RISKS``)."""
+    def sink(self, seq: int, event) -> None:
+        """``append`` for an owner that hands only validated kvledger events, in seq order: the
+        ``Ledger`` sink of ``DurableLedger``. No seq or type check; only the events whose fields a
+        validation leaves unbounded are measured (``policy.SIZE_RISKS``); the owner's ``call_at``
+        callback runs first when it is due. Raises as ``append``."""
+        if seq >= self._due:
+            self._gate(seq)
+        self._events.append(event)
+        kind = self._kinds[type(event)]  # one lookup: 0, _TENANT, or _MEASURE | _COMMIT
+        if kind:
+            if kind != _TENANT:
+                self._sink_more(seq, event, kind)
+            elif event.tenant is not None and len(event.tenant) > TENANT_CHARS:  # (the commonest event)
+                self._sink_more(seq, event, _MEASURE)
+
+    def _gate(self, seq: int) -> None:
+        """What must happen before event ``seq`` is appended (see ``_due``), rarely anything."""
         if not self._ok:
             self._refuse()
-        t = type(event)
-        risk = SIZE_RISKS.get(t)
-        if risk is not None and risk(event):
-            self._check_size(self._batch.next_seq, event)
-        events = self._events
-        events.append(event)
-        if t in self._sync_types or len(events) >= BATCH_EVENTS:
-            self._commit(t in self._sync_types or self._cap_sync)
+        if len(self._events) >= BATCH_EVENTS:
+            self._commit(self._cap_sync)
+        if self._when_due is not None and (seq >= self._owner_due or self.rotation_due):
+            self._when_due(seq)
+        self._reset_due()
+
+    def _reset_due(self) -> None:
+        if not self._ok:
+            self._due = -1
+        elif self.rotation_due and self._when_due is not None:
+            self._due = -1  # (the owner is told before the next append)
+        else:
+            self._due = min(self._owner_due, self._batch.first_seq + BATCH_EVENTS)
+
+    def _sink_more(self, seq: int, event, kind: int) -> None:
+        """The rare part of ``sink``: measure an event whose fields may be unbounded (taking it back
+        out of the batch if it is too large), then commit when the policy says so."""
+        if kind & _MEASURE and SIZE_RISKS[type(event)](event):
+            try:
+                self._check_size(seq, event)
+            except RecordTooLargeError:
+                self._events.pop()
+                raise
+        if kind & _COMMIT:
+            self._commit(True)
+
+    def call_at(self, seq: int, when_due: Callable[[int], object]) -> None:
+        """Have ``sink`` call ``when_due(seq)`` before it appends event ``seq`` or any later one (the
+        owner's checkpoint schedule), and before the next append whenever a segment roll is due
+        (``rotation_due``: the owner answers with ``rotate``). One schedule at a time."""
+        self._owner_due = seq
+        self._when_due = when_due
+        self._reset_due()
 
     def _check_size(self, seq: int, event) -> None:
         size = len(self._enc.encode(event))
@@ -387,6 +442,7 @@ class EventLog:
         self._commit(True)
         self._segment_size = float(SEGMENT_HEADER_SIZE + RECORD_OVERHEAD + len(payload))
         self.rotation_due = False
+        self._reset_due()
 
     # ------------------------------------------------------------------ durability
 
@@ -470,6 +526,7 @@ class EventLog:
     def _release(self) -> None:
         self._closed = True
         self._ok = False
+        self._due = -1
         self._finalizer.detach()
         self._durability.abandon()
 
@@ -501,10 +558,11 @@ class EventLog:
             self._stall()
         directory = self._directory
         if directory is not None:  # the live segment's size, exact once the writer caught up, else estimated
-            self._segment_size = d.size if d.segment == self._segment and not d.lag else \
+            self._segment_size = d.size if d.segment == self._segment and d.lag < 1 else \
                 self._segment_size + estimate
             if self._segment_size >= directory.segment_bytes:
                 self.rotation_due = True
+        self._reset_due()
 
     def _stall(self) -> None:
         """Back-pressure: wait until no more than ``max_lag_bytes`` are handed off and not yet done."""
