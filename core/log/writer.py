@@ -1,5 +1,9 @@
 """The durable event log: an append-only file (or directory) of checksummed, hash-chained records.
 
+One piece: ``EventLog`` is one cohesive class, the appender's face of a log and its
+state machine (open, then failed or closed); its parts are the objects listed
+below, each in its own module, and nothing here reaches into them.
+
     Ledger command ─► validate ─► EventLog.append(seq, event) ─► fold
                                    │ the event object joins the open batch (no I/O, no encoding)
                                    │ StepSealed (per step) / every event (per_event) / a full batch:

@@ -27,7 +27,11 @@ to the checked engine's for every page of logs that use every event.
 
 Cost: the events of the window are decoded and looked at once (a membership
 test each); the fold runs only for the few that touch p. The window's checkpoint
-is verified (bytes and digest) as for any trusted start.
+is verified (bytes and digest) as for any trusted start. Like any trusted fold
+(``docs/LOG-FORMAT.md``), every event's bounds are still checked (page ids in the
+geometry, step numbers against the open step and the steps in flight:
+``core.log.fold.bounds_problem``), and each sealed step's recorded plan must list
+page p exactly when p's history says so; a log that breaks them is corrupt.
 """
 
 from __future__ import annotations
