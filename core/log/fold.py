@@ -128,17 +128,35 @@ def start_state(view: LogView, *, at: int | None = None,
     return st, i + 1, rec
 
 
-def _fold_checked(st: LedgerState, events: list, rec: RecordInfo, path: str) -> None:
-    """Validate and apply each event (``st.fold``); a rejection is corruption at the event's seq."""
-    fold = st.fold
-    i = 0
-    try:
-        for i, ev in enumerate(events):  # noqa: B007  (i names the failing event)
-            fold(ev)
-    except KVLedgerError as exc:
-        seq = rec.seq + i
-        raise CorruptLogError(path, rec.offset, seq, f"{type(events[i]).__name__} at seq {seq} is "
-                              f"rejected by the fold: {exc}") from exc
+class _CheckedFold:
+    """Validate and apply each event (the state's own dispatch table: what ``LedgerState.fold`` does,
+    without its per-event wrappers); a rejection is corruption at the event's seq (``raw``: the
+    fold's own error, for a tool that reports rejections as such). Counts the commits that listed
+    pages from their effects, for ``on_events``."""
+
+    def __init__(self, st: LedgerState, on_events=None, raw: bool = False) -> None:
+        self.st, self.on_events, self.raw = st, on_events, raw
+
+    def __call__(self, events: list, rec: RecordInfo, path: str) -> None:
+        st = self.st
+        dispatch, commit = st.dispatch, PagesCommitted
+        listed = i = 0
+        try:
+            for i, ev in enumerate(events):  # noqa: B007  (i names the failing event)
+                validate, apply = dispatch[type(ev)]
+                validate(st, ev)
+                if apply(st, ev) and type(ev) is commit:
+                    listed += 1
+        except KVLedgerError as exc:
+            if self.on_events is not None:
+                self.on_events(rec, events[:i], listed)  # (what folded before the rejected event)
+            if self.raw:
+                raise
+            seq = rec.seq + i
+            raise CorruptLogError(path, rec.offset, seq, f"{type(events[i]).__name__} at seq {seq} is "
+                                  f"rejected by the fold: {exc}") from exc
+        if self.on_events is not None:
+            self.on_events(rec, events, listed)
 
 
 class _Impossible(Exception):
@@ -294,8 +312,7 @@ class _Verifier:
         self.checks += 1
 
 
-def _fold_events(view: LogView, st: LedgerState, rec: RecordInfo, until: int | None, apply: Apply | None,
-                 trusted: _TrustedFold | None) -> int:
+def _fold_events(view: LogView, rec: RecordInfo, until: int | None, apply: Apply | None, fold) -> int:
     """Decode one events record (up to seq ``until``) and fold it the chosen way; returns its event count."""
     events = view.events(rec)
     if until is not None and rec.seq + len(events) - 1 > until:
@@ -306,10 +323,8 @@ def _fold_events(view: LogView, st: LedgerState, rec: RecordInfo, until: int | N
     if apply is not None:
         for seq, ev in enumerate(events, rec.seq):
             apply(seq, ev)
-    elif trusted is not None:
-        trusted(events, rec, path)
     else:
-        _fold_checked(st, events, rec, path)
+        fold(events, rec, path)
     return len(events)
 
 
@@ -326,6 +341,7 @@ def fold_records(
     verify_gap: int | None = None,
     on_event: Callable[[int, object], object] | None = None,
     on_events: Callable[[RecordInfo, list, int], object] | None = None,
+    raw_rejections: bool = False,
 ) -> int:
     """Fold the records from index ``start`` into ``st``, up to the event with seq ``until``.
 
@@ -341,27 +357,32 @@ def fold_records(
     applied (a tool watching a trusted fold), ``on_events(record, events,
     listed)`` each record's events after they were (``listed``: the commits
     among them that listed pages for a clear; a tool that only counts pays
-    nothing per event). Returns the number of events folded. Raises ``CorruptLogError``
+    nothing per event; checked folds without ``apply`` call it too, and with
+    ``raw_rejections`` raise an event's rejection as the fold's own error,
+    not as ``CorruptLogError``). Returns the number of events folded. Raises ``CorruptLogError``
     for a payload that does not decode, a first event that does not match the
     header, or (trusted) a digest mismatch, a broken invariant or an event that
     cannot be applied.
     """
     recs = view.records
     folded = 0
-    verify = fold = None
+    verify = None
+    fold: _TrustedFold | _CheckedFold
     if trusted:
         if apply is not None:
             raise InvalidArgumentError("fold_records: trusted folds apply events themselves (watch them with "
                                        "on_event=, not apply=)")
         verify = _Verifier(st, 16 * view.header.geometry.num_pages if verify_gap is None else verify_gap)
         fold = _TrustedFold(st, on_event, on_events)
+    else:
+        fold = _CheckedFold(st, on_events, raw_rejections)
     for idx in range(start, len(recs)):
         rec = recs[idx]
         if until is not None and rec.seq > until:
             break
         kind = rec.kind
         if kind == KIND_EVENTS:
-            folded += _fold_events(view, st, rec, until, apply, fold)
+            folded += _fold_events(view, rec, until, apply, fold)
         elif kind == KIND_CHECKPOINT and (on_checkpoint is not None or verify is not None):
             cp = view.checkpoint(rec)
             if verify is not None:

@@ -15,8 +15,8 @@
       ─► at the end: every invariant, the digest
 
 The loop is the library's own (``kvledger.core.log.fold``: ``start_state`` then
-``fold_records``); replay hands it its hooks: ``apply`` (checked: count, fold,
-check invariants at sealed steps) or ``on_events`` (trusted: count a record's events),
+``fold_records``); replay hands it its hooks: ``on_events`` (count a record's events in
+bulk; checked: every invariant at the sealed steps the schedule names),
 ``on_checkpoint`` (compare digests) and ``on_record`` (progress). Both modes
 count the same things (``replay_report.Tally``) and reach the same digest.
 
@@ -171,9 +171,10 @@ class _Replay:
         self.last_check = st.seq
         hooks: dict = {"on_checkpoint": self._on_checkpoint, "on_record": self._progress_hook()}
         if self.trusted:
-            hooks.update(trusted=True, verify_gap=NEVER, on_events=self._events_hook())
+            hooks.update(trusted=True, verify_gap=NEVER)
         else:
-            hooks["apply"] = self._apply_hook()
+            hooks.update(raw_rejections=True)  # (an event the fold rejects is a rejection, exit 1)
+        hooks["on_events"] = self._events_hook()
         try:
             fold_records(self.view, st, start, until=until, **hooks)
             self._at_end()
@@ -207,32 +208,10 @@ class _Replay:
         base, total = _segment_bases(self.view)
         return lambda rec: progress(base[rec.segment] + rec.end, total)
 
-    def _apply_hook(self) -> Callable[[int, object], None]:
-        """Checked: ``apply(seq, event)`` folds it (validated: a recorded plan must match), counts it after."""
-        st, tally = self.st, self.tally
-        counts = tally.counts
-        fold = st.fold
-
-        def apply(seq: int, ev) -> None:
-            t = type(ev)
-            if t is PagesCommitted:
-                tally.pages_committed += len(ev.page_ids)
-                if fold(ev):
-                    tally.commits_listing += 1
-            elif t is StepSealed:
-                fold(ev)
-                self._sealed(seq, ev)
-            else:
-                fold(ev)
-                if t is PagesPublished or t is PagesShared or t is PagesEvicted:
-                    _count_pages(tally, t, ev)
-            counts[t] += 1  # a rejected event is not counted
-
-        return apply
-
     def _events_hook(self) -> Callable[[RecordInfo, list, int], None]:
-        """Trusted: ``on_events(record, events, listed)`` after each record counts its events in bulk
-        (``listed``: the commits that listed pages, which the fold saw in their effects)."""
+        """``on_events(record, events, listed)`` after each record counts its events in bulk (``listed``:
+        the commits that listed pages, which the fold saw in their effects); checked, the invariants
+        at the first sealed step of a record after every ``gap`` events."""
         tally = self.tally
         counts = tally.counts
         extra = (PagesCommitted, StepSealed, PagesEvicted, PagesPublished, PagesShared)
