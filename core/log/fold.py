@@ -162,9 +162,9 @@ class _CheckedFold:
 class _Impossible(Exception):
     """A field of an event that no state of this log can hold (a trusted fold's bounds check)."""
 
-    def __init__(self, field: str, detail: str) -> None:
+    def __init__(self, field: str, detail: str, applied: bool = False) -> None:
         super().__init__(field, detail)
-        self.field, self.detail = field, detail
+        self.field, self.detail, self.applied = field, detail, applied
 
 
 def _pages_in_range(st: LedgerState, ev, field: str = "page_ids") -> None:
@@ -230,7 +230,18 @@ def bounds_problem(st: LedgerState, ev) -> str | None:
     return None
 
 
-_PAGES_ONLY = frozenset(t for t, check in _BOUNDS.items() if check is _pages_in_range)
+# how the trusted loop checks an event's bounds: _PAGES (page ids only, inlined), _COMMIT_B (page ids
+# and the step, inlined), _OTHER (its _BOUNDS function), _FIRST (CacheConfigured: seq 0 only), 0 (none)
+_PAGES, _COMMIT_B, _OTHER, _FIRST = 1, 2, 3, 4
+
+
+def _bounds_kind(t: type) -> int:
+    if t is PagesCommitted:
+        return _COMMIT_B
+    if t is CacheConfigured:
+        return _FIRST
+    check = _BOUNDS.get(t)
+    return 0 if check is None else _PAGES if check is _pages_in_range else _OTHER
 
 
 class _TrustedFold:
@@ -240,50 +251,52 @@ class _TrustedFold:
 
     Refuses a ``CacheConfigured`` after seq 0 (it would allocate a page table); an event out of
     bounds, a recorded plan that differs, and anything an applier raises on an event that would
-    not have validated are corruption at its seq, naming the field.
+    not have validated are corruption at its seq, naming the field. One table lookup an event
+    gives both how to check it and how to apply it.
     """
 
     def __init__(self, st: LedgerState, on_event=None, on_events=None) -> None:
         self.st, self.on_event, self.on_events = st, on_event, on_events
-        self.applies = {t: row.apply for t, row in st.transitions.items()}
+        self.table = {t: (_bounds_kind(t), row.apply) for t, row in st.transitions.items()}
 
     def __call__(self, events: list, rec: RecordInfo, path: str) -> None:
-        st, applies, bounds, on_event = self.st, self.applies, _BOUNDS, self.on_event
-        pages_only, commit, seal = _PAGES_ONLY, PagesCommitted, StepSealed
+        st, table, on_event = self.st, self.table, self.on_event
         n = st.num_pages
-        listed = i = 0
+        listed = 0
+        ev = None
         try:
-            for i, ev in enumerate(events):  # noqa: B007
-                t = type(ev)
-                if t in pages_only or t is commit:
+            for ev in events:
+                kind, apply = table[type(ev)]
+                if kind == _PAGES:
                     ids = ev.page_ids
-                    if ids and (min(ids) < 0 or max(ids) >= n) or t is commit and ev.step < st.open_step:
-                        bounds[t](st, ev)  # (raises, naming the field)
-                else:
-                    check = bounds.get(t)
-                    if check is not None:
-                        check(st, ev)
-                    elif t is CacheConfigured and rec.seq + i:
-                        raise _Impossible("type", "CacheConfigured after seq 0")
-                effects = applies[t](st, ev)
-                if effects:
-                    if t is seal:
-                        if effects[0].clear_list != tuple(ev.clear_list):
-                            raise _Impossible("clear_list", f"recorded clear list {list(ev.clear_list)[:16]}, the "
-                                              f"fold derives {list(effects[0].clear_list)[:16]}")
-                    elif t is commit:
+                    if ids and (min(ids) < 0 or max(ids) >= n):
+                        _pages_in_range(st, ev)  # (raises, naming the field)
+                elif kind == _COMMIT_B:
+                    ids = ev.page_ids
+                    if ids and (min(ids) < 0 or max(ids) >= n) or ev.step < st.open_step:
+                        _commit_bounds(st, ev)
+                elif kind == _OTHER:
+                    _BOUNDS[type(ev)](st, ev)
+                elif kind == _FIRST and (st.geometry is not None or rec.seq):
+                    raise _Impossible("type", "CacheConfigured after seq 0")
+                effects = apply(st, ev)
+                if effects and kind >= _COMMIT_B:
+                    if kind == _COMMIT_B:
                         listed += 1
-                if t is CacheConfigured:
+                    elif type(ev) is StepSealed and effects[0].clear_list != tuple(ev.clear_list):
+                        raise _Impossible("clear_list", f"recorded clear list {list(ev.clear_list)[:16]}, the "
+                                          f"fold derives {list(effects[0].clear_list)[:16]}", applied=True)
+                if kind == _FIRST:
                     n = st.num_pages
                 if on_event is not None:
-                    on_event(rec.seq + i, ev)
+                    on_event(st.seq - 1, ev)
         except _Impossible as exc:
-            seq = rec.seq + i
-            raise CorruptLogError(path, rec.offset, seq, f"{type(events[i]).__name__} at seq {seq}: {exc.field}: "
+            seq = st.seq - exc.applied  # (a refused event was not applied: it would have been st.seq)
+            raise CorruptLogError(path, rec.offset, seq, f"{type(ev).__name__} at seq {seq}: {exc.field}: "
                                   f"{exc.detail} (trusted fold)") from None
         except (KVLedgerError, LookupError, ValueError, TypeError, AttributeError) as exc:
-            seq = rec.seq + i
-            raise CorruptLogError(path, rec.offset, seq, f"{type(events[i]).__name__} at seq {seq} cannot be "
+            seq = st.seq
+            raise CorruptLogError(path, rec.offset, seq, f"{type(ev).__name__} at seq {seq} cannot be "
                                   f"applied (trusted fold): {type(exc).__name__}: {exc}") from exc
         if self.on_events is not None:
             self.on_events(rec, events, listed)

@@ -139,7 +139,7 @@ class EventLog:
 
     __slots__ = ("fsync", "background", "path", "header", "recovery", "loaded", "notify", "max_lag_bytes",
                  "rotation_due", "_sync_types", "_cap_sync", "_batch", "_events", "_durability", "_directory",
-                 "_layer", "_enc", "_event_cap", "_record_cap", "_ok", "_closed", "_reported", "_start_seq",
+                 "_enc", "_event_cap", "_record_cap", "_ok", "_closed", "_reported", "_start_seq",
                  "_checkpoints", "_checkpoint_seq", "_stalls", "_segment", "_segment_size", "_finalizer", "_due",
                  "_owner_due", "_when_due", "_kinds", "__weakref__")
 
@@ -173,11 +173,10 @@ class EventLog:
         self._directory = opened.directory
         self._segment = live.index  # the segment appends go to once every roll asked for is done
         self._segment_size = float(live.size)  # its size once everything handed off is written (estimated)
-        self._layer = layer
         self._enc = msgspec.msgpack.Encoder()
         self._event_cap = max_event_bytes(self.header.geometry.num_pages)
         self._record_cap = max_record_bytes(self.header.geometry.num_pages)
-        self._ok = True  # open and not failed: the one flag the hot path reads
+        self._ok = True  # open and not failed (the hot path reads _due, which follows it)
         self._closed = self._reported = False
         self._start_seq = opened.next_seq
         self._checkpoints = self._stalls = 0

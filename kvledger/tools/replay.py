@@ -28,7 +28,9 @@ Invariant checks cost O(num_pages) each (about a microsecond or two per page
 here, as much as folding an event). ``--invariants steps`` runs them at every
 sealed step (trusted: every checkpoint); ``auto`` (the default) at the first
 sealed step (trusted: checkpoint) after every 16 x num_pages events and at the
-end; ``end``; ``none``. A checked replay validates every event and compares
+end (trusted: unless the log ends with a checkpoint whose digest the replay
+reaches: that state is the one the live ledger's validated commands reached,
+whose invariants held; a closed log ends so); ``end``; ``none``. A checked replay validates every event and compares
 every recorded plan, whatever the choice.
 
 What ``--trusted`` skips, exactly: each event's precondition against the
@@ -38,8 +40,9 @@ between checkpoints. It still verifies every record's CRC and hash chain,
 refuses any event whose page ids fall outside the geometry or whose step
 number does not fit the open step and the steps in flight (``StepOrder`` /
 ``PageOutOfRange``: an impossible state), compares every sealed step's
-recorded clear list, and at checkpoints ``16 x num_pages`` events apart (and
-the last) compares the state digest and checks every invariant. A forged
+recorded clear list, and at checkpoints ``16 x num_pages`` events apart
+compares the state digest and checks every invariant (at the end: the last
+checkpoint's digest, and the invariants unless that digest matched). A forged
 event that breaks only a precondition and leaves a state those checks accept
 is not found: replay without ``--trusted`` (``open_ledger`` validates the
 events it folds on reopen for the same reason).
@@ -281,15 +284,19 @@ class _Replay:
         self.s.checkpoints_compared += 1
 
     def _at_end(self) -> None:
-        """Every invariant of the final state; trusted: the checkpoint at the final seq, if it was not compared."""
+        """Trusted: the checkpoint at the final seq, if it was not compared; then every invariant of the
+        final state, unless (trusted, ``auto``) that checkpoint's digest matched: the state is then the one
+        the live ledger's validated commands reached, whose invariants held."""
         st = self.st
         if st.geometry is None:
             return
-        if self.invariants != "none":
-            self._invariants((st.seq, self.view.scan.end, self.view.paths[-1]))
+        implied = False
         if self.last_cp is not None and self.last_cp[0].seq == st.seq:
             rec, cp = self.last_cp
             self._compare(rec, cp, self.digest_of(st))
+            implied = self.trusted and self.invariants == "auto"
+        if self.invariants != "none" and not implied:
+            self._invariants((st.seq, self.view.scan.end, self.view.paths[-1]))
 
     def _locate(self, exc: KVLedgerError) -> ReplayError:
         """The summary's error: where a hook found it, else the events record holding the seq the fold reached."""
