@@ -53,7 +53,7 @@ from kvledger.core.log import (
     LogView,
 )
 from kvledger.core.log.files import default_layer
-from kvledger.core.log.fold import rebuild_state
+from kvledger.core.log.fold import rebuild_state, without_gc
 from kvledger.core.log.segments import unfinished_directory
 from kvledger.core.state import LedgerState
 from kvledger.logs import get_logger
@@ -372,7 +372,8 @@ def _reopen(path: str, geometry: Geometry | None, policy: str | None, opts: dict
             raise ConfigurationError(f"{path} uses clear policy {hdr.policy!r}, not {policy!r}")
         # the events after the last checkpoint (at most checkpoint_every of them) are validated one
         # by one: the ledger allocates from this state, so a forged event must not reach it
-        return rebuild_state(view, check=led_opts["check"], trusted=False)
+        with without_gc():
+            return rebuild_state(view, check=led_opts["check"], trusted=False)
 
     log = EventLog.open(path, loader=load, **opts)
     res: Any = log.recovery  # the Scan of what open found, and what load built from it

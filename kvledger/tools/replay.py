@@ -77,7 +77,7 @@ from kvledger.core.events.events import (
     StepSealed,
 )
 from kvledger.core.log import LogView, open_view
-from kvledger.core.log.fold import fold_records, start_state
+from kvledger.core.log.fold import fold_records, start_state, without_gc
 from kvledger.core.log.format import KIND_EVENTS, Checkpoint, RecordInfo
 from kvledger.core.state import LedgerState
 from kvledger.core.state.invariants import check_invariants
@@ -122,7 +122,7 @@ def replay_log(path, *, until: int | None = None, from_checkpoint: bool = False,
     if invariants not in INVARIANT_MODES:
         raise InvalidArgumentError(f"invariants must be one of {INVARIANT_MODES}, got {invariants!r}")
     t0 = time.perf_counter()
-    with open_view(path, layer=layer, until=until) as view:
+    with open_view(path, layer=layer, until=until) as view, without_gc():
         if until is not None and until < view.first_seq:
             raise InvalidArgumentError(f"until {until} is before the first event of {view.paths[0]} "
                                        f"(seq {view.first_seq}): start from an earlier segment")
