@@ -16,6 +16,7 @@ import subprocess
 import sys
 import zlib
 
+import pytest
 import structlog
 
 from kvledger import CorruptLogError, Geometry, replay
@@ -194,9 +195,14 @@ def test_a_torn_tail_in_the_last_segment_is_repaired_and_a_header_only_segment_r
         assert again.recovery.truncated_bytes == 300 and again.digest() == digest and again.seq == seq
         nxt = os.path.join("h", segment_name(again.seq + 10_000))
     hdr = disk.read(list_segments(disk, "h")[-1])[:96]
-    disk.put(nxt, hdr[:60] + struct.pack("<QQQ8s", 99, again.seq + 10_000, 1, bytes(8)) + hdr[92:96])
-    with open_ledger("h", layer=disk, logger=QUIET) as third:  # a rotation cut short: nothing in it
+    body = hdr[:60] + struct.pack("<QQQ8s", 99, again.seq + 10_000, 1, bytes(8))
+    disk.put(nxt, body + struct.pack("<I", zlib.crc32(body)))
+    with open_ledger("h", layer=disk, logger=QUIET) as third:  # an older kvledger's roll cut short: nothing in it
         assert third.digest() == digest and not disk.exists(nxt)
+    disk.put(nxt, body + struct.pack("<I", zlib.crc32(body) ^ 1))  # not a header this writer wrote: refused
+    with pytest.raises(CorruptLogError):
+        open_ledger("h", layer=disk, logger=QUIET)
+    assert disk.exists(nxt)
 
 
 _READER = r"""

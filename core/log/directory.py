@@ -28,8 +28,8 @@ from __future__ import annotations
 import os
 
 from ..errors import InvalidArgumentError, LogError, LogExistsError, LogIOError
-from .files import FileHandle
-from .format import SEGMENT_HEADER_SIZE, decode_header, encode_segment_header, new_chain
+from .files import FileHandle, release_buffer
+from .format import SEGMENT_HEADER_SIZE, decode_header, decode_stamp, encode_segment_header, new_chain
 from .live import LiveSegment
 from .segments import LOCK_NAME, is_segment_name, list_segments, segment_name, unfinished_directory
 
@@ -113,18 +113,32 @@ class LogDirectory:
         return cls(directory, layer, lock, **options), LiveSegment(handle, hdr, size=len(header), chain=chain)
 
     def drop_empty_tail(self, paths: list[str]) -> list[str]:
-        """Remove a last segment that holds only its header (a rotation of an older kvledger cut
-        short by a crash: it holds nothing); returns the segments left. Raises ``LogIOError``."""
-        if len(paths) > 1 and self.layer.size_of(paths[-1]) <= SEGMENT_HEADER_SIZE:
-            try:
-                self.layer.remove(paths[-1])
-                self.layer.remove_stamp(paths[-1])
-            except OSError as exc:
-                raise LogIOError(paths[-1], "remove", exc) from exc
-            return paths[:-1]
+        """Remove a last segment that holds only its header (a roll of an older kvledger cut short by a
+        crash: it holds nothing, and no stamp says it held more); returns the segments left. Anything
+        else at that name (a link, a FIFO, a file that is not a bare header) is left for the scan and
+        the open to judge. Raises ``LogIOError``, ``LogError`` (not a regular file)."""
         if not paths:
             raise LogError(f"{self.path}: no segments (not a kvledger log directory)")
-        return paths
+        last = paths[-1]
+        if len(paths) == 1 or self.layer.size_of(last) > SEGMENT_HEADER_SIZE:
+            return paths
+        data = self.layer.read(last)  # (refuses a FIFO, a device, a directory; follows a link)
+        size = len(data)
+        try:
+            header = decode_header(data, last, max_pages=1 << 32)
+        except LogError:
+            return paths  # not a bare header: the scan reports it
+        finally:
+            release_buffer(data)
+        stamp = decode_stamp(self.layer.read_stamp(last), header)
+        if size != header.size or (stamp is not None and stamp.size > header.size):
+            return paths
+        try:
+            self.layer.remove(last)
+            self.layer.remove_stamp(last)
+        except OSError as exc:
+            raise LogIOError(last, "remove", exc) from exc
+        return paths[:-1]
 
     # ------------------------------------------------------------------ writing
 

@@ -69,7 +69,6 @@ def without_gc():
             gc.enable()
 
 
-
 def check_first_event(event, header: LogHeader, path: str, offset: int) -> None:
     """Seq 0 must configure the geometry and policy the header names; else ``CorruptLogError``."""
     if type(event) is not CacheConfigured or event.geometry != header.geometry or event.policy != header.policy:
