@@ -1,8 +1,9 @@
-"""RELIABILITY.md R1-R7, R9, R10 for the event log (quick profiles; each test prints its counts).
+"""RELIABILITY.md R1-R7, R9, R10 for the event log, on single files and on log directories (quick
+profiles; each test prints its counts).
 
-    R1  torn-tail sweep          every offset of the last 4 KiB of a 1,000-event log
+    R1  torn-tail sweep          every offset of the last 4 KiB of a 1,000-event log (a directory: its last segment)
     R2  garbage tails            zero sectors, random bytes, records with bad checksums
-    R3  bit flips                one flipped bit in a non-final record: corruption, named
+    R3  bit flips                one flipped bit in a non-final record: corruption, named (a directory: the segment too)
     R4  SIGKILL crash sweep      real child processes appending; the page cache dropped past their last sync
     R5  simulated power loss     unsynced writes dropped, reordered, torn
     R6  I/O-error injection      the n-th write / fsync / stamp fails, for every n; then unsynced bytes are lost
@@ -10,7 +11,10 @@
     R9  replay determinism       live fold = replay = checkpoint + tail = other hash seed
     R10 tamper detection         delete, duplicate, reorder, splice, edit + fix checksum
 
-``KVLEDGER_HYPOTHESIS=heavy`` scales the counts up (the heavy profile).
+R4 and R5 run in ``support.crashes`` (a function of a kill or seed range: the heavy profile shards them
+across processes, ``python tests/support/crashes.py --help``). On directories the quick profile runs a
+quarter of the file layout's counts for R1-R3, R9, R10. ``KVLEDGER_HYPOTHESIS=heavy`` scales the counts up
+(the heavy profile).
 """
 
 from __future__ import annotations

@@ -102,6 +102,19 @@ def _read_everything(path: str) -> str:
     return outcome
 
 
+def _read_traced(path: str) -> tuple[str, int]:
+    """``_read_everything`` under tracemalloc: (how it ended, the peak traced allocation)."""
+    tracemalloc.start()
+    try:
+        try:
+            outcome = _read_everything(path)
+        except Exception as exc:  # anything but the library's own error is an escape
+            outcome = f"escape {type(exc).__name__}"
+        return outcome, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def test_r17_crafted_logs_are_refused_within_a_memory_bound(tmp_path):
     """Mutant killed: the ``max_pages`` check in ``format.decode_header`` removed (every reader would
     allocate page tables for 2**32 pages: the tracemalloc bound, or the child's address-space limit, fails)."""
@@ -120,16 +133,9 @@ def test_r17_crafted_logs_are_refused_within_a_memory_bound(tmp_path):
                 os.unlink(leftover)
         with open(path, "wb") as f:
             f.write(data)
-        tracemalloc.start()
-        try:
-            try:
-                outcome = _read_everything(path)
-            except Exception as exc:  # anything but the library's own error is an escape
-                outcome = f"escape {type(exc).__name__}"
-                escapes += 1
-            peak = max(peak, tracemalloc.get_traced_memory()[1])
-        finally:
-            tracemalloc.stop()
+        outcome, used = _read_traced(path)
+        escapes += outcome.startswith("escape")
+        peak = max(peak, used)
         counts[cls] += 1
         key = f"{cls}: {outcome}"
         outcomes[key] = outcomes.get(key, 0) + 1
@@ -161,16 +167,9 @@ def test_r17_crafted_segments_of_a_directory(tmp_path):
         else:
             d.mkdir()
         (d / ("seg-" + "0" * 20 + ".kvlog")).write_bytes(CLASSES[cls](rng, header=craft.segment_header))
-        tracemalloc.start()
-        try:
-            try:
-                outcome = _read_everything(str(d))
-            except Exception as exc:  # anything but the library's own error is an escape
-                outcome = f"escape {type(exc).__name__}"
-                escapes += 1
-            peak = max(peak, tracemalloc.get_traced_memory()[1])
-        finally:
-            tracemalloc.stop()
+        outcome, used = _read_traced(str(d))
+        escapes += outcome.startswith("escape")
+        peak = max(peak, used)
         total += 1
         outcomes[f"{cls}: {outcome}"] = outcomes.get(f"{cls}: {outcome}", 0) + 1
         if peak >= MEMORY_BOUND or escapes:
