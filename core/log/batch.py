@@ -11,7 +11,8 @@
         pending_bytes  the payload bytes queued (checkpoints: they can be large)
 
     add_record(kind, seq, payload)   closes the open events into a record first (log order)
-    take() -> (items, events)        everything queued, and the number of events in it; the batch
+    take() -> (items, events, bytes) everything queued, its events and payload bytes (what the
+                                     writer will encode: the back-pressure estimate); the batch
                                      restarts empty at ``next_seq``
 
 No I/O and no encoding here; one thread (the appender's) uses a batch.

@@ -23,11 +23,10 @@ one fsync (group commit), after waiting ``GROUP_DELAY`` for more. ``lag`` is
 what was handed off and not yet done (estimated bytes: payloads exactly,
 events at the average size written so far); the appender blocks while it
 passes its bound (back-pressure), and since every hand-off is done by the
-thread whatever the policy, that wait always ends. The thread holds no
-reference to the ``EventLog`` (and starts with the first hand-off): a log dropped
-without ``close()`` is collected,
-and its finalizer (``EventLog``) calls ``abandon`` here, which gives back the
-thread, the file and the lock.
+thread whatever the policy, that wait always ends. The thread starts with the
+first hand-off and holds no reference to the ``EventLog``: a log dropped without
+``close()`` is collected, and its finalizer (``EventLog``) calls ``abandon``
+here, which gives back the thread, the file and the lock.
 """
 
 from __future__ import annotations
