@@ -46,7 +46,7 @@ def test_f4_no_step_ever_sealed(tmp_path, checkpoint_every):
     g = Geometry(num_pages=64, page_tokens=16)
     led = open_ledger(tmp_path / "n.kvlog", g, logger=QUIET, checkpoint_every=checkpoint_every,
                       max_lag_bytes=256 << 10)
-    pairs = 100_000
+    pairs = 60_000
     done = threading.Event()
     box: list = []
 
