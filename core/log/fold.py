@@ -374,24 +374,17 @@ def fold_records(
 ) -> int:
     """Fold the records from index ``start`` into ``st``, up to the event with seq ``until``.
 
-    Checked (default): ``apply(seq, event)`` folds one event (default
-    ``st.fold``, validate + apply, whose rejection is raised as
-    ``CorruptLogError`` naming the record's offset and the seq; a custom
-    ``apply`` raises what it raises). Trusted (``trusted=True``, for a log whose
-    CRCs and hash chain verified: every record a view holds did): each event is
-    applied without re-validating it (``LedgerState.apply``), and at
-    checkpoints at least ``verify_gap`` events apart (default 16 x num_pages)
-    the state digest is compared with the recorded one and every invariant is
-    checked; ``on_event(seq, event)`` sees each event right after it was
-    applied (a tool watching a trusted fold), ``on_events(record, events,
-    listed)`` each record's events after they were (``listed``: the commits
-    among them that listed pages for a clear; a tool that only counts pays
-    nothing per event; checked folds without ``apply`` call it too, and with
-    ``raw_rejections`` raise an event's rejection as the fold's own error,
-    not as ``CorruptLogError``). Returns the number of events folded. Raises ``CorruptLogError``
-    for a payload that does not decode, a first event that does not match the
-    header, or (trusted) a digest mismatch, a broken invariant or an event that
-    cannot be applied.
+    Checked (default): each event validated then applied (``_CheckedFold``), a rejection raised as
+    ``CorruptLogError`` naming the record's offset and the seq (``raw_rejections``: as the fold's own
+    error); or a custom ``apply(seq, event)`` that raises what it raises. Trusted (a log whose CRCs
+    and chain verified): each event's bounds checked, then applied without its precondition
+    (``_TrustedFold``); at checkpoints ``verify_gap`` events apart (default 16 x num_pages) the
+    digest is compared and every invariant checked. ``on_event(seq, event)`` sees each event a
+    trusted fold applied; ``on_events(record, events, listed)`` each record's events once folded
+    (``listed``: its commits that listed pages), so a tool that only counts pays nothing per event.
+    Returns the number of events folded. Raises ``CorruptLogError`` for a payload that does not
+    decode, a first event that does not match the header, a rejected or out-of-bounds event, or
+    (trusted) a digest mismatch or a broken invariant.
     """
     recs = view.records
     folded = 0
