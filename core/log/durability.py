@@ -79,10 +79,6 @@ class Durability:
         return self.live.size
 
     @property
-    def synced_end(self) -> int:
-        return self.live.synced
-
-    @property
     def lag(self) -> float:
         """Estimated bytes handed off and not yet written (and synced, when asked)."""
         return self.handed_bytes - self.done_bytes
