@@ -53,7 +53,8 @@ from kvledger.core.log import (
     LogView,
 )
 from kvledger.core.log.files import default_layer
-from kvledger.core.log.fold import rebuild_state
+from kvledger.core.log.fold import rebuild_state, without_gc
+from kvledger.core.log.segments import unfinished_directory
 from kvledger.core.state import LedgerState
 from kvledger.logs import get_logger
 
@@ -163,37 +164,39 @@ class DurableLedger(Ledger):
         self._debug = _debug_enabled(self._logger)
         self._closed = False
         log.notify = self._notify
-        self._append_next = log.append_next
         start = log.seq if state is None else state.seq
         self._next_checkpoint = start + checkpoint_every if checkpoint_every else 1 << 62
+        log.call_at(self._next_checkpoint, self._when_due)
         own = self._observe if self._debug else None
-        super().__init__(log.header.geometry, policy=policy, check=check, sink=self._append, state=state,
+        super().__init__(log.header.geometry, policy=policy, check=check, sink=log.sink, state=state,
                          observer=chain_observers(own, observer))
         if self.state.seq != log.seq:
             raise ConfigurationError(f"state at seq {self.state.seq} for a log at seq {log.seq}")
 
-    def _append(self, seq: int, event) -> None:
-        """The sink: a checkpoint (or a new segment, which opens with one) when due, then the event."""
-        if seq >= self._next_checkpoint or self.log.rotation_due:
-            self._checkpoint_or_rotate()
-        self._append_next(event)
-
-    def _checkpoint_or_rotate(self) -> None:
+    def _when_due(self, seq: int) -> None:
+        """The log's ``call_at`` callback, before the event ``seq`` is appended: a checkpoint when one is
+        due, or a new segment (which opens with one) when the live segment is full."""
         log = self.log
         if not log.rotation_due:
             self.checkpoint()
             return
         if self._every:
             self._next_checkpoint = self.state.seq + self._every
+        log.call_at(self._next_checkpoint, self._when_due)
         seq, digest, state = self._checkpoint_state()
         log.rotate(seq, digest, state)  # (raises LogIOError: the command fails, nothing folded)
-        self._logger.info("segment_rotated", seq=seq, segment=log._segment,
+        self._logger.info("segment_rotated", seq=seq, segment=log.segment,
                           segments_deleted=log.segments_deleted)
 
     @property
     def durable_seq(self) -> int:
         """Highest seq on stable storage (-1: none)."""
         return self.log.durable_seq
+
+    @property
+    def logger(self):
+        """The structlog logger the ledger reports on (bound to the log's path)."""
+        return self._logger
 
     def _checkpoint_state(self) -> tuple:
         st = self.state
@@ -227,6 +230,7 @@ class DurableLedger(Ledger):
         """
         if self._every:
             self._next_checkpoint = self.state.seq + self._every
+            self.log.call_at(self._next_checkpoint, self._when_due)
         if self.log.failed or self.log.closed:
             return
         seq, digest, state = self._checkpoint_state()
@@ -285,7 +289,8 @@ def open_ledger(path, geometry: Geometry | None = None, *, policy: str | None = 
     Creating needs ``geometry``; ``policy`` defaults to ``"released_aliases"``.
     An existing log keeps its own geometry and policy (giving different ones
     raises ``ConfigurationError``). Opening verifies every record, rebuilds the
-    state from the last checkpoint and the events after it, truncates a torn
+    state from the last checkpoint (verified: bytes, digest, invariants) and the
+    events after it (each validated, as ``kvledger replay`` does), truncates a torn
     tail (``recovery`` and a ``log_truncated`` warning report it, with the
     events lost when the torn record says) and refuses corruption with
     ``CorruptLogError`` (offset and seq; the file is untouched), including
@@ -319,9 +324,12 @@ def open_ledger(path, geometry: Geometry | None = None, *, policy: str | None = 
             "retain_segments": retain_segments}
     led_opts = {"check": check, "checkpoint_every": checkpoint_every,
                 "logger": logger if logger is not None else get_logger("kvledger"), "observer": observer}
-    if not lay.exists(path):
+    unfinished = lay.exists(path) and getattr(lay, "isdir", None) is not None and lay.isdir(path) \
+        and unfinished_directory(lay, path)  # (a crash while the directory was created)
+    if not lay.exists(path) or unfinished:
         if geometry is None:
-            raise ConfigurationError(f"{path} does not exist: give a geometry to create it")
+            why = "holds only what an interrupted create left" if unfinished else "does not exist"
+            raise ConfigurationError(f"{path} {why}: give a geometry to create it")
         return _create(path, geometry, policy or "released_aliases", opts, led_opts, t0)
     return _reopen(path, geometry, policy, opts, led_opts, t0)
 
@@ -349,7 +357,7 @@ def _create(path: str, geometry: Geometry, policy: str, opts: dict, led_opts: di
     led.recovery = Recovery(path=path, created=True, events=led.seq, checkpoint_seq=None, folded=0,
                             truncated_at=None, truncated_bytes=0, lost_events=None, closed_cleanly=False,
                             seconds=time.perf_counter() - t0)
-    led._logger.info("log_created", geometry=[geometry.num_pages, geometry.page_tokens], policy=policy,
+    led.logger.info("log_created", geometry=[geometry.num_pages, geometry.page_tokens], policy=policy,
                      fsync=opts["fsync"])
     return led
 
@@ -362,7 +370,10 @@ def _reopen(path: str, geometry: Geometry | None, policy: str | None, opts: dict
             raise ConfigurationError(f"{path} holds geometry {hdr.geometry}, not {geometry}")
         if policy is not None and policy != hdr.policy:
             raise ConfigurationError(f"{path} uses clear policy {hdr.policy!r}, not {policy!r}")
-        return rebuild_state(view, check=led_opts["check"])
+        # the events after the last checkpoint (at most checkpoint_every of them) are validated one
+        # by one: the ledger allocates from this state, so a forged event must not reach it
+        with without_gc():
+            return rebuild_state(view, check=led_opts["check"], trusted=False)
 
     log = EventLog.open(path, loader=load, **opts)
     res: Any = log.recovery  # the Scan of what open found, and what load built from it
@@ -380,8 +391,8 @@ def _reopen(path: str, geometry: Geometry | None, policy: str | None, opts: dict
                             truncated_at=res.torn_at, truncated_bytes=res.torn_bytes, lost_events=res.torn_events,
                             closed_cleanly=res.closed, seconds=time.perf_counter() - t0)
     if res.torn_at is not None:
-        led._logger.warning("log_truncated", offset=res.torn_at, bytes=res.torn_bytes, events=led.seq,
+        led.logger.warning("log_truncated", offset=res.torn_at, bytes=res.torn_bytes, events=led.seq,
                             lost_events=res.torn_events)
-    led._logger.info("log_opened", events=led.seq, checkpoint_seq=ck, folded=folded,
+    led.logger.info("log_opened", events=led.seq, checkpoint_seq=ck, folded=folded,
                      closed_cleanly=res.closed, seconds=round(led.recovery.seconds, 4))
     return led

@@ -24,7 +24,8 @@ from kvledger.core.events.events import (
     StepCompleted,
     StepSealed,
 )
-from kvledger.core.log import EventLog, SimulatedDisk
+from kvledger.core.log import EventLog
+from support.simdisk import SimulatedDisk
 from kvledger.durable import open_ledger
 
 from test_log_workload import GEOMETRY, drive

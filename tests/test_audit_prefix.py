@@ -26,7 +26,8 @@ from kvledger.core.events.events import (
     StepCompleted,
     StepSealed,
 )
-from kvledger.core.log import EventLog, SimulatedDisk, open_view
+from kvledger.core.log import EventLog, open_view
+from support.simdisk import SimulatedDisk
 from kvledger.core.state import MARK_ALL, TRANSITIONS
 from kvledger.durable import open_ledger
 from kvledger.tools.audit import COLORS, FAULT_KINDS, audit_log, render, render_svg

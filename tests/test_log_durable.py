@@ -16,7 +16,8 @@ from kvledger import (
     replay,
 )
 from kvledger.core.log.format import KIND_CHECKPOINT, Checkpoint
-from kvledger.core.log import FaultInjector, SimulatedDisk, open_view
+from kvledger.core.log import open_view
+from support.simdisk import FaultInjector, SimulatedDisk
 from kvledger.core.errors import LogClosedError, LogIOError, LogLockedError
 from kvledger.durable import DurableLedger, open_ledger
 from kvledger.core.log.fold import state_from_checkpoint

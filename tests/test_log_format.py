@@ -26,7 +26,8 @@ from kvledger.core.events.events import (
     StepAborted,
     StepSealed,
 )
-from kvledger.core.log import EventLog, FaultInjector, SimulatedDisk, open_view
+from kvledger.core.log import EventLog, open_view
+from support.simdisk import FaultInjector, SimulatedDisk
 from kvledger.core.errors import (
     LogClosedError,
     LogExistsError,

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from kvledger import CLEAR_POLICIES, KVLedgerError, replay
 from kvledger.core.log.format import HEADER_SIZE, KIND_CHECKPOINT, KIND_EVENTS, PREFIX
 from kvledger.core.log.scan import scan
-from kvledger.core.log import EventLog, LogView, SimulatedDisk, open_view
+from kvledger.core.log import EventLog, LogView, open_view
+from support.simdisk import SimulatedDisk
 from kvledger.core.log.fold import rebuild_state
 
 from test_log_workload import GEOMETRY, drive, make_events
@@ -204,3 +205,52 @@ def test_r7_garbage_length_is_not_read():
     finally:
         tracemalloc.stop()
     assert res.torn_at == HEADER_SIZE and peak < 64 * 1024
+
+
+def test_r7_mutated_segments_of_a_directory_only_raise_library_errors():
+    """R7 on a log directory: one segment (its header included) mutated the seeded loop's ways; the
+    directory read as a view from its first segment and from the mutated one, folded both ways, and
+    reopened: only the library's errors escape."""
+    from kvledger.core.log import list_segments
+    from kvledger.durable import open_ledger
+    import logging
+
+    import structlog
+
+    quiet = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
+    disk = SimulatedDisk()
+    with open_ledger("d", GEOMETRY, layer=disk, checkpoint_every=20, segment_bytes=4096, logger=quiet) as led:
+        drive(led, "fuzz-seg", 40)
+    segs = list_segments(disk, "d")
+    files = {name: disk.read(f"d/{name}") for name in disk.listdir("d") if not name.endswith(".sync")}
+    rng = random.Random(77)
+    cases = MUTATIONS // 20
+    kinds = ("flip", "set", "insert", "delete", "truncate", "length", "dup")
+    escapes = 0
+    for _ in range(cases):
+        target = rng.choice(segs)
+        base = files[target[2:]]
+        k = rng.choice(kinds)
+        arg = (os.urandom(rng.randint(1, 32)) if k == "insert" else rng.randrange(8) if k == "flip"
+               else rng.choice([0, 27, 0xFFFFFFFF]) if k == "length" else rng.randint(0, 255))
+        bad = _mutate(base, [(k, rng.randrange(len(base)), arg)])
+        copy = SimulatedDisk()
+        copy.dirs.add("d")
+        for name, data in files.items():
+            copy.put(f"d/{name}", bad if f"d/{name}" == target else data)
+        try:
+            for start in ("d", target):
+                try:
+                    with open_view(start, layer=copy) as v:
+                        for from_checkpoint in (True, False):
+                            with contextlib.suppress(KVLedgerError):
+                                rebuild_state(v, from_checkpoint=from_checkpoint)
+                except KVLedgerError:
+                    pass
+            with contextlib.suppress(KVLedgerError):
+                open_ledger("d", layer=copy, logger=quiet).log.abandon()
+        except Exception:  # (anything but the library's own error is an escape)
+            escapes += 1
+    print(f"R7 on a directory ({len(segs)} segments): {cases} mutated segments read from the first and "
+          f"from the mutated segment, folded and reopened; escapes {escapes}")
+    assert escapes == 0

@@ -1,10 +1,14 @@
 """The trusted fold (``fold_records(..., trusted=True)``): the same states as the checked fold, faster,
-and still refusing logs whose recorded checkpoints or invariants disagree with what it folded."""
+still refusing events out of bounds (page ids, step numbers, recorded plans) and logs whose recorded
+checkpoints or invariants disagree with what it folded; and forged logs against every reader (F2, F3).
+
+``KVLEDGER_HYPOTHESIS=heavy`` forges 3,000 logs instead of 1,000."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import random
 import struct
 import zlib
@@ -12,8 +16,9 @@ import zlib
 import msgspec
 import structlog
 
-from kvledger import CLEAR_POLICIES, CorruptLogError, replay
-from kvledger.core.log import SimulatedDisk, open_view
+from kvledger import CLEAR_POLICIES, CorruptLogError, KVLedgerError, replay
+from kvledger.core.log import open_view
+from support.simdisk import SimulatedDisk
 from kvledger.core.log.fold import fold_records, rebuild_state, start_state
 from kvledger.core.log.format import HEADER_SIZE, KIND_CHECKPOINT, KIND_EVENTS, PREFIX
 from kvledger.core.state import LedgerState
@@ -133,7 +138,7 @@ def test_trusted_fold_refuses_a_forged_log_it_cannot_apply_or_whose_checkpoint_d
     assert silent == 0 and refused >= cases * 3 // 4
 
 
-def test_reopen_uses_the_trusted_fold_and_the_same_digest(tmp_path):
+def test_reopen_folds_the_tail_checked_to_the_same_digest(tmp_path):
     p = tmp_path / "r.kvlog"
     with open_ledger(p, GEOMETRY, checkpoint_every=None, logger=QUIET) as led:
         drive(led, "re", 30)
@@ -143,3 +148,190 @@ def test_reopen_uses_the_trusted_fold_and_the_same_digest(tmp_path):
     assert replay(events).digest() == digest
     with open_ledger(p, logger=QUIET) as again:
         assert again.digest() == digest and again.recovery.folded == len(events)
+
+
+# ---------------------------------------------------------------------- F2: forged impossible events
+
+
+HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
+FORGED = 3000 if HEAVY else 1000
+
+
+def _records_of(data: bytes) -> list[tuple[int, int, int, int, int]]:
+    out, off = [], HEADER_SIZE
+    while off < len(data):
+        _, kind, _, n, seq, count, _ = PREFIX.unpack_from(data, off)
+        out.append((off, kind, n, seq, count))
+        off += 40 + n
+    return out
+
+
+def _mutate_event(items: list, j: int, rng: random.Random, ids: dict) -> str | None:
+    """Change event ``j`` of a decoded events record one way; the name of the way (None: none applies)."""
+    it = items[j]
+    ways = [w for w, ok in (("page", bool(it.get("page_ids"))), ("step", "step" in it), ("rank", "rank" in it),
+                            ("request", "request" in it), ("snapshot", "snapshot" in it), ("target", "target" in it),
+                            ("clear_list", it.get("type") == "step_sealed"), ("drop", True), ("duplicate", True),
+                            ("swap", j + 1 < len(items)), ("type", it.get("type") in _RETYPE)) if ok]
+    way = rng.choice(ways)
+    n = GEOMETRY.num_pages
+    if way == "page":
+        k = rng.randrange(len(it["page_ids"]))
+        it["page_ids"][k] = rng.choice([-2, -1, n, n + 7, rng.randrange(n), it["page_ids"][0], it["page_ids"][-1]])
+    elif way in ("step", "rank"):
+        it[way] = max(0, it[way] + rng.choice([-2, -1, 1, 2, 1000]))
+    elif way in ("request", "snapshot", "target"):
+        pool = ids["snapshot" if way == "snapshot" or it.get("into") == "snapshot" else "request"]
+        it[way] = rng.choice(sorted(pool)) if pool and rng.random() < 0.7 else it[way] + 1
+    elif way == "clear_list":
+        cl = it.setdefault("clear_list", [])
+        if cl and rng.random() < 0.5:
+            cl.pop(rng.randrange(len(cl)))
+        else:
+            cl.append(rng.randrange(-2, n + 2))
+    elif way == "drop":
+        del items[j]
+    elif way == "duplicate":
+        items.insert(j, dict(it))
+    elif way == "swap":
+        items[j], items[j + 1] = items[j + 1], items[j]
+    else:
+        it["type"] = _RETYPE[it["type"]]
+    return way
+
+
+_RETYPE = {"request_finished": "request_cancelled", "request_cancelled": "request_finished",
+           "restore_started": "restore_completed", "restore_completed": "restore_started",
+           "reservation_returned": "pages_reserved"}
+
+
+def _forge(data: bytes, rng: random.Random) -> tuple[bytes, str]:
+    """One event after the last checkpoint changed (what reopen folds), the record's length and
+    count fixed, every chain value and CRC recomputed: only the fold can tell."""
+    recs = _records_of(data)
+    cps = [r[3] for r in recs if r[1] == KIND_CHECKPOINT]
+    after = max(cps) if cps else 1
+    ids: dict[str, set] = {"request": set(), "snapshot": set()}
+    for off, kind, n, _, _ in recs:
+        if kind == KIND_EVENTS:
+            for it in msgspec.msgpack.decode(data[off + 28 : off + 28 + n]):
+                for f in ("request", "snapshot"):
+                    if f in it:
+                        ids[f].add(it[f])
+    cands = [r for r in recs if r[1] == KIND_EVENTS and r[3] >= after]
+    off, _, n, seq, count = rng.choice(cands)
+    items = msgspec.msgpack.decode(data[off + 28 : off + 28 + n])
+    way = _mutate_event(items, rng.randrange(len(items)), rng, ids)
+    if not items:
+        return data, ""
+    enc = msgspec.msgpack.Encoder()
+    payload = b"\xdd" + struct.pack(">I", len(items)) + b"".join(enc.encode(x) for x in items)
+    synced = PREFIX.unpack_from(data, off)[6]
+    head = PREFIX.pack(b"KR", KIND_EVENTS, 0, len(payload), seq, len(items), synced)
+    tail = data[off + 40 + n :]
+    if len(items) != count:  # later records' seqs move with it
+        tail = _shift_seqs(tail, len(items) - count)
+    return _rechain(data[:off] + head + payload + bytes(12) + tail), way
+
+
+def _shift_seqs(data: bytes, delta: int) -> bytes:
+    out, off = bytearray(data), 0
+    while off < len(out):
+        magic, kind, flags, n, seq, count, synced = PREFIX.unpack_from(out, off)
+        PREFIX.pack_into(out, off, magic, kind, flags, n, seq + delta, count, synced)
+        if kind == KIND_CHECKPOINT:  # (its payload names the seq too: left as it is, the checkpoint is refused)
+            pass
+        off += 40 + n
+    return bytes(out)
+
+
+def _refused_by(fn, *args, **kw) -> bool:
+    try:
+        res = fn(*args, **kw)
+    except KVLedgerError:
+        return True
+    return res.error is not None
+
+
+def test_f2_f3_forged_events_are_refused():
+    """F2: a trusted reopen applied events without their preconditions and accepted impossible states
+    (a page id of -2 indexing the page table from its end, a completion of a step never sealed). F3:
+    ``replay --trusted`` and ``audit --page`` exited 0 on them. One event of a verified log is forged
+    (chain and CRCs recomputed) after its last checkpoint; the checked fold from that checkpoint is the
+    oracle, and the class of what it rejects decides what each reader owes:
+
+        every rejection        reopen refuses it (it validates the events after the checkpoint)
+        impossible states      page ids outside the geometry, step numbers against the open step and
+        (PageOutOfRange,       the steps in flight: replay --trusted and audit --page refuse them too
+        StepOrder)             (the trusted fold's bounds checks)
+        plans that differ      replay --trusted refuses them (it compares every recorded plan); audit
+        (ReplayMismatch)       --page compares its own page's place in each plan (counted)
+        the rest               (a page not held, an unknown request: preconditions of the state) replay
+                               --trusted skips them by design; counted, with what caught them anyway
+
+    Logs the checked fold accepts reopen to the same digest."""
+    from kvledger.core.errors import PageOutOfRangeError, ReplayMismatchError, StepOrderError
+    from kvledger.tools.audit import audit_log
+    from kvledger.tools.replay import replay_log
+
+    impossible = (PageOutOfRangeError, StepOrderError)
+    rng = random.Random(2)
+    bases = []
+    for i in range(6):
+        disk = SimulatedDisk()
+        every = None if i % 2 else 60
+        led = open_ledger("t", GEOMETRY, layer=disk, checkpoint_every=every, logger=QUIET)
+        drive(led, f"f2-{i}", 30, ranks=2, tenants=3)
+        led.sync()
+        led.log.abandon()  # (no closing checkpoint: reopen folds the events after the last one)
+        disk.remove_stamp("t")
+        bases.append(disk.read("t"))
+    cases = rejected = reopen_missed = agree = 0
+    owed = {"impossible": [0, 0, 0], "plan": [0, 0, 0], "precondition": [0, 0, 0]}  # cases, replay, audit refused
+    ways: dict[str, list[int]] = {}
+    for k in range(FORGED):
+        bad, way = _forge(bases[k % len(bases)], rng)
+        if not way:
+            continue
+        cases += 1
+        disk = SimulatedDisk()
+        disk.put("t", bad)
+        with open_view("t", layer=disk) as v:
+            assert v.scan.error is None  # forged: every CRC and chain value matches
+            try:
+                checked = rebuild_state(v, trusted=False, check=True)[0]
+                why = None
+            except KVLedgerError as exc:
+                checked, why = None, exc.__cause__ or exc
+        try:
+            led = open_ledger("t", layer=disk, logger=QUIET, checkpoint_every=None)
+        except CorruptLogError:
+            reopened = None
+        else:
+            reopened = led.digest()
+            led.log.abandon()
+        w = ways.setdefault(way, [0, 0])
+        w[0] += 1
+        if checked is None:
+            rejected += 1
+            w[1] += 1
+            reopen_missed += reopened is not None
+            cls = owed["impossible" if isinstance(why, impossible) else "plan" if isinstance(why, ReplayMismatchError)
+                       else "precondition"]
+            cls[0] += 1
+            cls[1] += _refused_by(replay_log, "t", layer=disk, trusted=True, invariants="none")
+            cls[2] += _refused_by(audit_log, "t", layer=disk, page=k % GEOMETRY.num_pages)
+        elif reopened == checked.digest():
+            agree += 1
+    imp, plan, pre = owed["impossible"], owed["plan"], owed["precondition"]
+    print(f"F2/F3 forged logs: {cases} (one event changed after the last checkpoint, chain and CRCs forged; "
+          + ", ".join(f"{w} {r}/{c}" for w, (c, r) in sorted(ways.items()))
+          + f" rejected by the checked fold); rejected {rejected}: reopen accepted {reopen_missed} of them; "
+          f"impossible states {imp[0]}: replay --trusted refused {imp[1]}, audit --page refused {imp[2]}; "
+          f"recorded plans that differ {plan[0]}: replay --trusted refused {plan[1]}, audit --page (its own page "
+          f"only) {plan[2]}; "
+          f"broken preconditions {pre[0]}: replay --trusted (invariants none) refused {pre[1]}, audit --page "
+          f"{pre[2]} (by design not owed); accepted by both folds with the same digest {agree} of {cases - rejected}")
+    assert cases >= FORGED * 9 // 10 and rejected >= cases // 2 and imp[0] >= cases // 10
+    assert reopen_missed == 0 and imp[1] == imp[0] and imp[2] == imp[0] and plan[1] == plan[0]
+    assert agree == cases - rejected

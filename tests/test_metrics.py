@@ -393,7 +393,7 @@ def test_log_statistics_lag_and_timed_writes_and_fsyncs(tmp_path, background):
 
 def test_a_timed_fsync_that_fails_is_timed_and_reaches_the_log_unchanged(tmp_path):
     from kvledger import LogIOError, open_ledger
-    from kvledger.core.log import FaultInjector
+    from support.simdisk import FaultInjector
 
     reg, m = fresh()
     faults = FaultInjector(fail_sync=3)

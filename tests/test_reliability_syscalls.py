@@ -24,7 +24,8 @@ import structlog
 from support.syscalls import SyscallRecorder, norm
 
 from kvledger.core.errors import LogIOError
-from kvledger.core.log import EventLog, SimulatedDisk, open_view
+from kvledger.core.log import EventLog, open_view
+from support.simdisk import SimulatedDisk
 from kvledger.durable import open_ledger
 
 from test_log_workload import GEOMETRY, drive
@@ -67,9 +68,9 @@ class _Watch:
 
 def test_r19_a_commit_is_one_write_then_one_fdatasync_then_the_ack(tmp_path, monkeypatch):
     """Mutants killed: ``os.fdatasync`` in ``files._OsHandle.sync`` made a no-op (no fdatasync is
-    counted, and the crash image lacks acknowledged events); ``self._durable_seq = ...`` moved before
-    ``self._handle.sync()`` in ``writer.EventLog._hand_off`` (durability reported before the fsync:
-    caught inside the fdatasync)."""
+    counted, and the crash image lacks acknowledged events); ``self._publish(last_seq)`` moved before
+    ``live.sync()`` in ``durability.Durability._round`` (durability reported before the fsync: caught
+    inside the fdatasync)."""
     path = str(tmp_path / "c.kvlog")
     rec = SyscallRecorder(monkeypatch)
     watch = _Watch(rec, path)
@@ -96,9 +97,8 @@ def test_r19_a_commit_is_one_write_then_one_fdatasync_then_the_ack(tmp_path, mon
 
 @pytest.mark.parametrize("fsync", ["background", "per_event"])
 def test_r19_acknowledged_events_survive_every_crash_image(tmp_path, monkeypatch, fsync):
-    """Mutants killed: as above, and (background) ``handle.sync()`` moved after the publishing block
-    in ``syncer.Syncer._round`` (the fsync after the acknowledgement: ``durable_seq`` already covers
-    events the disk does not hold when the fdatasync starts)."""
+    """Mutants killed: as above, in the writer thread's rounds too (background: the publish before the
+    fsync means ``durable_seq`` already covers events the disk does not hold when the fdatasync starts)."""
     path = str(tmp_path / "a.kvlog")
     rec = SyscallRecorder(monkeypatch)
     watch = _Watch(rec, path)
@@ -125,7 +125,7 @@ def test_r19_acknowledged_events_survive_every_crash_image(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("fsync", ["per_step", "background"])
 def test_r19_a_failed_fdatasync_surfaces_and_acknowledges_nothing_after_it(tmp_path, monkeypatch, fsync):
-    """Mutant killed: a failed fdatasync swallowed in ``_hand_off`` / ``Syncer._round`` (the log acknowledges
+    """Mutant killed: a failed fdatasync swallowed in ``durability.Durability._round`` (the log acknowledges
     events that the crash image does not hold)."""
     results = []
     for n in range(1, 7):
@@ -192,3 +192,55 @@ def test_r19_create_orders_its_calls(tmp_path, monkeypatch):
     assert order.index("write") < first_sync < link < order.index("dir_fsync", link)
     with open_view(p) as v:
         assert v.scan.closed
+
+
+def _directory_image_events(rec: SyscallRecorder, directory: str) -> tuple[int, object]:
+    """(events a power cut now would keep in the log directory, the scan error or None)."""
+    from kvledger.core.log.segments import is_segment_name
+
+    disk = SimulatedDisk()
+    disk.dirs.add("d")
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if is_segment_name(name):
+            data = rec.crash_image(path)
+            if data is not None:
+                disk.put(f"d/{name}", data)
+        elif name.endswith(".sync") and is_segment_name(name[:-5]):
+            stamp = rec.crash_image(path)
+            if stamp is not None:
+                disk.write_stamp(f"d/{name[:-5]}", stamp)
+    if not disk.listdir("d"):
+        return 0, None
+    with open_view("d", layer=disk) as v:
+        return v.scan.next_seq, v.scan.error
+
+
+@pytest.mark.parametrize("fsync", ["per_step", "background"])
+def test_r19_a_directory_survives_every_crash_image_across_rolls(tmp_path, monkeypatch, fsync):
+    """R19 on a log directory of 4 KiB segments: at every acknowledgement, the crash image of the
+    whole directory (each segment and stamp as its last completed sync and directory fsync left it)
+    holds every acknowledged event and opens without error, rolls included. Mutants killed: as
+    above (fdatasync a no-op, durability published before the fsync), and a roll that creates the
+    next segment before its checkpoint is durable."""
+    path = str(tmp_path / "d")
+    rec = SyscallRecorder(monkeypatch)
+    acks = violations = 0
+
+    def on_seal(led, plan):
+        nonlocal acks, violations
+        acked = led.durable_seq
+        kept, err = _directory_image_events(rec, path)
+        acks += 1
+        violations += err is not None or kept < acked + 1
+
+    led = open_ledger(path, GEOMETRY, fsync=fsync, checkpoint_every=None, segment_bytes=4096, logger=QUIET)
+    drive(led, f"r19-dir-{fsync}", 60, on_seal=on_seal)
+    led.flush()
+    kept, err = _directory_image_events(rec, path)
+    violations += err is not None or kept != led.seq
+    led.close()
+    segments = len([n for n in os.listdir(path) if n.endswith(".kvlog")])
+    print(f"R19 directory ({fsync}): {segments} segments; acknowledgements checked against the crash image "
+          f"{acks + 1}, violations {violations}; calls {rec.counts}")
+    assert violations == 0 and segments >= 3 and rec.counts.get("fdatasync", 0) > 0

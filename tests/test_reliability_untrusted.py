@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shutil
 import stat
 import subprocess
 import sys
@@ -38,33 +39,33 @@ QUIET = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound
 MEMORY_BOUND = 32 << 20  # what one crafted file may make the readers allocate (tracemalloc peak)
 
 
-def _huge_header_log(rng: random.Random) -> bytes:
+def _huge_header_log(rng: random.Random, header=craft.header) -> bytes:
     """The issue's 238-byte log: a forged header claiming more than max_pages, and seq 0 configuring it."""
     # (just past the limit: a mutant without the check allocates a few hundred MB here, not 100 GiB;
     # the 2**32 claim runs in a child with an address-space limit below)
     n = rng.randrange(DEFAULT_MAX_PAGES + 1, DEFAULT_MAX_PAGES + 4096)
-    log = craft.header(n, rng.randint(1, 1 << 20))
+    log = header(n, rng.randint(1, 1 << 20))
     if rng.random() < 0.3:
         return log  # header only: open_ledger would append seq 0 itself
     return craft.record(log, craft.EVENTS, 0, 1, craft.events_payload([craft.configured(n)]))
 
 
-def _huge_length_log(rng: random.Random) -> bytes:
-    log = craft.record(craft.header(64), craft.EVENTS, 0, 1, craft.events_payload([craft.configured(64)]))
+def _huge_length_log(rng: random.Random, header=craft.header) -> bytes:
+    log = craft.record(header(64), craft.EVENTS, 0, 1, craft.events_payload([craft.configured(64)]))
     payload = os.urandom(rng.randint(0, 64))
     return craft.record(log, rng.choice([1, 2, 3]), 1, rng.randint(0, 3), payload,
                         length=rng.choice([0xFFFF_FFFF, 1 << 31, rng.getrandbits(32)]))
 
 
-def _huge_count_log(rng: random.Random) -> bytes:
-    log = craft.header(64)
+def _huge_count_log(rng: random.Random, header=craft.header) -> bytes:
+    log = header(64)
     count = rng.choice([0xFFFF_FFFF, 1 << 30, rng.getrandbits(32)])
     items = [craft.configured(64)]
     return craft.record(log, craft.EVENTS, 0, count, craft.events_payload(items, count=count))
 
 
-def _huge_checkpoint_log(rng: random.Random) -> bytes:
-    log = craft.record(craft.header(64), craft.EVENTS, 0, 1, craft.events_payload([craft.configured(64)]))
+def _huge_checkpoint_log(rng: random.Random, header=craft.header) -> bytes:
+    log = craft.record(header(64), craft.EVENTS, 0, 1, craft.events_payload([craft.configured(64)]))
     claim = rng.choice([0xFFFF_FFFF, 1 << 28, rng.getrandbits(32)])
     state = b"\x8a" + b"\xa5owner\xdd" + claim.to_bytes(4, "big") + os.urandom(rng.randint(0, 32))
     if rng.random() < 0.5:  # a well-formed state whose geometry claims more pages than the header
@@ -101,6 +102,19 @@ def _read_everything(path: str) -> str:
     return outcome
 
 
+def _read_traced(path: str) -> tuple[str, int]:
+    """``_read_everything`` under tracemalloc: (how it ended, the peak traced allocation)."""
+    tracemalloc.start()
+    try:
+        try:
+            outcome = _read_everything(path)
+        except Exception as exc:  # anything but the library's own error is an escape
+            outcome = f"escape {type(exc).__name__}"
+        return outcome, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def test_r17_crafted_logs_are_refused_within_a_memory_bound(tmp_path):
     """Mutant killed: the ``max_pages`` check in ``format.decode_header`` removed (every reader would
     allocate page tables for 2**32 pages: the tracemalloc bound, or the child's address-space limit, fails)."""
@@ -119,16 +133,9 @@ def test_r17_crafted_logs_are_refused_within_a_memory_bound(tmp_path):
                 os.unlink(leftover)
         with open(path, "wb") as f:
             f.write(data)
-        tracemalloc.start()
-        try:
-            try:
-                outcome = _read_everything(path)
-            except Exception as exc:  # anything but the library's own error is an escape
-                outcome = f"escape {type(exc).__name__}"
-                escapes += 1
-            peak = max(peak, tracemalloc.get_traced_memory()[1])
-        finally:
-            tracemalloc.stop()
+        outcome, used = _read_traced(path)
+        escapes += outcome.startswith("escape")
+        peak = max(peak, used)
         counts[cls] += 1
         key = f"{cls}: {outcome}"
         outcomes[key] = outcomes.get(key, 0) + 1
@@ -140,6 +147,36 @@ def test_r17_crafted_logs_are_refused_within_a_memory_bound(tmp_path):
           f"{DEFAULT_MAX_PAGES:,})")
     assert total >= 1000 and escapes == 0 and peak < MEMORY_BOUND
     # a garbage length at the end is tail damage (cut off, nothing read); every other claim is refused
+    assert not [k for k in outcomes if k.endswith(": accepted") and not k.startswith("record length")]
+
+
+def test_r17_crafted_segments_of_a_directory(tmp_path):
+    """R17 on a log directory: the same crafted claims as segment 0 of a directory (a version-2 header,
+    CRCs and chain forged): refused, or a tail cut off, within the same memory bound; never an escape."""
+    rng = random.Random(171)
+    per_class = 63 * SCALE
+    escapes = total = 0
+    peak = 0
+    outcomes: dict[str, int] = {}
+    for i in range(per_class * len(CLASSES)):
+        cls = list(CLASSES)[i % len(CLASSES)]
+        d = tmp_path / f"d{i % 4}"
+        if d.exists():
+            for f in d.iterdir():
+                f.unlink()
+        else:
+            d.mkdir()
+        (d / ("seg-" + "0" * 20 + ".kvlog")).write_bytes(CLASSES[cls](rng, header=craft.segment_header))
+        outcome, used = _read_traced(str(d))
+        escapes += outcome.startswith("escape")
+        peak = max(peak, used)
+        total += 1
+        outcomes[f"{cls}: {outcome}"] = outcomes.get(f"{cls}: {outcome}", 0) + 1
+        if peak >= MEMORY_BOUND or escapes:
+            break
+    print(f"R17 crafted segments: {total} directories; outcomes {outcomes}; escapes {escapes}; peak traced "
+          f"allocation {peak / 1e6:.2f} MB (bound {MEMORY_BOUND / 1e6:.0f} MB)")
+    assert total >= 250 and escapes == 0 and peak < MEMORY_BOUND
     assert not [k for k in outcomes if k.endswith(": accepted") and not k.startswith("record length")]
 
 
@@ -272,3 +309,49 @@ def _first_error(fn):
     except KVLedgerError as exc:
         return exc
     return None
+
+
+def test_r21_files_that_are_not_segments_inside_a_log_directory(tmp_path):
+    """R21 on a log directory: a last segment that is a symbolic link (the writer refuses it and never
+    writes its target; readers may read through it, as for a file), a FIFO or a directory named like a
+    segment: refused with a clear error within a second, nothing written or deleted (an older open
+    removed anything that small as a header-only segment, and its stamp with it); a new directory is
+    created 0700, its segments and stamps 0600."""
+    from kvledger.core.log import list_segments
+    from kvledger.core.log.files import default_layer
+
+    g = Geometry(num_pages=64, page_tokens=16)
+    real = tmp_path / "real"
+    with open_ledger(real, g, segment_bytes=4096, logger=QUIET) as led:
+        for step in range(40):
+            led.reserve(step, 1)
+            led.seal_step(step)
+    segs = list_segments(default_layer, str(real))
+    modes = {p: stat.S_IMODE(os.stat(p).st_mode) for p in [str(real), *segs, f"{segs[-1]}.sync"]}
+    outcomes = {}
+    for kind in ("symlink", "fifo", "directory"):
+        d = tmp_path / kind
+        shutil.copytree(real, d)
+        last = d / os.path.basename(segs[-1])
+        target = tmp_path / f"{kind}-target.kvlog"
+        target.write_bytes(last.read_bytes())
+        last.unlink()
+        if kind == "symlink":
+            last.symlink_to(target)
+        elif kind == "fifo":
+            os.mkfifo(last)
+        else:
+            last.mkdir()
+        before = target.read_bytes()
+        for reader in ("open_ledger", "open_view"):
+            fn = (lambda d=d: open_ledger(d, logger=QUIET).close()) if reader == "open_ledger" else \
+                (lambda d=d: open_view(d).close())
+            outcome, seconds = _within(5.0, fn)
+            outcomes[f"{kind}/{reader}"] = (outcome.split(":")[0], round(seconds, 3))
+        assert target.read_bytes() == before and os.path.lexists(last)  # nothing written through, nothing removed
+    shown = ", ".join(f"{os.path.basename(p)} {m:o}" for p, m in modes.items())
+    print(f"R21 inside a log directory: {outcomes}; modes {shown}")
+    owed = {k for k in outcomes if k != "symlink/open_view"}  # (reading through a link is fine)
+    refused = {k for k, (o, s) in outcomes.items() if "Error" in o and not o.startswith("escape") and s < 1.0}
+    assert refused == owed and outcomes["symlink/open_view"][0] == "accepted"
+    assert modes[str(real)] == 0o700 and all(m == 0o600 for p, m in modes.items() if p != str(real))

@@ -18,7 +18,8 @@ from kvledger.core.events.events import (
     SnapshotReleased,
     StepSealed,
 )
-from kvledger.core.log import EventLog, SimulatedDisk, open_view
+from kvledger.core.log import EventLog, open_view
+from support.simdisk import SimulatedDisk
 from kvledger.durable import open_ledger
 from kvledger.tools.replay import exit_code, render, replay_log
 

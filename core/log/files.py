@@ -4,7 +4,8 @@ The log does all its I/O through a *layer* (``create``, ``open``, ``read``,
 ``exists``, ``read_stamp``, ``write_stamp``) and the *handles* it returns
 (``write`` appends, ``sync``, ``truncate``, ``read``, ``close``). Swapping the
 layer is how the reliability tests crash the disk and fail writes without
-touching the log's code (``simdisk.py``: ``SimulatedDisk``, ``FaultInjector``).
+touching the log's code (``tests/support/simdisk.py``: ``SimulatedDisk``,
+``FaultInjector``).
 
 What ``OsFileLayer`` guarantees:
 

@@ -20,21 +20,53 @@ counts and compares plans, audit follows page lifecycles) and keep the loop.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from collections.abc import Callable
 
 import msgspec
 
 from ..errors import CorruptLogError, InvalidArgumentError, KVLedgerError
-from ..events.events import CacheConfigured
+from ..events.events import (
+    CacheConfigured,
+    PagesCommitted,
+    PagesEvicted,
+    PagesPublished,
+    PagesReserved,
+    PagesShared,
+    ReservationReturned,
+    RestoreCompleted,
+    RestoreStarted,
+    SanitizerViolation,
+    SnapshotAliased,
+    StepAborted,
+    StepCompleted,
+    StepSealed,
+)
 from ..state.canonical import digest_of
 from ..state.invariants import check_invariants
 from ..state.state import LedgerState
 from .format import KIND_CHECKPOINT, KIND_EVENTS, Checkpoint, LogHeader, RecordInfo
 from .reader import LogView
 
-__all__ = ["check_first_event", "fold_records", "rebuild_state", "start_state", "state_from_checkpoint"]
+__all__ = ["bounds_problem", "check_first_event", "fold_records", "rebuild_state", "start_state",
+           "state_from_checkpoint", "without_gc"]
 
 Apply = Callable[[int, object], object]
+
+
+@contextlib.contextmanager
+def without_gc():
+    """The cyclic collector paused while a long fold runs (restored after; for the tools and reopen):
+    a fold makes no reference cycles, and on a large cache the collector's full passes over the
+    growing state cost a third of a long replay's time."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def check_first_event(event, header: LogHeader, path: str, offset: int) -> None:
@@ -112,41 +144,178 @@ def start_state(view: LogView, *, at: int | None = None,
     return st, i + 1, rec
 
 
-def _fold_checked(st: LedgerState, events: list, rec: RecordInfo, path: str) -> None:
-    """Validate and apply each event (``st.fold``); a rejection is corruption at the event's seq."""
-    fold = st.fold
-    i = 0
+class _CheckedFold:
+    """Validate and apply each event (the state's own dispatch table: what ``LedgerState.fold`` does,
+    without its per-event wrappers); a rejection is corruption at the event's seq (``raw``: the
+    fold's own error, for a tool that reports rejections as such). Counts the commits that listed
+    pages from their effects, for ``on_events``."""
+
+    def __init__(self, st: LedgerState, on_events=None, raw: bool = False) -> None:
+        self.st, self.on_events, self.raw = st, on_events, raw
+
+    def __call__(self, events: list, rec: RecordInfo, path: str) -> None:
+        st = self.st
+        dispatch, commit = st.dispatch, PagesCommitted
+        listed = i = 0
+        try:
+            for i, ev in enumerate(events):  # noqa: B007  (i names the failing event)
+                validate, apply = dispatch[type(ev)]
+                validate(st, ev)
+                if apply(st, ev) and type(ev) is commit:
+                    listed += 1
+        except KVLedgerError as exc:
+            if self.on_events is not None:
+                self.on_events(rec, events[:i], listed)  # (what folded before the rejected event)
+            if self.raw:
+                raise
+            seq = rec.seq + i
+            raise CorruptLogError(path, rec.offset, seq, f"{type(events[i]).__name__} at seq {seq} is "
+                                  f"rejected by the fold: {exc}") from exc
+        if self.on_events is not None:
+            self.on_events(rec, events, listed)
+
+
+class _Impossible(Exception):
+    """A field of an event that no state of this log can hold (a trusted fold's bounds check)."""
+
+    def __init__(self, field: str, detail: str, applied: bool = False) -> None:
+        super().__init__(field, detail)
+        self.field, self.detail, self.applied = field, detail, applied
+
+
+def _pages_in_range(st: LedgerState, ev, field: str = "page_ids") -> None:
+    ids = getattr(ev, field)
+    if ids and (min(ids) < 0 or max(ids) >= st.num_pages):
+        bad = [p for p in ids if not 0 <= p < st.num_pages][:4]
+        raise _Impossible(field, f"page ids {bad} outside the geometry's [0, {st.num_pages})")
+
+
+def _commit_bounds(st: LedgerState, ev) -> None:
+    _pages_in_range(st, ev)
+    if ev.step < st.open_step:
+        raise _Impossible("step", f"commit for step {ev.step}, older than the open step {st.open_step}")
+
+
+def _seal_bounds(st: LedgerState, ev) -> None:
+    if ev.step != st.open_step:
+        raise _Impossible("step", f"seal of step {ev.step}, the open step is {st.open_step}")
+    _pages_in_range(st, ev, "clear_list")
+
+
+def _completed_bounds(st: LedgerState, ev) -> None:
+    if ev.step >= st.open_step:
+        raise _Impossible("step", f"completion of step {ev.step}, never sealed (the open step is {st.open_step})")
+
+
+def _aborted_bounds(st: LedgerState, ev) -> None:
+    if not any(plan.step == ev.step for plan in st.in_flight):
+        raise _Impossible("step", f"abort of step {ev.step}, not in flight (the open step is {st.open_step})")
+
+
+def _violation_bounds(st: LedgerState, ev) -> None:
+    if ev.step >= st.open_step or not 0 <= ev.page_id < st.num_pages:
+        raise _Impossible("step" if ev.step >= st.open_step else "page_id",
+                          f"violation at step {ev.step}, page {ev.page_id} (open step {st.open_step}, "
+                          f"{st.num_pages} pages)")
+
+
+# What a trusted fold still checks of every event before it applies it: page ids against the
+# geometry, step numbers against the open step and the steps in flight. O(ids) and a few compares:
+# the bounds a CRC-valid but forged or buggy record could break to reach a state no validated
+# history reaches (a negative page id indexing the page table from its end, a completion of a step
+# never sealed that would let its pages be published before their clear ran).
+_BOUNDS: dict[type, Callable] = {
+    PagesReserved: _pages_in_range, ReservationReturned: _pages_in_range, PagesCommitted: _commit_bounds,
+    SnapshotAliased: _pages_in_range, RestoreStarted: _pages_in_range, RestoreCompleted: _pages_in_range,
+    StepSealed: _seal_bounds, StepCompleted: _completed_bounds, StepAborted: _aborted_bounds,
+    SanitizerViolation: _violation_bounds, PagesPublished: _pages_in_range, PagesShared: _pages_in_range,
+    PagesEvicted: _pages_in_range,
+}
+
+
+def bounds_problem(st: LedgerState, ev) -> str | None:
+    """What a trusted fold would refuse about ``ev`` in ``st`` before applying it (``_BOUNDS``):
+    ``"field: detail"``, or None. For folds of their own (``audit --page``'s projection)."""
+    check = _BOUNDS.get(type(ev))
+    if check is None:
+        return "type: CacheConfigured after seq 0" if type(ev) is CacheConfigured and st.geometry is not None else None
     try:
-        for i, ev in enumerate(events):  # noqa: B007  (i names the failing event)
-            fold(ev)
-    except KVLedgerError as exc:
-        seq = rec.seq + i
-        raise CorruptLogError(path, rec.offset, seq, f"{type(events[i]).__name__} at seq {seq} is "
-                              f"rejected by the fold: {exc}") from exc
+        check(st, ev)
+    except _Impossible as exc:
+        return f"{exc.field}: {exc.detail}"
+    return None
 
 
-def _fold_trusted(st: LedgerState, events: list, rec: RecordInfo, path: str, on_event=None) -> None:
-    """Apply each event without its precondition (a verified log of this library's own writing).
+# how the trusted loop checks an event's bounds: _PAGES (page ids only, inlined), _COMMIT_B (page ids
+# and the step, inlined), _OTHER (its _BOUNDS function), _FIRST (CacheConfigured: seq 0 only), 0 (none)
+_PAGES, _COMMIT_B, _OTHER, _FIRST = 1, 2, 3, 4
 
-    Refuses a ``CacheConfigured`` after seq 0 (it would allocate a page table); anything an applier
-    raises on an event that would not have validated is corruption at its seq.
+
+def _bounds_kind(t: type) -> int:
+    if t is PagesCommitted:
+        return _COMMIT_B
+    if t is CacheConfigured:
+        return _FIRST
+    check = _BOUNDS.get(t)
+    return 0 if check is None else _PAGES if check is _pages_in_range else _OTHER
+
+
+class _TrustedFold:
+    """Apply each event without its precondition (a verified log of this library's own writing),
+    after its bounds (``_BOUNDS``; the two commonest, page ids alone and a commit's, inlined); a
+    sealed step's recorded clear list must be the derived one.
+
+    Refuses a ``CacheConfigured`` after seq 0 (it would allocate a page table); an event out of
+    bounds, a recorded plan that differs, and anything an applier raises on an event that would
+    not have validated are corruption at its seq, naming the field. One table lookup an event
+    gives both how to check it and how to apply it.
     """
-    table = st.transitions
-    i = 0
-    try:
-        for i, ev in enumerate(events):  # noqa: B007
-            t = type(ev)
-            if t is CacheConfigured and rec.seq + i:
-                raise CorruptLogError(path, rec.offset, rec.seq + i, "CacheConfigured after seq 0")
-            table[t].apply(st, ev)
-            if on_event is not None:
-                on_event(rec.seq + i, ev)
-    except CorruptLogError:
-        raise
-    except (KVLedgerError, LookupError, ValueError, TypeError, AttributeError) as exc:
-        seq = rec.seq + i
-        raise CorruptLogError(path, rec.offset, seq, f"{type(events[i]).__name__} at seq {seq} cannot be "
-                              f"applied (trusted fold): {type(exc).__name__}: {exc}") from exc
+
+    def __init__(self, st: LedgerState, on_event=None, on_events=None) -> None:
+        self.st, self.on_event, self.on_events = st, on_event, on_events
+        self.table = {t: (_bounds_kind(t), row.apply) for t, row in st.transitions.items()}
+
+    def __call__(self, events: list, rec: RecordInfo, path: str) -> None:
+        st, table, on_event = self.st, self.table, self.on_event
+        n = st.num_pages
+        listed = 0
+        ev = None
+        try:
+            for ev in events:
+                kind, apply = table[type(ev)]
+                if kind == _PAGES:
+                    ids = ev.page_ids
+                    if ids and (min(ids) < 0 or max(ids) >= n):
+                        _pages_in_range(st, ev)  # (raises, naming the field)
+                elif kind == _COMMIT_B:
+                    ids = ev.page_ids
+                    if ids and (min(ids) < 0 or max(ids) >= n) or ev.step < st.open_step:
+                        _commit_bounds(st, ev)
+                elif kind == _OTHER:
+                    _BOUNDS[type(ev)](st, ev)
+                elif kind == _FIRST and (st.geometry is not None or rec.seq):
+                    raise _Impossible("type", "CacheConfigured after seq 0")
+                effects = apply(st, ev)
+                if effects and kind >= _COMMIT_B:
+                    if kind == _COMMIT_B:
+                        listed += 1
+                    elif type(ev) is StepSealed and effects[0].clear_list != tuple(ev.clear_list):
+                        raise _Impossible("clear_list", f"recorded clear list {list(ev.clear_list)[:16]}, the "
+                                          f"fold derives {list(effects[0].clear_list)[:16]}", applied=True)
+                if kind == _FIRST:
+                    n = st.num_pages
+                if on_event is not None:
+                    on_event(st.seq - 1, ev)
+        except _Impossible as exc:
+            seq = st.seq - exc.applied  # (a refused event was not applied: it would have been st.seq)
+            raise CorruptLogError(path, rec.offset, seq, f"{type(ev).__name__} at seq {seq}: {exc.field}: "
+                                  f"{exc.detail} (trusted fold)") from None
+        except (KVLedgerError, LookupError, ValueError, TypeError, AttributeError) as exc:
+            seq = st.seq
+            raise CorruptLogError(path, rec.offset, seq, f"{type(ev).__name__} at seq {seq} cannot be "
+                                  f"applied (trusted fold): {type(exc).__name__}: {exc}") from exc
+        if self.on_events is not None:
+            self.on_events(rec, events, listed)
 
 
 class _Verifier:
@@ -172,8 +341,7 @@ class _Verifier:
         self.checks += 1
 
 
-def _fold_events(view: LogView, st: LedgerState, rec: RecordInfo, until: int | None, apply: Apply | None,
-                 trusted: bool, on_event) -> int:
+def _fold_events(view: LogView, rec: RecordInfo, until: int | None, apply: Apply | None, fold) -> int:
     """Decode one events record (up to seq ``until``) and fold it the chosen way; returns its event count."""
     events = view.events(rec)
     if until is not None and rec.seq + len(events) - 1 > until:
@@ -184,10 +352,8 @@ def _fold_events(view: LogView, st: LedgerState, rec: RecordInfo, until: int | N
     if apply is not None:
         for seq, ev in enumerate(events, rec.seq):
             apply(seq, ev)
-    elif trusted:
-        _fold_trusted(st, events, rec, path, on_event)
     else:
-        _fold_checked(st, events, rec, path)
+        fold(events, rec, path)
     return len(events)
 
 
@@ -203,38 +369,42 @@ def fold_records(
     trusted: bool = False,
     verify_gap: int | None = None,
     on_event: Callable[[int, object], object] | None = None,
+    on_events: Callable[[RecordInfo, list, int], object] | None = None,
+    raw_rejections: bool = False,
 ) -> int:
     """Fold the records from index ``start`` into ``st``, up to the event with seq ``until``.
 
-    Checked (default): ``apply(seq, event)`` folds one event (default
-    ``st.fold``, validate + apply, whose rejection is raised as
-    ``CorruptLogError`` naming the record's offset and the seq; a custom
-    ``apply`` raises what it raises). Trusted (``trusted=True``, for a log whose
-    CRCs and hash chain verified: every record a view holds did): each event is
-    applied without re-validating it (``LedgerState.apply``), and at
-    checkpoints at least ``verify_gap`` events apart (default 16 x num_pages)
-    the state digest is compared with the recorded one and every invariant is
-    checked; ``on_event(seq, event)`` sees each event right after it was
-    applied (a tool watching a trusted fold). Returns the number of events folded. Raises ``CorruptLogError``
-    for a payload that does not decode, a first event that does not match the
-    header, or (trusted) a digest mismatch, a broken invariant or an event that
-    cannot be applied.
+    Checked (default): each event validated then applied (``_CheckedFold``), a rejection raised as
+    ``CorruptLogError`` naming the record's offset and the seq (``raw_rejections``: as the fold's own
+    error); or a custom ``apply(seq, event)`` that raises what it raises. Trusted (a log whose CRCs
+    and chain verified): each event's bounds checked, then applied without its precondition
+    (``_TrustedFold``); at checkpoints ``verify_gap`` events apart (default 16 x num_pages) the
+    digest is compared and every invariant checked. ``on_event(seq, event)`` sees each event a
+    trusted fold applied; ``on_events(record, events, listed)`` each record's events once folded
+    (``listed``: its commits that listed pages), so a tool that only counts pays nothing per event.
+    Returns the number of events folded. Raises ``CorruptLogError`` for a payload that does not
+    decode, a first event that does not match the header, a rejected or out-of-bounds event, or
+    (trusted) a digest mismatch or a broken invariant.
     """
     recs = view.records
     folded = 0
     verify = None
+    fold: _TrustedFold | _CheckedFold
     if trusted:
         if apply is not None:
             raise InvalidArgumentError("fold_records: trusted folds apply events themselves (watch them with "
                                        "on_event=, not apply=)")
         verify = _Verifier(st, 16 * view.header.geometry.num_pages if verify_gap is None else verify_gap)
+        fold = _TrustedFold(st, on_event, on_events)
+    else:
+        fold = _CheckedFold(st, on_events, raw_rejections)
     for idx in range(start, len(recs)):
         rec = recs[idx]
         if until is not None and rec.seq > until:
             break
         kind = rec.kind
         if kind == KIND_EVENTS:
-            folded += _fold_events(view, st, rec, until, apply, trusted, on_event)
+            folded += _fold_events(view, rec, until, apply, fold)
         elif kind == KIND_CHECKPOINT and (on_checkpoint is not None or verify is not None):
             cp = view.checkpoint(rec)
             if verify is not None:

@@ -105,13 +105,14 @@ __all__ = [
     "SyncStamp",
     "encode_stamp",
     "decode_stamp",
+    "U32",
 ]
 
 FILE_MAGIC = b"\x89KVLOG\r\n"
 FORMAT_VERSION = 1
 HEADER_SIZE = 64
 _HEADER = struct.Struct("<8sHH16sQQ16s")  # 60 bytes, then the CRC
-_U32 = struct.Struct("<I")
+U32 = struct.Struct("<I")
 
 RECORD_MAGIC = b"KR"
 KIND_EVENTS, KIND_CHECKPOINT, KIND_CLOSE = 1, 2, 3
@@ -205,7 +206,7 @@ def encode_header(geometry: Geometry, policy: str, log_id: bytes) -> bytes:
     if not (0 < n <= _U64_MAX and 0 < t <= _U64_MAX):
         raise LogError(f"geometry {geometry} does not fit the log header")
     body = _HEADER.pack(FILE_MAGIC, FORMAT_VERSION, HEADER_SIZE, log_id, n, t, policy.encode("ascii"))
-    return body + _U32.pack(zlib.crc32(body))
+    return body + U32.pack(zlib.crc32(body))
 
 
 def encode_segment_header(geometry: Geometry, policy: str, log_id: bytes, *, segment: int, first_seq: int,
@@ -214,7 +215,7 @@ def encode_segment_header(geometry: Geometry, policy: str, log_id: bytes, *, seg
     v1 = encode_header(geometry, policy, log_id)
     body = v1[:8] + struct.pack("<HH", SEGMENT_VERSION, SEGMENT_HEADER_SIZE) + v1[12:60] \
         + _SEGMENT.pack(segment, first_seq, prev_size, prev_chain)
-    return body + _U32.pack(zlib.crc32(body))
+    return body + U32.pack(zlib.crc32(body))
 
 
 def decode_header(buf, path: str = "<memory>", *, max_pages: int = DEFAULT_MAX_PAGES) -> LogHeader:
@@ -233,7 +234,7 @@ def decode_header(buf, path: str = "<memory>", *, max_pages: int = DEFAULT_MAX_P
     want = _HEADER_SIZES[version]
     if hsize != want or size < want:
         raise CorruptLogError(path, 0, None, f"header size {hsize}, file size {size}: expected a {want}-byte header")
-    (crc,) = _U32.unpack_from(buf, want - 4)
+    (crc,) = U32.unpack_from(buf, want - 4)
     if zlib.crc32(bytes(buf[: want - 4])) != crc:
         raise CorruptLogError(path, 0, None, "header checksum mismatch")
     extra: dict = {}
@@ -268,14 +269,14 @@ class SyncStamp(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
 def encode_stamp(stamp: SyncStamp) -> bytes:
     body = _STAMP.pack(STAMP_MAGIC, stamp.log_id, stamp.size, stamp.next_seq, stamp.chain)
-    return body + _U32.pack(zlib.crc32(body))
+    return body + U32.pack(zlib.crc32(body))
 
 
 def decode_stamp(data: bytes | None, header: LogHeader) -> SyncStamp | None:
     """The stamp in ``data`` if it is one, intact, of this log; else None (no evidence either way)."""
     if data is None or len(data) != STAMP_SIZE or data[:8] != STAMP_MAGIC:
         return None
-    if zlib.crc32(data[: STAMP_SIZE - 4]) != _U32.unpack_from(data, STAMP_SIZE - 4)[0]:
+    if zlib.crc32(data[: STAMP_SIZE - 4]) != U32.unpack_from(data, STAMP_SIZE - 4)[0]:
         return None
     _, log_id, size, next_seq, chain = _STAMP.unpack_from(data, 0)
     if log_id != header.log_id or size < header.size:
@@ -295,7 +296,7 @@ def seal_record(buf: bytearray, start: int, chain) -> bytes:
     body = buf[start:]
     chain.update(body)
     ch = chain.digest()
-    trailer = ch + _U32.pack(zlib.crc32(ch, zlib.crc32(body)))
+    trailer = ch + U32.pack(zlib.crc32(ch, zlib.crc32(body)))
     chain.update(trailer)
     buf += trailer
     return ch

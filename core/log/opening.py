@@ -1,65 +1,54 @@
-"""Creating and reopening an ``EventLog``: atomic create, verify, repair a torn tail, stamp.
+"""Creating and reopening a log: what an ``EventLog`` continues from.
 
-    create_log   header written atomically and durably (temp file, fsync, link,
-                 directory fsync), the log locked for this writer
-    open_log     lock ─► read ─► scan (CRC, chain, seq, the sync stamp) ─►
-                 [corruption: raise, nothing changed] ─► loader(view) (the
-                 ledger rebuilds its state; raising leaves the file as it was)
-                 ─► truncate a torn tail ─► fsync ─► stamp ─► appendable log
+    create_log   a file: header written atomically and durably (temp file, fsync, link,
+                 directory fsync), locked for this writer; a directory: ``LogDirectory.create``
+    open_log     lock ─► read ─► scan (CRC, chain, seq, the sync stamp; a directory: every
+                 segment, linked, and no stamp of a lost last segment) ─► [corruption: raise,
+                 nothing changed] ─► loader(view) (the ledger rebuilds its state; raising
+                 leaves the files as they were) ─► truncate a torn tail ─► fsync ─► stamp
 
-``EventLog.create`` and ``EventLog.open`` call these.
+Both return an ``Opened``: the live segment (``live.py``), the directory's write
+side (``directory.py``; None for a file), the next seq, and for an open what
+the scan found and what the loader built. ``EventLog.create`` / ``EventLog.open``
+build the log from it. Nothing here keeps running after it returns.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any, NamedTuple
 
 from ..errors import InvalidArgumentError, LogError, LogIOError, TornLogError
 from ..events.events import Geometry
+from .directory import LogDirectory, segment_header
 from .files import default_layer, release_buffer
-from .format import (
-    DEFAULT_MAX_PAGES,
-    HEADER_SIZE,
-    decode_header,
-    decode_stamp,
-    encode_header,
-    new_chain,
-)
+from .format import HEADER_SIZE, decode_header, decode_stamp, encode_header, new_chain
+from .live import LiveSegment
 from .reader import LogView, read_stamp
-from .scan import scan
-from .writer import DEFAULT_MAX_LAG_BYTES, policy_mode
+from .scan import Scan, scan
+from .segments import combine, list_segments, missing_tail, scan_segments
 
-__all__ = ["create_log", "open_log"]
-
-
-def _segment_options(segment_bytes, retain_bytes, retain_segments) -> dict | None:
-    if segment_bytes is None:
-        if retain_bytes is not None or retain_segments is not None:
-            raise InvalidArgumentError("retention needs a segmented log (segment_bytes=...)")
-        return None
-    for name, v, low in (("segment_bytes", segment_bytes, 4096), ("retain_bytes", retain_bytes, 1),
-                         ("retain_segments", retain_segments, 1)):
-        if v is not None and (type(v) is not int or v < low):
-            raise InvalidArgumentError(f"{name} must be an int >= {low}, got {v!r}")
-    return {"segment_bytes": segment_bytes, "retain_bytes": retain_bytes, "retain_segments": retain_segments}
+__all__ = ["Opened", "create_log", "open_log"]
 
 
-def create_log(cls, path, geometry: Geometry, *, policy: str = "released_aliases", fsync: str = "background",
-               background: bool | None = None, layer=None, log_id: bytes | None = None,
-               max_pages: int = DEFAULT_MAX_PAGES, max_lag_bytes: int = DEFAULT_MAX_LAG_BYTES,
-               segment_bytes: int | None = None, retain_bytes: int | None = None,
-               retain_segments: int | None = None):
+class Opened(NamedTuple):
+    live: LiveSegment
+    directory: LogDirectory | None
+    next_seq: int
+    recovery: Scan | None = None
+    loaded: Any = None
+
+
+def create_log(path, geometry: Geometry, *, policy: str, layer, log_id: bytes | None, max_pages: int,
+               segments: dict | None) -> Opened:
     """Create a new log holding only its header, atomically and durably.
 
-    ``segment_bytes``: make ``path`` a log directory of segments of about that
-    size (``segments.py``), with the retention bounds ``retain_bytes`` /
-    ``retain_segments`` (oldest segments deleted past them); otherwise one file.
-    Raises ``LogExistsError`` if ``path`` exists, ``LogError`` for a geometry over
-    ``max_pages`` (readers would refuse the log), ``LogIOError`` if the file
-    cannot be written (nothing is left at ``path`` then).
+    ``segments`` (``directory.segment_options``): make ``path`` a log directory.
+    Raises ``LogExistsError`` if ``path`` exists (a directory whose creation was
+    cut short is finished instead), ``LogError`` for a geometry over
+    ``max_pages``, ``LogIOError`` if the file cannot be written (nothing is left
+    at ``path`` then).
     """
-    segs = _segment_options(segment_bytes, retain_bytes, retain_segments)
-    policy_mode(fsync, background)
     if not isinstance(geometry, Geometry):
         raise InvalidArgumentError(f"geometry must be a Geometry, got {geometry!r}")
     path = os.fspath(path)
@@ -68,75 +57,41 @@ def create_log(cls, path, geometry: Geometry, *, policy: str = "released_aliases
                        "pass a larger max_pages (readers of the log will need it too)")
     layer = layer if layer is not None else default_layer
     log_id = log_id if log_id is not None else os.urandom(16)
-    if segs is not None:
-        from .segments import create_dir_log
-
-        encode_header(geometry, policy, log_id)  # (checks the policy and the sizes first)
-        kw = {"fsync": fsync, "background": background, "layer": layer, "max_lag_bytes": max_lag_bytes,
-              "max_pages": max_pages}
-        return create_dir_log(cls, path, (geometry, policy, log_id), kw, segs)
-    header_bytes = encode_header(geometry, policy, log_id)
+    header_bytes = encode_header(geometry, policy, log_id)  # (checks the policy and the sizes first)
+    if segments is not None:
+        directory, live = LogDirectory.create(layer, path, segment_header(geometry, policy, log_id), segments,
+                                              max_pages=max_pages)
+        return Opened(live, directory, 0)
     try:
         handle = layer.create(path, header_bytes)
     except LogError:
         raise
     except OSError as exc:
         raise LogIOError(path, "create", exc) from exc
-    chain = new_chain(header_bytes[12:28])
+    chain = new_chain(log_id)
     chain.update(header_bytes)
-    return cls(handle, decode_header(header_bytes, path, max_pages=max_pages), fsync=fsync, size=HEADER_SIZE,
-               next_seq=0, chain=chain, background=background, layer=layer, max_lag_bytes=max_lag_bytes)
+    return Opened(LiveSegment(handle, decode_header(header_bytes, path, max_pages=max_pages), size=HEADER_SIZE,
+                              chain=chain), None, 0)
 
 
-def open_log(cls, path, *, fsync: str = "background", background: bool | None = None, layer=None,
-             repair: bool = True, loader=None, max_pages: int = DEFAULT_MAX_PAGES,
-             max_lag_bytes: int = DEFAULT_MAX_LAG_BYTES, segment_bytes: int | None = None,
-             retain_bytes: int | None = None, retain_segments: int | None = None):
+def open_log(path, *, layer, repair: bool, loader, max_pages: int, segments: dict | None) -> Opened:
     """Open an existing log for appending: verify it, repair a torn tail, fsync, stamp.
 
     ``loader(view)``, if given, runs on the verified records before anything
     is changed on disk (the ledger rebuilds its state there); its result is
-    ``log.loaded``. If it raises, the file is left exactly as it was.
+    ``loaded``. If it raises, the files are left exactly as they were.
 
     Raises ``CorruptLogError`` (damage that is not a torn tail, including damage
-    before the sync stamp: synced events lost; the file is untouched),
-    ``TornLogError`` (a torn tail and ``repair=False``), ``LogVersionError``,
-    ``LogLockedError``, ``LogError`` (not a regular file, a symbolic link,
-    another user's file, a geometry over ``max_pages``) or ``LogIOError``.
+    before the sync stamp, and a directory missing its last segment: synced
+    events lost; nothing is changed), ``TornLogError`` (a torn tail and
+    ``repair=False``), ``LogVersionError``, ``LogLockedError``, ``LogError`` (not
+    a regular file, a symbolic link, another user's file, a geometry over
+    ``max_pages``) or ``LogIOError``.
     """
-    policy_mode(fsync, background)
     layer = layer if layer is not None else default_layer
     path = os.fspath(path)
-    segs = None
     if getattr(layer, "isdir", None) is not None and layer.isdir(path):
-        from .segments import open_dir_log
-
-        opts = _segment_options(segment_bytes or 64 << 20, retain_bytes, retain_segments)
-        res, loaded, handle, _, segs = open_dir_log(cls, path, repair=repair, loader=loader, max_pages=max_pages,
-                                                    log_kw={"layer": layer}, segments=opts or {})
-        try:
-            _repair(handle, handle.path, res)
-        except BaseException:
-            handle.close()
-            segs["lock"].close()
-            raise
-    else:
-        res, loaded, handle = _open_file(layer, path, repair, loader, max_pages)
-    head = bytes.fromhex(res.chain_head) if res.chain_head else bytes(8)
-    log = cls(handle, res.header, fsync=fsync, size=res.end, next_seq=res.next_seq, chain=res.chain, head=head,
-              background=background, layer=layer, max_lag_bytes=max_lag_bytes, segments=segs)
-    log.recovery = res
-    log.loaded = loaded
-    try:
-        log._stamp()
-    except BaseException:
-        log.abandon()
-        raise
-    return log
-
-
-def _open_file(layer, path: str, repair: bool, loader, max_pages: int):
-    """Lock, verify and repair a single-file log: (scan, loaded, handle)."""
+        return _open_directory(layer, path, repair, loader, max_pages, segments or {"segment_bytes": 64 << 20})
     try:
         handle = layer.open(path)
     except FileNotFoundError:
@@ -145,11 +100,47 @@ def _open_file(layer, path: str, repair: bool, loader, max_pages: int):
         raise LogIOError(path, "open", exc) from exc
     try:
         res, loaded = _verify(handle, layer, path, repair, loader, max_pages)
-        _repair(handle, path, res)
+        live = _continue(handle, res, layer)
     except BaseException:
         handle.close()
         raise
-    return res, loaded, handle
+    return Opened(live, None, res.next_seq, res, loaded)
+
+
+def _open_directory(layer, directory: str, repair: bool, loader, max_pages: int, options: dict) -> Opened:
+    """Lock, verify every segment, repair, continue in the last."""
+    if not list_segments(layer, directory):  # (before the lock file: nothing is written into another directory)
+        raise LogError(f"{directory} is a directory without log segments, not a kvledger log")
+    try:
+        lock = LogDirectory.take_lock(layer, directory)
+    except OSError as exc:
+        raise LogIOError(directory, "open", exc) from exc
+    d = LogDirectory(directory, layer, lock, **options)
+    try:
+        paths = d.drop_empty_tail(list_segments(layer, directory))
+        bufs, scans = scan_segments(layer, paths, max_pages=max_pages)
+        res = combine(directory, scans)
+        view = LogView(bufs[0], res, directory, bufs=bufs, paths=paths[: len(scans)])
+        try:
+            res.raise_error()
+            lost = missing_tail(layer, directory, paths, res.header)
+            if lost is not None:
+                raise lost
+            if res.torn_at is not None and not repair:
+                raise TornLogError(paths[-1], res.torn_at, res.torn_bytes)
+            loaded = loader(view) if loader is not None else None
+        finally:
+            view.close()
+        handle = layer.open(paths[-1])
+        try:
+            live = _continue(handle, res, layer)
+        except BaseException:
+            handle.close()
+            raise
+    except BaseException:
+        lock.close()
+        raise
+    return Opened(live, d, res.next_seq, res, loaded)
 
 
 def _verify(handle, layer, path: str, repair: bool, loader, max_pages: int):
@@ -178,8 +169,10 @@ def _verify(handle, layer, path: str, repair: bool, loader, max_pages: int):
     return res, loaded
 
 
-def _repair(handle, path: str, res) -> None:
-    """Cut the torn tail off and make what remains durable (what we read may sit only in the page cache)."""
+def _continue(handle, res: Scan, layer) -> LiveSegment:
+    """Cut the torn tail off, make what remains durable (what we read may sit only in the page
+    cache), stamp it: the live segment appends continue in."""
+    path = handle.path
     if res.torn_at is not None:
         try:
             handle.truncate(res.end)
@@ -189,3 +182,11 @@ def _repair(handle, path: str, res) -> None:
         handle.sync()
     except OSError as exc:
         raise LogIOError(path, "fsync", exc) from exc
+    head = bytes.fromhex(res.chain_head) if res.chain_head else bytes(8)
+    live = LiveSegment(handle, res.header, size=res.end, chain=res.chain, head=head)
+    try:
+        live.stamp(layer, res.next_seq)
+    except OSError as exc:
+        raise LogIOError(path, "stamp", exc) from exc
+    return live
+

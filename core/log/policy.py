@@ -1,35 +1,66 @@
 """The writer's policies and counters: when a commit writes and fsyncs, and what a log reports.
 
     fsync         commit after               where the write and fsync happen
-    "background"  each StepSealed (default)  the writer thread (``syncer.py``)
+    "background"  each StepSealed (default)  the writer thread (``durability.Background``)
     "per_step"    each StepSealed            inline, before the append returns
     "per_event"   every event                inline
-    "none"        only sync() / close()      inline (writes past 4 MiB unsynced)
+    "none"        only sync() / close()      inline (a full batch is written, unsynced)
+
+Whatever the policy, the open batch never holds more than ``BATCH_EVENTS``
+events: a full batch is handed off (and, under every policy but ``"none"``,
+fsynced), so a log whose steps are never sealed still reaches the disk and its
+memory stays bounded.
 """
 
 from __future__ import annotations
 
-import struct
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
 from ..errors import InvalidArgumentError
-from ..events.events import EVENT_TYPES, StepSealed
-from .format import PREFIX_SIZE
+from ..events.events import (
+    EVENT_TYPES,
+    CacheConfigured,
+    PagesPublished,
+    PagesReserved,
+    PagesShared,
+    StepAborted,
+    StepSealed,
+)
 
-__all__ = ["DEFAULT_MAX_LAG_BYTES", "FSYNC_POLICIES", "LogStatistics", "policy_mode"]  # and the writer's constants
+__all__ = ["APPENDABLE", "BATCH_EVENTS", "DEFAULT_MAX_LAG_BYTES", "FSYNC_POLICIES", "SIZE_RISKS", "TENANT_CHARS",
+           "TENANT_TYPES", "LogStatistics", "policy_mode"]
 
 FSYNC_POLICIES = ("background", "per_step", "per_event", "none")
 DEFAULT_MAX_LAG_BYTES = 64 << 20
-_BATCH_BYTES = 1 << 20  # close an events record past this size
-_FLUSH_BYTES = 4 << 20  # write (without fsync) past this much buffered
-_EVENT_TYPES = frozenset(EVENT_TYPES)
+BATCH_EVENTS = 8192  # a batch this full is handed off (sealed step or not)
+APPENDABLE = frozenset(EVENT_TYPES)  # what append takes
 _SEALS = frozenset((StepSealed,))
 _NONE: frozenset = frozenset()
-_POLICIES = {"background": (_SEALS, True), "per_step": (_SEALS, False), "per_event": (_EVENT_TYPES, False),
+_POLICIES = {"background": (_SEALS, True), "per_step": (_SEALS, False), "per_event": (APPENDABLE, False),
              "none": (_NONE, False)}  # commit after these types, in the writer thread?
-_BATCH_HEAD = bytes(PREFIX_SIZE + 5)  # prefix + array32 header, filled in when the batch is sealed
-_COUNT = struct.Struct(">I")
+
+
+TENANT_CHARS = 1 << 16  # a tenant up to this long cannot make an event pass max_event_bytes
+TENANT_TYPES = (PagesReserved, PagesShared)
+
+
+def _tenant(ev) -> bool:
+    return ev.tenant is not None and len(ev.tenant) > TENANT_CHARS
+
+
+def _always(ev) -> bool:
+    return True
+
+
+# A validated event's page lists hold at most num_pages ids, well inside ``format.max_event_bytes``;
+# only these fields are unbounded: an event whose predicate says so is encoded once to be measured
+# (``RecordTooLargeError`` before anything changed).
+SIZE_RISKS: dict[type, Callable[[Any], bool]] = {
+    PagesReserved: _tenant, PagesShared: _tenant, StepAborted: lambda ev: len(ev.reason) > TENANT_CHARS,
+    PagesPublished: _always, CacheConfigured: _always}
 
 
 class LogStatistics(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -41,7 +72,7 @@ class LogStatistics(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     syncs: int
     checkpoints: int
     size: int  # file size, buffered bytes excluded
-    lag_bytes: int  # handed to the writer thread (or written) but not yet synced
+    lag_bytes: int  # handed to the writer thread but not yet written and synced (estimated), or written unsynced
     stalls: int  # appends that waited for the disk (back-pressure)
 
 

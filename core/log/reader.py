@@ -24,6 +24,7 @@ from .format import (
     decode_stamp,
 )
 from .scan import Scan, scan
+from .segments import combine, list_segments, missing_tail, scan_segments, segment_name
 
 __all__ = ["LogView", "open_view", "read_stamp"]
 
@@ -167,8 +168,6 @@ def _open_directory(layer, directory: str, start: str | None, until: int | None,
                     since: int | None = None) -> LogView:
     """A view over the segments of a log directory, from ``start`` (a segment path), from the
     segment holding seq ``since``, or from the first."""
-    from .segments import combine, list_segments, scan_segments, segment_name
-
     for _ in range(8):  # retention may delete the oldest segment between the listing and the reads
         paths = list_segments(layer, directory)
         if since is not None:
@@ -186,6 +185,8 @@ def _open_directory(layer, directory: str, start: str | None, until: int | None,
             raise
         for extra in bufs[len(scans) :]:
             release_buffer(extra)
-        return LogView(bufs[0], combine(directory, scans), directory, bufs=bufs[: len(scans)],
-                       paths=paths[: len(scans)])
+        res = combine(directory, scans)
+        if res.error is None and not res.stopped and len(scans) == len(paths):
+            res.error = missing_tail(layer, directory, paths, res.header)
+        return LogView(bufs[0], res, directory, bufs=bufs[: len(scans)], paths=paths[: len(scans)])
     raise LogError(f"{directory}: segments keep disappearing while being read")

@@ -6,9 +6,11 @@ checking each one's structure, CRC, chain value, seq and ``synced`` claim, and
 classifies what ends the walk:
 
     clean end      the buffer ends on a record boundary
-    torn tail      damage that nothing proves was synced: no intact record after
-                   it claims its bytes, the sync stamp (or, for a segment, its
-                   successor) does not reach it; truncated by open, reported
+    torn tail      damage that nothing proves was synced: no intact record
+                   anywhere after it (the largest claim decides, stale copies of
+                   earlier records included) claims its bytes, the sync stamp (or,
+                   for a segment, its successor) does not reach it; truncated by
+                   open, reported
     corruption     anything else (``CorruptLogError`` naming offset and seq):
                    an intact record that breaks the chain or the sequence, damage
                    before a proof of sync, a file shorter than its stamp
@@ -24,7 +26,7 @@ from typing import Any
 
 from ..errors import CorruptLogError
 from .format import (
-    _U32,
+    U32,
     DEFAULT_MAX_PAGES,
     KIND_CHECKPOINT,
     KIND_CLOSE,
@@ -99,23 +101,25 @@ def _intact(buf, pos: int, size: int, cap: int) -> int:
         return -1
     end = pos + RECORD_OVERHEAD + n
     rec = buf[pos:end]
-    if zlib.crc32(memoryview(rec)[:-4]) != _U32.unpack_from(rec, len(rec) - 4)[0]:
+    if zlib.crc32(memoryview(rec)[:-4]) != U32.unpack_from(rec, len(rec) - 4)[0]:
         return -1
     return synced
 
 
-def _last_claim_after(buf, off: int, size: int, cap: int) -> tuple[int, int]:
-    """(offset, synced) of the last intact record that starts after ``off``, or (-1, -1)."""
-    end = size - RECORD_OVERHEAD + len(RECORD_MAGIC)
-    while end > off + 1:
-        pos = buf.rfind(RECORD_MAGIC, off + 1, end)
-        if pos < 0:
-            return -1, -1
+def _largest_claim_after(buf, off: int, size: int, cap: int) -> tuple[int, int]:
+    """(offset, synced) of the intact record after ``off`` with the largest ``synced`` claim, or (-1, -1).
+
+    Every intact record counts, not only the last one: stale bytes past the end of a crashed file
+    can hold an intact copy of an earlier record, whose small claim must not hide a later record's
+    proof that the damage was synced."""
+    best = (-1, -1)
+    pos = buf.find(RECORD_MAGIC, off + 1, size)
+    while pos >= 0:
         claim = _intact(buf, pos, size, cap)
-        if claim >= 0:
-            return pos, claim
-        end = pos + 1
-    return -1, -1
+        if claim > best[1]:
+            best = (pos, claim)
+        pos = buf.find(RECORD_MAGIC, pos + 1, size)
+    return best
 
 
 def _bad_content(rec, kind: int, n: int, seq: int, count: int, synced: int, expect: int, synced_max: int,
@@ -163,7 +167,7 @@ def _walk(buf, res: Scan, chain, stop: int) -> bool:
             break
         rec = buf[off : off + RECORD_OVERHEAD + n]
         mv = memoryview(rec)
-        if crc32(mv[:-4]) != _U32.unpack_from(rec, n + PREFIX_SIZE + 8)[0]:
+        if crc32(mv[:-4]) != U32.unpack_from(rec, n + PREFIX_SIZE + 8)[0]:
             damaged = True
             break
         chain.update(mv[:-TRAILER_SIZE])
@@ -216,7 +220,7 @@ def _classify_end(buf, res: Scan, damaged: bool, stamp: SyncStamp | None) -> Non
     off, size, path = res.end, res.size, res.path
     floor = stamp.size if stamp is not None else res.header.size
     if damaged:
-        pos, claim = _last_claim_after(buf, off, size, max_record_bytes(res.header.geometry.num_pages))
+        pos, claim = _largest_claim_after(buf, off, size, max_record_bytes(res.header.geometry.num_pages))
         if claim > off:
             res.error = CorruptLogError(
                 path, off, res.next_seq,

@@ -1,4 +1,4 @@
-"""A log as a directory of segments: naming, reading, creating, rotating, retention.
+"""A log as a directory of segments, the read side: naming, listing, scanning, linking.
 
     <log dir>/                            mode 0700
         seg-00000000000000000000.kvlog    segment 0: events from seq 0
@@ -13,16 +13,15 @@ successor is complete (damage in it is corruption, never a torn tail). Segment
 k > 0 opens with a checkpoint, so any segment is a starting point: replay,
 audit and ``open_ledger`` fold from its checkpoint on.
 
-    rotate       the ledger (``DurableLedger``) sees ``log.rotation_due`` (the
-                 live segment reached ``segment_bytes``) and hands a checkpoint:
-                 sync the live segment ─► create the next (atomic, durable) ─►
-                 its checkpoint record ─► sync ─► stamp ─► retention
-    retention    oldest segments first, never the live one: deleted while the
-                 total passes ``retain_bytes`` or the count ``retain_segments``.
-                 A reader that mapped a deleted segment keeps reading it whole.
-    open         every segment verified and linked; a header-only last segment
-                 (a rotation cut short by a crash) is removed; the writer
-                 continues in the last segment (torn tail repaired as for a file)
+    list_segments      the segment files of a directory, in seq order
+    scan_segments      map and verify segments in order, each against its successor's
+                       header (complete and intact) and the last one against its stamp
+    missing_tail       a sync stamp of a segment after the last one present: the
+                       directory lost its tail (``CorruptLogError`` naming what was synced)
+    combine            one ``Scan`` for a view over several segments
+
+The write side (creating a directory, rolling to the next segment, retention)
+is ``directory.py``; the live segment is ``live.py``.
 """
 
 from __future__ import annotations
@@ -32,19 +31,17 @@ import os
 from ..errors import CorruptLogError, LogError, LogIOError
 from .format import (
     DEFAULT_MAX_PAGES,
-    SEGMENT_HEADER_SIZE,
     SyncStamp,
     decode_header,
     decode_stamp,
-    encode_segment_header,
-    new_chain,
 )
 from .scan import Scan, scan
 
-__all__ = ["SEGMENT_SUFFIX", "combine", "create_dir_log", "is_segment_name", "list_segments", "open_dir_log",
-           "retain", "rotate", "scan_segments", "segment_name"]
+__all__ = ["LOCK_NAME", "SEGMENT_SUFFIX", "combine", "is_segment_name", "list_segments", "missing_tail",
+           "scan_segments", "segment_name", "unfinished_directory"]
 
 SEGMENT_PREFIX, SEGMENT_SUFFIX = "seg-", ".kvlog"
+LOCK_NAME = "LOCK"
 
 
 def segment_name(first_seq: int) -> str:
@@ -66,6 +63,51 @@ def list_segments(layer, directory: str) -> list[str]:
     except OSError as exc:
         raise LogIOError(directory, "read", exc) from exc
     return [os.path.join(directory, n) for n in sorted(names) if is_segment_name(n)]
+
+
+def unfinished_directory(layer, directory: str) -> bool:
+    """Whether ``directory`` is a log directory whose creation was cut short: it holds nothing but
+    what creating one writes before segment 0 exists (its ``LOCK``, a create's temporary files).
+    ``open_ledger`` with a geometry creates the log there."""
+    try:
+        names = layer.listdir(directory)
+    except OSError:
+        return False
+    return all(n == LOCK_NAME or (".tmp-" in n and n.startswith((LOCK_NAME, SEGMENT_PREFIX))) for n in names)
+
+
+def missing_tail(layer, directory: str, paths: list[str], header) -> CorruptLogError | None:
+    """The error for a directory that lost its last segment(s), else None.
+
+    A segment gets its sync stamp when it becomes the live one and keeps it until its successor
+    holds a checkpoint; retention never deletes the live segment. So a stamp (``seg-N.kvlog.sync``)
+    of this log (``header``: any of its segments' headers) whose segment sorts after the last one
+    present names a segment that was lost with everything the stamp says was synced in it.
+    """
+    last = os.path.basename(paths[-1])
+    try:
+        names = layer.listdir(directory)
+    except OSError as exc:
+        raise LogIOError(directory, "read", exc) from exc
+    suffix = ".sync"
+    for name in sorted((n[: -len(suffix)] for n in names if n.endswith(suffix)), reverse=True):
+        if not is_segment_name(name) or name <= last:
+            break
+        path = os.path.join(directory, name)
+        if layer.exists(path):
+            return None  # (a writer rolled to it after the caller listed the segments: not lost)
+        try:
+            stamp = decode_stamp(layer.read_stamp(path), header)
+        except OSError:
+            stamp = None
+        if stamp is None:
+            continue  # not this log's, or not a stamp: no evidence either way
+        first = int(name[len(SEGMENT_PREFIX) : -len(SEGMENT_SUFFIX)])
+        return CorruptLogError(path, stamp.size, first,
+                               f"segment {name} is missing, and its sync stamp says it was synced up to seq "
+                               f"{stamp.next_seq - 1}: the directory lost its last segment(s), synced events "
+                               f"seq {first}-{stamp.next_seq - 1} are gone")
+    return None
 
 
 def _read(layer, path: str):
@@ -141,149 +183,3 @@ def combine(path: str, scans: list[Scan]) -> Scan:
             setattr(res, name, getattr(last, name))
     res.records = [r for s in scans for r in s.records]
     return res
-
-
-# ---------------------------------------------------------------------- the writer's side
-
-
-LOCK_NAME = "LOCK"
-
-
-def _lock_dir(layer, directory: str):
-    """Hold the log directory's writer lock (a handle on its ``LOCK`` file; closing releases it)."""
-    path = os.path.join(directory, LOCK_NAME)
-    if not layer.exists(path):
-        try:
-            return layer.create(path, b"")
-        except LogError:
-            pass  # (another writer created it first: open it, and find it locked)
-    return layer.open(path)
-
-
-def create_dir_log(cls, directory: str, header_args: tuple, log_kw: dict, segments: dict):
-    """Create a log directory (0700) with its lock and segment 0 holding only its header."""
-    geometry, policy, log_id = header_args
-    try:
-        layer = log_kw["layer"]
-        layer.makedir(directory)
-    except FileExistsError:
-        from ..errors import LogExistsError
-
-        raise LogExistsError(f"{directory} already exists") from None
-    except OSError as exc:
-        raise LogIOError(directory, "create", exc) from exc
-    path = os.path.join(directory, segment_name(0))
-    header = encode_segment_header(geometry, policy, log_id, segment=0, first_seq=0, prev_size=0,
-                                   prev_chain=bytes(8))
-    try:
-        lock = _lock_dir(layer, directory)
-        handle = layer.create(path, header)
-    except OSError as exc:
-        raise LogIOError(directory, "create", exc) from exc
-    chain = new_chain(log_id)
-    chain.update(header)
-    hdr = decode_header(header, path, max_pages=log_kw.pop("max_pages"))
-    return cls(handle, hdr, size=len(header), next_seq=0, chain=chain,
-               segments={**segments, "path": directory, "lock": lock}, **log_kw)
-
-
-def open_dir_log(cls, directory: str, *, repair: bool, loader, max_pages: int, log_kw: dict, segments: dict):
-    """Open a log directory for appending: lock, verify every segment, repair, continue in the last."""
-    from ..errors import TornLogError
-    from .reader import LogView
-
-    layer = log_kw["layer"]
-    if not list_segments(layer, directory):  # (before the lock file: nothing is written into another directory)
-        raise LogError(f"{directory} is a directory without log segments, not a kvledger log")
-    try:
-        lock = _lock_dir(layer, directory)
-    except OSError as exc:
-        raise LogIOError(directory, "open", exc) from exc
-    try:
-        paths = _drop_empty_tail(layer, list_segments(layer, directory))
-        bufs, scans = scan_segments(layer, paths, max_pages=max_pages)
-        res = combine(directory, scans)
-        view = LogView(bufs[0], res, directory, bufs=bufs, paths=paths[: len(scans)])
-        try:
-            res.raise_error()
-            if res.torn_at is not None and not repair:
-                raise TornLogError(paths[-1], res.torn_at, res.torn_bytes)
-            loaded = loader(view) if loader is not None else None
-        finally:
-            view.close()
-        handle = layer.open(paths[-1])
-    except BaseException:
-        lock.close()
-        raise
-    return res, loaded, handle, paths[-1], {**segments, "path": directory, "lock": lock}
-
-
-def _drop_empty_tail(layer, paths: list[str]) -> list[str]:
-    """Remove a last segment that holds only its header (a rotation cut short: it holds nothing)."""
-    if len(paths) > 1 and layer.size_of(paths[-1]) <= SEGMENT_HEADER_SIZE:
-        try:
-            layer.remove(paths[-1])
-            layer.remove_stamp(paths[-1])
-        except OSError as exc:
-            raise LogIOError(paths[-1], "remove", exc) from exc
-        return paths[:-1]
-    if not paths:
-        raise LogError("no segments (not a kvledger log directory)")
-    return paths
-
-
-def rotate(log, seq: int, digest: str, state: bytes) -> None:
-    """Close the live segment and open the next with a checkpoint at ``seq`` (see the module docstring).
-
-    Raises ``LogIOError`` (the log then refuses appends, as for any failed write)."""
-    log.sync()
-    if log._syncer is not None:
-        log._syncer.quiesce()  # (no round may still publish the old segment's size)
-    hdr, layer = log.header, log._layer
-    path = os.path.join(log.path, segment_name(seq))
-    header = encode_segment_header(hdr.geometry, hdr.policy, hdr.log_id, segment=log._segment + 1, first_seq=seq,
-                                   prev_size=log._synced_end, prev_chain=log._head)
-    try:
-        handle = layer.create(path, header)
-    except OSError as exc:
-        log._fail("rotate", exc)
-        raise  # (unreachable: _fail raises)
-    old, old_path = log._handle, log._file
-    chain = new_chain(hdr.log_id)
-    chain.update(header)
-    # appends go to the new segment from now on (everything before it was synced)
-    log._handle, log._file, log._chain, log._head = handle, path, chain, bytes(8)
-    log._end = log._size = log._synced_end = len(header)
-    log._segment += 1
-    log.rotation_due = False
-    old.close()
-    try:
-        layer.remove_stamp(old_path)  # (its successor proves the old segment complete from now on)
-    except OSError as exc:
-        log._fail("rotate", exc)
-    log.checkpoint(seq, digest, state)
-    log.sync()
-    retain(log)
-
-
-def retain(log) -> list[str]:
-    """Delete the oldest segments past the retention bounds (never the live one); returns them."""
-    if log.retain_bytes is None and log.retain_segments is None:
-        return []
-    layer = log._layer
-    paths = list_segments(layer, log.path)
-    sizes = [layer.size_of(p) for p in paths]
-    gone = []
-    while len(paths) > 1 and ((log.retain_bytes is not None and sum(sizes) > log.retain_bytes)
-                              or (log.retain_segments is not None and len(paths) > log.retain_segments)):
-        p = paths.pop(0)
-        sizes.pop(0)
-        try:
-            layer.remove(p)
-            layer.remove_stamp(p)
-        except OSError as exc:
-            log._fail("retain", exc)
-        gone.append(p)
-    log.segments_deleted += len(gone)
-    return gone
-

@@ -1,42 +1,72 @@
-"""The durable event log: an append-only file of checksummed, hash-chained records.
+"""The durable event log: an append-only file (or directory) of checksummed, hash-chained records.
+
+One piece: ``EventLog`` is one cohesive class, the appender's face of a log and its
+state machine (open, then failed or closed); its parts are the objects listed
+below, each in its own module, and nothing here reaches into them.
 
     Ledger command ─► validate ─► EventLog.append(seq, event) ─► fold
-                                   │ encode into the open batch (no I/O)
-                                   │ StepSealed (per step) / every event (per_event):
-                                   └► seal the batch record ─► write ─► fsync ─► durable_seq
+                                   │ the event object joins the open batch (no I/O, no encoding)
+                                   │ StepSealed (per step) / every event (per_event) / a full batch:
+                                   └► hand_off ─► seal (encode, chain, CRC) ─► write ─► fsync ─► durable_seq
                                       (in the background writer thread, or inline)
 
-``EventLog.append`` has the signature of a ``Ledger`` sink. Events are encoded
-into an in-memory batch as they arrive; the batch becomes one record and is
-written and fsynced when the policy says so (group commit):
+``EventLog`` is the appender's face of a log, made of four objects:
 
-    "background" (default) a ``StepSealed`` hands the step's record to the writer
-                 thread (``syncer.py``) and returns at once; the thread writes
-                 and fsyncs, one fsync for every step sealed meanwhile
+    Batch        (batch.py)       the open batch and the records queued behind it
+    Inline /     (durability.py)  one ``hand_off`` interface; owns the live segment,
+    Background                    durable_seq, the failure and the writer thread
+    LiveSegment  (live.py)        the file appends go to: seal, write, sync, stamp, successor
+    LogDirectory (directory.py)   a directory's lock, its roll to the next segment, retention
+
+``append`` (and ``sink``, for an owner that validated its events) has the
+signature of a ``Ledger`` sink. The policy says when the
+batch is handed off and fsynced (group commit):
+
+    "background" (default) a ``StepSealed`` hands the step's events to the writer
+                 thread and returns at once; the thread encodes, writes and fsyncs,
+                 one fsync for every step sealed meanwhile
     "per_step"   inline: the ``StepSealed`` append writes and fsyncs before it returns
     "per_event"  inline, after every event
-    "none"       only on ``sync()`` / ``close()`` (and writes, unsynced, past 4 MiB)
+    "none"       only on ``sync()`` / ``close()`` (a full batch is written, unsynced)
+
+and under every policy a batch of ``BATCH_EVENTS`` events is handed off even
+when no step is sealed (fsynced, except under ``"none"``).
 
 ``durable_seq`` is the highest seq known to be on stable storage (-1: none);
 nothing at or below it is lost by a crash, and a crash loses at most the events
 after it (reopening reports the torn tail). ``sync()`` / ``flush()`` write,
-fsync and wait; ``wait_durable(seq)`` waits for the writer thread to reach an
-event, and ``wait_durable_async(seq)`` does the same without blocking an event
-loop. Durability never slows the step by default; waiting for it is opt-in.
+fsync, stamp and wait; ``wait_durable(seq)`` waits for the writer thread to
+reach an event, and ``wait_durable_async(seq)`` does the same without blocking
+an event loop. Durability never slows the step by default; waiting for it is
+opt-in.
 
-Back-pressure: with the writer thread, an append that hands off a record while
-more than ``max_lag_bytes`` (default 64 MiB) are written-or-queued but not yet
-synced blocks until the disk catches up below that bound; memory never grows
-without limit because the disk is slow.
+Back-pressure: with the writer thread, an append that hands off a batch while
+more than ``max_lag_bytes`` (default 64 MiB, estimated: payloads exactly,
+events at their average encoded size) are handed off and not yet written and
+synced blocks until the thread catches up below that bound. The thread does
+every hand-off whatever the policy, so the wait always ends, and memory never
+grows without limit, whether steps are sealed or not.
 
-Failures: a failed write or fsync closes the log to appends (the bytes after
-the last durable point are unknown, and nothing is ever appended after an
-unknown region). Inline, the append that committed raises ``LogIOError`` (the
-command fails, the ledger state is unchanged). In the background, the failure
-surfaces as ``LogIOError`` from the next append, ``sync``, ``wait_durable`` or
-``close``; events after ``durable_seq`` were never acknowledged and may be lost.
-Reopen the log to continue: open truncates a torn tail and refuses corruption
-(``format.py`` says how the two are told apart).
+Segments (a log directory): when the live segment passes ``segment_bytes``,
+``rotation_due`` turns True and the owner hands a checkpoint to ``rotate``: one
+call, queued like any hand-off (the writer thread rolls; inline, the call
+does). The new segment is created with its checkpoint in one atomic, durable
+step (``directory.py``).
+
+Failures: a failed write, fsync, roll or stamp closes the log to appends (the
+bytes after the last durable point are unknown, and nothing is ever appended
+after an unknown region). Inline, the append that committed raises
+``LogIOError`` (the command fails, the ledger state is unchanged). In the
+background, the failure surfaces as ``LogIOError`` from the next append,
+``sync``, ``wait_durable`` or ``close``; events after ``durable_seq`` were
+never acknowledged and may be lost. Reopen the log to continue: open truncates
+a torn tail and refuses corruption (``format.py`` says how the two are told
+apart).
+
+A log dropped without ``close()`` is not leaked: a finalizer (as for files)
+warns with ``ResourceWarning``, lets the writer thread finish what was handed
+off, and gives back the thread, the file and the lock. Events still in the open
+batch are lost, as with ``abandon()``.
 
 All methods block on file I/O, and one thread appends at a time (async callers
 use ``anyio.to_thread.run_sync``; ``wait_durable`` may be called from any
@@ -45,138 +75,181 @@ thread). The log does not log (``kvledger.durable`` does, through ``notify``).
 
 from __future__ import annotations
 
+import os
+import warnings
+import weakref
 from collections.abc import Callable
 
 import msgspec
 
 from ..errors import InvalidArgumentError, LogClosedError, LogError, LogIOError, RecordTooLargeError
 from ..events.events import Geometry
+from .batch import FLUSH, ROLL, Batch
+from .directory import segment_options
+from .durability import Background, Durability, Inline
+from .files import default_layer
 from .format import (
+    DEFAULT_MAX_PAGES,
     KIND_CHECKPOINT,
     KIND_CLOSE,
-    KIND_EVENTS,
-    PREFIX,
-    PREFIX_SIZE,
-    RECORD_MAGIC,
+    RECORD_OVERHEAD,
+    SEGMENT_HEADER_SIZE,
     Checkpoint,
-    LogHeader,
-    SyncStamp,
-    encode_stamp,
     max_event_bytes,
     max_record_bytes,
-    seal_record,
 )
+from .opening import Opened, create_log, open_log
 from .policy import (
-    _BATCH_BYTES,
-    _BATCH_HEAD,
-    _COUNT,
-    _EVENT_TYPES,
-    _FLUSH_BYTES,
+    APPENDABLE,
+    BATCH_EVENTS,
     DEFAULT_MAX_LAG_BYTES,
     FSYNC_POLICIES,
+    SIZE_RISKS,
+    TENANT_CHARS,
+    TENANT_TYPES,
     LogStatistics,
     policy_mode,
 )
 from .scan import Scan
-from .syncer import Syncer, wait_durable_async
 
-__all__ = ["EventLog", "LogStatistics", "FSYNC_POLICIES", "DEFAULT_MAX_LAG_BYTES"]
+__all__ = ["DEFAULT_MAX_LAG_BYTES", "FSYNC_POLICIES", "EventLog", "LogStatistics"]
+
+_MEASURE, _COMMIT, _TENANT = 1, 2, 4  # what sink must do after appending an event of a type (EventLog._kinds)
+
+
+def _check_lag(max_lag_bytes) -> None:
+    if type(max_lag_bytes) is not int or max_lag_bytes < 1:
+        raise InvalidArgumentError(f"max_lag_bytes must be a positive int, got {max_lag_bytes!r}")
+
+
+def _unclosed(durability: Durability, path: str) -> None:
+    """The finalizer of a log dropped without ``close()`` (see the module docstring)."""
+    warnings.warn(f"kvledger log {path} was never closed: its writer thread, file and lock are released now; "
+                  "events not handed off are lost", ResourceWarning, stacklevel=2)
+    durability.abandon()
+
 
 class EventLog:
-    """An open, appendable event log. Build it with ``create`` or ``open`` (``opening.py``).
+    """An open, appendable event log. Build it with ``create`` or ``open``.
 
     After ``open``, ``recovery`` is the ``Scan`` of what was found (records,
     torn tail, whether it had been closed cleanly) and ``loaded`` what the
     ``loader`` built from the verified records.
     """
 
-    __slots__ = (
-        "fsync", "background", "path", "header", "recovery", "loaded", "notify", "max_lag_bytes",
-        "_sync_types", "_handle", "_layer", "_enc", "_encode_into", "_event_cap", "_record_cap", "_buf",
-        "_batch_at", "_batch_seq", "_chain", "_head", "_end", "_size", "_synced_end", "_next_seq", "_start_seq",
-        "_durable_seq", "_ok", "_failure", "_failed_op", "_reported", "_closed", "_records", "_bytes", "_syncs",
-        "_checkpoints", "_checkpoint_seq", "_stalls", "_syncer", "_written_seq",
-        "segment_bytes", "retain_bytes", "retain_segments", "rotation_due", "segments_deleted", "_file", "_segment",
-        "_lock",
-    )
+    __slots__ = ("fsync", "background", "path", "header", "recovery", "loaded", "notify", "max_lag_bytes",
+                 "rotation_due", "_sync_types", "_cap_sync", "_batch", "_events", "_durability", "_directory",
+                 "_enc", "_event_cap", "_record_cap", "_ok", "_closed", "_reported", "_start_seq",
+                 "_checkpoints", "_checkpoint_seq", "_stalls", "_segment", "_segment_size", "_finalizer", "_due",
+                 "_owner_due", "_when_due", "_kinds", "__weakref__")
 
-    def __init__(self, handle, header: LogHeader, *, fsync: str = "background", size: int, next_seq: int, chain,
-                 head: bytes = bytes(8), background: bool | None = None, layer=None,
-                 max_lag_bytes: int = DEFAULT_MAX_LAG_BYTES, segments: dict | None = None) -> None:
+    def __init__(self, opened: Opened, *, path: str, layer, fsync: str = "background",
+                 background: bool | None = None, max_lag_bytes: int = DEFAULT_MAX_LAG_BYTES) -> None:
         self._sync_types, bg = policy_mode(fsync, background)
-        if type(max_lag_bytes) is not int or max_lag_bytes < 1:
-            raise InvalidArgumentError(f"max_lag_bytes must be a positive int, got {max_lag_bytes!r}")
+        _check_lag(max_lag_bytes)
+        live = opened.live
         self.fsync = fsync
         self.background = bg
         self.max_lag_bytes = max_lag_bytes
-        self.path = handle.path
-        self.header = header
-        self._file = handle.path  # the file appends go to (the live segment of a log directory)
-        self._segment = header.segment
-        self._lock = None
-        self.segment_bytes = self.retain_bytes = self.retain_segments = None
-        self.rotation_due = False  # a log directory's live segment reached segment_bytes: rotate()
-        self.segments_deleted = 0
-        if segments is not None:  # a log directory: {"path", "segment_bytes", "retain_bytes", ...}
-            self.path = segments["path"]
-            self._lock = segments.get("lock")
-            self.segment_bytes = segments["segment_bytes"]
-            self.retain_bytes = segments.get("retain_bytes")
-            self.retain_segments = segments.get("retain_segments")
+        self.path = path
+        self.header = live.header
+        self.recovery: Scan | None = opened.recovery
+        self.loaded = opened.loaded
         self.notify: Callable[[str, dict], object] | None = None  # how the log tells its owner what happened
-        self._handle = handle
-        self._layer = layer
+        self.rotation_due = False  # a log directory's live segment reached segment_bytes: rotate()
+        # sink's one gate: before appending event _due or later, _gate runs (the log failed or closed,
+        # the batch is full, the owner's call_at is due, a roll is due); _reset_due recomputes it
+        self._owner_due = 1 << 62
+        self._due = BATCH_EVENTS + opened.next_seq
+        self._when_due: Callable[[int], object] | None = None
+        self._cap_sync = bool(self._sync_types)  # a full batch is fsynced too (all policies but "none")
+        self._kinds = {t: (_MEASURE if t in SIZE_RISKS else 0) | (_COMMIT if t in self._sync_types else 0)
+                       for t in APPENDABLE}
+        for t in TENANT_TYPES:
+            if self._kinds[t] == _MEASURE:
+                self._kinds[t] = _TENANT
+        self._batch = Batch(opened.next_seq)
+        self._events = self._batch.events
+        self._directory = opened.directory
+        self._segment = live.index  # the segment appends go to once every roll asked for is done
+        self._segment_size = float(live.size)  # its size once everything handed off is written (estimated)
         self._enc = msgspec.msgpack.Encoder()
-        self._encode_into = self._enc.encode_into
-        self._event_cap = max_event_bytes(header.geometry.num_pages)
-        self._record_cap = max_record_bytes(header.geometry.num_pages)
-        self._buf = bytearray()
-        self._batch_at = -1
-        self._batch_seq = 0
-        self._chain = chain
-        self._head = head  # chain value of the last sealed record
-        self._end = size  # end of everything handed over (written, or queued for the writer thread)
-        self._size = size  # bytes written to the file
-        self._synced_end = size  # bytes known to be on stable storage
-        self._next_seq = self._start_seq = next_seq
-        self._durable_seq = self._written_seq = next_seq - 1
-        self._ok = True  # open and not failed: the one flag the hot path reads
-        self._failure: BaseException | None = None  # the OSError that stopped the log
-        self._failed_op = ""
-        self._reported = self._closed = False
-        self._records = self._bytes = self._syncs = self._checkpoints = self._stalls = 0
+        self._event_cap = max_event_bytes(self.header.geometry.num_pages)
+        self._record_cap = max_record_bytes(self.header.geometry.num_pages)
+        self._ok = True  # open and not failed (the hot path reads _due, which follows it)
+        self._closed = self._reported = False
+        self._start_seq = opened.next_seq
+        self._checkpoints = self._stalls = 0
         self._checkpoint_seq = -1
-        self.recovery: Scan | None = None
-        self.loaded = None
-        self._syncer = Syncer(self) if bg else None
+        kind = Background if bg else Inline
+        self._durability: Durability = kind(live, layer, opened.directory, opened.next_seq,
+                                            on_failure=weakref.WeakMethod(self._writer_failed))
+        self._finalizer = weakref.finalize(self, _unclosed, self._durability, path)
 
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def create(cls, path, geometry: Geometry, **kw) -> EventLog:
-        """Create a new log holding only its header (``opening.create_log`` has the details)."""
-        from .opening import create_log
+    def create(cls, path, geometry: Geometry, *, policy: str = "released_aliases", fsync: str = "background",
+               background: bool | None = None, layer=None, log_id: bytes | None = None,
+               max_pages: int = DEFAULT_MAX_PAGES, max_lag_bytes: int = DEFAULT_MAX_LAG_BYTES,
+               segment_bytes: int | None = None, retain_bytes: int | None = None,
+               retain_segments: int | None = None) -> EventLog:
+        """Create a new log holding only its header, atomically and durably (``opening.create_log``).
 
-        return create_log(cls, path, geometry, **kw)
+        ``segment_bytes``: make ``path`` a log directory of segments of about that
+        size, with the retention bounds ``retain_bytes`` / ``retain_segments``
+        (oldest segments deleted past them); otherwise one file. Raises
+        ``InvalidArgumentError`` for bad options (nothing created),
+        ``LogExistsError``, ``LogError``, ``LogIOError``.
+        """
+        segs = segment_options(segment_bytes, retain_bytes, retain_segments)
+        policy_mode(fsync, background)
+        _check_lag(max_lag_bytes)
+        layer = layer if layer is not None else default_layer
+        path = os.fspath(path)
+        opened = create_log(path, geometry, policy=policy, layer=layer, log_id=log_id, max_pages=max_pages,
+                            segments=segs)
+        return cls._build(opened, path, layer, fsync, background, max_lag_bytes)
 
     @classmethod
-    def open(cls, path, **kw) -> EventLog:
-        """Open an existing log for appending (``opening.open_log`` has the details)."""
-        from .opening import open_log
+    def open(cls, path, *, fsync: str = "background", background: bool | None = None, layer=None,
+             repair: bool = True, loader=None, max_pages: int = DEFAULT_MAX_PAGES,
+             max_lag_bytes: int = DEFAULT_MAX_LAG_BYTES, segment_bytes: int | None = None,
+             retain_bytes: int | None = None, retain_segments: int | None = None) -> EventLog:
+        """Open an existing log for appending (``opening.open_log`` has the details and what it raises).
 
-        return open_log(cls, path, **kw)
+        A directory is reopened as one (segments of ``segment_bytes``, default 64 MiB)."""
+        policy_mode(fsync, background)
+        _check_lag(max_lag_bytes)
+        segs = segment_options(segment_bytes or 64 << 20, retain_bytes, retain_segments)
+        layer = layer if layer is not None else default_layer
+        path = os.fspath(path)
+        opened = open_log(path, layer=layer, repair=repair, loader=loader, max_pages=max_pages, segments=segs)
+        return cls._build(opened, path, layer, fsync, background, max_lag_bytes)
+
+    @classmethod
+    def _build(cls, opened: Opened, path: str, layer, fsync: str, background: bool | None,
+               max_lag_bytes: int) -> EventLog:
+        try:
+            return cls(opened, path=path, layer=layer, fsync=fsync, background=background,
+                       max_lag_bytes=max_lag_bytes)
+        except BaseException:
+            opened.live.close()
+            if opened.directory is not None:
+                opened.directory.release()
+            raise
 
     # ------------------------------------------------------------------ state
 
     @property
     def seq(self) -> int:
         """The seq the next appended event must carry (= events in the log)."""
-        return self._next_seq
+        return self._batch.next_seq
 
     @property
     def durable_seq(self) -> int:
         """Highest seq known to be on stable storage; -1 when none is."""
-        return self._durable_seq
+        return self._durability.durable_seq
 
     @property
     def closed(self) -> bool:
@@ -184,23 +257,47 @@ class EventLog:
 
     @property
     def failed(self) -> bool:
-        return self._failure is not None
+        return self._durability.failure is not None
+
+    @property
+    def segment(self) -> int:
+        """The index of the segment appends go to (once the rolls asked for are done; 0: a file)."""
+        return self._segment
+
+    @property
+    def segment_bytes(self) -> int | None:
+        return None if self._directory is None else self._directory.segment_bytes
+
+    @property
+    def retain_bytes(self) -> int | None:
+        return None if self._directory is None else self._directory.retain_bytes
+
+    @property
+    def retain_segments(self) -> int | None:
+        return None if self._directory is None else self._directory.retain_segments
+
+    @property
+    def segments_deleted(self) -> int:
+        """Segments retention deleted so far (the writer thread may still be deleting more)."""
+        return 0 if self._directory is None else self._directory.deleted
 
     @property
     def may_block(self) -> bool:
         """Whether the next append could wait for the disk: always inline (a commit writes and
-        fsyncs); with the writer thread, while a segment rotation is due or back-pressure is near
-        (the bytes handed off or buffered but not yet synced pass half of ``max_lag_bytes``)."""
-        if self._syncer is None:
+        fsyncs); with the writer thread, while back-pressure is near (what was handed off and not
+        yet done, plus the open batch, passes half of ``max_lag_bytes``)."""
+        d = self._durability
+        if not d.background:
             return True
-        return self.rotation_due or 2 * (self._end + len(self._buf) - self._synced_end) > self.max_lag_bytes
+        return 2 * (d.lag + len(self._events) * d.event_bytes) > self.max_lag_bytes
 
     def statistics(self) -> LogStatistics:
+        d = self._durability
+        seq = self.seq
         return LogStatistics(
-            events=self._next_seq, durable_seq=self._durable_seq, appended=self._next_seq - self._start_seq,
-            records=self._records, bytes_written=self._bytes, syncs=self._syncs,
-            checkpoints=self._checkpoints, size=self._size, lag_bytes=self._end - self._synced_end,
-            stalls=self._stalls,
+            events=seq, durable_seq=d.durable_seq, appended=seq - self._start_seq, records=d.records,
+            bytes_written=d.bytes_written, syncs=d.syncs, checkpoints=self._checkpoints, size=d.size,
+            lag_bytes=d.lag_bytes(), stalls=self._stalls,
         )
 
     def _refuse(self, report: bool = True) -> None:
@@ -208,19 +305,28 @@ class EventLog:
 
         ``report=False`` never counts as the report (for calls whose caller may not pass it on).
         """
-        if self._failure is not None:
+        d = self._durability
+        if d.failure is not None:
             if not self._reported and report:
                 self._reported = True
-                raise LogIOError(self.path, self._failed_op, self._failure,
-                                 f"events after seq {self._durable_seq} may be lost; reopen the log")
+                raise LogIOError(self.path, d.failed_op, d.failure,
+                                 f"events after seq {d.durable_seq} may be lost; reopen the log")
             raise LogClosedError(f"{self.path}: the log stopped taking appends after a failure "
-                                 f"({self._failed_op}: {self._failure}); reopen it")
+                                 f"({d.failed_op}: {d.failure}); reopen it")
         raise LogClosedError(f"{self.path}: the log is closed")
+
+    def _writer_failed(self, op: str, exc: BaseException) -> None:
+        """The writer side failed (any thread): no more appends; tell the owner."""
+        self._ok = False
+        self._due = -1
+        if self.notify is not None:
+            self.notify("write_failed", {"op": op, "errno": getattr(exc, "errno", None),
+                                         "durable_seq": self._durability.durable_seq, "error": str(exc)})
 
     # ------------------------------------------------------------------ appends
 
     def append(self, seq: int, event) -> None:
-        """Append ``event`` as ``seq`` (a ``Ledger`` sink). Durable per the fsync policy.
+        """Append ``event`` as ``seq``. Durable per the fsync policy.
 
         Raises ``LogError`` (wrong seq), ``InvalidArgumentError`` (not an event),
         ``RecordTooLargeError`` (nothing changed), ``LogClosedError``, or
@@ -228,55 +334,89 @@ class EventLog:
         appends; reopen it). In every case the event is not in the log's
         durable future: a ``Ledger`` does not fold it.
         """
-        if seq != self._next_seq or not self._ok:
-            self._refuse_append(seq)
-        if type(event) not in _EVENT_TYPES:
+        if not self._ok:
+            self._refuse()
+        if seq != self._batch.next_seq:
+            raise LogError(f"{self.path}: append of seq {seq}, the log expects seq {self._batch.next_seq}")
+        if type(event) not in APPENDABLE:
             raise InvalidArgumentError(f"not a kvledger event: {type(event).__name__}")
-        self.append_next(event)
+        self._check_size(seq, event)  # (unvalidated events: page lists of any length)
+        self.sink(seq, event)
 
-    def append_next(self, event) -> None:
-        """``append(self.seq, event)`` for a caller that owns the sequence and hands only
-        validated kvledger events (``DurableLedger``): skips those two checks, nothing else."""
+    def sink(self, seq: int, event) -> None:
+        """``append`` for an owner that hands only validated kvledger events, in seq order: the
+        ``Ledger`` sink of ``DurableLedger``. No seq or type check; only the events whose fields a
+        validation leaves unbounded are measured (``policy.SIZE_RISKS``); the owner's ``call_at``
+        callback runs first when it is due. Raises as ``append``."""
+        if seq >= self._due:
+            self._gate(seq)
+        self._events.append(event)
+        kind = self._kinds[type(event)]  # one lookup: 0, _TENANT, or _MEASURE | _COMMIT
+        if kind:
+            if kind != _TENANT:
+                self._sink_more(seq, event, kind)
+            elif event.tenant is not None and len(event.tenant) > TENANT_CHARS:  # (the commonest event)
+                self._sink_more(seq, event, _MEASURE)
+
+    def _gate(self, seq: int) -> None:
+        """What must happen before event ``seq`` is appended (see ``_due``), rarely anything."""
         if not self._ok:
             self._refuse()
-        seq = self._next_seq
-        buf = self._buf
-        if self._batch_at < 0:
-            self._batch_at = len(buf)
-            self._batch_seq = seq
-            buf += _BATCH_HEAD
-        self._encode_into(event, buf, -1)
-        self._next_seq = seq + 1
-        if len(buf) - self._batch_at > _BATCH_BYTES:
-            self._large_batch(seq, event)
-        if type(event) in self._sync_types:
-            self._commit()
+        if len(self._events) >= BATCH_EVENTS:
+            self._commit(self._cap_sync)
+        if self._when_due is not None and (seq >= self._owner_due or self.rotation_due):
+            self._when_due(seq)
+        self._reset_due()
 
-    def _refuse_append(self, seq: int) -> None:
+    def _reset_due(self) -> None:
         if not self._ok:
-            self._refuse()
-        raise LogError(f"{self.path}: append of seq {seq}, the log expects seq {self._next_seq}")
+            self._due = -1
+        elif self.rotation_due and self._when_due is not None:
+            self._due = -1  # (the owner is told before the next append)
+        else:
+            self._due = min(self._owner_due, self._batch.first_seq + BATCH_EVENTS)
 
-    def _large_batch(self, seq: int, event) -> None:
-        """The open batch passed its size: refuse an oversized event, else seal the batch (and maybe write)."""
+    def _sink_more(self, seq: int, event, kind: int) -> None:
+        """The rare part of ``sink``: measure an event whose fields may be unbounded (taking it back
+        out of the batch if it is too large), then commit when the policy says so."""
+        if kind & _MEASURE and SIZE_RISKS[type(event)](event):
+            try:
+                self._check_size(seq, event)
+            except RecordTooLargeError:
+                self._events.pop()
+                raise
+        if kind & _COMMIT:
+            self._commit(True)
+
+    def call_at(self, seq: int, when_due: Callable[[int], object]) -> None:
+        """Have ``sink`` call ``when_due(seq)`` before it appends event ``seq`` or any later one (the
+        owner's checkpoint schedule), and before the next append whenever a segment roll is due
+        (``rotation_due``: the owner answers with ``rotate``). One schedule at a time."""
+        self._owner_due = seq
+        self._when_due = when_due
+        self._reset_due()
+
+    def _check_size(self, seq: int, event) -> None:
         size = len(self._enc.encode(event))
-        buf = self._buf
         if size > self._event_cap:
-            del buf[len(buf) - size :]
-            self._next_seq = seq
-            if seq == self._batch_seq:
-                del buf[self._batch_at :]
-                self._batch_at = -1
             raise RecordTooLargeError(f"event {type(event).__name__} at seq {seq} encodes to {size} bytes, "
                                       f"more than {self._event_cap}")
-        self._finish_batch()
-        if len(buf) > _FLUSH_BYTES:
-            self._hand_off(False)
 
     @property
     def checkpoint_seq(self) -> int:
         """Seq of the last checkpoint this handle appended (-1: none)."""
         return self._checkpoint_seq
+
+    def _checkpoint_payload(self, seq: int, digest: str, state: bytes, report: bool) -> bytes:
+        if not self._ok or self._closed:
+            self._refuse(report=report)
+        if seq != self._batch.next_seq:
+            raise LogError(f"{self.path}: checkpoint at seq {seq}, the log is at seq {self._batch.next_seq}")
+        payload = self._enc.encode(Checkpoint(seq=seq, digest=digest, state=state))
+        if len(payload) > self._record_cap:
+            raise RecordTooLargeError(f"checkpoint at seq {seq} is {len(payload)} bytes, "
+                                      f"the limit is {self._record_cap}")
+        return payload
 
     def checkpoint(self, seq: int, digest: str, state: bytes) -> None:
         """Append a checkpoint of the state after ``seq`` events (no I/O until the next commit).
@@ -284,40 +424,39 @@ class EventLog:
         Raises ``LogError`` unless ``seq`` equals ``self.seq``, ``RecordTooLargeError``
         (nothing changed), ``LogClosedError``.
         """
-        if self._failure is not None or self._closed:
-            self._refuse(report=False)
-        if seq != self._next_seq:
-            raise LogError(f"{self.path}: checkpoint at seq {seq}, the log is at seq {self._next_seq}")
-        payload = self._enc.encode(Checkpoint(seq=seq, digest=digest, state=state))
-        if len(payload) > self._record_cap:
-            raise RecordTooLargeError(f"checkpoint at seq {seq} is {len(payload)} bytes, "
-                                      f"the limit is {self._record_cap}")
-        if self._batch_at >= 0:
-            self._finish_batch()
-        self._add_record(KIND_CHECKPOINT, seq, payload)
+        payload = self._checkpoint_payload(seq, digest, state, False)
+        self._batch.add_record(KIND_CHECKPOINT, seq, payload)
+        self._events = self._batch.events
         self._checkpoints += 1
         self._checkpoint_seq = seq
 
     def rotate(self, seq: int, digest: str, state: bytes) -> None:
-        """A log directory: close the live segment and open the next one with this checkpoint
-        (``segments.rotate``). Raises ``LogError`` for a single-file log, ``LogIOError``."""
-        if self.segment_bytes is None:
+        """A log directory: roll to the next segment, which opens with this checkpoint of the state
+        after ``seq`` events. Queued with what came before it (the writer thread rolls; inline, this
+        call does). Raises ``LogError`` for a single-file log or a wrong seq, ``RecordTooLargeError``,
+        ``LogClosedError``, ``LogIOError`` (inline)."""
+        if self._directory is None:
             raise LogError(f"{self.path}: a single-file log has no segments to rotate")
-        from .segments import rotate
-
-        rotate(self, seq, digest, state)
+        payload = self._checkpoint_payload(seq, digest, state, True)
+        self._batch.add_record(ROLL, seq, payload)
+        self._segment += 1
+        self._checkpoints += 1
+        self._checkpoint_seq = seq
+        self._commit(True)
+        self._segment_size = float(SEGMENT_HEADER_SIZE + RECORD_OVERHEAD + len(payload))
+        self.rotation_due = False
+        self._reset_due()
 
     # ------------------------------------------------------------------ durability
 
     def sync(self) -> None:
         """Write and fsync everything appended so far, wait for it, and stamp the log:
         afterwards ``durable_seq == seq - 1``. Raises ``LogIOError`` / ``LogClosedError``."""
-        if self._failure is not None or self._closed:
+        if not self._ok or self._closed:
             self._refuse()
-        self._commit()
-        if self.background:
-            self._wait_synced()
-        self._stamp()
+        self._commit(True, stamp=True)
+        if not self._durability.wait_done():
+            self._refuse()
 
     flush = sync
 
@@ -330,25 +469,37 @@ class EventLog:
         one. Raises ``LogIOError`` if the writer failed before ``seq`` was durable.
         Any thread may call it.
         """
-        if self._durable_seq >= seq:
+        d = self._durability
+        if d.durable_seq >= seq:
             return True
-        if self._failure is not None:
+        if d.failure is not None:
             self._refuse()
-        if self._syncer is None or self._closed:
+        if not d.background or self._closed:
             return False
-        ok = self._syncer.wait(lambda: self._durable_seq >= seq, timeout)
-        if not ok and self._failure is not None:
+        ok = d.wait(lambda: d.durable_seq >= seq, timeout)
+        if not ok and d.failure is not None:
             self._refuse()
         return ok
 
     async def wait_durable_async(self, seq: int, poll: float = 0.05) -> None:
-        """Wait, without blocking the event loop, until event ``seq`` is durable
-        (``syncer.wait_durable_async``: raises ``LogIOError`` if the writer failed,
-        ``LogClosedError`` if the log closed or is inline before ``seq`` became durable)."""
-        await wait_durable_async(self, seq, poll)
+        """Wait, without blocking the event loop, until event ``seq`` is durable.
+
+        Waits in a worker thread ``poll`` seconds at a time (cancellable between
+        polls). Raises ``LogIOError`` if the writer failed, ``LogClosedError`` if
+        the log closed (or is inline) before ``seq`` became durable.
+        """
+        import anyio
+
+        while not await anyio.to_thread.run_sync(self.wait_durable, seq, poll, abandon_on_cancel=True):
+            if self._closed or not self.background:
+                if self.durable_seq >= seq:
+                    return
+                raise LogClosedError(f"{self.path}: seq {seq} is not durable and the log no longer syncs "
+                                     f"by itself (closed or inline; durable_seq {self.durable_seq})")
 
     def close(self) -> None:
-        """Sync, append a close record (it proves the whole file synced), sync, stamp, release the file.
+        """Write and fsync everything, then a close record (it claims the whole file synced), fsync,
+        stamp, release the file.
 
         Idempotent. After a failure it only releases the file (raising the
         failure if it was never reported). Raises ``LogIOError`` if the final
@@ -357,33 +508,30 @@ class EventLog:
         if self._closed:
             return
         try:
-            if self._failure is None:
-                self._commit()
-                if self.background:
-                    self._wait_synced()  # the close record claims everything before it synced
-                self._add_record(KIND_CLOSE, self._next_seq, b"")
-                self._commit()
-                if self.background:
-                    self._wait_synced()
-                self._stamp()
+            if self._durability.failure is None:
+                seq = self._batch.next_seq
+                self._batch.add_record(FLUSH, seq, b"")
+                self._batch.add_record(KIND_CLOSE, seq, b"")
+                self._commit(True, stamp=True)
+                if not self._durability.wait_done():
+                    self._refuse()
             elif not self._reported:
                 self._refuse()
         finally:
             self._release()
 
     def abandon(self) -> None:
-        """Release the file without writing anything more (a failed open built on this log)."""
+        """Release the file without appending anything more (the writer thread finishes what was
+        already handed off; the open batch is dropped): what a crash would leave, or a failed open."""
         if not self._closed:
             self._release()
 
     def _release(self) -> None:
         self._closed = True
         self._ok = False
-        if self._syncer is not None:
-            self._syncer.stop()
-        self._handle.close()
-        if self._lock is not None:
-            self._lock.close()
+        self._due = -1
+        self._finalizer.detach()
+        self._durability.abandon()
 
     def __enter__(self) -> EventLog:
         return self
@@ -393,106 +541,36 @@ class EventLog:
 
     # ------------------------------------------------------------------ internals
 
-    def _finish_batch(self) -> None:
-        buf, start = self._buf, self._batch_at
-        n = len(buf) - start - PREFIX_SIZE
-        count = self._next_seq - self._batch_seq
-        PREFIX.pack_into(buf, start, RECORD_MAGIC, KIND_EVENTS, 0, n, self._batch_seq, count, self._synced_end)
-        buf[start + PREFIX_SIZE] = 0xDD
-        _COUNT.pack_into(buf, start + PREFIX_SIZE + 1, count)
-        self._head = seal_record(buf, start, self._chain)
-        self._batch_at = -1
-        self._records += 1
-
-    def _add_record(self, kind: int, seq: int, payload: bytes) -> None:
-        buf = self._buf
-        start = len(buf)
-        buf += PREFIX.pack(RECORD_MAGIC, kind, 0, len(payload), seq, 0, self._synced_end)
-        buf += payload
-        self._head = seal_record(buf, start, self._chain)
-        self._records += 1
-
-    def _commit(self) -> None:
-        """Seal the open batch; write and fsync everything sealed (inline) or queue it (background)."""
-        if self._batch_at >= 0:
-            self._finish_batch()
-        self._hand_off(True)
-
-    def _hand_off(self, sync: bool) -> None:
-        """Write what is sealed, then fsync it: here (inline), or in the writer thread."""
-        buf = self._buf
-        if self._syncer is not None:
-            if buf:
-                self._buf = bytearray()
-                self._end += len(buf)
-                self._written_seq = self._next_seq - 1  # (buf held only sealed records)
-            elif not sync:
-                return
-            self._syncer.hand_off(buf or None, self._written_seq, sync)
-            if self._end - self._synced_end > self.max_lag_bytes:
-                self._stall()
-            if self.segment_bytes is not None and self._end >= self.segment_bytes:
-                self.rotation_due = True
+    def _commit(self, sync: bool, stamp: bool = False) -> None:
+        """Hand everything queued to the writer side: inline, it is written (and fsynced) before this
+        returns; in the background, queued (then back-pressure may wait)."""
+        batch = self._batch
+        items, events, payload = batch.take()
+        self._events = batch.events
+        if not items and not sync:
             return
-        if buf:
-            try:
-                self._handle.write(buf)
-            except OSError as exc:
-                self._fail("write", exc)
-            self._size += len(buf)
-            self._end = self._size
-            self._bytes += len(buf)
-            self._buf = bytearray()
-            self._written_seq = self._next_seq - 1
-        if not sync:
-            return
+        d = self._durability
+        estimate = d.estimate(events, payload)
         try:
-            self._handle.sync()
-        except OSError as exc:
-            self._fail("fsync", exc)
-        self._syncs += 1
-        self._synced_end = self._size
-        self._durable_seq = self._next_seq - 1
-        if self.segment_bytes is not None and self._end >= self.segment_bytes:
-            self.rotation_due = True
+            d.hand_off(items, batch.first_seq - 1, sync, stamp, estimate)
+        except OSError as exc:  # (inline: the durability recorded it; the log takes no more appends)
+            self._reported = True
+            raise LogIOError(self.path, d.failed_op, exc, f"events after seq {d.durable_seq} may be lost; "
+                                                          "reopen the log") from exc
+        if d.background and d.lag > self.max_lag_bytes:
+            self._stall()
+        directory = self._directory
+        if directory is not None:  # the live segment's size, exact once the writer caught up, else estimated
+            self._segment_size = d.size if d.segment == self._segment and d.lag < 1 else \
+                self._segment_size + estimate
+            if self._segment_size >= directory.segment_bytes:
+                self.rotation_due = True
+        self._reset_due()
 
     def _stall(self) -> None:
-        """Back-pressure: wait until no more than ``max_lag_bytes`` are unsynced."""
+        """Back-pressure: wait until no more than ``max_lag_bytes`` are handed off and not yet done."""
         self._stalls += 1
+        d = self._durability
         bound = self.max_lag_bytes
-        self._syncer.wait(lambda: self._end - self._synced_end <= bound, None)  # type: ignore[union-attr]
-        if self._failure is not None:
+        if not d.wait(lambda: d.lag <= bound, None) and d.failure is not None:
             self._refuse()
-
-    def _record_failure(self, op: str, exc: Exception) -> None:
-        """The log stops taking appends (writer thread or inline); tell the owner."""
-        self._failure = exc
-        self._failed_op = op
-        self._ok = False
-        if self.notify is not None:
-            self.notify("write_failed", {"op": op, "errno": getattr(exc, "errno", None),
-                                         "durable_seq": self._durable_seq, "error": str(exc)})
-
-    def _fail(self, op: str, exc: OSError):
-        self._record_failure(op, exc)
-        self._reported = True
-        raise LogIOError(self.path, op, exc, f"events after seq {self._durable_seq} may be lost; "
-                                             "reopen the log") from exc
-
-    def _wait_synced(self) -> None:
-        """Background: wait until everything handed to the thread is written and fsynced."""
-        end = self._end
-        self._syncer.wait(lambda: self._synced_end >= end, None)  # type: ignore[union-attr]
-        if self._failure is not None:
-            self._refuse()
-
-    def _stamp(self) -> None:
-        """Record out of band that every byte so far is synced (``format.SyncStamp``)."""
-        if self._layer is None or self._end != self._synced_end:
-            return
-        stamp = SyncStamp(log_id=self.header.log_id, size=self._synced_end, next_seq=self._next_seq,
-                          chain=self._head)
-        try:
-            self._layer.write_stamp(self._file, encode_stamp(stamp))
-        except OSError as exc:
-            self._fail("stamp", exc)

@@ -6,16 +6,17 @@
       ─► checked (the default), for each event:
              validate (a StepSealed's recorded clear list must equal the one the fold derives,
              else ReplayMismatchError) ─► apply ─► at sealed steps: every invariant
-         trusted (--trusted), for each event: apply without re-validating it (the records'
-             CRCs and hash chain verified: a log of this library's own writing)
+         trusted (--trusted), for each event: its bounds (page ids in the geometry, step numbers
+             against the open step and the steps in flight), apply without its precondition, and a
+             StepSealed's recorded clear list must equal the derived one
       ─► at checkpoint records: the recorded state digest must equal the replayed one
          (checked: every checkpoint; trusted: checkpoints at least 16 x num_pages events apart,
          each with every invariant, and the checkpoint at the end)
       ─► at the end: every invariant, the digest
 
 The loop is the library's own (``kvledger.core.log.fold``: ``start_state`` then
-``fold_records``); replay hands it its hooks: ``apply`` (checked: count, fold,
-check invariants at sealed steps) or ``on_event`` (trusted: count),
+``fold_records``); replay hands it its hooks: ``on_events`` (count a record's events in
+bulk; checked: every invariant at the sealed steps the schedule names),
 ``on_checkpoint`` (compare digests) and ``on_record`` (progress). Both modes
 count the same things (``replay_report.Tally``) and reach the same digest.
 
@@ -27,10 +28,24 @@ Invariant checks cost O(num_pages) each (about a microsecond or two per page
 here, as much as folding an event). ``--invariants steps`` runs them at every
 sealed step (trusted: every checkpoint); ``auto`` (the default) at the first
 sealed step (trusted: checkpoint) after every 16 x num_pages events and at the
-end; ``end``; ``none``. A checked replay validates every event and compares
-every recorded plan, whatever the choice. A trusted replay of a log the fold
-would reject reports it as corruption (or as a digest mismatch at the next
-checkpoint it compares): replay it checked to find the event.
+end (trusted: unless the log ends with a checkpoint whose digest the replay
+reaches: that state is the one the live ledger's validated commands reached,
+whose invariants held; a closed log ends so); ``end``; ``none``. A checked replay validates every event and compares
+every recorded plan, whatever the choice.
+
+What ``--trusted`` skips, exactly: each event's precondition against the
+state (that a reserved page is free, a committed page reserved by that
+request, a released snapshot live, ...), and with it the invariant checks
+between checkpoints. It still verifies every record's CRC and hash chain,
+refuses any event whose page ids fall outside the geometry or whose step
+number does not fit the open step and the steps in flight (``StepOrder`` /
+``PageOutOfRange``: an impossible state), compares every sealed step's
+recorded clear list, and at checkpoints ``16 x num_pages`` events apart
+compares the state digest and checks every invariant (at the end: the last
+checkpoint's digest, and the invariants unless that digest matched). A forged
+event that breaks only a precondition and leaves a state those checks accept
+is not found: replay without ``--trusted`` (``open_ledger`` validates the
+events it folds on reopen for the same reason).
 
 Exit status: 0 the log replays (a torn tail is reported, not replayed: that is
 what a crash leaves, and ``open_ledger`` truncates it); 1 a replay mismatch, a
@@ -45,6 +60,7 @@ file; 3 a corrupt log (the first bad record's file, offset and seq are printed).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 
 from kvledger.core.errors import (
@@ -58,14 +74,10 @@ from kvledger.core.events.events import (
     PagesEvicted,
     PagesPublished,
     PagesShared,
-    RequestCancelled,
-    RequestFinished,
-    ReservationReturned,
-    StepAborted,
     StepSealed,
 )
 from kvledger.core.log import LogView, open_view
-from kvledger.core.log.fold import fold_records, start_state
+from kvledger.core.log.fold import fold_records, start_state, without_gc
 from kvledger.core.log.format import KIND_EVENTS, Checkpoint, RecordInfo
 from kvledger.core.state import LedgerState
 from kvledger.core.state.invariants import check_invariants
@@ -89,10 +101,6 @@ __all__ = ["EXIT_CORRUPT", "EXIT_MISMATCH", "EXIT_OK", "EXIT_USAGE", "INVARIANT_
            "exit_code", "record_of", "render", "replay_log"]
 
 NEVER = 1 << 62
-# events after which the trusted hook re-reads how many pages are listed (the others leave it alone)
-_PENDING_CHANGES = frozenset({StepSealed, StepAborted, ReservationReturned, RequestCancelled, RequestFinished,
-                              PagesEvicted})
-
 
 def replay_log(path, *, until: int | None = None, from_checkpoint: bool = False, invariants: str = "auto",
                trusted: bool = False, progress: Callable[[int, int], None] | None = None,
@@ -114,7 +122,7 @@ def replay_log(path, *, until: int | None = None, from_checkpoint: bool = False,
     if invariants not in INVARIANT_MODES:
         raise InvalidArgumentError(f"invariants must be one of {INVARIANT_MODES}, got {invariants!r}")
     t0 = time.perf_counter()
-    with open_view(path, layer=layer, until=until) as view:
+    with open_view(path, layer=layer, until=until) as view, without_gc():
         if until is not None and until < view.first_seq:
             raise InvalidArgumentError(f"until {until} is before the first event of {view.paths[0]} "
                                        f"(seq {view.first_seq}): start from an earlier segment")
@@ -151,6 +159,7 @@ class _Replay:
         self.last_check = 0  # seq of the last invariant check (trusted: of the last checkpoint compared)
         self.last_cp: tuple[RecordInfo, Checkpoint] | None = None  # trusted: the last one not compared
         self.failed_at: tuple[int, int | None, str | None] | None = None  # (seq, offset, file) a hook found
+        self.digested: tuple[int, str] = (-1, "")  # (seq, digest) of the last digest computed: O(num_pages) each
 
     def run(self, until: int | None, from_checkpoint: bool) -> None:
         """Start, fold, finish; the first problem lands in ``s.error``, the counts in the summary."""
@@ -165,9 +174,10 @@ class _Replay:
         self.last_check = st.seq
         hooks: dict = {"on_checkpoint": self._on_checkpoint, "on_record": self._progress_hook()}
         if self.trusted:
-            hooks.update(trusted=True, verify_gap=NEVER, on_event=self._event_hook())
+            hooks.update(trusted=True, verify_gap=NEVER)
         else:
-            hooks["apply"] = self._apply_hook()
+            hooks.update(raw_rejections=True)  # (an event the fold rejects is a rejection, exit 1)
+        hooks["on_events"] = self._events_hook()
         try:
             fold_records(self.view, st, start, until=until, **hooks)
             self._at_end()
@@ -175,7 +185,7 @@ class _Replay:
             s.error = self._locate(exc)
         finally:
             tally.into(s, st)
-            s.digest = st.digest() if st.geometry is not None else ""
+            s.digest = self.digest_of(st) if st.geometry is not None else ""
 
     def _start(self, until: int | None, from_checkpoint: bool) -> int:
         """Index of the first record to fold; a checkpoint start replaces ``self.st``."""
@@ -201,55 +211,29 @@ class _Replay:
         base, total = _segment_bases(self.view)
         return lambda rec: progress(base[rec.segment] + rec.end, total)
 
-    def _apply_hook(self) -> Callable[[int, object], None]:
-        """Checked: ``apply(seq, event)`` folds it (validated: a recorded plan must match), counts it after."""
-        st, tally = self.st, self.tally
+    def _events_hook(self) -> Callable[[RecordInfo, list, int], None]:
+        """``on_events(record, events, listed)`` after each record counts its events in bulk (``listed``:
+        the commits that listed pages, which the fold saw in their effects); checked, the invariants
+        at the first sealed step of a record after every ``gap`` events."""
+        tally = self.tally
         counts = tally.counts
-        fold = st.fold
+        extra = (PagesCommitted, StepSealed, PagesEvicted, PagesPublished, PagesShared)
 
-        def apply(seq: int, ev) -> None:
-            t = type(ev)
-            if t is PagesCommitted:
-                tally.pages_committed += len(ev.page_ids)
-                if fold(ev):
-                    tally.commits_listing += 1
-            elif t is StepSealed:
-                fold(ev)
-                self._sealed(seq, ev)
-            else:
-                fold(ev)
-                if t is PagesPublished or t is PagesShared or t is PagesEvicted:
-                    _count_pages(tally, t, ev)
-            counts[t] += 1  # a rejected event is not counted
+        def on_events(rec: RecordInfo, events: list, listed: int) -> None:
+            for t, k in Counter(map(type, events)).items():
+                counts[t] += k
+            tally.commits_listing += listed
+            for seq, ev in enumerate(events, rec.seq):
+                t = type(ev)
+                if t in extra:
+                    if t is PagesCommitted:
+                        tally.pages_committed += len(ev.page_ids)
+                    elif t is StepSealed:
+                        self._sealed(seq, ev)
+                    else:
+                        _count_pages(tally, t, ev)
 
-        return apply
-
-    def _event_hook(self) -> Callable[[int, object], None]:
-        """Trusted: ``on_event(seq, event)`` after each applied event counts it. A commit listed
-        pages iff it added pages to ``st.pending`` (nothing else adds to it in a commit)."""
-        st, tally = self.st, self.tally
-        counts = tally.counts
-        listed = [len(st.pending)]  # pages listed after the last event that changed them
-
-        def on_event(seq: int, ev) -> None:
-            t = type(ev)
-            counts[t] += 1
-            if t is PagesCommitted:
-                tally.pages_committed += len(ev.page_ids)
-                n = len(st.pending)
-                if n > listed[0]:
-                    tally.commits_listing += 1
-                listed[0] = n
-            elif t in _PENDING_CHANGES:
-                listed[0] = len(st.pending)
-                if t is StepSealed:
-                    self._sealed(seq, ev)
-                elif t is PagesEvicted:
-                    tally.pages_evicted += len(ev.page_ids)
-            elif t is PagesPublished or t is PagesShared:
-                _count_pages(tally, t, ev)
-
-        return on_event
+        return on_events
 
     def _sealed(self, seq: int, ev: StepSealed) -> None:
         """Count the plan; checked: every invariant at the first sealed step ``gap`` events after the last check."""
@@ -280,11 +264,17 @@ class _Replay:
                 self.last_cp = (rec, cp)  # compared at the end if it is the last one
                 return
             self.last_cp = None
-            self._compare(rec, cp, st.digest())
+            self._compare(rec, cp, self.digest_of(st))
             self._invariants((rec.seq, rec.offset, self.view.paths[rec.segment]))
             self.last_check = st.seq
         else:
-            self._compare(rec, cp, st.digest())
+            self._compare(rec, cp, self.digest_of(st))
+
+    def digest_of(self, st: LedgerState) -> str:
+        """``st.digest()``, computed once per seq (the end's checkpoint and the summary share it)."""
+        if self.digested[0] != st.seq:
+            self.digested = (st.seq, st.digest())
+        return self.digested[1]
 
     def _compare(self, rec: RecordInfo, cp: Checkpoint, digest: str) -> None:
         if digest != cp.digest:
@@ -294,15 +284,19 @@ class _Replay:
         self.s.checkpoints_compared += 1
 
     def _at_end(self) -> None:
-        """Every invariant of the final state; trusted: the checkpoint at the final seq, if it was not compared."""
+        """Trusted: the checkpoint at the final seq, if it was not compared; then every invariant of the
+        final state, unless (trusted, ``auto``) that checkpoint's digest matched: the state is then the one
+        the live ledger's validated commands reached, whose invariants held."""
         st = self.st
         if st.geometry is None:
             return
-        if self.invariants != "none":
-            self._invariants((st.seq, self.view.scan.end, self.view.paths[-1]))
+        implied = False
         if self.last_cp is not None and self.last_cp[0].seq == st.seq:
             rec, cp = self.last_cp
-            self._compare(rec, cp, st.digest())
+            self._compare(rec, cp, self.digest_of(st))
+            implied = self.trusted and self.invariants == "auto"
+        if self.invariants != "none" and not implied:
+            self._invariants((st.seq, self.view.scan.end, self.view.paths[-1]))
 
     def _locate(self, exc: KVLedgerError) -> ReplayError:
         """The summary's error: where a hook found it, else the events record holding the seq the fold reached."""

@@ -80,8 +80,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--from-checkpoint", action="store_true",
                     help="start from the last checkpoint at or before --until instead of the first event")
     ap.add_argument("--trusted", action="store_true",
-                    help="apply the verified records' events without re-validating each one (the fold's speed); "
-                         "digests compared and invariants checked at checkpoints. Default: checked")
+                    help="apply the verified records' events without each one's precondition (the fold's speed): "
+                         "page ids, step numbers and recorded plans are still checked, digests and invariants at "
+                         "checkpoints; a forged event that breaks only a precondition is not found. Default: checked")
     ap.add_argument("--invariants", choices=INVARIANT_MODES, default="auto",
                     help="when to run the O(num_pages) invariant checks (default auto: at a sealed step -- trusted: "
                          "a checkpoint -- every 16 x num_pages events, and at the end; steps: every sealed step -- "

@@ -24,6 +24,14 @@ def header(num_pages: int, page_tokens: int = 16, policy: str = "released_aliase
     return body + struct.pack("<I", zlib.crc32(body))
 
 
+def segment_header(num_pages: int, page_tokens: int = 16, policy: str = "released_aliases",
+                   log_id: bytes = bytes(16)) -> bytes:
+    """Segment 0's 96-byte version-2 header (a log directory's first file), CRC forged to match."""
+    body = HEADER.pack(MAGIC, 2, 96, log_id, num_pages, page_tokens, policy.encode()) \
+        + struct.pack("<QQQ8s", 0, 0, 0, bytes(8))
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
 def record(log: bytes, kind: int, seq: int, count: int, payload: bytes, synced: int | None = None,
            length: int | None = None) -> bytes:
     """``log`` + one record whose CRC and chain are correct for ``log`` (``length`` may lie)."""

@@ -27,7 +27,11 @@ to the checked engine's for every page of logs that use every event.
 
 Cost: the events of the window are decoded and looked at once (a membership
 test each); the fold runs only for the few that touch p. The window's checkpoint
-is verified (bytes and digest) as for any trusted start.
+is verified (bytes and digest) as for any trusted start. Like any trusted fold
+(``docs/LOG-FORMAT.md``), every event's bounds are still checked (page ids in the
+geometry, step numbers against the open step and the steps in flight:
+``core.log.fold.bounds_problem``), and each sealed step's recorded plan must list
+page p exactly when p's history says so; a log that breaks them is corrupt.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from kvledger.core.events.events import (
     StepPlan,
     StepSealed,
 )
+from kvledger.core.log.fold import bounds_problem
 from kvledger.core.state import HOLDER_FREE, LedgerState, RequestRecord
 from kvledger.core.state.state import hash_text
 
@@ -220,12 +225,16 @@ class PageFold:
 
     def _hook(self):
         """``apply(seq, event)``: the per-event test, kept to a few lookups (it runs for every event)."""
-        p, tenants, fold, narrow = self.p, self.tenants, self._fold, self._narrow
+        p, tenants, fold, narrow, bounds = self.p, self.tenants, self._fold, self._narrow, bounds_problem
         names_pages, step_events = _NAMES_PAGES, _STEP_EVENTS
         creates = (PagesReserved, PagesShared)
         ends = (RequestFinished, RequestCancelled)
 
         def apply(seq: int, ev) -> None:
+            problem = bounds(self.ps, ev)
+            if problem is not None:
+                raise self._corrupt(seq, f"{type(ev).__name__} at seq {seq}: {problem} (a log the ledger did not "
+                                         "write)")
             t = type(ev)
             if t in names_pages:
                 if t in creates:
@@ -266,13 +275,21 @@ class PageFold:
         try:
             effects = ps.transitions[t].apply(ps, ev)
         except (KVLedgerError, LookupError, ValueError, TypeError, AttributeError) as exc:
-            rec = record_of(self.view, seq)
-            path, offset = (self.view.path, -1) if rec is None else (self.view.paths[rec.segment], rec.offset)
-            raise CorruptLogError(path, offset, seq, f"{type(ev).__name__} at seq {seq} cannot be applied to "
-                                  f"page {p}'s history: {type(exc).__name__}: {exc}") from exc
+            raise self._corrupt(seq, f"{type(ev).__name__} at seq {seq} cannot be applied to page {p}'s history: "
+                                     f"{type(exc).__name__}: {exc}") from exc
+        if t is StepSealed and (p in effects[0].clear_list) != (p in ev.clear_list):
+            raise self._corrupt(seq, f"StepSealed at seq {seq}: clear_list: step {ev.step}'s recorded plan "
+                                     f"{'lists' if p in ev.clear_list else 'leaves out'} page {p}, its history says "
+                                     "the opposite")
         if before is not None and seq >= self.since:
             listed = bool(effects) and t is PagesCommitted
             self.rows.append(page_row(seq, ev, t, p, before, page_view(ps, p), step, listed, plan_step))
+
+    def _corrupt(self, seq: int, detail: str) -> CorruptLogError:
+        """``CorruptLogError`` at the record of ``view`` that holds event ``seq``."""
+        rec = record_of(self.view, seq)
+        path, offset = (self.view.path, -1) if rec is None else (self.view.paths[rec.segment], rec.offset)
+        return CorruptLogError(path, offset, seq, detail)
 
     def start(self) -> None:
         """The window-start row (the page as it is now); at the end if no event after the start touched it."""

@@ -23,7 +23,7 @@ import time
 
 from kvledger.core.errors import CorruptLogError, InvalidArgumentError, KVLedgerError
 from kvledger.core.log import LogView, open_view
-from kvledger.core.log.fold import fold_records, start_state
+from kvledger.core.log.fold import fold_records, start_state, without_gc
 from kvledger.core.state import LedgerState
 
 from .checked import CheckedAudit
@@ -58,7 +58,7 @@ def audit_log(path, *, page: int | None = None, request: int | None = None, snap
     fast = page is not None and not check and not svg_pages and trusted is not False
     if trusted and not fast:
         raise InvalidArgumentError("trusted: only a page view (--page without --check or --svg) folds trusted")
-    with _open_window(path, layer, until, since, page is not None and since is None) as view:
+    with _open_window(path, layer, until, since, page is not None and since is None) as view, without_gc():
         rep = _report(view, page, request, snapshot, steps, check)
         _check_pages(page, svg_pages, rep.num_pages)
         try:

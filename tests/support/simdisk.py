@@ -7,7 +7,8 @@
     FaultInjector    wraps a layer and fails the n-th write, sync, truncate or
                      stamp with EIO, optionally after writing part of the data
 
-Both are ``FileLayer`` s (``files.py``); the log cannot tell them from real files.
+Both are ``FileLayer`` s (``kvledger/core/log/files.py``); the log cannot tell them from real files.
+They are test doubles: they live here, beside the tests, not in the library.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from __future__ import annotations
 import errno as _errno
 import random
 
-from ..errors import LogExistsError, LogLockedError
-from .files import OsFileLayer, stamp_path
+from kvledger.core.errors import LogExistsError, LogLockedError
+from kvledger.core.log.files import OsFileLayer, stamp_path
 
 __all__ = ["FaultInjector", "SimulatedDisk"]
 
@@ -213,28 +214,31 @@ class _FaultyHandle:
 
     def write(self, data) -> None:
         fl = self._faults
+        fl.operation("write", self.path)
         fl.writes += 1
         if fl.writes == fl.fail_write:
             fl.injected += 1
             if fl.partial and len(data) > 1:
                 self._inner.write(bytes(data)[: len(data) // 2])
-            raise fl._error("write", fl.writes)
+            raise fl.fault("write", fl.writes)
         self._inner.write(data)
 
     def sync(self) -> None:
         fl = self._faults
+        fl.operation("fsync", self.path)
         fl.syncs += 1
         if fl.syncs == fl.fail_sync:
             fl.injected += 1
-            raise fl._error("fsync", fl.syncs)
+            raise fl.fault("fsync", fl.syncs)
         self._inner.sync()
 
     def truncate(self, size: int) -> None:
         fl = self._faults
+        fl.operation("truncate", self.path)
         fl.truncates += 1
         if fl.truncates == fl.fail_truncate:
             fl.injected += 1
-            raise fl._error("truncate", fl.truncates)
+            raise fl.fault("truncate", fl.truncates)
         self._inner.truncate(size)
 
     def close(self) -> None:
@@ -251,11 +255,15 @@ class FaultInjector:
     instead of ``OSError(EIO)`` (a test's "power cut" raises its own exception:
     the log then did not see a failure, it just stopped). The counters
     (``writes``, ``syncs``, ``truncates``, ``stamps``, ``injected``) also count a clean run.
+
+    ``fail_op=n`` fails the n-th file operation of any kind that changes the disk
+    (create, makedir, write, fsync, truncate, stamp, remove, remove_stamp), before it
+    happens; ``ops`` lists every such operation as ``(op, path)``, in order.
     """
 
     def __init__(self, inner=None, *, fail_write: int | None = None, fail_sync: int | None = None,
                  fail_truncate: int | None = None, fail_stamp: int | None = None, partial: bool = False,
-                 error=None) -> None:
+                 error=None, fail_op: int | None = None) -> None:
         self.inner = inner if inner is not None else OsFileLayer()
         self.error = error
         self.fail_write = fail_write
@@ -265,8 +273,17 @@ class FaultInjector:
         self.partial = partial
         self.writes = self.syncs = self.truncates = self.stamps = 0
         self.injected = 0  # failures raised so far
+        self.fail_op = fail_op
+        self.ops: list[tuple[str, str]] = []
 
-    def _error(self, op: str, n: int) -> BaseException:
+    def operation(self, op: str, path: str) -> None:
+        """Count one operation that changes the disk; fail it when it is the ``fail_op``-th."""
+        self.ops.append((op, path))
+        if len(self.ops) == self.fail_op:
+            self.injected += 1
+            raise self.fault(op, len(self.ops))
+
+    def fault(self, op: str, n: int) -> BaseException:
         if self.error is not None:
             return self.error(op, n)
         return OSError(_errno.EIO, f"injected {op} failure #{n}")
@@ -275,6 +292,7 @@ class FaultInjector:
         return self.inner.exists(path)
 
     def create(self, path: str, data: bytes):
+        self.operation("create", path)
         return _FaultyHandle(self.inner.create(path, data), self)
 
     def open(self, path: str):
@@ -290,6 +308,7 @@ class FaultInjector:
         return self.inner.isdir(path)
 
     def makedir(self, path: str) -> None:
+        self.operation("makedir", path)
         self.inner.makedir(path)
 
     def listdir(self, path: str) -> list[str]:
@@ -299,15 +318,18 @@ class FaultInjector:
         return self.inner.size_of(path)
 
     def remove(self, path: str) -> None:
+        self.operation("remove", path)
         self.inner.remove(path)
 
     def remove_stamp(self, path: str) -> None:
+        self.operation("remove_stamp", path)
         self.inner.remove_stamp(path)
 
     def write_stamp(self, path: str, data: bytes) -> None:
+        self.operation("stamp", path)
         self.stamps += 1
         if self.stamps == self.fail_stamp:
             self.injected += 1
-            raise self._error("stamp", self.stamps)
+            raise self.fault("stamp", self.stamps)
         self.inner.write_stamp(path, data)
 
