@@ -164,8 +164,7 @@ async def open_engine(
             async with _wire(ledger, local, remote, extras, logger) as (ranks, leader, address):
                 engine = Engine(ledger, executors, ranks, depth=depth, hooks=extras.hooks, logger=logger,
                                 leader=leader, publisher=extras.publisher, metrics=extras.metrics,
-                                sanitize=sanitize,
-                                remote_address=address, yield_every_s=float(yield_every_s))
+                                sanitize=sanitize, remote_address=address, yield_every_s=float(yield_every_s))
                 extras.attach(engine)
                 async with _running(engine):
                     yield engine
