@@ -100,6 +100,7 @@ def test_events_reads_a_retained_directory_and_any_of_its_segments(tmp_path, cap
     state: dict = {}
     with open_ledger(path, G, segment_bytes=SEG, retain_segments=3, logger=QUIET, observer=live) as led:
         drive(led, 300, rng, state)
+        led.flush()  # rotations and retention run on the writer thread, in order with its rounds
         deleted = led.log.segments_deleted
     segments = list_segments(OsFileLayer(), path)
     assert deleted > 0 and len(segments) >= 2
