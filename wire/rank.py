@@ -410,6 +410,18 @@ class WireLeader:
                 out[f"rank{r}.{k}"] = v
         return out
 
+    @asynccontextmanager
+    async def serving(self) -> AsyncIterator[WireLeader]:
+        """Run the links' tasks in a task group of the leader's own while the block runs; on exit
+        flush the links' queued frames (for up to ``close_grace`` s) and close every link."""
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            try:
+                yield self
+            finally:
+                await self._shutdown()
+                tg.cancel_scope.cancel()
+
     async def _shutdown(self) -> None:
         self._closing = True
         for conn in list(self._all):
@@ -433,11 +445,5 @@ async def open_leader(
     then every link is closed: peers see the end of the stream and stop.
     Keyword arguments go to ``WireLeader``.
     """
-    leader = WireLeader(geometry, world_size=world_size, next_step=next_step, **kwargs)
-    async with anyio.create_task_group() as tg:
-        leader._tg = tg
-        try:
-            yield leader
-        finally:
-            await leader._shutdown()
-            tg.cancel_scope.cancel()
+    async with WireLeader(geometry, world_size=world_size, next_step=next_step, **kwargs).serving() as leader:
+        yield leader
