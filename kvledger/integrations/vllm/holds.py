@@ -159,7 +159,8 @@ class PageHolds:
         ``ref_cnt`` for a pending copy): counted as pins, not recorded. Raises
         ``InvalidArgumentError`` for a page the ledger does not hold (nothing changed)."""
         if page not in self._refs:
-            raise InvalidArgumentError(f"a reference to page {page}, which the ledger holds as {self.ledger.holder_of(page)}")
+            raise InvalidArgumentError(f"a reference to page {page}, which the ledger holds as "
+                                       f"{self.ledger.holder_of(page)}")
         self._pins[page] = self._pins.get(page, 0) + n
 
     def release(self, pages: Iterable[int]) -> None:

@@ -24,6 +24,7 @@ pool: their modules are imported before the names are rebound.
 from __future__ import annotations
 
 import os
+import sys
 import weakref
 from typing import Any
 
@@ -89,6 +90,38 @@ def install(*, log: str | os.PathLike | None = None, fsync: str = "background",
     ``PoolOptions``. Raises ``ConfigurationError`` when an installation is already
     active or an option is bad, ``ImportError`` without vLLM; nothing is patched then.
     """
+    _check_options(log, fsync, policy, per_page)
+    import importlib
+
+    for name in _PATCHED_MODULES:  # (imports vLLM's own BlockPool subclasses first)
+        importlib.import_module(name)
+    kv_cache_manager = importlib.import_module("vllm.v1.core.kv_cache_manager")
+
+    from .pool import LedgerBlockPool, PoolOptions
+
+    options = PoolOptions(log=log, fsync=fsync, policy=policy, per_page=per_page, check=check, verify=verify)
+    inst = Installation(type("LedgerBlockPool", (LedgerBlockPool,), {"options": options}), bool(zeroing))
+    original_init = LedgerBlockPool.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        inst._pools.append(weakref.ref(self))
+
+    cls = inst.pool_class
+    cls.__init__ = __init__  # type: ignore[misc]
+    cls.__module__ = LedgerBlockPool.__module__
+    cls.__qualname__ = "LedgerBlockPool"
+    for name in _PATCHED_MODULES:
+        module = sys.modules[name]
+        inst._restore.append((module, "BlockPool", module.BlockPool))
+        setattr(module, "BlockPool", cls)
+    _wrap_take_new_block_ids(inst, kv_cache_manager.KVCacheManager, LedgerBlockPool)
+    inst.installed = True
+    _active.append(inst)
+    return inst
+
+
+def _check_options(log: Any, fsync: str, policy: str, per_page: bool | None) -> None:
     if _active:
         raise ConfigurationError("kvledger's vLLM pool is already installed: uninstall it first")
     if fsync not in ("background", "per_step", "per_event", "none"):
@@ -102,50 +135,20 @@ def install(*, log: str | os.PathLike | None = None, fsync: str = "background",
     if log is not None and not isinstance(log, (str, os.PathLike)):
         raise ConfigurationError(f"log must be a path or None, got {log!r}")
 
-    import importlib
 
-    for name in _PATCHED_MODULES:  # (imports vLLM's own BlockPool subclasses first)
-        importlib.import_module(name)
-    import vllm.v1.core.kv_cache_manager as kv_cache_manager
-
-    from .pool import LedgerBlockPool, PoolOptions
-
-    options = PoolOptions(log=log, fsync=fsync, policy=policy, per_page=per_page, check=check, verify=verify)
-    inst = Installation(type("LedgerBlockPool", (LedgerBlockPool,), {"options": options}), bool(zeroing))
-
-    cls = inst.pool_class
-    original_init = LedgerBlockPool.__init__
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        original_init(self, *args, **kwargs)
-        inst._pools.append(weakref.ref(self))
-
-    cls.__init__ = __init__  # type: ignore[misc]
-    cls.__module__ = LedgerBlockPool.__module__
-    cls.__qualname__ = "LedgerBlockPool"
-
-    import sys
-
-    for name in _PATCHED_MODULES:
-        module = sys.modules[name]
-        inst._restore.append((module, "BlockPool", module.BlockPool))
-        module.BlockPool = cls  # type: ignore[attr-defined]
-
-    manager_cls = kv_cache_manager.KVCacheManager
+def _wrap_take_new_block_ids(inst: Installation, manager_cls: Any, pool_cls: type) -> None:
+    """Each scheduler step seals the pool's ledger step; with ``zeroing`` its clear list is the answer."""
     take = manager_cls.take_new_block_ids
     inst._restore.append((manager_cls, "take_new_block_ids", take))
 
     def take_new_block_ids(self: Any) -> list[int]:
         ids = take(self)
         pool = self.block_pool
-        if not isinstance(pool, LedgerBlockPool):
+        if not isinstance(pool, pool_cls):
             return ids
-        ledger_ids = pool.take_block_ids_to_zero()
-        pool.last_block_ids_to_zero = ledger_ids
+        ledger_ids = pool.take_block_ids_to_zero()  # type: ignore[attr-defined]
+        pool.last_block_ids_to_zero = ledger_ids  # type: ignore[attr-defined]
         return ledger_ids if inst.zeroing else ids
 
     take_new_block_ids.__doc__ = take.__doc__
-    manager_cls.take_new_block_ids = take_new_block_ids  # type: ignore[method-assign]
-    inst.installed = True
-    _active.append(inst)
-    return inst
+    manager_cls.take_new_block_ids = take_new_block_ids

@@ -85,8 +85,7 @@ class LedgerBlockPool(BlockPool):
         super().__init__(*args, **kwargs)
         opts = ledger_options if ledger_options is not None else self.options
         geometry = Geometry(num_pages=self.num_gpu_blocks, page_tokens=self.hash_block_size)
-        self.ledger = _open(opts, geometry)
-        self.log_path = getattr(self.ledger, "path", None)
+        self.ledger, self.log_path = _open(opts, geometry)
         self._verify = opts.verify
         self._in_alloc = False
         self.last_block_ids_to_zero: list[int] = []  # what the last scheduler step's seal listed
@@ -261,15 +260,16 @@ class LedgerBlockPool(BlockPool):
             self.verify()
 
 
-def _open(opts: PoolOptions, geometry: Geometry):
+def _open(opts: PoolOptions, geometry: Geometry) -> tuple[Any, pathlib.Path | None]:
+    """The pool's ledger (in memory, or durable) and its log's path."""
     if not isinstance(opts, PoolOptions):
         raise ConfigurationError(f"ledger_options must be a PoolOptions, got {opts!r}")
     if opts.log is None:
-        return Ledger(geometry, policy=opts.policy, check=opts.check)
+        return Ledger(geometry, policy=opts.policy, check=opts.check), None
     from ...durable import open_ledger
 
     path = pathlib.Path(opts.log)
     if path.is_dir():
         LedgerBlockPool._opened += 1
         path = path / f"pool-{os.getpid()}-{LedgerBlockPool._opened}.kvlog"
-    return open_ledger(path, geometry, policy=opts.policy, fsync=opts.fsync, check=opts.check)
+    return open_ledger(path, geometry, policy=opts.policy, fsync=opts.fsync, check=opts.check), path

@@ -1,4 +1,6 @@
-"""A pytest plugin that runs vLLM's own tests on kvledger's pool: ``pytest -p kvledger.integrations.vllm.pytest_plugin``.
+"""A pytest plugin that runs vLLM's own tests on kvledger's pool.
+
+    pytest -p kvledger.integrations.vllm.pytest_plugin ...
 
 It installs the ledger pool when pytest configures, before any test module is
 imported, so every ``BlockPool`` the tests build (directly, or through
