@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -95,3 +96,13 @@ def test_durable_log_replays_audits_and_records_vllms_hashes(tmp_path):
                 (stored if ev["type"] == "BlockStored" else removed).extend(hashes)
     assert stored == vllm_stored and removed == vllm_removed
     assert len(stored) > len(removed) > 0
+
+
+def test_example_drives_vllm_and_prints_the_audit_of_one_block(tmp_path):
+    out = subprocess.run([sys.executable, "examples/vllm_prefix_audit.py", "--requests", "30", "--blocks", "120",
+                          "--log", str(tmp_path / "ex.kvlog")], capture_output=True, text=True, timeout=300,
+                         cwd=pathlib.Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert "on LedgerBlockPool" in text and "result       OK" in text and "no lifecycle faults" in text
+    assert "pages_published" in text and "pages_shared" in text, text

@@ -114,7 +114,7 @@ def install(*, log: str | os.PathLike | None = None, fsync: str = "background",
     for name in _PATCHED_MODULES:
         module = sys.modules[name]
         inst._restore.append((module, "BlockPool", module.BlockPool))
-        setattr(module, "BlockPool", cls)
+        module.BlockPool = cls  # type: ignore[attr-defined]
     _wrap_take_new_block_ids(inst, kv_cache_manager.KVCacheManager, LedgerBlockPool)
     inst.installed = True
     _active.append(inst)

@@ -10,7 +10,8 @@ the ledger, and with ``check`` every ledger invariant runs after every event.
 ``scripts/vllm-conformance`` uses it. Environment:
 
     KVLEDGER_VLLM_POLICY   the clear policy (default released_aliases)
-    KVLEDGER_VLLM_VERIFY   0 to skip verify() and the invariant checks (default 1)
+    KVLEDGER_VLLM_VERIFY   0 to skip verify() after every pool call (default 1)
+    KVLEDGER_VLLM_CHECK    0 to skip the ledger's invariants after every event (default 1)
 
 At the end it prints how many ledger pools the run made and how many events
 they folded.
@@ -26,9 +27,10 @@ _state: dict = {}
 
 
 def pytest_configure(config) -> None:
-    strict = os.environ.get("KVLEDGER_VLLM_VERIFY", "1") != "0"
+    verify = os.environ.get("KVLEDGER_VLLM_VERIFY", "1") != "0"
+    check = os.environ.get("KVLEDGER_VLLM_CHECK", "1") != "0"
     policy = os.environ.get("KVLEDGER_VLLM_POLICY", "released_aliases")
-    _state["inst"] = install(policy=policy, check=strict, verify=strict)
+    _state["inst"] = install(policy=policy, check=check, verify=verify)
     _state["events"] = 0
     _state["pools"] = 0
 
