@@ -16,6 +16,14 @@ KV pages hold it (``kv(R)``, ``|R| == ref_cnt``):
     cache_full_blocks  ─► [StepSealed + StepCompleted] ─► PagesPublished(writer hold, run)
     eviction / reset   ─► PagesEvicted(pages)
 
+A reference the ledger cannot name is a *pin*: a ``touch`` of an unhashed held
+block (a connector keeping it while it copies it: the ledger shares hashed pages
+only) or a reference vLLM's managers take by bumping ``ref_cnt`` themselves
+(copy-on-write endpoints; ``pin``). Pins are counted, not recorded; they are
+released first, so the page stays held in the ledger while vLLM counts any
+reference. A ``touch`` of a free unhashed block (vLLM's tests hand such blocks
+over as cache hits) is recorded like an allocation.
+
 A hold is released whole (``RequestFinished``). When vLLM drops only some pages
 of a hold (a sliding-window group freeing blocks that left its window), the
 hold is *split*: it finishes, and the pages it keeps are shared (hashed ones)
