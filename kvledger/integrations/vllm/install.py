@@ -52,6 +52,12 @@ class Installation:
         """The ledger pools made since ``install`` that are still alive, oldest first."""
         return [p for p in (r() for r in self._pools) if p is not None]
 
+    def forget_pools(self) -> list:
+        """The pools made since ``install`` (or the last call) that are still alive; forgets them all."""
+        pools = self.pools
+        self._pools.clear()
+        return pools
+
     def uninstall(self) -> None:
         """Restore vLLM's ``BlockPool`` names and ``take_new_block_ids``, and close every pool's
         log. Idempotent. Pools made before keep working (on their ledgers, logs closed)."""

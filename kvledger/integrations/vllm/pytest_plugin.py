@@ -39,12 +39,9 @@ def pytest_runtest_teardown(item) -> None:
     inst = _state.get("inst")
     if inst is None:
         return
-    for ref in list(inst._pools):
-        pool = ref()
-        if pool is not None:
-            _state["events"] += pool.ledger.seq
-            _state["pools"] += 1
-    inst._pools.clear()
+    for pool in inst.forget_pools():
+        _state["events"] += pool.ledger.seq
+        _state["pools"] += 1
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
