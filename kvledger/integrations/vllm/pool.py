@@ -1,0 +1,275 @@
+"""``LedgerBlockPool``: vLLM's ``BlockPool`` with every block transition recorded in a kvledger ``Ledger``.
+
+vLLM's KV cache manager (``KVCacheManager`` -> ``KVCacheCoordinator`` -> one
+``SingleTypeKVCacheManager`` per KV cache group) and its tests read the pool's
+own structures directly: the ``KVCacheBlock`` objects (``ref_cnt``, the block
+hash, the null block), the free queue whose order is vLLM's eviction order, the
+hash map with its duplicates. So this pool keeps them exactly as vLLM's code
+keeps them (it is a ``BlockPool``, and vLLM's methods decide which block goes
+where), and mirrors each transition into the ledger through ``PageHolds``
+(``holds.py``: which events, and why), naming the pages vLLM chose:
+
+    get_new_blocks ─► PagesEvicted? + PagesReserved + PagesCommitted (open step)
+    touch          ─► PagesShared                      free_blocks ─► RequestFinished
+    cache_full_blocks / cache_partial_block / move_block_hashes ─► PagesPublished
+    evict_blocks / reset_prefix_cache / eviction on reuse        ─► PagesEvicted
+    take_block_ids_to_zero() ─► StepSealed + StepCompleted: the pages to zero
+
+The ledger checks each transition against its own rules (a page is handed out
+only when free or cached, released only by a holder, shared only when hashed
+and not stale, ...) and raises a ``KVLedgerError`` naming the page when vLLM's
+call sequence breaks one; vLLM's state has then already changed (the pool is
+the mirror, not the gate). ``verify()`` compares the two sides page by page.
+
+KV events: ``take_events`` is vLLM's (the events its methods built for these
+calls, with every field vLLM's consumers read); the ledger's own
+``BlocksStored`` / ``BlocksRemoved`` effects record the same hashes, and
+``kvledger events LOG`` exports them from a durable log.
+
+Importing this module imports vLLM (``kvledger.integrations.vllm`` loads it on
+first use). Tested with the versions in ``VLLM_VERSIONS``.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.v1.core.block_pool import BlockPool
+
+from ...core.errors import ConfigurationError, InvariantViolation
+from ...core.events import Geometry
+from ...core.ledger import Ledger
+from .holds import PageHolds
+
+__all__ = ["LedgerBlockPool", "PoolOptions"]
+
+
+@dataclass(frozen=True)
+class PoolOptions:
+    """How each ``LedgerBlockPool`` records (``install`` passes these; see its docstring).
+
+    ``log``: None (an in-memory ledger), a log file path, or an existing directory
+    (each pool then writes ``pool-<n>.kvlog`` in it). ``fsync``: the durable log's
+    policy ("background" by default: appends never wait for the disk).
+    ``policy``: the ledger's clear policy. ``per_page``: one page per hold (None:
+    as the policy needs). ``check``: every ledger invariant after every event;
+    ``verify``: ``verify()`` after every pool call (both for tests: O(pages) each).
+    """
+
+    log: str | os.PathLike | None = None
+    fsync: str = "background"
+    policy: str = "released_aliases"
+    per_page: bool | None = None
+    check: bool = False
+    verify: bool = False
+
+
+class LedgerBlockPool(BlockPool):
+    """A vLLM ``BlockPool`` whose block transitions are kvledger events (see the module docstring).
+
+    Takes ``BlockPool``'s arguments, plus ``ledger_options`` (a ``PoolOptions``;
+    the class attribute ``options`` when None, which ``install`` sets). The
+    ledger's geometry is ``num_gpu_blocks`` pages of ``hash_block_size`` tokens.
+    Raises ``ConfigurationError`` for bad options, and what ``open_ledger`` raises
+    for a log it cannot open.
+    """
+
+    options = PoolOptions()
+    _opened = 0  # pools that opened a log in a directory (file names)
+
+    def __init__(self, *args: Any, ledger_options: PoolOptions | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        opts = ledger_options if ledger_options is not None else self.options
+        geometry = Geometry(num_pages=self.num_gpu_blocks, page_tokens=self.hash_block_size)
+        self.ledger, self.log_path = _open(opts, geometry)
+        self._verify = opts.verify
+        self._in_alloc = False
+        self.last_block_ids_to_zero: list[int] = []  # what the last scheduler step's seal listed
+        try:
+            self.holds = PageHolds(self.ledger, null_page=self.null_block.block_id, per_page=opts.per_page)
+        except Exception:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Close the durable log (flushes it); an in-memory ledger has nothing to close. Idempotent."""
+        close = getattr(self.ledger, "close", None)
+        if close is not None:
+            close()
+
+    # ------------------------------------------------------------------ the clear list
+
+    def take_block_ids_to_zero(self) -> list[int]:
+        """The block ids to zero before the next forward pass (vLLM's ``new_block_ids_to_zero``).
+
+        Seals the ledger's open step and returns the clear lists of every step
+        sealed since the last call: pages the policy marked (a released snapshot
+        row, another tenant's bytes, any reuse under ``all_reused``) that a
+        request committed since. Under ``released_aliases`` nothing in vLLM marks
+        a page, and the list is empty.
+        """
+        return self.holds.take_clear_list()
+
+    # ------------------------------------------------------------------ transitions
+
+    def get_new_blocks(self, num_blocks: int) -> list:
+        self._in_alloc = True
+        try:
+            blocks = super().get_new_blocks(num_blocks)
+        finally:
+            self._in_alloc = False
+        self.holds.allocate(self._pages(blocks))
+        self._after()
+        return blocks
+
+    def touch(self, blocks) -> None:
+        blocks = list(blocks)
+        self._adopt_refs(blocks)
+        super().touch(blocks)
+        self.holds.share(self._pages(blocks))
+        self._after()
+
+    def free_blocks(self, ordered_blocks: Iterable) -> None:
+        blocks = list(ordered_blocks)
+        self._adopt_refs(blocks)
+        super().free_blocks(blocks)
+        self.holds.release(self._pages(blocks))
+        self._after()
+
+    def unpin_blocks(self, blocks, on_reuse) -> None:
+        blocks = list(blocks)
+        self._adopt_refs(blocks)
+        super().unpin_blocks(blocks, on_reuse)
+        self.holds.release(self._pages(blocks))
+        self._after()
+
+    def cache_full_blocks(self, request, blocks, num_cached_blocks: int, num_full_blocks: int, block_size: int,
+                          kv_cache_group_id: int, block_mask: list[bool] | None = None) -> None:
+        super().cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size,
+                                  kv_cache_group_id, block_mask)
+        items = []
+        for i in range(num_cached_blocks, min(num_full_blocks, len(blocks))):
+            blk = blocks[i]
+            if blk.block_hash is None or not self._mine(blk):
+                continue
+            n = blk.block_hash_num_tokens or (i + 1) * block_size
+            prev = blocks[i - 1] if i > 0 else None
+            parent = prev.block_id if prev is not None and self._mine(prev) else None
+            items.append((blk.block_id, blk.block_hash, self._tokens(request, n), parent))
+        self.holds.publish(items)
+        self._after()
+
+    def cache_partial_block(self, request, block, num_tokens: int, kv_cache_group_id: int, block_size: int,
+                            replace_existing_hashes: bool = False):
+        key = super().cache_partial_block(request, block, num_tokens, kv_cache_group_id, block_size,
+                                          replace_existing_hashes)
+        if block.block_hash is not None and self._mine(block):
+            n = block.block_hash_num_tokens or num_tokens
+            self.holds.publish([(block.block_id, block.block_hash, self._tokens(request, n), None)])
+        self._after()
+        return key
+
+    def move_block_hashes(self, src_block, dst_block) -> None:
+        tokens = self.holds.tokens.get(src_block.block_id) if self._mine(src_block) else None
+        super().move_block_hashes(src_block, dst_block)
+        if dst_block.block_hash is not None and tokens is not None and self._mine(dst_block):
+            self.holds.publish([(dst_block.block_id, dst_block.block_hash, tokens, None)])
+        self.holds.drop_hashes(self._pages([src_block]))
+        self._after()
+
+    def _maybe_evict_cached_block(self, block) -> bool:
+        evicted = super()._maybe_evict_cached_block(block)
+        if evicted and not self._in_alloc:  # (get_new_blocks mirrors its own evictions at once)
+            self.holds.drop_hashes(self._pages([block]))
+            self._after()
+        return evicted
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        super().evict_blocks(block_ids)
+        self.holds.drop_hashes([i for i in block_ids if self.blocks[i].block_hash is None])
+        self._after()
+
+    def reset_prefix_cache(self) -> bool:
+        ok = super().reset_prefix_cache()
+        if ok:
+            self.holds.evict_all()
+            self._after()
+        return ok
+
+    # ------------------------------------------------------------------ checks
+
+    def verify(self) -> None:
+        """Compare vLLM's blocks with the ledger page by page; raise ``InvariantViolation`` naming
+        the first page where they disagree. O(num_gpu_blocks)."""
+        holds, ledger = self.holds, self.ledger
+        self._adopt_refs(self.blocks)
+        for blk in self.blocks:
+            p = blk.block_id
+            if blk.is_null:
+                continue
+            refs = holds.refs(p)
+            if blk.ref_cnt != refs:
+                raise InvariantViolation(1, f"block {p}: vLLM ref_cnt {blk.ref_cnt}, ledger holds {refs} "
+                                            f"({ledger.holder_of(p)})")
+            if blk.block_hash is not None and holds.key_of(p) is None:
+                raise InvariantViolation(1, f"block {p} is hashed in vLLM but not published in the ledger")
+            if refs == 0 and holds.key_of(p) is not None and blk.block_hash is None:
+                raise InvariantViolation(1, f"block {p} is free in vLLM but cached in the ledger")
+        free = ledger.free_count + ledger.cached_count
+        if free != self.get_num_free_blocks():
+            raise InvariantViolation(1, f"vLLM has {self.get_num_free_blocks()} free blocks, the ledger {free} "
+                                        f"free or cached pages")
+
+    # ------------------------------------------------------------------ internals
+
+    def _mine(self, block) -> bool:
+        """``block`` is one of this pool's own blocks, not the null block. vLLM's code may hand
+        the pool blocks it made itself (tests do) or another pool's (deferred frees): vLLM's
+        methods treat those as they do, and the ledger, which holds this pool's pages, ignores them."""
+        i = block.block_id
+        return not block.is_null and 0 <= i < len(self.blocks) and self.blocks[i] is block
+
+    def _pages(self, blocks) -> list[int]:
+        mine = self.blocks
+        n = len(mine)
+        return [b.block_id for b in blocks if not b.is_null and 0 <= b.block_id < n and mine[b.block_id] is b]
+
+    def _tokens(self, request, n: int) -> tuple[int, ...]:
+        """The ``hash_block_size`` tokens that end at prefix length ``n`` (a published page's
+        tokens in the ledger; the whole block when the group's blocks are that size)."""
+        k = self.hash_block_size
+        return tuple(request.all_token_ids[n - k : n])
+
+    def _adopt_refs(self, blocks) -> None:
+        """References vLLM's managers took by bumping ``ref_cnt`` themselves (copy-on-write
+        endpoints) become pins before the pool sees them released."""
+        holds = self.holds
+        for p in self._pages(blocks):
+            extra = self.blocks[p].ref_cnt - holds.refs(p)
+            if extra > 0:
+                holds.pin(p, extra)
+
+    def _after(self) -> None:
+        if self._verify:
+            self.verify()
+
+
+def _open(opts: PoolOptions, geometry: Geometry) -> tuple[Any, pathlib.Path | None]:
+    """The pool's ledger (in memory, or durable) and its log's path."""
+    if not isinstance(opts, PoolOptions):
+        raise ConfigurationError(f"ledger_options must be a PoolOptions, got {opts!r}")
+    if opts.log is None:
+        return Ledger(geometry, policy=opts.policy, check=opts.check), None
+    from ...durable import open_ledger
+
+    path = pathlib.Path(opts.log)
+    if path.is_dir():
+        LedgerBlockPool._opened += 1
+        path = path / f"pool-{os.getpid()}-{LedgerBlockPool._opened}.kvlog"
+    return open_ledger(path, geometry, policy=opts.policy, fsync=opts.fsync, check=opts.check), path

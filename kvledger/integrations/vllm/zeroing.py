@@ -1,0 +1,141 @@
+"""Zero vLLM block ids in vLLM's per-layer KV cache tensors with kvledger's clear backends.
+
+vLLM 0.33 allocates one zeroed backing buffer and views it per layer as
+``[B, H, N, C]`` (blocks at dim 0; the physical order is the KV cache layout's:
+layer-compact ``LBHNC`` / ``LBNHC`` / ``LHBNC``, or block-outermost ``BLHNC`` /
+``BLNHC`` / ``BHLNC``, where one block's tile holds every layer). Dim 0 may count
+*kernel* blocks, a multiple of the manager's blocks (virtual block splitting).
+Block ids are global pool indices: a block handed to a request owns its whole
+tile in every layer of its group.
+
+``kv_cache_planes`` turns those views into the planes a clear backend takes
+(contiguous ``[num_blocks, page_bytes]`` byte tensors over the same memory, no
+copy), one per contiguous run of a block's bytes:
+
+    view [B, H, N, C] ─► bytes of block b in that view: outer dims (physically
+    outside the block dim: heads under LHBNC) each start a segment; inner dims
+    span  el + sum((shape_d - 1) * stride_d)  bytes from  base + b * block_stride
+    segments of one block stride, sorted by base, whose spans cover a whole tile
+    [base, base + block_stride) without a gap ─► one plane [num_blocks, block_stride]
+    (layer-compact layouts: each segment is its own tile; block-outermost ones:
+    every layer's segment lies in one tile, so all layers must be given)
+
+``KVCacheZeroer(kv_caches, num_blocks, backend=...)`` builds the backend once
+(``torch`` on any device, ``cuda`` or ``triton`` on CUDA; kvledger's registry)
+and ``zero_block_ids(ids)`` enqueues the zeroing on the model stream: the same
+call vLLM's ``KVBlockZeroer`` offers, fed with ``LedgerBlockPool``'s clear list.
+Needs torch (imported when used), not vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from itertools import product
+from typing import Any
+
+from ...core.errors import ConfigurationError
+from ...executors.backend import make_backend
+
+__all__ = ["KVCacheZeroer", "kv_cache_planes"]
+
+
+def _segments(t: Any, num_blocks: int) -> list[tuple[int, int, int]]:
+    """(base address, manager-block stride, bytes of one block from its first byte) of each
+    segment of one view; raises ``ConfigurationError`` for a view that does not index blocks at dim 0."""
+    if t.dim() < 1 or t.shape[0] == 0 or t.shape[0] % num_blocks:
+        raise ConfigurationError(f"a KV cache view of shape {tuple(t.shape)} does not index a multiple of "
+                                 f"{num_blocks} blocks at dim 0")
+    el = t.element_size()
+    ratio = t.shape[0] // num_blocks
+    s0 = t.stride(0) * el
+    outer = [d for d in range(1, t.dim()) if t.stride(d) * el > s0 and t.shape[d] > 1]
+    inner = [d for d in range(1, t.dim()) if d not in outer]
+    span = el + sum((t.shape[d] - 1) * t.stride(d) * el for d in inner) + (ratio - 1) * s0
+    stride = s0 * ratio
+    if span > stride:
+        raise ConfigurationError(f"a KV cache view of shape {tuple(t.shape)} and strides {t.stride()} overlaps "
+                                 "its own blocks")
+    base = t.data_ptr()
+    out = []
+    for idx in product(*(range(t.shape[d]) for d in outer)):
+        out.append((base + sum(i * t.stride(d) * el for i, d in zip(idx, outer, strict=True)), stride, span))
+    return out
+
+
+def kv_cache_planes(kv_caches: Mapping[str, Any] | Iterable[Any], num_blocks: int) -> list[Any]:
+    """Planes (contiguous uint8 ``[num_blocks, bytes]`` views, no copy) covering every block's bytes in
+    every given KV cache view; overlapping views (layers that share memory) give one plane.
+
+    Raises ``ConfigurationError`` for a view that does not index blocks at dim 0,
+    or whose block tile cannot be one contiguous plane inside its storage.
+    """
+    import torch
+
+    views = list(kv_caches.values() if isinstance(kv_caches, Mapping) else kv_caches)
+    if type(num_blocks) is not int or num_blocks < 1:
+        raise ConfigurationError(f"num_blocks must be a positive int, got {num_blocks!r}")
+    if not views:
+        raise ConfigurationError("no KV cache views to zero")
+    # storage of each view: [start, end) and the tensor to view it through
+    tiles: dict[int, list[tuple[int, int, Any]]] = {}  # block stride -> [(base, span, view)]
+    seen: set[int] = set()
+    for t in views:
+        if not isinstance(t, torch.Tensor):
+            raise ConfigurationError(f"a KV cache view must be a torch.Tensor, got {type(t).__name__}")
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        for base, stride, span in _segments(t, num_blocks):
+            tiles.setdefault(stride, []).append((base, span, t))
+    planes: list[Any] = []
+    for stride, segs in sorted(tiles.items()):
+        segs.sort(key=lambda s: s[0])
+        i = 0
+        while i < len(segs):
+            a, _, t = segs[i]
+            covered = 0  # the tile [a, a + stride) is covered up to a + covered
+            while i < len(segs) and segs[i][0] < a + stride:
+                base, span, _ = segs[i]
+                if base - a > covered or base - a + span > stride:
+                    raise ConfigurationError(
+                        f"block tiles of {stride} bytes hold bytes of no given view (at offset {covered}): pass every "
+                        "layer's view of the KV cache buffer")
+                covered = max(covered, base - a + span)
+                i += 1
+            if covered != stride:
+                raise ConfigurationError(f"block tiles of {stride} bytes end in {stride - covered} bytes of no given "
+                                         "view: pass every layer's view of the KV cache buffer")
+            storage = t.untyped_storage()
+            offset = a - storage.data_ptr()
+            if offset < 0 or offset + num_blocks * stride > storage.nbytes():
+                raise ConfigurationError(f"{num_blocks} blocks of {stride} bytes run past their storage")
+            plane = torch.empty(0, dtype=torch.uint8, device=t.device)
+            plane.set_(storage, offset, (num_blocks, stride), (stride, 1))
+            planes.append(plane)
+    return planes
+
+
+class KVCacheZeroer:
+    """Zeroes vLLM block ids in every layer of vLLM's KV cache views, with a kvledger clear backend.
+
+    ``kv_caches``: vLLM's per-layer views (a ``{layer_name: tensor}`` mapping or a
+    sequence), ``num_blocks``: the pool's blocks. ``backend``: ``torch``, ``cuda``
+    or ``triton`` (``kvledger.executors.backend``); ``stream``: the model stream
+    (CUDA; None: the current stream). Raises ``ConfigurationError`` for views it
+    cannot cover and what ``make_backend`` raises for the backend.
+    """
+
+    def __init__(self, kv_caches: Mapping[str, Any] | Sequence[Any], num_blocks: int, *, backend: str = "torch",
+                 stream: Any = None) -> None:
+        self.num_blocks = num_blocks
+        self.planes = kv_cache_planes(kv_caches, num_blocks)
+        self.backend = make_backend(backend, self.planes, stream=stream)
+
+    def zero_block_ids(self, block_ids: Sequence[int]) -> None:
+        """Enqueue zeroing of every listed block in every plane (on the CPU: done on return).
+
+        Raises ``PageOutOfRangeError`` / ``DuplicatePageError`` before touching any
+        plane; an empty list does nothing.
+        """
+        if block_ids:
+            self.backend.clear(block_ids)
