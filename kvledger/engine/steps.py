@@ -69,6 +69,13 @@ class StepRunner:
         if self._scope is not None:
             self._scope.cancel()
 
+    def seal_here(self, step: int, payload: bytes, t0: float) -> SealedStep:
+        """``seal`` where the access is direct (``LedgerAccess.direct``): no coroutine."""
+        sealed = SealedStep(self._ledger.seal_step(step), t0, payload)
+        for hook in self.hooks:
+            hook.sealed(sealed)
+        return sealed
+
     async def seal(self, step: int, payload: bytes, t0: float) -> SealedStep:
         """Seal ``step`` (the ledger's ``StepOrderError`` when it is not the open one: nothing
         changed) and tell the hooks. A caller cancelled while a seal waits for the worker
@@ -118,6 +125,8 @@ class StepRunner:
                     break
             else:
                 timings = _timings(outcomes)
+                if self._access.records_here():
+                    return self.recorder.completed_here(sealed, self._all_ranks, timings)
                 return await self.recorder.completed(sealed, self._all_ranks, timings)
         await self._fail(sealed, outcomes)
 
@@ -178,6 +187,9 @@ class StepRunner:
 
 def _timings(outcomes: Sequence[RankOutcome]) -> tuple[RankTiming, ...]:
     """The local ranks' timings, by rank (remote peers report none)."""
+    if len(outcomes) == 1:
+        timing = outcomes[0].timing
+        return () if timing is None else (timing,)
     timings = [o.timing for o in outcomes if o.timing is not None]
     if len(timings) > 1:
         timings.sort(key=_by_rank)
@@ -200,13 +212,15 @@ class OneStep:
     async def run(self, step: int, inputs: Sequence[StepInputs], payload: bytes) -> StepResult:
         access = self._access
         lock = self._lock
-        await lock.acquire()  # cancelled before it holds the lock: nothing sealed
+        if not lock.take():
+            await lock.acquire()  # cancelled before it holds the lock: nothing sealed
         try:
-            if access.state != "open":  # closing began while this call waited for the lock
+            if not access.is_open:  # closing began while this call waited for the lock
                 access.check_open()
             t0 = time.perf_counter()
-            sealed = await self._runner.seal(step, payload, t0)
-            return await self._runner.run_sealed(sealed, inputs)
+            runner = self._runner
+            sealed = runner.seal_here(step, payload, t0) if access.direct else await runner.seal(step, payload, t0)
+            return await runner.run_sealed(sealed, inputs)
         finally:
             lock.release()
 
@@ -227,6 +241,13 @@ class StepLock:
     def __init__(self) -> None:
         self._held = False
         self._waiters: collections.deque[anyio.Event] = collections.deque()
+
+    def take(self) -> bool:
+        """Take the lock if it is free (True), without a coroutine; else False (``acquire`` it)."""
+        if self._held:
+            return False
+        self._held = True
+        return True
 
     async def acquire(self) -> None:
         if not self._held:
@@ -268,11 +289,12 @@ class InFlight:
         runs nothing and raises (``_wait_turn``). The next step's wait ends when this one settled."""
         access = self._access
         async with self._slots:
-            if access.state != "open":
+            if not access.is_open:
                 access.check_open()
             t0 = time.perf_counter()
             async with self._seal_lock:
-                sealed = await self._runner.seal(step, payload, t0)
+                runner = self._runner
+                sealed = runner.seal_here(step, payload, t0) if access.direct else await runner.seal(step, payload, t0)
                 prev, mine = self._tail, anyio.Event()
                 self._tail = mine
             try:
