@@ -222,8 +222,8 @@ class TritonClearBackend(ClearBackendBase):
 
     def _eager(self, ids: tuple[int, ...], fill: _Fill) -> None:
         n = len(ids)
-        stream, cu = self._streams()
-        pushed = self._enter()
+        stream, cu = (self._stream, self._cu) if self._stream is not None else self._streams()
+        pushed = threading.get_ident() not in self._ctx_threads and self._enter()
         try:
             slot = self._ring.acquire()
             nbytes = 4 * (n + 1)
