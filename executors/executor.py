@@ -66,6 +66,7 @@ __all__ = [
 # Completion of CUDA work: poll the event on the loop for a short while, then wait
 # for it in a worker thread (never synchronize on the event-loop thread).
 _SPIN_S = 200e-6
+_BUSY_S = 20e-6  # of which the first, polled without a turn of the loop in between
 
 
 class RankExecutor:
@@ -209,7 +210,9 @@ class RankExecutor:
                                                  error=_violation_error(self.rank, step, found), violations=found))
         self._ok += 1
         self._pages += len(job.plan.clear_list)
-        return self._answer(job, RankOutcome(rank=self.rank, step=step, status="ok", timing=timing))
+        outcome = RankOutcome(rank=self.rank, step=step, status="ok", timing=timing)
+        job.reply.send_nowait(outcome)  # (_answer, inlined on the usual path)
+        return outcome
 
     def skip(self, job: StepJob) -> RankOutcome:
         """Answer a job that will not run (another rank of its step failed first): "cancelled"."""
@@ -359,17 +362,26 @@ async def wait_cuda_event(event: Any, spin_s: float = _SPIN_S) -> None:
     """Wait until a recorded CUDA event has completed without blocking the event loop.
 
     Always gives the loop one turn first (a checkpoint: a CUDA rank's step always yields,
-    so ``run_step`` needs no turn of its own for it); then polls ``event.query()`` between
-    loop iterations for ``spin_s``, then waits in a worker thread (``event.synchronize()``).
+    so ``run_step`` needs no turn of its own for it); then polls ``event.query()`` without
+    yielding for ``_BUSY_S`` (the device's few microseconds of latency, seen as they end
+    rather than at the next turn of the loop), then between loop iterations until
+    ``spin_s`` has passed, then waits in a worker thread (``event.synchronize()``).
     Cancellable: a cancelled wait abandons the worker thread, which ends on its own when
     the event completes.
     """
     await anyio.sleep(0)
-    if event.query():
+    query = event.query
+    if query():
         return
-    deadline = time.perf_counter() + spin_s
-    while time.perf_counter() < deadline:
+    now = time.perf_counter
+    t = now()
+    busy_until = t + _BUSY_S
+    while now() < busy_until:
+        if query():
+            return
+    deadline = t + spin_s
+    while now() < deadline:
         await anyio.sleep(0)
-        if event.query():
+        if query():
             return
     await anyio.to_thread.run_sync(event.synchronize, abandon_on_cancel=True)

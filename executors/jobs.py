@@ -124,9 +124,12 @@ class StepReplies:
     def send_nowait(self, outcome: RankOutcome) -> None:
         if self.closed:
             return
-        self.outcomes.append(outcome)
-        if outcome.status != "ok" or len(self.outcomes) >= self.expected:
-            self.wake()
+        outcomes = self.outcomes
+        outcomes.append(outcome)
+        if outcome.status != "ok" or len(outcomes) >= self.expected:
+            self._woken = True  # (wake, inlined)
+            if self._event is not None:
+                self._event.set()
 
     def wake(self) -> None:
         """End the current ``wait``."""

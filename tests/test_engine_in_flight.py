@@ -305,6 +305,9 @@ async def test_on_the_gpu_a_page_freed_in_k_and_committed_in_k1_is_zeroed_after_
     async with open_engine(G, ranks=[spec], record=True, check=True, depth=2, yield_every_s=0) as engine:
         rows = reads["rows"] = await engine.alias_snapshot(7, 3)
         reads["idx"] = torch.tensor(rows, dtype=torch.int64, device="cuda")
+        with torch.cuda.stream(stream):  # the graph's kernels loaded before the steps (a first launch
+            torch.stack([plane.index_select(0, reads["idx"]) for plane in planes])  # may wait for the device)
+        stream.synchronize()
         with torch.cuda.stream(stream):
             for plane in planes:
                 plane[list(rows)] = ROW

@@ -206,20 +206,17 @@ class LedgerAccess:
             raise
 
     def records_here(self) -> bool:
-        """Whether ``record`` would call ``fn`` right here, without awaiting (``record_here``)."""
+        """Whether ``record`` would call ``fn`` right here, without awaiting: the caller may then
+        record in place itself, and must call ``broken(exc)`` if that fails."""
         return self._state is not _CLOSED and self._here()
 
-    def record_here(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``record`` where ``records_here()`` said so: ``fn(*args)`` right here, no coroutine;
-        a failure breaks the engine, as in ``record``."""
-        try:
-            return fn(*args)
-        except BaseException as exc:
-            if self._state is not _CLOSED:
-                self._broken = exc
-                self._state = _CLOSED
-                self._refresh()
-            raise
+    def broken(self, exc: BaseException) -> None:
+        """A recording made in place (``records_here``) failed with ``exc``: the engine is broken,
+        as when ``record`` fails."""
+        if self._state is not _CLOSED:
+            self._broken = exc
+            self._state = _CLOSED
+            self._refresh()
 
     async def close(self) -> None:
         """The last call on the path, shielded: mark the engine closed, then close the

@@ -104,10 +104,11 @@ class InlineRanks:
 
     async def run(self, sealed: SealedStep, inputs: Sequence[StepInputs], replies: StepReplies
                   ) -> list[RankOutcome]:
-        jobs = jobs_for(sealed, inputs, replies)
-        if len(jobs) == 1:
-            await self._executors[0].run_job(jobs[0])
+        if self.world_size == 1:  # (jobs_for, inlined for the usual case)
+            await self._executors[0].run_job(StepJob(sealed.plan, inputs[0], None, replies, poison=sealed.poison,
+                                                     committed=sealed.committed, checked=True))
             return replies.outcomes
+        jobs = jobs_for(sealed, inputs, replies)
         for ex, job in zip(self._executors, jobs, strict=True):
             outcome = await ex.run_job(job)
             if outcome.status != "ok":  # the later ranks run nothing

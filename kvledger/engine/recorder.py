@@ -60,8 +60,9 @@ class StepRecorder:
                        ) -> StepResult:
         """``completed`` where the access records right here (``LedgerAccess.records_here``): no await."""
         try:
-            result: StepResult = self._access.record_here(self._record_completed, sealed, ranks, timings)
+            result = self._record_completed(sealed, ranks, timings)
         except BaseException as exc:
+            self._access.broken(exc)
             self._log.error("step_outcome_not_recorded", step=sealed.step, error=repr(exc))
             raise
         self.steps_completed += 1

@@ -212,8 +212,10 @@ class OneStep:
     async def run(self, step: int, inputs: Sequence[StepInputs], payload: bytes) -> StepResult:
         access = self._access
         lock = self._lock
-        if not lock.take():
+        if lock.held:
             await lock.acquire()  # cancelled before it holds the lock: nothing sealed
+        else:
+            lock.held = True  # (the free path of acquire, inlined)
         try:
             if not access.is_open:  # closing began while this call waited for the lock
                 access.check_open()
@@ -236,22 +238,15 @@ class StepLock:
     anyio's ``Lock`` costs about 3 us there). A waiter cancelled while it waits leaves the
     queue; one cancelled just as the lock was handed to it hands it on."""
 
-    __slots__ = ("_held", "_waiters")
+    __slots__ = ("held", "_waiters")
 
     def __init__(self) -> None:
-        self._held = False
+        self.held = False
         self._waiters: collections.deque[anyio.Event] = collections.deque()
 
-    def take(self) -> bool:
-        """Take the lock if it is free (True), without a coroutine; else False (``acquire`` it)."""
-        if self._held:
-            return False
-        self._held = True
-        return True
-
     async def acquire(self) -> None:
-        if not self._held:
-            self._held = True
+        if not self.held:
+            self.held = True
             return
         ev = anyio.Event()
         self._waiters.append(ev)
@@ -268,7 +263,7 @@ class StepLock:
         if self._waiters:
             self._waiters.popleft().set()  # the next holder (the lock stays held)
         else:
-            self._held = False
+            self.held = False
 
 
 class InFlight:
