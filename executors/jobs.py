@@ -32,7 +32,10 @@ class StepInputs:
     """What one rank gets for one step.
 
     ``copies``: ``(src, dst)`` tensor pairs, run as ``dst.copy_(src, non_blocking=True)``
-    on the model stream before the clears (host -> device staging, usually).
+    on the model stream before the clears (host -> device staging, usually); on a CUDA
+    rank a plain pair (one dtype and shape, contiguous) is the same bytes copied by one
+    driver call (``cuda_rank.CudaRank.copy_all``). Keep a source unchanged until the step
+    is done (``run_step`` returned, or raised).
     ``data``: anything; handed to the graph untouched.
 
     Raises ``InvalidArgumentError`` when ``copies`` is not a sequence of pairs.
