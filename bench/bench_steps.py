@@ -15,11 +15,12 @@ on a one-element tensor). Between steps the commands run outside the clock; what
 and, to show where the engine's overhead goes (each timed alone, in the same run):
 
     ledger            ``seal_step`` + ``complete_step`` on a bare ``Ledger`` in the same state
-    input copies      the copy alone (host time: ``dst.copy_(src, non_blocking=True)``)
+    input copies      the copy alone, as the executor makes it (host time; CUDA: the rank's
+                      stream switch and ``CudaRank.copy_all``, one driver copy here)
     clear             the backend's ``clear_checked`` on the same kind of list (host time)
     executor          ``RankExecutor.run_job`` called directly on the job an inline rank gets
                       (no scope of its own; timings as the engine's default), minus graph,
-                      copies and clear: the executor's own bookkeeping (stream switch, events,
+                      copies and clear: the executor's own bookkeeping (events, the wait,
                       outcome)
     engine machinery  engine overhead - ledger - (run_job - graph): the runner's own work
                       (hand-off to the ranks, scopes, records, hooks)
@@ -290,13 +291,20 @@ def _clear_side(s: _Setup) -> _CallSide:
 
 
 def _copies_side(s: _Setup) -> _CallSide:
-    src, dst, stream, torch = s.src, s.dst, s.stream, s.torch
+    """The input copy as the executor makes it: on CUDA ``CudaRank.copy_all`` under the rank's
+    stream switch (a driver copy for this plain pinned pair), on the CPU ``copy_``."""
+    src, dst = s.src, s.dst
+    if s.stream is not None:
+        from kvledger.executors.cuda_rank import CudaRank
 
-    def copy(step: int) -> None:
-        if stream is not None:
-            with torch.cuda.stream(stream):
-                dst.copy_(src, non_blocking=True)
-        else:
+        rank = CudaRank(s.device, s.stream, sanitize=False, timings=False)
+        switch, copy_all, pairs = rank.switch, rank.copy_all, [(src, dst)]
+
+        def copy(step: int) -> None:
+            with switch:
+                copy_all(pairs)
+    else:
+        def copy(step: int) -> None:
             dst.copy_(src, non_blocking=True)
 
     return _CallSide(s, copy)

@@ -61,8 +61,8 @@ class ClearBackend(Protocol):
     ``num_pages``: pages in every plane (the geometry's, checked when a rank opens).
 
     Subclass :class:`ClearBackendBase` to get ``clear_checked`` (it calls ``clear``)
-    and a refusing sanitizer side; an object with only ``clear`` is wrapped by
-    :func:`as_clear_backend`.
+    and a refusing sanitizer side; any other object with ``clear`` (and maybe
+    ``poison`` and ``start_verify``) is adapted by :func:`as_clear_backend`.
     """
 
     name: str
@@ -108,29 +108,54 @@ class _ClearsPages(Protocol):
     def clear(self, page_ids: Sequence[int]) -> None: ...
 
 
-class _ClearOnly(ClearBackendBase):
-    """A caller's object with only ``clear``, as a ``ClearBackend`` (no sanitizer support)."""
+@runtime_checkable
+class _ClearsAndChecks(_ClearsPages, Protocol):
+    """A caller's object with the sanitizer's side too: ``poison`` and ``start_verify``."""
+
+    def poison(self, page_ids: Sequence[int]) -> None: ...
+
+    def start_verify(self, cleared_ids: Sequence[int], committed_ids: Sequence[int]) -> SanitizerCheck: ...
+
+
+class _Adapted(ClearBackendBase):
+    """A caller's object that is no ``ClearBackend`` as one: its ``clear`` (and ``clear_checked``
+    calls it); its ``poison`` and ``start_verify`` when it has both (``can_sanitize``), else the
+    base's refusals."""
 
     def __init__(self, inner: _ClearsPages, num_pages: int) -> None:
         self.inner = inner
         self.num_pages = num_pages
-        self.name = f"{type(inner).__name__} (clear only)"
+        self._checks: _ClearsAndChecks | None = inner if isinstance(inner, _ClearsAndChecks) else None
+        self.can_sanitize = self._checks is not None
+        self.name = f"{type(inner).__name__} ({'adapted' if self.can_sanitize else 'clear only'})"
 
     def clear(self, page_ids: Sequence[int]) -> None:
         self.inner.clear(page_ids)
 
+    def poison(self, page_ids: Sequence[int]) -> None:
+        if self._checks is None:
+            super().poison(page_ids)
+        else:
+            self._checks.poison(page_ids)
+
+    def start_verify(self, cleared_ids: Sequence[int], committed_ids: Sequence[int]) -> SanitizerCheck:
+        if self._checks is None:
+            return super().start_verify(cleared_ids, committed_ids)
+        return self._checks.start_verify(cleared_ids, committed_ids)
+
     def __repr__(self) -> str:
-        return f"_ClearOnly({self.inner!r})"
+        return f"_Adapted({self.inner!r})"
 
 
 def as_clear_backend(backend: object, num_pages: int) -> ClearBackend:
-    """``backend`` as a ``ClearBackend``: itself when it is one (every member present), a
-    wrapper around an object that only has ``clear`` (``num_pages`` then the geometry's; it
-    cannot poison or check). Raises ``ConfigurationError`` for anything else."""
+    """``backend`` as a ``ClearBackend``: itself when it is one (every member present), else
+    an adapter around an object with ``clear`` (``num_pages`` then the geometry's): it
+    sanitizes through the object's ``poison`` and ``start_verify`` when it has both, and
+    cannot otherwise. Raises ``ConfigurationError`` for anything without ``clear``."""
     if isinstance(backend, ClearBackend):
         return backend
     if isinstance(backend, _ClearsPages):
-        return _ClearOnly(backend, num_pages)
+        return _Adapted(backend, num_pages)
     raise ConfigurationError(f"backend {backend!r} has no clear(page_ids)")
 
 

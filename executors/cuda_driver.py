@@ -1,4 +1,5 @@
-"""The one adapter between kvledger and the CUDA driver API.
+"""The one adapter between kvledger and the CUDA driver API (one piece: every driver call
+kvledger makes, checked the same way in one place; splitting it would split that rule).
 
 Every driver call kvledger makes (``cuda.bindings.driver`` from cuda-python)
 goes through a function of this module, and nowhere else. Each function checks
@@ -55,6 +56,8 @@ __all__ = [
     "mem_map",
     "mem_release",
     "mem_unmap",
+    "host_device_pointer",
+    "memcpy_dtod_async",
     "memcpy_dtoh_async",
     "memcpy_htod_async",
     "memset_d32_async",
@@ -405,6 +408,29 @@ def memcpy_htod_async(dptr: int, host_ptr: int, nbytes: int, stream: Any) -> Non
         raise CudaDriverError("cuMemcpyHtoDAsync", None, "RuntimeError", str(exc)) from None
     if err:
         raise _fail("cuMemcpyHtoDAsync", err, f"dptr=0x{dptr:x} nbytes={nbytes}")
+
+
+def memcpy_dtod_async(dst: int, src: int, nbytes: int, stream: Any) -> None:
+    """Enqueue a device-to-device copy of ``nbytes`` from ``src`` to ``dst`` (unified addresses)."""
+    d = _D if _initialised else driver()
+    try:
+        (err,) = d.cuMemcpyDtoDAsync(dst, src, nbytes, stream)
+    except RuntimeError as exc:
+        raise CudaDriverError("cuMemcpyDtoDAsync", None, "RuntimeError", str(exc)) from None
+    if err:
+        raise _fail("cuMemcpyDtoDAsync", err, f"dst=0x{dst:x} src=0x{src:x} nbytes={nbytes}")
+
+
+def host_device_pointer(host_ptr: int) -> int | None:
+    """The address at which kernels read the pinned host memory at ``host_ptr``
+    (``cuMemHostGetDevicePointer``; with unified addressing the same value), or None when
+    the driver says it has none there (memory that is not pinned, or not mapped)."""
+    d = _D if _initialised else driver()
+    try:
+        err, dptr = d.cuMemHostGetDevicePointer(host_ptr, 0)
+    except RuntimeError:
+        return None
+    return None if err else int(dptr)
 
 
 # --------------------------------------------------------------------------- virtual memory management

@@ -3,7 +3,9 @@
     engine ──(bounded stream of jobs)──► RankExecutor.serve  (one task per rank)
                                              │ for each job, on the model stream:
                                              │   1. input copies   dst.copy_(src, non_blocking=True)
-                                             │   2. clears         backend.clear(plan.clear_list)
+                                             │                     (CUDA: a driver copy where it can:
+                                             │                     ``cuda_rank.CudaRank.copy_all``)
+                                             │   2. clears         backend.clear_checked(plan.clear_list)
                                              │   3. step graph     graph(ctx, step, inputs)
                                              │   4. completion     CUDA: an event, polled / awaited
                                              │                     in a worker thread; CPU: done
@@ -24,12 +26,15 @@ failed or the caller gave up on the step); a job cancelled before it started run
 nothing. Cancellation of the executor's own task is re-raised after a cancelled
 outcome is sent.
 
-This module imports torch only when a rank has CUDA planes (lazily, at construction).
+A lone rank (or CPU ranks with plain-function graphs) is not served by a task: the
+engine awaits ``run_job`` in ``run_step``'s own task (``kvledger.engine.ranks.InlineRanks``).
+The job's types (``StepInputs``, ``StepJob``, ``RankOutcome``, ...) live in ``jobs.py``
+and are exported here too. This module imports torch only when a rank has CUDA planes
+(lazily, at construction).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import time
 from collections.abc import Callable, Sequence
@@ -37,18 +42,18 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
-import msgspec
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ..core import checks
-from ..core.errors import ConfigurationError, InvalidArgumentError, InvariantViolation
-from ..core.events import StepPlan
+from ..core.errors import ConfigurationError, InvariantViolation
 from .backend import ClearBackend, as_clear_backend
 from .cuda_rank import CudaRank
+from .jobs import NO_INPUTS, RankContext, RankOutcome, RankTiming, StepInputs, StepJob, StepReplies
 from .sanitize import Violation
 
 __all__ = [
+    "NO_INPUTS",
     "RankContext",
     "RankExecutor",
     "RankOutcome",
@@ -61,158 +66,7 @@ __all__ = [
 # Completion of CUDA work: poll the event on the loop for a short while, then wait
 # for it in a worker thread (never synchronize on the event-loop thread).
 _SPIN_S = 200e-6
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StepInputs:
-    """What one rank gets for one step.
-
-    ``copies``: ``(src, dst)`` tensor pairs, run as ``dst.copy_(src, non_blocking=True)``
-    on the model stream before the clears (host -> device staging, usually).
-    ``data``: anything; handed to the graph untouched.
-
-    Raises ``InvalidArgumentError`` when ``copies`` is not a sequence of pairs.
-    """
-
-    copies: Sequence[tuple[Any, Any]] = ()
-    data: Any = None
-
-    def __post_init__(self) -> None:
-        copies = self.copies
-        try:
-            pairs = tuple(tuple(c) for c in copies)
-        except TypeError:
-            raise InvalidArgumentError(f"copies must be a sequence of (src, dst) pairs, got {copies!r}") from None
-        for c in pairs:
-            if len(c) != 2:
-                raise InvalidArgumentError(f"each copy is a (src, dst) pair, got {len(c)} items")
-        object.__setattr__(self, "copies", pairs)
-
-
-NO_INPUTS = StepInputs()
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RankContext:
-    """What a step graph is told about its rank: ``graph(ctx, step, inputs)``.
-
-    ``stream`` is the model stream (``None`` on the CPU); an async graph that launches
-    CUDA work after an ``await`` must do so under ``torch.cuda.stream(ctx.stream)``.
-    """
-
-    rank: int
-    world_size: int
-    device: Any
-    stream: Any
-    planes: tuple[Any, ...]
-    backend: Any
-
-
-class RankTiming(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    """Where one rank spent one step, in seconds.
-
-    ``copies_s``/``clear_s``/``graph_s``: the three phases (CUDA event time on the
-    model stream for CUDA ranks: ``clear_s`` is the clear's device time; host time
-    on the CPU, where the work is synchronous).
-    ``clear_host_s``: host time spent enqueuing the clear (the backend's ``clear``
-    call, id checks included), on every device.
-    ``sanitize_s``: poison + check (device time on CUDA, host time on the CPU); 0
-    when the sanitizer is off.
-    ``total_s``: host time from the executor taking the plan to seeing it complete.
-    """
-
-    rank: int
-    copies_s: float
-    clear_s: float
-    graph_s: float
-    total_s: float
-    clear_host_s: float = 0.0
-    sanitize_s: float = 0.0
-
-
-class RankOutcome(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    """A rank's answer to one job: ``status`` is ``"ok"``, ``"failed"`` or ``"cancelled"``."""
-
-    rank: int
-    step: int
-    status: str
-    timing: RankTiming | None = None
-    error: BaseException | None = None
-    violations: tuple[Violation, ...] = ()
-
-
-class StepReplies:
-    """Where the ranks answer one step: each rank's ``RankOutcome`` is appended to
-    ``outcomes``; ``wait()`` returns once every expected rank answered, any rank did not
-    complete, or ``wake()`` was called (a rank's executor task ended). ``close()`` makes
-    later answers vanish (the engine gave up on the step). The event behind ``wait`` is
-    made only when someone waits (inline ranks never do)."""
-
-    __slots__ = ("outcomes", "expected", "closed", "_woken", "_event")
-
-    def __init__(self, expected: int) -> None:
-        self.outcomes: list[RankOutcome] = []
-        self.expected = expected
-        self.closed = False
-        self._woken = False
-        self._event: anyio.Event | None = None
-
-    def send_nowait(self, outcome: RankOutcome) -> None:
-        if self.closed:
-            return
-        self.outcomes.append(outcome)
-        if outcome.status != "ok" or len(self.outcomes) >= self.expected:
-            self.wake()
-
-    def wake(self) -> None:
-        """End the current ``wait``."""
-        self._woken = True
-        if self._event is not None:
-            self._event.set()
-
-    async def wait(self) -> None:
-        """Until woken (see the class docstring); a checkpoint either way."""
-        if self._woken:
-            await anyio.lowlevel.checkpoint()
-            return
-        if self._event is None:
-            self._event = anyio.Event()
-        await self._event.wait()
-
-    def rearm(self) -> None:
-        """Wait afresh for the remaining answers (after a failure woke us)."""
-        self._event = None
-        self._woken = len(self.outcomes) >= self.expected
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class StepJob:
-    """One plan for one rank. ``scope`` cancels this rank's part of the step only (None: the
-    job runs under its caller's scopes, as inline ranks do); ``reply`` (a ``StepReplies``)
-    receives exactly one ``RankOutcome``, never blocking.
-
-    For the sanitizer: ``poison``, the pages to fill with 0xFF before the clear, and
-    ``committed``, the pages committed this step (checked for poison after it); empty
-    when not given. Read only by an executor with ``sanitize=True``.
-    ``checked``: the plan's clear list is a sealed ledger plan's tuple (distinct ids in
-    range): the backend's ``clear_checked`` skips re-checking it. Only the engine, which
-    sealed the plan, sets it (a list that is not a tuple is checked all the same).
-    """
-
-    __slots__ = ("plan", "inputs", "scope", "reply", "poison", "committed", "checked")
-
-    def __init__(self, plan: StepPlan, inputs: StepInputs, scope: anyio.CancelScope | None, reply: StepReplies, *,
-                 poison: Sequence[int] | None = None, committed: Sequence[int] | None = None,
-                 checked: bool = False) -> None:
-        self.plan = plan
-        self.checked = checked and type(plan.clear_list) is tuple
-        self.inputs = inputs
-        self.scope = scope
-        self.reply = reply
-        self.poison: Sequence[int] = () if poison is None else poison
-        self.committed: Sequence[int] = () if committed is None else committed
+_BUSY_S = 20e-6  # of which the first, polled without a turn of the loop in between
 
 
 class RankExecutor:
@@ -323,7 +177,8 @@ class RankExecutor:
         try:
             if scope is None:
                 try:
-                    ran = await self._execute(job, t0)
+                    cu = self._cuda
+                    ran = await (self._execute(job, t0) if cu is None else self._execute_cuda(cu, job, t0))
                 except Exception as exc:  # a rank failure, reported, never escapes the task
                     error = exc
             else:
@@ -332,7 +187,8 @@ class RankExecutor:
                     return self._answer(job, RankOutcome(rank=self.rank, step=step, status="cancelled"))
                 with scope:
                     try:
-                        ran = await self._execute(job, t0)
+                        cu = self._cuda
+                        ran = await (self._execute(job, t0) if cu is None else self._execute_cuda(cu, job, t0))
                     except Exception as exc:  # a rank failure, reported, never escapes the task
                         error = exc
         except BaseException:
@@ -354,7 +210,9 @@ class RankExecutor:
                                                  error=_violation_error(self.rank, step, found), violations=found))
         self._ok += 1
         self._pages += len(job.plan.clear_list)
-        return self._answer(job, RankOutcome(rank=self.rank, step=step, status="ok", timing=timing))
+        outcome = RankOutcome(rank=self.rank, step=step, status="ok", timing=timing)
+        job.reply.send_nowait(outcome)  # (_answer, inlined on the usual path)
+        return outcome
 
     def skip(self, job: StepJob) -> RankOutcome:
         """Answer a job that will not run (another rank of its step failed first): "cancelled"."""
@@ -369,26 +227,46 @@ class RankExecutor:
     # ------------------------------------------------------------------ one plan
 
     async def _execute(self, job: StepJob, t0: float) -> tuple[RankTiming, tuple[Violation, ...]]:
-        if self._cuda is not None:
-            return await self._execute_cuda(self._cuda, job, t0)
+        """The plan on the host (CPU planes, or none): copies, [poison], clear, [check], graph."""
         plan, inputs = job.plan, job.inputs
         for src, dst in inputs.copies:
             dst.copy_(src, non_blocking=True)
-        t1 = t2 = time.perf_counter()
+        perf = time.perf_counter
+        t1 = perf()
         backend = self.backend
         if self.sanitize and backend is not None:
-            backend.poison(job.poison)
-            t2 = time.perf_counter()
+            return await self._execute_sanitized(backend, job, t0, t1)
+        clear_list = plan.clear_list
+        if clear_list:
+            self._clear(clear_list, job.checked)
+            t3 = perf()
+        else:
+            t3 = t1
+        graph = self.graph
+        if graph is not None:
+            result = graph(self.context, plan.step, inputs)
+            if result is not None and inspect.isawaitable(result):
+                await result
+            t5 = perf()
+        else:
+            t5 = t3
+        return RankTiming(rank=self.rank, copies_s=t1 - t0, clear_s=t3 - t1, graph_s=t5 - t3, total_s=t5 - t0,
+                          clear_host_s=t3 - t1), ()
+
+    async def _execute_sanitized(self, backend: ClearBackend, job: StepJob, t0: float, t1: float
+                                 ) -> tuple[RankTiming, tuple[Violation, ...]]:
+        """``_execute`` in sanitize mode: poison, clear, check, then the graph if the check found nothing."""
+        plan, inputs = job.plan, job.inputs
+        backend.poison(job.poison)
+        t2 = time.perf_counter()
         self._clear(plan.clear_list, job.checked)
-        t3 = t4 = time.perf_counter()
-        found: tuple[Violation, ...] = ()
-        if self.sanitize and backend is not None:
-            found = backend.start_verify(plan.clear_list, job.committed).result()
-            t4 = time.perf_counter()
+        t3 = time.perf_counter()
+        found = backend.start_verify(plan.clear_list, job.committed).result()
+        t4 = time.perf_counter()
         graph = self.graph
         if graph is not None and not found:
             result = graph(self.context, plan.step, inputs)
-            if inspect.isawaitable(result):
+            if result is not None and inspect.isawaitable(result):
                 await result
         t5 = time.perf_counter()
         return RankTiming(rank=self.rank, copies_s=t1 - t0, clear_s=t3 - t2, graph_s=t5 - t4, total_s=t5 - t0,
@@ -407,20 +285,52 @@ class RankExecutor:
 
     async def _execute_cuda(self, cu: CudaRank, job: StepJob, t0: float) -> tuple[RankTiming, tuple[Violation, ...]]:
         """The plan on the model stream: one stream switch around everything enqueued before
-        the wait; events only where asked for (``timings``) or needed (completion, the check)."""
+        the wait (``CudaRank.switch``, about 1 us); copies by the driver where they can be
+        (``CudaRank.copy_all``); events only where asked for (``timings``) or needed
+        (completion, the check)."""
         plan, inputs = job.plan, job.inputs
         backend = self.backend
         sanitize = self.sanitize and backend is not None
         marks = cu.marks
         stream = cu.stream
-        check = None
-        result: Any = None
         graph = self.graph
-        with cu.on_stream:
+        try:
+            result, check, clear_host = self._enqueue_cuda(cu, job, sanitize)
+        except Exception:
+            await anyio.lowlevel.cancel_shielded_checkpoint()  # (the step yields, failed or not: wait_cuda_event)
+            raise
+        found: tuple[Violation, ...] = ()
+        if check is not None:
+            await wait_cuda_event(check)  # the graph runs only on pages the check passed
+            found = check.result()
+            if graph is not None and not found:
+                with cu.switch:
+                    result = graph(self.context, plan.step, inputs)
+        if result is not None and inspect.isawaitable(result):
+            await result
+        cu.done.record(stream)
+        await wait_cuda_event(cu.done)
+        total = time.perf_counter() - t0
+        if marks is None:
+            return RankTiming(rank=self.rank, copies_s=0.0, clear_s=0.0, graph_s=0.0, total_s=total,
+                              clear_host_s=clear_host), found
+        copies_s, clear_s, graph_s, sanitize_s = cu.phases(sanitize)
+        return RankTiming(rank=self.rank, copies_s=copies_s, clear_s=clear_s, graph_s=graph_s, total_s=total,
+                          clear_host_s=clear_host, sanitize_s=sanitize_s), found
+
+    def _enqueue_cuda(self, cu: CudaRank, job: StepJob, sanitize: bool) -> tuple[Any, Any, float]:
+        """Everything of the plan that is enqueued before the first wait, under one stream switch:
+        ``(the graph's result, the pending check (sanitize mode), the clear's host time)``."""
+        plan, inputs = job.plan, job.inputs
+        backend = self.backend
+        marks = cu.marks
+        stream = cu.stream
+        check = result = None
+        with cu.switch:
             if marks is not None:
                 marks[0].record(stream)
-            for src, dst in inputs.copies:
-                dst.copy_(src, non_blocking=True)
+            if inputs.copies:
+                cu.copy_all(inputs.copies)
             if marks is not None:
                 marks[1].record(stream)
             if sanitize:
@@ -436,23 +346,9 @@ class RankExecutor:
                 check = backend.start_verify(plan.clear_list, job.committed)  # type: ignore[union-attr]
                 if marks is not None:
                     marks[4].record(stream)
-            elif graph is not None:
-                result = graph(self.context, plan.step, inputs)
-        found: tuple[Violation, ...] = ()
-        if check is not None:
-            await wait_cuda_event(check)  # the graph runs only on pages the check passed
-            found = check.result()
-            if graph is not None and not found:
-                with cu.on_stream:
-                    result = graph(self.context, plan.step, inputs)
-        if inspect.isawaitable(result):
-            await result
-        cu.done.record(stream)
-        await wait_cuda_event(cu.done)
-        total = time.perf_counter() - t0
-        copies_s, clear_s, graph_s, sanitize_s = cu.phases(sanitize)
-        return RankTiming(rank=self.rank, copies_s=copies_s, clear_s=clear_s, graph_s=graph_s, total_s=total,
-                          clear_host_s=clear_host, sanitize_s=sanitize_s), found
+            elif self.graph is not None:
+                result = self.graph(self.context, plan.step, inputs)
+        return result, check, clear_host
 
 
 def _violation_error(rank: int, step: int, found: Sequence[Violation]) -> InvariantViolation:
@@ -465,15 +361,27 @@ def _violation_error(rank: int, step: int, found: Sequence[Violation]) -> Invari
 async def wait_cuda_event(event: Any, spin_s: float = _SPIN_S) -> None:
     """Wait until a recorded CUDA event has completed without blocking the event loop.
 
-    Polls ``event.query()`` between loop iterations for ``spin_s``, then waits in a
-    worker thread (``event.synchronize()``). Cancellable: a cancelled wait abandons
-    the worker thread, which ends on its own when the event completes.
+    Always gives the loop one turn first (a checkpoint: a CUDA rank's step always yields,
+    so ``run_step`` needs no turn of its own for it); then polls ``event.query()`` without
+    yielding for ``_BUSY_S`` (the device's few microseconds of latency, seen as they end
+    rather than at the next turn of the loop), then between loop iterations until
+    ``spin_s`` has passed, then waits in a worker thread (``event.synchronize()``).
+    Cancellable: a cancelled wait abandons the worker thread, which ends on its own when
+    the event completes.
     """
-    if event.query():
+    await anyio.sleep(0)
+    query = event.query
+    if query():
         return
-    deadline = time.perf_counter() + spin_s
-    while time.perf_counter() < deadline:
+    now = time.perf_counter
+    t = now()
+    busy_until = t + _BUSY_S
+    while now() < busy_until:
+        if query():
+            return
+    deadline = t + spin_s
+    while now() < deadline:
         await anyio.sleep(0)
-        if event.query():
+        if query():
             return
     await anyio.to_thread.run_sync(event.synchronize, abandon_on_cancel=True)

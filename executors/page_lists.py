@@ -41,14 +41,17 @@ def packer(words: int) -> struct.Struct:
 
 
 class ListSlot:
-    """One host row + device row + their events (see :class:`ListRing`)."""
+    """One host row + device row + their events (see :class:`ListRing`). ``host_dptr``: the
+    address at which a kernel reads the host row itself (pinned memory is mapped; None where
+    the driver says it is not)."""
 
-    __slots__ = ("host", "host_np", "host_ptr", "device", "dptr", "done", "copied", "used")
+    __slots__ = ("host", "host_np", "host_ptr", "host_dptr", "device", "dptr", "done", "copied", "used")
 
     def __init__(self, torch: Any, words: int, device: Any) -> None:
         self.host = torch.zeros(words, dtype=torch.int32, pin_memory=True)
         self.host_np = self.host.numpy()
         self.host_ptr = int(self.host.data_ptr())
+        self.host_dptr = cuda_driver.host_device_pointer(self.host_ptr)  # where a kernel reads the host row
         self.device = torch.zeros(words, dtype=torch.int32, device=device)
         self.dptr = int(self.device.data_ptr())
         self.done = cuda_driver.event_create()

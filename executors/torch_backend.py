@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 from ..core import checks
 from ..core.errors import ConfigurationError
 from .backend import ClearBackendBase, coalesce_runs
+from .cuda_rank import StreamSwitch
 from .sanitize import SanitizerCheck, TorchVerifier, Violation
 
 __all__ = ["STRATEGIES", "TorchClearBackend"]
@@ -114,8 +115,8 @@ class TorchClearBackend(ClearBackendBase):
         if stream is not None and not self._cuda:
             raise ConfigurationError(f"a stream was given but the planes are on {layout.device}, not CUDA")
         self.stream = stream
-        # one stream context, made once and entered around each fill (never nested: no lookup per clear)
-        self._on_model_stream = torch.cuda.stream(stream) if stream is not None else None
+        # one stream switch, made once and entered around each fill (never nested: no lookup per clear)
+        self._on_model_stream: StreamSwitch | None = StreamSwitch(torch, stream) if stream is not None else None
         fixed, per_row, per_byte = _COST["cuda" if self._cuda else "cpu"]
         self._fixed = fixed
         self._per_page = tuple(per_row + pb * per_byte for pb in layout.page_bytes)
@@ -166,7 +167,7 @@ class TorchClearBackend(ClearBackendBase):
         host = self._host
         if host is not None and self.strategy != "index" and k * _HOST_RUN <= self._fixed:
             # a short CPU list: by runs whatever they are (no cost model to consult)
-            self._host_runs(((ids[0], ids[0] + 1),) if k == 1 else coalesce_runs(sorted(ids)), ones)
+            self._host_runs(_short_runs(ids) if k <= 2 else coalesce_runs(sorted(ids)), ones)
             return
         srt = sorted(ids)
         # runs = pages - adjacent pairs (C-level: no Python loop over the ids)
@@ -196,9 +197,16 @@ class TorchClearBackend(ClearBackendBase):
         self._index_fills += fills
 
     def _host_runs(self, runs: Sequence[tuple[int, int]], ones: bool) -> None:
-        """CPU planes: ``runs`` of every plane by slice assignment."""
-        for plane in self._host or ():
-            self._host_plane(plane, runs, ones)
+        """CPU planes: ``runs`` of every plane by slice assignment (``_host_plane``, inlined)."""
+        src = _HOST_ONES if ones else _HOST_ZEROS
+        for mv, pb, rows in self._host or ():
+            for a, b in runs:
+                n = (b - a) * pb
+                if n <= _HOST_CHUNK:
+                    start = a * pb
+                    mv[start:start + n] = src[:n]
+                else:
+                    rows[a:b].fill_(_ones(rows) if ones else 0)
         self._slice_fills += len(runs) * len(self._rows)
 
     @staticmethod
@@ -310,6 +318,17 @@ def _bytes_of(rows: Any, nbytes: int) -> memoryview:
     """A writable memoryview of the ``nbytes`` bytes of a contiguous CPU tensor (no copy, no numpy).
     The backend keeps the tensor (and so the memory) alive for as long as the view."""
     return memoryview((ctypes.c_ubyte * nbytes).from_address(int(rows.data_ptr()))).cast("B")
+
+
+def _short_runs(ids: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """The runs of one or two distinct ids (``coalesce_runs(sorted(ids))`` without the sort)."""
+    a = ids[0]
+    if len(ids) == 1:
+        return ((a, a + 1),)
+    b = ids[1]
+    if a > b:
+        a, b = b, a
+    return ((a, b + 1),) if b == a + 1 else ((a, a + 1), (b, b + 1))
 
 
 def _ones(rows: Any) -> int:

@@ -6,16 +6,19 @@ for eager clears (``page_lists.ListRing``: pinned host rows, device rows,
 events; it grows rather than wait), and one static graph page list. Every list
 is ``[count, ids...]`` (int32) and the kernel reads the count on the device::
 
-    eager    clear(ids)   pack ids into a pinned row -> H2D copy (on a side copy
-                          stream, the model stream waits for it on the device:
-                          ``prefetch``) -> one kernel launch on the model stream
+    eager    clear(ids)   pack ids into a pinned row -> one kernel launch on the model
+                          stream; up to ``ZERO_COPY_IDS`` ids the kernel reads the pinned
+                          row itself (mapped memory), a longer list is copied to the
+                          device row first (on a side copy stream, the model stream waits
+                          for it on the device: ``prefetch``)
     graph    stage(ids)   H2D copy into the static graph list, on the model stream
              clear_staged()  inside the engine's own CUDA graph capture: the kernel
                           over the static list, then count := 0 (the list is consumed)
              capture(step) / graph_clear(ids) / staged(): ready-made uses of the two
 
-Host work per eager clear: the id check, one ``struct.pack_into``, and four or
-five driver calls (copy, [event, wait], launch, event) through
+Host work per eager clear: the id check, one ``struct.pack_into``, and two driver
+calls for a short list (launch, event), four or five for a long one (copy, [event,
+wait], launch, event) through
 ``cuda_driver``; the kernel is launched with ``cuLaunchKernel`` and a preset
 parameter block (``triton_launch``, ``launch="driver"``). Nothing synchronizes
 the host with the device. A replay consumes the graph list, so a replay with
@@ -50,6 +53,10 @@ from .triton_launch import DirectLaunch, compile_kernel
 __all__ = ["FillConfig", "StagedClear", "TritonClearBackend"]
 
 LAUNCH_MODES = ("driver", "triton", "jit")
+# Eager lists of at most this many ids are read by the kernel from the slot's pinned host row
+# (mapped memory): no copy, no copy event, no stream wait (three driver calls fewer, about
+# 5 us of host time on the H200 host); longer ones are copied to the device row first.
+ZERO_COPY_IDS = 64
 
 
 class _Fill:
@@ -215,26 +222,29 @@ class TritonClearBackend(ClearBackendBase):
 
     def _eager(self, ids: tuple[int, ...], fill: _Fill) -> None:
         n = len(ids)
-        stream, cu = self._streams()
-        pushed = self._enter()
+        stream, cu = (self._stream, self._cu) if self._stream is not None else self._streams()
+        pushed = threading.get_ident() not in self._ctx_threads and self._enter()
         try:
             slot = self._ring.acquire()
             nbytes = 4 * (n + 1)
             packer(n + 1).pack_into(slot.host_np, 0, n, *ids)
-            if self._copy_cu is not None:
-                cuda_driver.memcpy_htod_async(slot.dptr, slot.host_ptr, nbytes, self._copy_cu)
-                cuda_driver.event_record(slot.copied, self._copy_cu)
-                cuda_driver.stream_wait_event(cu, slot.copied)
-            else:
-                cuda_driver.memcpy_htod_async(slot.dptr, slot.host_ptr, nbytes, cu)
             grid = min(n * self._work_per_page, self._max_programs)
-            if fill.mode == "jit":
-                with torch.cuda.device(self._device), torch.cuda.stream(stream):
-                    fill(slot.device, slot.dptr, grid, cu)
+            if n <= ZERO_COPY_IDS and slot.host_dptr is not None and fill.direct is not None:
+                fill(slot.host, slot.host_dptr, grid, cu)  # the kernel reads the list from the pinned row
             else:
-                fill(slot.device, slot.dptr, grid, cu)
-            cuda_driver.event_record(slot.done, cu)
-            self._copies += 1
+                if self._copy_cu is not None:
+                    cuda_driver.memcpy_htod_async(slot.dptr, slot.host_ptr, nbytes, self._copy_cu)
+                    cuda_driver.event_record(slot.copied, self._copy_cu)
+                    cuda_driver.stream_wait_event(cu, slot.copied)
+                else:
+                    cuda_driver.memcpy_htod_async(slot.dptr, slot.host_ptr, nbytes, cu)
+                self._copies += 1
+                if fill.mode == "jit":
+                    with torch.cuda.device(self._device), torch.cuda.stream(stream):
+                        fill(slot.device, slot.dptr, grid, cu)
+                else:
+                    fill(slot.device, slot.dptr, grid, cu)
+            cuda_driver.event_record(slot.done, cu)  # the slot (either row) is reused once this completed
         finally:
             if pushed:
                 cuda_driver.pop_context()

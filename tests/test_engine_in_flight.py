@@ -296,11 +296,18 @@ async def test_on_the_gpu_a_page_freed_in_k_and_committed_in_k1_is_zeroed_after_
         assert torch.cuda.current_stream() == ctx.stream
         if step == 0:
             torch.cuda._sleep(50_000_000)  # long enough that step 1 is sealed and sent meanwhile
-        reads[step] = torch.stack([plane[list(reads["rows"])] for plane in ctx.planes])  # on the stream
+        # on the stream, and without blocking the host (indexing with a list would copy it to the
+        # device and wait for the stream: no other task could run, step 1 could not be sealed
+        # while step 0 runs, and that overlap is what this test is about)
+        reads[step] = torch.stack([plane.index_select(0, reads["idx"]) for plane in ctx.planes])
 
     spec = RankSpec(planes=planes, graph=graph, stream=stream, backend=backend)
     async with open_engine(G, ranks=[spec], record=True, check=True, depth=2, yield_every_s=0) as engine:
         rows = reads["rows"] = await engine.alias_snapshot(7, 3)
+        reads["idx"] = torch.tensor(rows, dtype=torch.int64, device="cuda")
+        with torch.cuda.stream(stream):  # the graph's kernels loaded before the steps (a first launch
+            torch.stack([plane.index_select(0, reads["idx"]) for plane in planes])  # may wait for the device)
+        stream.synchronize()
         with torch.cuda.stream(stream):
             for plane in planes:
                 plane[list(rows)] = ROW

@@ -6,6 +6,10 @@
                          host times there; on: every phase timed on the model stream
     two CUDA ranks       dispatched to their executor tasks, both on their own streams
     clear_checked        every backend's zeroes exactly what its clear zeroes
+    input copies         the driver's copies (plain pairs) and torch's (the rest) give what copy_ gives
+    the stream switch    the model stream current inside, the caller's streams as they were after
+    short lists          the triton backend's kernel reads them from pinned memory: many in a row
+                         through the ring's slots zero exactly what the CPU reference zeroes
 
 (``bench/bench_steps.py --device cuda``, run by ``scripts/gpu-check``, times the same path.)
 """
@@ -124,3 +128,79 @@ def test_clear_checked_zeroes_exactly_what_clear_does(backend):
     torch.cuda.synchronize()
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert all(int(x[list(ids)].count_nonzero()) == 0 for x in a)
+
+
+def test_input_copies_by_the_driver_and_by_torch_give_what_copy_gives():
+    from kvledger.executors.cuda_rank import CudaRank
+
+    pytest.importorskip("cuda.bindings")
+    rank = CudaRank(torch.device("cuda", 0), torch.cuda.Stream(), sanitize=False, timings=False)
+    g = torch.Generator().manual_seed(7)
+    pinned = torch.randn(1000, generator=g).pin_memory()
+    pageable = torch.randint(0, 255, (333,), generator=g, dtype=torch.uint8)
+    on_device = torch.randn(64, 8, generator=g).cuda()
+    wide = torch.randn(4, 6, generator=g)
+    pairs = [
+        (pinned, torch.zeros(1000, device="cuda")),  # driver: host to device
+        (pageable, torch.zeros(333, dtype=torch.uint8, device="cuda")),  # driver (pageable: staged by it)
+        (on_device, torch.zeros(64, 8, device="cuda")),  # driver: device to device
+        (pinned, torch.zeros(1000, dtype=torch.float64, device="cuda")),  # torch: a dtype conversion
+        (wide.t(), torch.zeros(6, 4, device="cuda")),  # torch: a source that is not contiguous
+        (pinned[:8], torch.zeros(5, 8, device="cuda")),  # torch: a broadcast
+        (torch.empty(0), torch.empty(0, device="cuda")),  # nothing to copy
+    ]
+    torch.cuda.synchronize()
+    with rank.switch:
+        rank.copy_all(pairs)
+    rank.stream.synchronize()
+    assert rank.driver_copies == 3
+    for src, dst in pairs:
+        want = torch.empty_like(dst)
+        want.copy_(src)
+        assert torch.equal(dst, want)
+
+
+def test_the_stream_switch_makes_the_model_stream_current_and_restores_the_callers():
+    from kvledger.executors.cuda_rank import StreamSwitch
+
+    model, other = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        switch = StreamSwitch(torch, model)
+        for _ in range(2):  # one object, used again
+            with switch:
+                assert torch.cuda.current_stream() == model
+            assert torch.cuda.current_stream() == other
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
+def test_short_lists_read_from_pinned_memory_zero_exactly_what_the_reference_zeroes():
+    pytest.importorskip("cuda.bindings")
+    pytest.importorskip("triton")
+    import random
+
+    from kvledger.executors.triton_backend import ZERO_COPY_IDS, TritonClearBackend
+
+    rng = random.Random(11)
+    pages = 256
+    planes = [torch.randint(1, 255, (pages, 96), dtype=torch.uint8, device="cuda") for _ in range(3)]
+    want = [p.cpu() for p in planes]
+    stream = torch.cuda.Stream()
+    b = TritonClearBackend(planes, stream=stream)
+    short = long = 0
+    for i in range(300):  # many in a row: every slot of the ring reused many times, the device busy meanwhile
+        n = rng.choice([1, 2, 3, ZERO_COPY_IDS]) if i % 50 else ZERO_COPY_IDS + 1  # a few copied lists too
+        ids = tuple(rng.sample(range(pages), n))
+        b.clear_checked(ids)
+        for w in want:
+            w[list(ids)] = 0
+        if i % 7 == 0:
+            with torch.cuda.stream(stream):  # rewrite a page after the clear, on the same stream
+                page = rng.randrange(pages)
+                for p, w in zip(planes, want, strict=True):
+                    p[page].fill_(i % 250 + 1)
+                    w[page] = i % 250 + 1
+        short += n <= ZERO_COPY_IDS
+        long += n > ZERO_COPY_IDS
+    torch.cuda.synchronize()
+    assert all(torch.equal(p.cpu(), w) for p, w in zip(planes, want, strict=True))
+    assert b.statistics()["list_copies"] == long and short > 250

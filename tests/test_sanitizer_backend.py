@@ -209,6 +209,28 @@ def test_sanitize_needs_a_backend_that_can_poison_and_check():
         RankExecutor(0, num_pages=4, backend=ClearOnly(), sanitize=True)
 
 
+def test_a_duck_typed_backend_with_poison_and_check_can_sanitize():
+    """An object that is no ClearBackend (no ``clear_checked``, no ``can_sanitize``) but has
+    ``clear``, ``poison`` and ``start_verify`` sanitizes through them (``as_clear_backend``)."""
+    planes = random_planes(random.Random(4))
+    full = TorchClearBackend(planes)
+    partial = TorchClearBackend(planes[:1] + planes[2:])  # skips plane 1
+
+    class SkipsPlaneOne:
+        def __init__(self):
+            self.name, self.num_pages = "skips-plane-1", NUM_PAGES
+            self.poison, self.start_verify = full.poison, full.start_verify
+            self.clear = partial.clear
+
+    ex = RankExecutor(0, num_pages=NUM_PAGES, backend=SkipsPlaneOne(), planes=planes, sanitize=True)
+    assert ex.backend is not None and ex.backend.can_sanitize
+    assert run(ex, 0, [], poison=[5, 6]).status == "ok"
+    out = run(ex, 1, [5, 6], committed=[5, 6])
+    assert out.status == "failed" and isinstance(out.error, InvariantViolation)
+    assert {v.plane for v in out.violations} == {1}
+    assert {v.page for v in out.violations} == {5, 6}
+
+
 @pytest.mark.asyncio
 async def test_job_lists_default_to_empty():
     plan = StepPlan(step=0, clear_list=(1,))

@@ -75,7 +75,9 @@ What a failure leaves behind:
   raise ``EngineClosedError`` (nothing recorded); the step in flight runs to its
   end when the body returned, or, when the body raised or was cancelled, is
   cancelled and recorded as ``StepAborted(step, "engine closed")`` (its caller
-  gets ``EngineClosedError``); then the executors stop and the log is closed,
+  gets ``EngineClosedError``), unless its ranks run inline and none of their graphs
+  awaits (CPU ranks; a lone CUDA rank waits only for its own device work): it then
+  runs to its end; then the executors stop and the log is closed,
   the last call on the ledger's path. Every later call raises
   ``EngineClosedError`` and nothing is written after the close;
 * if recording a step's outcome itself fails (a log write error), the engine is

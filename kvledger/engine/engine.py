@@ -359,8 +359,8 @@ class Engine:
             await access.checkpoint()
             access.yield_at = time.perf_counter() + access.yield_every_s
         else:
-            await anyio.lowlevel.checkpoint_if_cancelled()
-        if access.state != "open":
+            await access.checkpoint_if_cancelled()
+        if not access.is_open:
             access.check_open()
         return await self._order.run(step, per_rank, payload)
 

@@ -2,7 +2,9 @@
 
     completed(sealed, ranks, timings)  ─► on the ledger's path: StepCompleted per rank, the
                                           StepResult (wall time at the last completion), every
-                                          hook's settled(StepSettled(result))
+                                          hook's settled(StepSettled(result)); completed_here:
+                                          the same without a coroutine, where the access
+                                          records in place
     aborted(step, ok_ranks, reason,    ─► on the ledger's path: SanitizerViolation per violation
             found, error)                 found, StepAborted(step, reason) (the later steps in
                                           flight it reaches are noted: cascaded()), StepCompleted
@@ -48,6 +50,19 @@ class StepRecorder:
         try:
             result: StepResult = await self._access.record(self._record_completed, sealed, ranks, timings)
         except BaseException as exc:
+            self._log.error("step_outcome_not_recorded", step=sealed.step, error=repr(exc))
+            raise
+        self.steps_completed += 1
+        self.pages_cleared += len(sealed.plan.clear_list)
+        return result
+
+    def completed_here(self, sealed: SealedStep, ranks: tuple[int, ...], timings: tuple[RankTiming, ...]
+                       ) -> StepResult:
+        """``completed`` where the access records right here (``LedgerAccess.records_here``): no await."""
+        try:
+            result = self._record_completed(sealed, ranks, timings)
+        except BaseException as exc:
+            self._access.broken(exc)
             self._log.error("step_outcome_not_recorded", step=sealed.step, error=repr(exc))
             raise
         self.steps_completed += 1

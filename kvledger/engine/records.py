@@ -71,6 +71,8 @@ def jobs_for(sealed: SealedStep, inputs: Sequence[StepInputs], reply: StepReplie
     to ``reply``, each under its own cancel scope (``scopes``) or under its caller's (None),
     marked checked (a sealed plan's clear list: the backend may skip its id check)."""
     plan, poison, committed = sealed.plan, sealed.poison, sealed.committed
+    if scopes is None and len(inputs) == 1:
+        return [StepJob(plan, inputs[0], None, reply, poison=poison, committed=committed, checked=True)]
     if scopes is None:
         return [StepJob(plan, x, None, reply, poison=poison, committed=committed, checked=True) for x in inputs]
     return [StepJob(plan, x, scope, reply, poison=poison, committed=committed, checked=True)

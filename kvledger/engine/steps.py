@@ -69,6 +69,13 @@ class StepRunner:
         if self._scope is not None:
             self._scope.cancel()
 
+    def seal_here(self, step: int, payload: bytes, t0: float) -> SealedStep:
+        """``seal`` where the access is direct (``LedgerAccess.direct``): no coroutine."""
+        sealed = SealedStep(self._ledger.seal_step(step), t0, payload)
+        for hook in self.hooks:
+            hook.sealed(sealed)
+        return sealed
+
     async def seal(self, step: int, payload: bytes, t0: float) -> SealedStep:
         """Seal ``step`` (the ledger's ``StepOrderError`` when it is not the open one: nothing
         changed) and tell the hooks. A caller cancelled while a seal waits for the worker
@@ -118,6 +125,8 @@ class StepRunner:
                     break
             else:
                 timings = _timings(outcomes)
+                if self._access.records_here():
+                    return self.recorder.completed_here(sealed, self._all_ranks, timings)
                 return await self.recorder.completed(sealed, self._all_ranks, timings)
         await self._fail(sealed, outcomes)
 
@@ -178,6 +187,9 @@ class StepRunner:
 
 def _timings(outcomes: Sequence[RankOutcome]) -> tuple[RankTiming, ...]:
     """The local ranks' timings, by rank (remote peers report none)."""
+    if len(outcomes) == 1:
+        timing = outcomes[0].timing
+        return () if timing is None else (timing,)
     timings = [o.timing for o in outcomes if o.timing is not None]
     if len(timings) > 1:
         timings.sort(key=_by_rank)
@@ -200,13 +212,17 @@ class OneStep:
     async def run(self, step: int, inputs: Sequence[StepInputs], payload: bytes) -> StepResult:
         access = self._access
         lock = self._lock
-        await lock.acquire()  # cancelled before it holds the lock: nothing sealed
+        if lock.held:
+            await lock.acquire()  # cancelled before it holds the lock: nothing sealed
+        else:
+            lock.held = True  # (the free path of acquire, inlined)
         try:
-            if access.state != "open":  # closing began while this call waited for the lock
+            if not access.is_open:  # closing began while this call waited for the lock
                 access.check_open()
             t0 = time.perf_counter()
-            sealed = await self._runner.seal(step, payload, t0)
-            return await self._runner.run_sealed(sealed, inputs)
+            runner = self._runner
+            sealed = runner.seal_here(step, payload, t0) if access.direct else await runner.seal(step, payload, t0)
+            return await runner.run_sealed(sealed, inputs)
         finally:
             lock.release()
 
@@ -222,15 +238,15 @@ class StepLock:
     anyio's ``Lock`` costs about 3 us there). A waiter cancelled while it waits leaves the
     queue; one cancelled just as the lock was handed to it hands it on."""
 
-    __slots__ = ("_held", "_waiters")
+    __slots__ = ("held", "_waiters")
 
     def __init__(self) -> None:
-        self._held = False
+        self.held = False
         self._waiters: collections.deque[anyio.Event] = collections.deque()
 
     async def acquire(self) -> None:
-        if not self._held:
-            self._held = True
+        if not self.held:
+            self.held = True
             return
         ev = anyio.Event()
         self._waiters.append(ev)
@@ -247,7 +263,7 @@ class StepLock:
         if self._waiters:
             self._waiters.popleft().set()  # the next holder (the lock stays held)
         else:
-            self._held = False
+            self.held = False
 
 
 class InFlight:
@@ -268,11 +284,12 @@ class InFlight:
         runs nothing and raises (``_wait_turn``). The next step's wait ends when this one settled."""
         access = self._access
         async with self._slots:
-            if access.state != "open":
+            if not access.is_open:
                 access.check_open()
             t0 = time.perf_counter()
             async with self._seal_lock:
-                sealed = await self._runner.seal(step, payload, t0)
+                runner = self._runner
+                sealed = runner.seal_here(step, payload, t0) if access.direct else await runner.seal(step, payload, t0)
                 prev, mine = self._tail, anyio.Event()
                 self._tail = mine
             try:
