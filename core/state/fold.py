@@ -27,37 +27,17 @@ from itertools import filterfalse
 from typing import TYPE_CHECKING
 
 from ..events.events import (
-    CacheConfigured,
-    ClearPages,
-    PagesMarked,
-    PagesCommitted,
-    PagesReserved,
-    ReservationReturned,
-    SanitizerViolation,
-    RestoreCompleted,
-    RestoreStarted,
-    SnapshotAliased,
-    SnapshotReleased,
-    StepAborted,
-    StepCompleted,
-    StepPlan,
+    CacheConfigured, ClearPages, PagesCommitted, PagesMarked, PagesReserved, ReservationReturned, RestoreCompleted,
+    RestoreStarted, SanitizerViolation, SnapshotAliased, SnapshotReleased, StepAborted, StepCompleted, StepPlan,
     StepSealed,
 )
-from .table import (
-    HOLDER_ALIAS,
-    HOLDER_CACHED,
-    HOLDER_FREE,
-    MARK_ALL,
-    MARK_TENANT,
-    MAX_IN_FLIGHT,
-    RequestRecord,
-)
+from .table import HOLDER_ALIAS, HOLDER_CACHED, HOLDER_FREE, MARK_ALL, MARK_TENANT, MAX_IN_FLIGHT, RequestRecord
 
 if TYPE_CHECKING:
     from .state import LedgerState
 
 __all__ = [
-    "cache_configured", "commit_pages", "complete", "release_request", "reserve_top",
+    "allocate_top", "cache_configured", "commit_pages", "complete", "release_request", "reserve_top",
     "seal", "pages_committed", "pages_reserved", "request_gone", "reservation_returned",
     "restore_completed", "restore_started", "sanitizer_violation", "snapshot_aliased", "snapshot_released",
     "step_aborted", "step_completed", "step_sealed",
@@ -201,6 +181,33 @@ def reserve_top(st: LedgerState, rec: RequestRecord | None, request: int, n: int
     return tuple(pages)
 
 
+def allocate_top(st: LedgerState, rec: RequestRecord | None, request: int, step: int, n: int,
+                 tenant: str | None) -> tuple | None:
+    """``reserve_top`` then ``commit_pages`` of those pages in one pass, for a request without
+    reserved pages (``rec``, None for a new one created with ``tenant``): the state both events
+    leave when none of the top ``n`` pages is marked (no clear list, no effects). Returns the
+    pages, or None when one is marked (nothing changed: the two appliers list it)."""
+    stack = st.free_stack
+    pages = stack[-n:]
+    marks = st.marks
+    if marks and not marks.keys().isdisjoint(pages):
+        return None
+    del stack[-n:]
+    if st.parked and st.parked[-1][0] > len(stack):
+        st.clamp_parked()
+    pages.reverse()
+    holder = st.holder
+    for p in pages:
+        holder[p] = request
+    if rec is None:
+        st.requests[request] = RequestRecord(request, tenant, [], pages, [step] * n)
+    else:
+        rec.kv += pages
+        rec.kv_steps += [step] * n
+    st.seq += 2
+    return tuple(pages)
+
+
 def reservation_returned(st: LedgerState, e: ReservationReturned) -> tuple:
     rec = st.requests[e.request]
     pages = e.page_ids
@@ -287,18 +294,16 @@ def _release_shares(st: LedgerState, rec: RequestRecord) -> list[int]:
     """r leaves its shared and hashed KV pages; returns the KV pages that go free."""
     r, holder, sharers, hashed = rec.request, st.holder, st.sharers, st.page_hash
     freed: list[int] = []
-    to_cache: list[int] = []
     cached = HOLDER_CACHED
+    to_cache: list[int] = []
     kv = rec.kv
     if sharers and not sharers.keys().isdisjoint(kv):
         for p in kv:  # one pass: shared pages lose r, hashed ones go cached, the rest free
-            if p in sharers:
-                holders = sharers[p]
-                if holders[-1] == r:
-                    holders.pop()  # (the last to join: often the first to leave)
-                else:  # the last of r's entries: found from the end, where recent joiners are
-                    del holders[len(holders) - 1 - holders[::-1].index(r)]
-                holder[p] = holders[0]
+            holders = sharers.get(p)
+            if holders is not None:
+                del holders[r]  # (an ordered set: table.py)
+                if holder[p] == r:  # the first left: the next in joining order comes first
+                    holder[p] = next(iter(holders))
                 if len(holders) == 1:
                     del sharers[p]
             elif p in hashed:

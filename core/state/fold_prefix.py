@@ -9,11 +9,12 @@ policies). A request letting go of its shared and hashed pages is
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from ..events.events import BlocksRemoved, BlocksStored, PagesEvicted, PagesPublished, PagesShared
 from .fold import _NO_EFFECTS, _free_pages, _marked
-from .table import HOLDER_CACHED, SHARED_IN, RequestRecord
+from .table import HOLDER_CACHED, SHARED_IN, SHARERS_ORDERED, RequestRecord
 
 if TYPE_CHECKING:
     from .state import LedgerState
@@ -32,8 +33,12 @@ def pages_published(st: LedgerState, e: PagesPublished) -> tuple:
 
 def publish_pages(st: LedgerState, request: int, pages: tuple, hashes: tuple) -> None:
     """``pages`` of ``request`` gain ``hashes`` (the state's part of PagesPublished)."""
-    st.page_hash.update(zip(pages, hashes, strict=True))
-    st.hash_page.update(zip(hashes, pages, strict=True))
+    if len(pages) == 1:
+        st.page_hash[pages[0]] = hashes[0]
+        st.hash_page[hashes[0]] = pages[0]
+    else:  # (as many hashes as pages: the precondition)
+        st.page_hash.update(zip(pages, hashes, strict=True))
+        st.hash_page.update(zip(hashes, pages, strict=True))
     if st.policy != "released_aliases":  # the writer's tenant decides sharing and eviction marks
         st.hash_tenant.update(dict.fromkeys(pages, st.requests[request].tenant))
     st.seq += 1
@@ -59,9 +64,11 @@ def share_pages(st: LedgerState, r: int, pages: tuple, tenant: str | None) -> No
         else:
             holders = sharers.get(p)
             if holders is None:
-                sharers[p] = [x, r]
+                sharers[p] = {x: None, r: None}
             else:
-                holders.append(r)
+                holders[r] = None
+                if len(holders) == SHARERS_ORDERED and type(holders) is dict:
+                    sharers[p] = OrderedDict(holders)  # (table.py: a long R keeps its first key O(1))
     rec.kv += pages
     rec.kv_steps += [SHARED_IN] * len(pages)
     st.seq += 1
