@@ -23,6 +23,7 @@ The other policies also mark pages when a request lets go of bytes it wrote
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from itertools import filterfalse
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,9 @@ from ..events.events import (
     RestoreStarted, SanitizerViolation, SnapshotAliased, SnapshotReleased, StepAborted, StepCompleted, StepPlan,
     StepSealed,
 )
-from .table import HOLDER_ALIAS, HOLDER_CACHED, HOLDER_FREE, MARK_ALL, MARK_TENANT, MAX_IN_FLIGHT, RequestRecord
+from .table import (
+    HOLDER_ALIAS, HOLDER_CACHED, HOLDER_FREE, MARK_ALL, MARK_TENANT, MAX_IN_FLIGHT, SHARERS_ORDERED, RequestRecord,
+)
 
 if TYPE_CHECKING:
     from .state import LedgerState
@@ -303,6 +306,8 @@ def _release_shares(st: LedgerState, rec: RequestRecord) -> list[int]:
             if holders is not None:
                 del holders[r]  # (an ordered set: table.py)
                 if holder[p] == r:  # the first left: the next in joining order comes first
+                    if len(holders) >= SHARERS_ORDERED and type(holders) is dict:
+                        holders = sharers[p] = OrderedDict.fromkeys(holders)  # (a long set: its first O(1) now)
                     holder[p] = next(iter(holders))
                 if len(holders) == 1:
                     del sharers[p]

@@ -9,12 +9,11 @@ policies). A request letting go of its shared and hashed pages is
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from ..events.events import BlocksRemoved, BlocksStored, PagesEvicted, PagesPublished, PagesShared
 from .fold import _NO_EFFECTS, _free_pages, _marked
-from .table import HOLDER_CACHED, SHARED_IN, SHARERS_ORDERED, RequestRecord
+from .table import HOLDER_CACHED, SHARED_IN, RequestRecord
 
 if TYPE_CHECKING:
     from .state import LedgerState
@@ -67,8 +66,6 @@ def share_pages(st: LedgerState, r: int, pages: tuple, tenant: str | None) -> No
                 sharers[p] = {x: None, r: None}
             else:
                 holders[r] = None
-                if len(holders) == SHARERS_ORDERED and type(holders) is dict:
-                    sharers[p] = OrderedDict(holders)  # (table.py: a long R keeps its first key O(1))
     rec.kv += pages
     rec.kv_steps += [SHARED_IN] * len(pages)
     st.seq += 1

@@ -9,8 +9,6 @@ the reader is the tenant whose bytes these are).
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import msgspec
 
 __all__ = [
@@ -58,15 +56,15 @@ class RequestRecord(msgspec.Struct, gc=False):
 
 
 # The requests of a shared page, R of kv(R), in the order they joined: an insertion-ordered
-# set (dict keys), so a request leaving is O(1) and R[0] is ``next(iter(R))``. A plain dict's
-# first key sits behind the slots of keys deleted before it, at most its capacity, so a set
-# that reaches SHARERS_ORDERED requests becomes an OrderedDict (a linked list: its first key
-# is O(1) whatever left before it, as when thousands of requests on one prefix finish oldest
-# first). Either is a dict; only the cost differs.
+# set (dict keys), so a request joins and leaves in O(1) and R[0] is ``next(iter(R))``. A plain
+# dict's first key sits behind the slots of the keys deleted before it (until an insertion
+# compacts it), so when the first leaves a set of SHARERS_ORDERED requests or more, the set
+# becomes an OrderedDict (a linked list: its first key is O(1) whatever left before it, as
+# when thousands of requests on one prefix finish oldest first); the rest stay plain dicts
+# (cheaper to join and leave). Either is a dict; only the cost differs.
 SHARERS_ORDERED = 64
 
 
 def sharer_set(requests) -> dict[int, None]:
     """R as the state keeps it: ``requests`` (distinct, in joining order) as dict keys."""
-    out = dict.fromkeys(requests)
-    return OrderedDict(out) if len(out) >= SHARERS_ORDERED else out
+    return dict.fromkeys(requests)
