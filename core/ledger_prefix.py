@@ -17,6 +17,7 @@ from .state import fold_prefix
 from .state.table import HOLDER_CACHED, SHARED_IN
 
 _HASH_MIN, _HASH_MAX = -(1 << 63), (1 << 63) - 1  # an int block hash is a signed 64-bit value
+_HASH_TYPES = frozenset((bytes, int))  # (a published hash is valid: only its exact type is left to check)
 
 if TYPE_CHECKING:
     from .state.state import LedgerState
@@ -208,19 +209,23 @@ class PrefixCommands:
         tenant): the pages, shared, or None when a hash is not published or not a plain block
         hash, a page is the request's already, or pages repeat (the table's path raises)."""
         st = self.state
-        hp, holder = st.hash_page, st.holder
-        sharers = st.sharers if request in st.requests else {}  # (a new request holds nothing)
-        pages = []
-        for h in hashes:
-            if type(h) is not bytes and type(h) is not int:
+        hp, holder, sharers = st.hash_page, st.holder, st.sharers
+        if request not in st.requests:  # a new request holds nothing: every published block will do
+            pages = list(map(hp.get, hashes))
+            if None in pages or not _HASH_TYPES.issuperset(map(type, hashes)):
                 return None
-            p = hp.get(h)
-            if p is None:
-                return None
-            x = holder[p]
-            if x == request or (x >= 0 and p in sharers and request in sharers[p]):
-                return None
-            pages.append(p)
+        else:
+            pages = []
+            for h in hashes:
+                if type(h) is not bytes and type(h) is not int:
+                    return None
+                p = hp.get(h)
+                if p is None:
+                    return None
+                x = holder[p]
+                if x == request or (x >= 0 and p in sharers and request in sharers[p]):
+                    return None
+                pages.append(p)
         if len(pages) > 1 and len(set(pages)) != len(pages):
             return None
         ids = tuple(pages)

@@ -275,7 +275,7 @@ def release_request(st: LedgerState, request: int) -> tuple:
     (``PagesMarked`` when the policy or a pending clear marked pages)."""
     rec = st.requests.pop(request)
     kv, reserved = rec.kv, rec.reserved
-    if st.page_hash and not st.page_hash.keys().isdisjoint(kv) or st.sharers and not st.sharers.keys().isdisjoint(kv):
+    if st.page_hash:  # (prefix caching in use: a shared page is hashed, so this covers them too)
         kv = _release_shares(st, rec)
     pages = reserved + kv if reserved else kv
     if st.policy == "released_aliases" and not (st.pending and not st.pending.keys().isdisjoint(pages)):
@@ -300,7 +300,7 @@ def _release_shares(st: LedgerState, rec: RequestRecord) -> list[int]:
     cached = HOLDER_CACHED
     to_cache: list[int] = []
     kv = rec.kv
-    if sharers and not sharers.keys().isdisjoint(kv):
+    if sharers:
         for p in kv:  # one pass: shared pages lose r, hashed ones go cached, the rest free
             holders = sharers.get(p)
             if holders is not None:
