@@ -210,6 +210,7 @@ class PrefixCommands:
         hash, a page is the request's already, or pages repeat (the table's path raises)."""
         st = self.state
         hp, holder, sharers = st.hash_page, st.holder, st.sharers
+        pages: list  # (of ints once the Nones are ruled out)
         if request not in st.requests:  # a new request holds nothing: every published block will do
             pages = list(map(hp.get, hashes))
             if None in pages or not _HASH_TYPES.issuperset(map(type, hashes)):

@@ -186,10 +186,9 @@ def reserve_top(st: LedgerState, rec: RequestRecord | None, request: int, n: int
 
 def allocate_top(st: LedgerState, rec: RequestRecord | None, request: int, step: int, n: int,
                  tenant: str | None) -> tuple | None:
-    """``reserve_top`` then ``commit_pages`` of those pages in one pass, for a request without
-    reserved pages (``rec``, None for a new one created with ``tenant``): the state both events
-    leave when none of the top ``n`` pages is marked (no clear list, no effects). Returns the
-    pages, or None when one is marked (nothing changed: the two appliers list it)."""
+    """``reserve_top`` then ``commit_pages`` in one pass, for a request without reserved pages
+    (``rec``; None: a new one, with ``tenant``), when none of the top ``n`` pages is marked (no
+    clear list, no effects). Returns the pages, or None (nothing changed) when one is marked."""
     stack = st.free_stack
     pages = stack[-n:]
     marks = st.marks
@@ -295,13 +294,11 @@ def release_request(st: LedgerState, request: int) -> tuple:
 
 def _release_shares(st: LedgerState, rec: RequestRecord) -> list[int]:
     """r leaves its shared and hashed KV pages; returns the KV pages that go free."""
-    r, holder, sharers, hashed = rec.request, st.holder, st.sharers, st.page_hash
+    r, holder, sharers, hashed, cached = rec.request, st.holder, st.sharers, st.page_hash, HOLDER_CACHED
     freed: list[int] = []
-    cached = HOLDER_CACHED
     to_cache: list[int] = []
-    kv = rec.kv
     if sharers:
-        for p in kv:  # one pass: shared pages lose r, hashed ones go cached, the rest free
+        for p in rec.kv:  # one pass: shared pages lose r, hashed ones go cached, the rest free
             holders = sharers.get(p)
             if holders is not None:
                 del holders[r]  # (an ordered set: table.py)
@@ -317,9 +314,9 @@ def _release_shares(st: LedgerState, rec: RequestRecord) -> list[int]:
             else:
                 freed.append(p)
     else:  # nothing shared: hashed pages go cached, the rest free (C-level passes)
-        to_cache = list(filter(hashed.__contains__, kv))
-        if len(to_cache) < len(kv):
-            freed = list(filterfalse(hashed.__contains__, kv))
+        to_cache = list(filter(hashed.__contains__, rec.kv))
+        if len(to_cache) < len(rec.kv):
+            freed = list(filterfalse(hashed.__contains__, rec.kv))
         for p in to_cache:
             holder[p] = cached
     to_cache.reverse()  # the last block first: the first to be evicted
