@@ -25,6 +25,9 @@ at 10,000 and 1,048,576 blocks), driven through three sides:
              two events), ``publish``, ``finish``, and per step ``seal_step`` +
              ``complete_step`` (what an engine records); every command validated,
              every event folded
+    kvledger_sink  the same with every event recorded: a sink that appends each
+             event to a list (the least a durable log costs the command: with
+             its encoding on the writer thread, the log's sink is an append)
 
 An untimed pass first replays the trace through every side op by op and checks
 that each lookup hits what the trace's model says, that the ledger evicted
@@ -34,7 +37,7 @@ side ends with every block free or cached. Timing: ``_common.interleaved_segment
 per segment over repeats after a discarded warm-up). Figures: block-ops/s
 (blocks allocated, freed, shared, published and probed) and
 ``kvledger / vLLM`` = vLLM time / kvledger time (higher is better for kvledger;
-target >= 1.2).
+target >= 1.2), for kvledger alone and with the recording sink.
 
 Part 2, per operation (each a batch of calls timed together, per call; cases
 alternated, best of repeats):
@@ -48,8 +51,8 @@ alternated, best of repeats):
     allocate(1), evicting  get_new_blocks(1) of a cached   allocate(r, step, 1) when only
                            block                           cached pages are left
     bulk 64 / 256          get_new_blocks(n) + free_blocks allocate(r, step, n) + finish(r)
-    allocate(1), events    get_new_blocks(1)               allocate(r, step, 1) on a ledger whose
-      to a sink                                            sink receives both events (no fast path)
+    <row>, events to a     as <row>                        as <row>, on a ledger whose recording
+      sink (allocate(1), free, touch, publish, evicting, bulk 64)   sink gets every event
 
 Targets: ledger / vLLM time per op <= 1.5 for allocate(1), free, lookup hit and
 touch.
@@ -102,14 +105,18 @@ BLOCKS = (10_000, 1 << 20)
 SEGMENT_OPS = 2_000
 ALLOCATIONS, QUICK_ALLOCATIONS = 200_000, 40_000
 PER_OP_CALLS = 2_000
+SINK_ROW = ", events to a sink"
 OP_ROWS = ("allocate(1)", "free 1 block", "lookup hit", "touch cached", "lookup + touch", "publish 1 block",
-           "allocate(1) evicting", "bulk 64", "bulk 256", "allocate(1), events to a sink")
+           "allocate(1) evicting", "bulk 64", "bulk 256",
+           *(row + SINK_ROW for row in ("allocate(1)", "free 1 block", "touch cached", "publish 1 block",
+                                        "allocate(1) evicting", "bulk 64")))
 TARGETS = {
     "op_allocate1_ratio": ("<=", 1.5),
     "op_free1_ratio": ("<=", 1.5),
     "op_lookup_ratio": ("<=", 1.5),
     "op_touch_ratio": ("<=", 1.5),
     **{f"trace_{b}_{c}_ratio": (">=", 1.2) for b in ("10k", "1m") for c in ("off", "on")},
+    **{f"trace_{b}_{c}_sink_ratio": (">=", 1.2) for b in ("10k", "1m") for c in ("off", "on")},
 }
 
 
@@ -384,8 +391,30 @@ def _ledger_state(L: Ledger) -> tuple:
     return L.free_count + L.cached_count, len(L.state.requests)
 
 
+def recording_sink() -> tuple[Callable[[int, object], None], list]:
+    """A sink that records every event (a list append: what a sink costs at least) and the list."""
+    events: list = []
+    append = events.append
+
+    def sink(seq: int, event: object) -> None:
+        append(event)
+
+    return sink, events
+
+
+def _sunk_build(trace: Trace, **kwargs) -> tuple:
+    """The kvledger side with every event recorded: a ``recording_sink`` attached."""
+    sink, events = recording_sink()
+    calls, L = _ledger_build(trace, sink=sink, **kwargs)
+    return calls, (L, events)
+
+
+def _sunk_state(handle) -> tuple:
+    return _ledger_state(handle[0])
+
+
 VLLM_SIDE = "vllm"
-SIDE_NAMES = ("vllm", "plain", "kvledger")
+SIDE_NAMES = ("vllm", "plain", "kvledger", "kvledger_sink")
 
 
 def make_sides(pool_module) -> dict[str, Side]:
@@ -393,6 +422,7 @@ def make_sides(pool_module) -> dict[str, Side]:
         "vllm": Side(_vllm_prepare, _vllm_build(pool_module), _vllm_state),
         "plain": Side(_plain_prepare, _plain_build, _plain_state),
         "kvledger": Side(_plain_prepare, _ledger_build, _ledger_state),
+        "kvledger_sink": Side(_plain_prepare, _sunk_build, _sunk_state),
     }
 
 
@@ -424,6 +454,10 @@ def verify(trace: Trace, sides: dict[str, Side], prepared: dict[str, list]) -> d
     check_invariants(L.state)
     if evicted[0] != trace.evicted:
         raise CheckError(f"the ledger evicted {evicted[0]} blocks, the trace's model {trace.evicted}")
+    sunk, events = built["kvledger_sink"][1]
+    if len(events) != sunk.seq or sunk.digest() != L.digest():
+        raise CheckError(f"the ledger with a sink recorded {len(events)} of {sunk.seq} events, or its state "
+                         "differs from the ledger without one")
     end = (trace.num_blocks, 0)
     for name, (_, handle) in built.items():
         if sides[name].state(handle) != end:
@@ -471,10 +505,13 @@ def run_trace(pool_module, blocks: int, caching: bool, order: str, allocations: 
         out[f"{name}_s"] = t[name].best
         out[f"{name}_block_ops_per_s"] = ops / t[name].best
         out[f"{name}_spread"] = t[name].runs.spread
-    vl, led = t["vllm"], t["kvledger"]
+    vl, led, sunk = t["vllm"], t["kvledger"], t["kvledger_sink"]
     out["ratio"] = vl.best / led.best
     paired = [v / k for v, k in zip(vl.runs.samples, led.runs.samples, strict=True)]
     out["ratio_run_median"] = statistics.median(paired)
+    out["sink_ratio"] = vl.best / sunk.best
+    paired = [v / k for v, k in zip(vl.runs.samples, sunk.runs.samples, strict=True)]
+    out["sink_ratio_run_median"] = statistics.median(paired)
     out["plain_ratio"] = vl.best / t["plain"].best
     return out
 
@@ -505,6 +542,12 @@ def _op_cases(pool_module, row: str, k: int) -> dict[str, Callable[[], float]]:
     geometry = Geometry(num_pages=num, page_tokens=PAGE_TOKENS)
     tok = token_ids(1)
     group = [0]
+    sunk = row.endswith(SINK_ROW)  # the same row with every event recorded (vLLM's side unchanged)
+    if sunk:
+        row = row[: -len(SINK_ROW)]
+
+    def ledger() -> Ledger:
+        return Ledger(geometry, sink=recording_sink()[0]) if sunk else Ledger(geometry)
 
     def vpool(caching: bool = False):
         return BlockPool(num + 1, enable_caching=caching, hash_block_size=PAGE_TOKENS)
@@ -521,7 +564,7 @@ def _op_cases(pool_module, row: str, k: int) -> dict[str, Callable[[], float]]:
 
     def cached_ledger(n: int, *, fill: bool = False):
         """A ledger with ``n`` cached pages (hashes _hash(i)); ``fill``: no free page left."""
-        L = Ledger(geometry)
+        L = ledger()
         L.allocate(1, 0, num)
         L.seal_step(0)
         L.complete_step(0, 0)
@@ -539,7 +582,7 @@ def _op_cases(pool_module, row: str, k: int) -> dict[str, Callable[[], float]]:
             return _per_call(lambda: [get(1) for _ in range(k)], k)
 
         def led():
-            L = Ledger(geometry)
+            L = ledger()
             alloc = L.allocate
             return _per_call(lambda: [alloc(7, 0, 1) for _ in range(k)], k)
     elif row == "free 1 block":
@@ -550,7 +593,7 @@ def _op_cases(pool_module, row: str, k: int) -> dict[str, Callable[[], float]]:
             return _per_call(lambda: [free(b) for b in blocks], k)
 
         def led():
-            L = Ledger(geometry)
+            L = ledger()
             for r in range(k):
                 L.allocate(r, 0, 1)
             finish = L.finish
@@ -613,7 +656,7 @@ def _op_cases(pool_module, row: str, k: int) -> dict[str, Callable[[], float]]:
             return _per_call(lambda: [cache(reqs[i], tables[i], 0, 1, PAGE_TOKENS, 0) for i in range(k)], k)
 
         def led():
-            L = Ledger(geometry)
+            L = ledger()
             for r in range(k):
                 L.allocate(r, 0, 1)
             L.seal_step(0)
@@ -621,17 +664,6 @@ def _op_cases(pool_module, row: str, k: int) -> dict[str, Callable[[], float]]:
             publish = L.publish
             keys = [(_hash(i),) for i in range(k)]
             return _per_call(lambda: [publish(i, keys[i], tok, start=0) for i in range(k)], k)
-    elif row == "allocate(1), events to a sink":
-        def v():
-            pool = vpool()
-            get = pool.get_new_blocks
-            return _per_call(lambda: [get(1) for _ in range(k)], k)
-
-        def led():
-            events: list = []
-            L = Ledger(geometry, sink=lambda seq, ev: events.append(ev))
-            alloc = L.allocate
-            return _per_call(lambda: [alloc(7, 0, 1) for _ in range(k)], k)
     elif row == "allocate(1) evicting":
         def v():
             pool, _ = cached_vllm(k)
@@ -658,7 +690,7 @@ def _op_cases(pool_module, row: str, k: int) -> dict[str, Callable[[], float]]:
             return _per_call(body, reps)
 
         def led():
-            L = Ledger(geometry)
+            L = ledger()
             alloc, finish = L.allocate, L.finish
 
             def body():
@@ -674,7 +706,8 @@ def _op_cases(pool_module, row: str, k: int) -> dict[str, Callable[[], float]]:
 
 OP_KEYS = {"allocate(1)": "allocate1", "free 1 block": "free1", "lookup hit": "lookup", "touch cached": "touch",
            "lookup + touch": "hit", "publish 1 block": "publish1", "allocate(1) evicting": "evict1",
-           "bulk 64": "bulk64", "bulk 256": "bulk256", "allocate(1), events to a sink": "allocate1_sink"}
+           "bulk 64": "bulk64", "bulk 256": "bulk256"}
+OP_KEYS.update({row + SINK_ROW: key + "_sink" for row, key in list(OP_KEYS.items())})
 
 
 def run_ops(pool_module, repeats: int, calls: int = PER_OP_CALLS) -> tuple[dict, list]:
@@ -717,22 +750,26 @@ def run(quick: bool, *, only: str | None = None, blocks: tuple[int, ...] = BLOCK
         for n in blocks:
             for cache_on in caching:
                 worst = None
+                worst_sink = None
                 for order in ORDERS:
                     f = run_trace(pool_module, n, cache_on, order, allocations, repeats)
                     key = f"trace_{_label(n)}_{'on' if cache_on else 'off'}_{order}"
                     figures.update({f"{key}_{k}": v for k, v in f.items()})
                     worst = f["ratio"] if worst is None else min(worst, f["ratio"])
+                    worst_sink = f["sink_ratio"] if worst_sink is None else min(worst_sink, f["sink_ratio"])
                     rows.append((f"{n:,}", "on" if cache_on else "off", order, f"{f['ops']:,}",
                                  fmt_rate(f["vllm_block_ops_per_s"]), fmt_rate(f["plain_block_ops_per_s"]),
                                  fmt_rate(f["kvledger_block_ops_per_s"]), f"{f['ratio']:.2f}",
-                                 f"{f['ratio_run_median']:.2f}", f"{f['hit_rate']:.0%}"))
+                                 f"{f['ratio_run_median']:.2f}", fmt_rate(f["kvledger_sink_block_ops_per_s"]),
+                                 f"{f['sink_ratio']:.2f}", f"{f['hit_rate']:.0%}"))
                 figures[f"trace_{_label(n)}_{'on' if cache_on else 'off'}_ratio"] = worst
+                figures[f"trace_{_label(n)}_{'on' if cache_on else 'off'}_sink_ratio"] = worst_sink
         print_table(f"serving trace: {allocations:,} allocations, 8 growing requests, chunks of 1-16 blocks "
                     f"({repeats} repeats, segments of {SEGMENT_OPS} ops)",
                     ("blocks", "caching", "order", "ops", "vLLM block-ops/s", "plain", "kvledger",
-                     "kvledger / vLLM", "per run (median)", "hit rate"), rows)
-        print("kvledger / vLLM = vLLM time / kvledger time (> 1: kvledger is faster); "
-              "block-ops = blocks allocated, freed, shared, published, probed")
+                     "kvledger / vLLM", "per run (median)", "kvledger + sink", "+ sink / vLLM", "hit rate"), rows)
+        print("kvledger / vLLM = vLLM time / kvledger time (> 1: kvledger is faster); + sink: every event "
+              "recorded (a list-append sink); block-ops = blocks allocated, freed, shared, published, probed")
     if only in (None, "ops"):
         op_figures, rows = run_ops(pool_module, repeats)
         figures.update(op_figures)

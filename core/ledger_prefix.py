@@ -16,6 +16,9 @@ from .events.events import PagesEvicted, PagesPublished, PagesShared, typed
 from .state import fold_prefix
 from .state.table import HOLDER_CACHED, SHARED_IN
 
+_HASH_MIN, _HASH_MAX = -(1 << 63), (1 << 63) - 1  # an int block hash is a signed 64-bit value
+_HASH_TYPES = frozenset((bytes, int))  # (a published hash is valid: only its exact type is left to check)
+
 if TYPE_CHECKING:
     from .state.state import LedgerState
 
@@ -30,8 +33,12 @@ class PrefixCommands:
     _submit: Callable[[Any], tuple]  # Ledger's one submit path
     _fast: bool  # Ledger's: the standard table (the commands' fast paths may be taken)
     _plain: bool  # Ledger's: and no sink, observer, record or check (they may skip the events)
-    _pre: Callable[[int, Any], None]  # Ledger's: a fast path's event before its fold (sink, record)
-    _post: Callable[[int, Any, tuple], None]  # and after it (check mode, observer)
+    _lean: bool  # Ledger's: the standard table, no check mode, no observer (only _put around the fold)
+    _prefix_fast: bool  # Ledger's: _fast under policy released_aliases (any request may share any block)
+    _touch: bool  # Ledger's: _prefix_fast and _lean (share's one-block case inline)
+    _put: Callable[[int, Any], None] | None  # Ledger's: a fast path's event before its fold (sink, record)
+    _watch: bool  # Ledger's: check mode or an observer, called after the fold through _post
+    _post: Callable[[int, Any, tuple], None]
 
     def publish(
         self,
@@ -62,27 +69,48 @@ class PrefixCommands:
             rec = st.requests.get(request)
             k = len(hashes)
             if (rec is not None and 0 < k <= len(rec.kv) - start
-                    and len(token_ids) == k * st.geometry.page_tokens  # type: ignore[union-attr]
-                    and (k == 1 or len(set(hashes)) == k) and checks.all_ints(token_ids)):
+                    and len(token_ids) == k * st.geometry.page_tokens):  # type: ignore[union-attr]
                 # fast path: PagesPublished's precondition for a run of the block table, as a slice
-                pages = tuple(rec.kv[start : start + k])
-                steps = rec.kv_steps[start : start + k]
-                if (min(steps) >= 0 and max(steps) <= st.completed_step
-                        and (not st.aborted_steps or st.aborted_steps.isdisjoint(steps))
-                        and st.page_hash.keys().isdisjoint(pages)
-                        and checks.block_hash_list(hashes, "publish") is hashes
-                        and st.hash_page.keys().isdisjoint(hashes)):
+                if k == 1:  # (one block: vLLM's cache_full_blocks of a step's new full block)
+                    h = hashes[0]
+                    p = rec.kv[start]
+                    step = rec.kv_steps[start]
+                    ok = ((type(h) is bytes and 0 < len(h) <= 64) or (type(h) is int and _HASH_MIN <= h <= _HASH_MAX))
+                    ok = (ok and 0 <= step <= st.completed_step and p not in st.page_hash
+                          and h not in st.hash_page and step not in st.aborted_steps and checks.all_ints(token_ids))
+                    pages: tuple = (p,)
+                else:
+                    pages = tuple(rec.kv[start : start + k])
+                    ok = self._publishable(pages, rec.kv_steps[start : start + k], hashes, token_ids)
+                if ok:
                     if self._plain:
                         fold_prefix.publish_pages(st, request, pages, hashes)
-                    else:
-                        seq = st.seq
-                        ev = PagesPublished(request=request, page_ids=pages, hashes=hashes,
-                                            parent_hash=st.page_hash.get(rec.kv[start - 1]) if start else None,
-                                            token_ids=token_ids)
-                        self._pre(seq, ev)
+                        return pages
+                    seq = st.seq
+                    ev = PagesPublished(request=request, page_ids=pages, hashes=hashes,
+                                        parent_hash=st.page_hash.get(rec.kv[start - 1]) if start else None,
+                                        token_ids=token_ids)
+                    if self._put is not None:
+                        self._put(seq, ev)
+                    if self._watch:
                         self._post(seq, ev, fold_prefix.pages_published(st, ev))
+                    else:
+                        fold_prefix.publish_pages(st, request, pages, hashes)
                     return pages
         return self._publish(request, hashes, token_ids, start, parent_hash, lora_id, lora_name)
+
+    def _publishable(self, pages: tuple, steps: list, hashes: tuple, token_ids: tuple) -> bool:
+        """``publish``'s fast path for a run of ``k`` > 1 blocks (``pages`` of the block table,
+        ``steps`` their commit steps): PagesPublished's precondition holds. Raises what
+        ``checks.block_hash_list`` raises for a bad hash."""
+        st = self.state
+        steps_ = set(steps)  # (a step or a few)
+        return (min(steps_) >= 0 and max(steps_) <= st.completed_step
+                and (not st.aborted_steps or st.aborted_steps.isdisjoint(steps_))
+                and st.page_hash.keys().isdisjoint(pages)
+                and checks.block_hash_list(hashes, "publish") is hashes
+                and st.hash_page.keys().isdisjoint(hashes) and len(set(hashes)) == len(hashes)
+                and checks.all_ints(token_ids))
 
     def _publish(self, request, hashes, token_ids, start, parent_hash, lora_id, lora_name) -> tuple[int, ...]:
         """``publish`` through the table's path: every argument checked, the event decided and
@@ -143,46 +171,27 @@ class PrefixCommands:
         listed for a clear: they hold the KV the request wants. Returns the page ids.
         """
         st = self.state
-        if (self._fast and type(request) is int and type(hashes) is tuple and tenant is None and hashes
-                and not request >> 63 and st.policy == "released_aliases"):
+        if self._touch and type(hashes) is tuple and len(hashes) == 1 and type(request) is int and tenant is None:
+            h = hashes[0]  # one cached block into a known request (vLLM's touch): PagesShared's
+            if type(h) is bytes or type(h) is int:  # precondition holds for a cached page, inline
+                p = st.hash_page.get(h)
+                rec = st.requests.get(request)
+                if p is not None and rec is not None and st.holder[p] == HOLDER_CACHED:
+                    if self._put is not None:
+                        self._put(st.seq, PagesShared(request=request, page_ids=(p,), tenant=None))
+                    del st.cached[p]
+                    st.holder[p] = request
+                    rec.kv.append(p)
+                    rec.kv_steps.append(SHARED_IN)
+                    st.seq += 1
+                    return (p,)
+        if (self._prefix_fast and type(request) is int and type(hashes) is tuple and tenant is None and hashes
+                and not request >> 63):
             # fast path: PagesShared's precondition page by page (a hashed page is kv or cached,
             # never marked or restoring; it must not be r's already), then distinct pages
-            hp, holder = st.hash_page, st.holder
-            if len(hashes) == 1:  # (one cached block into a known request: vLLM's touch, inline)
-                h = hashes[0]
-                p = hp.get(h) if type(h) is bytes or type(h) is int else None
-                if p is not None and holder[p] == HOLDER_CACHED and self._plain:
-                    rec = st.requests.get(request)
-                    if rec is not None:
-                        del st.cached[p]
-                        holder[p] = request
-                        rec.kv.append(p)
-                        rec.kv_steps.append(SHARED_IN)
-                        st.seq += 1
-                        return (p,)
-            sharers = st.sharers if request in st.requests else {}  # (a new request holds nothing)
-            pages = []
-            for h in hashes:
-                if type(h) is not bytes and type(h) is not int:
-                    break
-                p = hp.get(h)
-                if p is None:
-                    break
-                x = holder[p]
-                if x == request or (x >= 0 and p in sharers and request in sharers[p]):
-                    break
-                pages.append(p)
-            else:
-                if len(pages) == 1 or len(set(pages)) == len(pages):
-                    ids = tuple(pages)
-                    if self._plain:
-                        fold_prefix.share_pages(st, request, ids, None)
-                    else:
-                        seq, ev = st.seq, PagesShared(request=request, page_ids=ids, tenant=None)
-                        self._pre(seq, ev)
-                        fold_prefix.share_pages(st, request, ids, None)
-                        self._post(seq, ev, ())
-                    return ids
+            ids = self._share_pages(request, hashes)
+            if ids is not None:
+                return ids
         checks.ident(request, "request")
         checks.tenant(tenant)
         hashes = checks.block_hash_list(hashes, "share")
@@ -194,6 +203,43 @@ class PrefixCommands:
         ev = PagesShared(request=request, page_ids=pages_, tenant=tenant)
         self._submit(ev)
         return ev.page_ids
+
+    def _share_pages(self, request: int, hashes: tuple) -> tuple[int, ...] | None:
+        """``share``'s fast path for any number of hashes (policy ``released_aliases``, no
+        tenant): the pages, shared, or None when a hash is not published or not a plain block
+        hash, a page is the request's already, or pages repeat (the table's path raises)."""
+        st = self.state
+        hp, holder, sharers = st.hash_page, st.holder, st.sharers
+        pages: list  # (of ints once the Nones are ruled out)
+        if request not in st.requests:  # a new request holds nothing: every published block will do
+            pages = list(map(hp.get, hashes))
+            if None in pages or not _HASH_TYPES.issuperset(map(type, hashes)):
+                return None
+        else:
+            pages = []
+            for h in hashes:
+                if type(h) is not bytes and type(h) is not int:
+                    return None
+                p = hp.get(h)
+                if p is None:
+                    return None
+                x = holder[p]
+                if x == request or (x >= 0 and p in sharers and request in sharers[p]):
+                    return None
+                pages.append(p)
+        if len(pages) > 1 and len(set(pages)) != len(pages):
+            return None
+        ids = tuple(pages)
+        if self._plain:
+            fold_prefix.share_pages(st, request, ids, None)
+            return ids
+        seq, ev = st.seq, PagesShared(request=request, page_ids=ids, tenant=None)
+        if self._put is not None:
+            self._put(seq, ev)
+        fold_prefix.share_pages(st, request, ids, None)
+        if self._watch:
+            self._post(seq, ev, ())
+        return ids
 
     def evict(self, n: int | None = None, *, pages: Iterable[int] | None = None) -> tuple[int, ...]:
         """Evict cached pages: the ``n`` least recently used (fewer if fewer are cached), or the

@@ -28,13 +28,14 @@ _ID_BITS = 63
 class StepCommands:
     """Seal, complete, abort a step; record a sanitizer violation. Mixed into ``Ledger``,
     which supplies ``state``, ``_submit`` and the fast paths' ``_fast`` / ``_plain`` /
-    ``_pre`` / ``_post``."""
+    ``_put`` / ``_watch`` / ``_post``."""
 
     state: LedgerState
     _submit: Callable[[Any], tuple]
     _fast: bool
     _plain: bool
-    _pre: Callable[[int, Any], None]
+    _put: Callable[[int, Any], None] | None
+    _watch: bool
     _post: Callable[[int, Any, tuple], None]
 
     def seal_step(self, step: int) -> StepPlan:
@@ -44,9 +45,11 @@ class StepCommands:
             if self._plain:
                 return fold.seal(st, step)
             seq, ev = st.seq, StepSealed(step=step, clear_list=st.derive_clear_list(step))
-            self._pre(seq, ev)
+            if self._put is not None:
+                self._put(seq, ev)
             plan = fold.seal(st, step)
-            self._post(seq, ev, (plan,))
+            if self._watch:
+                self._post(seq, ev, (plan,))
             return plan
         if type(step) is not int or step >> _ID_BITS:
             checks.ident(step, "step")
@@ -63,9 +66,11 @@ class StepCommands:
                 fold.complete(st, step, rank)
             else:
                 seq, ev = st.seq, StepCompleted(step=step, rank=rank)
-                self._pre(seq, ev)
+                if self._put is not None:
+                    self._put(seq, ev)
                 fold.complete(st, step, rank)
-                self._post(seq, ev, ())
+                if self._watch:
+                    self._post(seq, ev, ())
             return
         self._submit(StepCompleted(step=checks.ident(step, "step"), rank=checks.ident(rank, "rank")))
 

@@ -63,3 +63,18 @@ def test_allocate_one_marked_page_lists_it_on_every_path(attached):
     assert L.allocate(1, 0, 1) == (marked,) and not L.is_marked(marked)
     assert L.seal_step(0).clear_list == (marked,)
     assert L.allocate(1, 1, 1) != (marked,) and L.kv_pages(1)[0] == marked
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("attached", ["nothing", "sink"])
+def test_allocate_into_a_sealed_step_is_refused_on_every_path(n, attached):
+    """The fast paths (one page inline, nothing attached or only a sink) check the step too:
+    committing into a sealed step raises ``StepOrderError``, the reservation stands."""
+    events: list = []
+    L = Ledger(G, sink=(lambda seq, ev: events.append(ev)) if attached == "sink" else None)
+    L.allocate(1, 0, 1)
+    L.seal_step(0)
+    with pytest.raises(StepOrderError):
+        L.allocate(2, 0, n)
+    assert len(L.reserved_pages(2)) == n and L.kv_pages(2) == ()
+    assert L.allocate(3, 1, n) and len(L.kv_pages(3)) == n

@@ -986,3 +986,45 @@ def test_share_refuses_a_hashed_page_the_request_alone_holds(attached):
             L.share(1, hashes)
         assert (L.digest(), L.seq) == (digest, seq)
     check_invariants(L.state)
+
+
+def test_a_page_shared_by_many_requests_keeps_their_joining_order_as_they_leave():
+    """70 requests on one published page (more than ``table.SHARERS_ORDERED``, where its set of
+    sharers becomes a linked list): they leave oldest first, then newest first. The holder is
+    always the earliest remaining joiner, the sharers the rest in joining order, on the fast
+    path and the table's (the same digest), and a checkpoint rebuilds the same state."""
+    from kvledger.core.events import CacheConfigured
+    from kvledger.core.state import TRANSITIONS
+
+    class TableOnly(LedgerState):
+        transitions = dict(TRANSITIONS)
+
+    g = Geometry(num_pages=8, page_tokens=2)
+    table_state = TableOnly()
+    table_state.fold(CacheConfigured(geometry=g))
+    ledgers = (Ledger(g), Ledger(g, state=table_state, record=True))
+    for L in ledgers:
+        (page,) = L.allocate(0, 0, 1)
+        L.seal_step(0)
+        L.complete_step(0, 0)
+        L.publish(0, (b"p",), (1, 2), start=0)
+        for r in range(1, 70):
+            assert L.share(r, (b"p",)) == (page,)
+    fast, table = ledgers
+    assert fast.holders_of(page) == tuple(range(70)) and fast.digest() == table.digest()
+    assert LedgerState.from_canonical(fast.state.canonical()).digest() == fast.digest()
+    leaving = [*range(35), *range(69, 35, -1)]
+    for i, r in enumerate(leaving):
+        for L in ledgers:
+            L.finish(r)
+        left = [q for q in range(70) if q not in leaving[: i + 1]]
+        assert fast.holders_of(page) == tuple(left), (r, fast.holders_of(page))
+        assert fast.holder_of(page) == (f"kv({left[0]})" if len(left) == 1 else
+                                        "kv({" + ",".join(map(str, left)) + "})")
+        if i % 10 == 0 or len(left) < 3:
+            check_invariants(fast.state)
+            assert fast.digest() == table.digest()
+            assert LedgerState.from_canonical(fast.state.canonical()).digest() == fast.digest()
+    assert fast.holders_of(page) == (35,) and fast.digest() == table.digest()
+    fast.finish(35)
+    assert fast.holder_of(page) == "cached(70)" and fast.lookup((b"p",)) == 1

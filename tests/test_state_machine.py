@@ -9,13 +9,14 @@ of an older step in flight does to it and every later one, which completions
 retire plans, which pages ``reserve`` / ``alias_snapshot`` evict, every
 ``BlocksStored`` / ``BlocksRemoved`` effect and every page a ``PagesMarked``
 effect names. It never reads the ledger's state to decide anything. The machine
-drives three ledgers with the same commands: one that records its events
+drives four ledgers with the same commands: one that records its events
 (replayed at the end of every run; its commands take their fast paths, events
 built and sunk), one on the hot path (no check, no record, no sink, no observer:
-the fast paths skip the events) and one whose state has its own copy of the
-transition table (every command through ``_submit``: validate, apply); all must
-agree with each other (digests, events, errors) and with the model after every
-step, and ``check_invariants`` must pass.
+the fast paths skip the events), one with only a sink (the durable log's case:
+the fast paths build each event for the sink and watch nothing) and one whose
+state has its own copy of the transition table (every command through
+``_submit``: validate, apply); all must agree with each other (digests, events,
+errors) and with the model after every step, and ``check_invariants`` must pass.
 
 On top of the model, a second, semantic oracle (``r8_bytes.Bytes``) follows
 what every page physically holds and asserts RELIABILITY.md's promises at every
@@ -77,6 +78,8 @@ class LedgerMachine(PrefixRules, RuleBasedStateMachine):
         self.L = Ledger(GEOMETRY, policy=self.policy, record=True,
                         observer=lambda seq, ev, eff: self.seen.append((ev, eff)))
         self.hot = Ledger(GEOMETRY, policy=self.policy)  # the plain hot path
+        self.sunk_events: list = []  # what a ledger with only a sink gets (the durable log's case)
+        self.sunk = Ledger(GEOMETRY, policy=self.policy, sink=self._sunk_put)
         table = TableOnly()  # a state with its own copy of the table: every command through _submit
         table.fold(CacheConfigured(geometry=GEOMETRY, policy=self.policy))
         self.table = Ledger(GEOMETRY, state=table, record=True)
@@ -90,8 +93,14 @@ class LedgerMachine(PrefixRules, RuleBasedStateMachine):
 
     # -- plumbing
 
+    def _sunk_put(self, seq, event):
+        assert seq == len(self.sunk_events)  # one seq each, in order, none skipped
+        if seq:
+            assert self.sunk.seq == seq  # everything before it folded, nothing after
+        self.sunk_events.append(event)
+
     def both(self, call):
-        """Run ``call`` on both ledgers; they must return the same or raise the same."""
+        """Run ``call`` on every ledger; they must return the same or raise the same."""
         self.ok = False
         self.stats["commands"] += 1
         try:
@@ -101,20 +110,24 @@ class LedgerMachine(PrefixRules, RuleBasedStateMachine):
                 call(self.hot)
             with pytest.raises(type(e)):
                 call(self.table)
+            with pytest.raises(type(e)):
+                call(self.sunk)
             raise
         assert call(self.hot) == got
         assert call(self.table) == got
+        assert call(self.sunk) == got
         return got
 
     def rejected(self, call, exc):
-        """``call`` must raise ``exc`` and change nothing, on both ledgers."""
+        """``call`` must raise ``exc`` and change nothing, on every ledger."""
         digest, seq, n_events, n_seen = self.L.digest(), self.L.seq, len(self.L.events), len(self.seen)
-        hot_digest, table_digest = self.hot.digest(), self.table.digest()
+        hot_digest, table_digest, sunk = self.hot.digest(), self.table.digest(), len(self.sunk_events)
         with pytest.raises(exc) as ei:
             self.both(call)
         assert type(ei.value) is exc, (type(ei.value), exc)
         assert (self.L.digest(), self.L.seq, len(self.L.events), len(self.seen)) == (digest, seq, n_events, n_seen)
         assert self.hot.digest() == hot_digest and self.table.digest() == table_digest
+        assert self.sunk.digest() == hot_digest and len(self.sunk_events) == sunk
         self.stats["rejected"] += 1
 
     def draw_subset(self, data, pool, max_size=None):
@@ -460,6 +473,7 @@ class LedgerMachine(PrefixRules, RuleBasedStateMachine):
         check_invariants(self.hot.state)
         assert self.hot.digest() == L.digest() == self.table.digest()
         assert self.table.events == L.events[1:]  # (the table ledger's state was configured before it)
+        assert self.sunk_events == L.events and self.sunk.digest() == L.digest()
         for p in range(NUM_PAGES):
             assert L.holder_of(p) == m.holder(p), (p, L.holder_of(p), m.holder(p))
             # (a tenant mark vs a mark for everyone shows in which commits list the page)

@@ -27,7 +27,7 @@ from collections import OrderedDict
 
 from ..errors import ConfigurationError
 from ..events.events import CacheConfigured, Geometry, StepPlan
-from .table import UNKNOWN_STEP, RequestRecord
+from .table import UNKNOWN_STEP, RequestRecord, sharer_set
 
 if TYPE_CHECKING:
     from .state import LedgerState
@@ -145,7 +145,7 @@ def from_canonical(cls: type[LedgerState], data: dict) -> LedgerState:
             st.hash_page[h] = p
             if st.policy != "released_aliases":
                 st.hash_tenant[p] = tenant
-        st.sharers = {p: list(rs) for p, rs in data["sharers"]}
+        st.sharers = {p: sharer_set(rs) for p, rs in data["sharers"]}
         st.cached = OrderedDict.fromkeys(data["cached"])
         st.aborted_steps = set(data["aborted_steps"])
     return st

@@ -23,41 +23,24 @@ The other policies also mark pages when a request lets go of bytes it wrote
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from itertools import filterfalse
 from typing import TYPE_CHECKING
 
 from ..events.events import (
-    CacheConfigured,
-    ClearPages,
-    PagesMarked,
-    PagesCommitted,
-    PagesReserved,
-    ReservationReturned,
-    SanitizerViolation,
-    RestoreCompleted,
-    RestoreStarted,
-    SnapshotAliased,
-    SnapshotReleased,
-    StepAborted,
-    StepCompleted,
-    StepPlan,
+    CacheConfigured, ClearPages, PagesCommitted, PagesMarked, PagesReserved, ReservationReturned, RestoreCompleted,
+    RestoreStarted, SanitizerViolation, SnapshotAliased, SnapshotReleased, StepAborted, StepCompleted, StepPlan,
     StepSealed,
 )
 from .table import (
-    HOLDER_ALIAS,
-    HOLDER_CACHED,
-    HOLDER_FREE,
-    MARK_ALL,
-    MARK_TENANT,
-    MAX_IN_FLIGHT,
-    RequestRecord,
+    HOLDER_ALIAS, HOLDER_CACHED, HOLDER_FREE, MARK_ALL, MARK_TENANT, MAX_IN_FLIGHT, SHARERS_ORDERED, RequestRecord,
 )
 
 if TYPE_CHECKING:
     from .state import LedgerState
 
 __all__ = [
-    "cache_configured", "commit_pages", "complete", "release_request", "reserve_top",
+    "allocate_top", "cache_configured", "commit_pages", "complete", "release_request", "reserve_top",
     "seal", "pages_committed", "pages_reserved", "request_gone", "reservation_returned",
     "restore_completed", "restore_started", "sanitizer_violation", "snapshot_aliased", "snapshot_released",
     "step_aborted", "step_completed", "step_sealed",
@@ -201,6 +184,32 @@ def reserve_top(st: LedgerState, rec: RequestRecord | None, request: int, n: int
     return tuple(pages)
 
 
+def allocate_top(st: LedgerState, rec: RequestRecord | None, request: int, step: int, n: int,
+                 tenant: str | None) -> tuple | None:
+    """``reserve_top`` then ``commit_pages`` in one pass, for a request without reserved pages
+    (``rec``; None: a new one, with ``tenant``), when none of the top ``n`` pages is marked (no
+    clear list, no effects). Returns the pages, or None (nothing changed) when one is marked."""
+    stack = st.free_stack
+    pages = stack[-n:]
+    marks = st.marks
+    if marks and not marks.keys().isdisjoint(pages):
+        return None
+    del stack[-n:]
+    if st.parked and st.parked[-1][0] > len(stack):
+        st.clamp_parked()
+    pages.reverse()
+    holder = st.holder
+    for p in pages:
+        holder[p] = request
+    if rec is None:
+        st.requests[request] = RequestRecord(request, tenant, [], pages, [step] * n)
+    else:
+        rec.kv += pages
+        rec.kv_steps += [step] * n
+    st.seq += 2
+    return tuple(pages)
+
+
 def reservation_returned(st: LedgerState, e: ReservationReturned) -> tuple:
     rec = st.requests[e.request]
     pages = e.page_ids
@@ -265,7 +274,7 @@ def release_request(st: LedgerState, request: int) -> tuple:
     (``PagesMarked`` when the policy or a pending clear marked pages)."""
     rec = st.requests.pop(request)
     kv, reserved = rec.kv, rec.reserved
-    if st.page_hash and not st.page_hash.keys().isdisjoint(kv) or st.sharers and not st.sharers.keys().isdisjoint(kv):
+    if st.page_hash:  # (prefix caching in use: a shared page is hashed, so this covers them too)
         kv = _release_shares(st, rec)
     pages = reserved + kv if reserved else kv
     if st.policy == "released_aliases" and not (st.pending and not st.pending.keys().isdisjoint(pages)):
@@ -285,20 +294,18 @@ def release_request(st: LedgerState, request: int) -> tuple:
 
 def _release_shares(st: LedgerState, rec: RequestRecord) -> list[int]:
     """r leaves its shared and hashed KV pages; returns the KV pages that go free."""
-    r, holder, sharers, hashed = rec.request, st.holder, st.sharers, st.page_hash
+    r, holder, sharers, hashed, cached = rec.request, st.holder, st.sharers, st.page_hash, HOLDER_CACHED
     freed: list[int] = []
     to_cache: list[int] = []
-    cached = HOLDER_CACHED
-    kv = rec.kv
-    if sharers and not sharers.keys().isdisjoint(kv):
-        for p in kv:  # one pass: shared pages lose r, hashed ones go cached, the rest free
-            if p in sharers:
-                holders = sharers[p]
-                if holders[-1] == r:
-                    holders.pop()  # (the last to join: often the first to leave)
-                else:  # the last of r's entries: found from the end, where recent joiners are
-                    del holders[len(holders) - 1 - holders[::-1].index(r)]
-                holder[p] = holders[0]
+    if sharers:
+        for p in rec.kv:  # one pass: shared pages lose r, hashed ones go cached, the rest free
+            holders = sharers.get(p)
+            if holders is not None:
+                del holders[r]  # (an ordered set: table.py)
+                if holder[p] == r:  # the first left: the next in joining order comes first
+                    if len(holders) >= SHARERS_ORDERED and type(holders) is dict:
+                        holders = sharers[p] = OrderedDict.fromkeys(holders)  # (a long set: its first O(1) now)
+                    holder[p] = next(iter(holders))
                 if len(holders) == 1:
                     del sharers[p]
             elif p in hashed:
@@ -307,9 +314,9 @@ def _release_shares(st: LedgerState, rec: RequestRecord) -> list[int]:
             else:
                 freed.append(p)
     else:  # nothing shared: hashed pages go cached, the rest free (C-level passes)
-        to_cache = list(filter(hashed.__contains__, kv))
-        if len(to_cache) < len(kv):
-            freed = list(filterfalse(hashed.__contains__, kv))
+        to_cache = list(filter(hashed.__contains__, rec.kv))
+        if len(to_cache) < len(rec.kv):
+            freed = list(filterfalse(hashed.__contains__, rec.kv))
         for p in to_cache:
             holder[p] = cached
     to_cache.reverse()  # the last block first: the first to be evicted

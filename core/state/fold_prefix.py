@@ -32,8 +32,12 @@ def pages_published(st: LedgerState, e: PagesPublished) -> tuple:
 
 def publish_pages(st: LedgerState, request: int, pages: tuple, hashes: tuple) -> None:
     """``pages`` of ``request`` gain ``hashes`` (the state's part of PagesPublished)."""
-    st.page_hash.update(zip(pages, hashes, strict=True))
-    st.hash_page.update(zip(hashes, pages, strict=True))
+    if len(pages) == 1:
+        st.page_hash[pages[0]] = hashes[0]
+        st.hash_page[hashes[0]] = pages[0]
+    else:  # (as many hashes as pages: the precondition)
+        st.page_hash.update(zip(pages, hashes, strict=True))
+        st.hash_page.update(zip(hashes, pages, strict=True))
     if st.policy != "released_aliases":  # the writer's tenant decides sharing and eviction marks
         st.hash_tenant.update(dict.fromkeys(pages, st.requests[request].tenant))
     st.seq += 1
@@ -59,9 +63,9 @@ def share_pages(st: LedgerState, r: int, pages: tuple, tenant: str | None) -> No
         else:
             holders = sharers.get(p)
             if holders is None:
-                sharers[p] = [x, r]
+                sharers[p] = {x: None, r: None}
             else:
-                holders.append(r)
+                holders[r] = None
     rec.kv += pages
     rec.kv_steps += [SHARED_IN] * len(pages)
     st.seq += 1

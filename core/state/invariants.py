@@ -46,12 +46,14 @@ def _request_index(st: LedgerState) -> dict[int, tuple[int, int]]:
                 if kind == KV:
                     held_by[p] = [r]
     for p, rs in st.sharers.items():
-        if len(rs) < 2 or sorted(rs) != sorted(held_by.get(p, ())) or st.holder[p] != rs[0]:
-            raise InvariantViolation(1, f"shared page {p}: sharers {rs} != the requests holding it {held_by.get(p)}")
-        where[p] = (KV, rs[0])
-    for p, rs in held_by.items():
-        if len(rs) > 1 and p not in st.sharers:
-            raise InvariantViolation(1, f"page {p} is in the KV of {rs} but not recorded as shared")
+        first = next(iter(rs), None)
+        if len(rs) < 2 or sorted(rs) != sorted(held_by.get(p, ())) or st.holder[p] != first:
+            raise InvariantViolation(1, f"shared page {p}: sharers {list(rs)} != the requests holding it "
+                                     f"{held_by.get(p)}")
+        where[p] = (KV, first)
+    for p, holders in held_by.items():
+        if len(holders) > 1 and p not in st.sharers:
+            raise InvariantViolation(1, f"page {p} is in the KV of {holders} but not recorded as shared")
     return where
 
 

@@ -27,7 +27,8 @@ Prefix caching (sparse, empty until a request publishes):
     hash_tenant       a hashed page's writer's tenant (cross_tenant / all_reused only:
                       sharing across tenants is refused, eviction marks for the writer)
     sharers           p -> R, the requests of a page in kv(R) with |R| >= 2, in the
-                      order they joined (holder[p] is R[0])
+                      order they joined (holder[p] is R[0]): an ordered set, dict keys
+                      (``table.sharer_set``: O(1) to join, to leave, and for R[0])
     cached            the cached pages, least recently used first (an OrderedDict)
     aborted_steps     steps recorded as aborted (their pages are never published)
 
@@ -103,7 +104,7 @@ class LedgerState:
         self.page_hash: dict[int, int | bytes] = {}
         self.hash_page: dict[int | bytes, int] = {}
         self.hash_tenant: dict[int, str | None] = {}
-        self.sharers: dict[int, list[int]] = {}
+        self.sharers: dict[int, dict[int, None]] = {}
         self.cached: OrderedDict[int, None] = OrderedDict()
         self.aborted_steps: set[int] = set()
         self.dispatch = {t: (row.validate, row.apply) for t, row in self.transitions.items()}

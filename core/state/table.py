@@ -25,6 +25,8 @@ __all__ = [
     "MAX_IN_FLIGHT",
     "RESERVED",
     "RequestRecord",
+    "SHARERS_ORDERED",
+    "sharer_set",
 ]
 
 FREE, RESERVED, KV, ALIAS, CACHED = 0, 1, 2, 3, 4  # holder kinds (``LedgerState.holder_code``)
@@ -51,3 +53,18 @@ class RequestRecord(msgspec.Struct, gc=False):
     kv: list
     kv_steps: list
     restored: set | None = None
+
+
+# The requests of a shared page, R of kv(R), in the order they joined: an insertion-ordered
+# set (dict keys), so a request joins and leaves in O(1) and R[0] is ``next(iter(R))``. A plain
+# dict's first key sits behind the slots of the keys deleted before it (until an insertion
+# compacts it), so when the first leaves a set of SHARERS_ORDERED requests or more, the set
+# becomes an OrderedDict (a linked list: its first key is O(1) whatever left before it, as
+# when thousands of requests on one prefix finish oldest first); the rest stay plain dicts
+# (cheaper to join and leave). Either is a dict; only the cost differs.
+SHARERS_ORDERED = 64
+
+
+def sharer_set(requests) -> dict[int, None]:
+    """R as the state keeps it: ``requests`` (distinct, in joining order) as dict keys."""
+    return dict.fromkeys(requests)

@@ -198,7 +198,7 @@ def project_state(st: LedgerState, p: int) -> LedgerState:
         ps.page_hash, ps.hash_page = {p: h}, {h: p}
         if p in st.hash_tenant:
             ps.hash_tenant = {p: st.hash_tenant[p]}
-    ps.sharers = {p: list(st.sharers[p])} if p in st.sharers else {}
+    ps.sharers = {p: st.sharers[p].copy()} if p in st.sharers else {}  # (an ordered set: core.state.table)
     ps.cached = OrderedDict({p: None}) if p in st.cached else OrderedDict()
     ps.aborted_steps = set(st.aborted_steps)
     return ps
