@@ -189,7 +189,7 @@ class VllmSubscriber:
             else:
                 self.hashes.clear()
 
-    def request_replay(self, start: int, timeout: float = 10.0) -> list[int]:
+    def request_replay(self, start: int, timeout: float = 30.0) -> list[int]:
         """vLLM's way: [b"", seq] out; [b"", topic, seq, payload] back per batch, then the marker."""
         assert self.replay is not None
         self.replay.send_multipart([b"", start.to_bytes(8, "big")])
@@ -207,7 +207,7 @@ class VllmSubscriber:
             self.replayed += seq >= len(self.batches)
             self._take(seq, payload)
 
-    def pump(self, last: int, timeout: float = 30.0) -> None:
+    def pump(self, last: int, timeout: float = 60.0) -> None:
         """Receive until batch ``last`` is in; a gap, or silence, is filled by a replay."""
         deadline = time.monotonic() + timeout
         while len(self.batches) <= last:

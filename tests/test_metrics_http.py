@@ -7,6 +7,7 @@ holds exactly one row per metric. Budget: about 12 s (the demo subprocess).
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import re
 import socket
@@ -172,6 +173,22 @@ def poll(url: str, into: list, stop: threading.Event) -> None:
         into.append(parse(get(url)))
 
 
+def final_scrape(proc: subprocess.Popen, url: str, deadline_s: float = 60.0) -> dict:
+    """Scrape the finished demo until it stops serving: the run is over, so every scrape is final.
+    (One is enough, but a scrape that lands before the demo starts waiting for "one more" does
+    not count as that one: scraping again until it exits never waits out the linger.)"""
+    final: dict = {}
+    deadline = time.monotonic() + deadline_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            final = parse(get(url))
+        except OSError:  # it stopped serving between our checks
+            break
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.5)
+    return final
+
+
 def demo_with_scrapes(tmp_path: Path, world: int) -> tuple[list[dict], dict, dict]:
     """Run the demo as a process serving metrics; scrape it while it runs and once it is
     over (it lingers until then). Returns (scrapes during the run, the final one, its JSON)."""
@@ -195,7 +212,7 @@ def demo_with_scrapes(tmp_path: Path, world: int) -> tuple[list[dict], dict, dic
             elif line.startswith("metrics: the run is over"):
                 stop.set()
                 poller.join()
-                final = parse(get(url))
+                final = final_scrape(proc, url)
                 break
         out, err = proc.communicate(timeout=120)
     finally:
