@@ -274,9 +274,9 @@ def run_trials(n: int, seed: int, tmp: Path, layout: str = "file") -> dict:
 
 
 @pytest.mark.parametrize("layout", ["file", "segments"])
-def test_r16_leaving_the_engine_with_steps_in_flight(tmp_path, layout):
+def test_r16_leaving_the_engine_with_steps_in_flight(disk_tmp_path, layout):
     trials = TRIALS if layout == "file" or HEAVY else TRIALS // 4  # (quick: fewer on directories)
-    figures = run_trials(trials, seed=16, tmp=tmp_path, layout=layout)
+    figures = run_trials(trials, seed=16, tmp=disk_tmp_path, layout=layout)
     failures = figures.pop("failures")
     print(f"\nR16 ({layout}) " + " ".join(f"{k}={v}" for k, v in figures.items()))
     for line in failures[:5]:

@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.xdist_group("packaging")  # one wheel build per run, on one xdist worker
 
 
 # Build outputs and caches that must not leak into the wheel: setuptools builds in
 # place and would reuse a stale build/lib left by an earlier build.
 _NOT_SOURCES = shutil.ignore_patterns(
-    ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis", "*.kvlog"
+    ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis", "*.kvlog", ".whl*"
 )
 
 

@@ -43,6 +43,7 @@ SUMMARY_KEYS = [
 ]
 # what may differ between a checked and a trusted replay of one log
 MODE_FIELDS = {"mode", "checkpoints_compared", "invariant_checks", "seconds"}
+pytestmark = pytest.mark.xdist_group("replay-modes")  # the module's logs built once, on one xdist worker
 
 
 @pytest.fixture(scope="module", params=["released_aliases", "cross_tenant"])
