@@ -96,7 +96,7 @@ def test_f7_a_ledger_dropped_without_close_gives_everything_back(tmp_path, fsync
             led = open_ledger(tmp_path / f"d{i}.kvlog", GEOMETRY, fsync=fsync, logger=QUIET)
             drive(led, f"f7-{i}", 3, ranks=1, on_seal=lambda led, plan, i=i: sealed.__setitem__(i, led.seq))
             del led
-            gc.collect()
+        gc.collect()  # (once for all twenty: a full collection costs tens of ms in a big test process)
     unclosed = [w for w in caught if issubclass(w.category, ResourceWarning) and "never closed" in str(w.message)]
     deadline = time.monotonic() + 30
     while (_writers() > threads0 or _fds() > fds0) and time.monotonic() < deadline:

@@ -48,8 +48,8 @@ from test_log_workload import GEOMETRY, drive
 
 __all__ = ["R4_HEAVY", "R4_QUICK", "R5_HEAVY", "R5_QUICK", "R4Counts", "R5Counts", "r4_kills", "r5_seeds"]
 
-R4_QUICK, R4_HEAVY = 200, 10_000  # kills per layout (file and segments: half each... see the test)
-R5_QUICK, R5_HEAVY = 1000, 100_000
+R4_QUICK, R4_HEAVY = 200, 10_000  # kills in all: half on a file, half on a directory (the test's layouts)
+R5_QUICK, R5_HEAVY = 500, 100_000  # seeds per layout (quick: 1,000 over the two layouts, RELIABILITY's floor)
 QUIET = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 
 
