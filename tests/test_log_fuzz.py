@@ -143,7 +143,8 @@ def test_r7_mutated_valid_logs_only_raise_library_errors(muts):
 def test_r7_seeded_mutation_loop_and_memory_bound():
     rng = random.Random(7)
     kinds = ("flip", "set", "insert", "delete", "truncate", "length", "dup")
-    peak_ratio = 0.0
+    peak_ratio = 0.0  # over inputs of 1 KiB or more (a 2-byte input's ratio is all fixed cost)
+    excess = 0  # the most one pass allocated beyond 400 bytes per input byte
     for i in range(MUTATIONS):
         muts = []
         for _ in range(rng.randint(1, 3)):
@@ -164,18 +165,23 @@ def test_r7_seeded_mutation_loop_and_memory_bound():
                 peak = tracemalloc.get_traced_memory()[1]
             finally:
                 tracemalloc.stop()
-            peak_ratio = max(peak_ratio, peak / max(len(data), 1))
+            if len(data) >= 1024:
+                peak_ratio = max(peak_ratio, peak / len(data))
+            excess = max(excess, peak - 400 * len(data))
         else:
             _consume(data)
         COUNTS["loop"] += 1
     total = sum(COUNTS[k] for k in ("bytes", "tails", "mutants", "loop"))
     print(f"R7 decoder fuzzing: executions {total} (hypothesis bytes {COUNTS['bytes']}, header+tail "
           f"{COUNTS['tails']}, mutated logs {COUNTS['mutants']}; seeded mutations {COUNTS['loop']}); "
-          f"crashes 0 (only KVLedgerError escaped); peak allocation {peak_ratio:.0f} x the input size")
+          f"crashes 0 (only KVLedgerError escaped); peak allocation {peak_ratio:.0f} x the input size (inputs of "
+          f">= 1 KiB); at most {max(excess, 0)} bytes beyond 400 x the input")
     assert COUNTS["loop"] == MUTATIONS
     # A garbage length can never make the reader allocate for it: what one pass allocates is a
     # small multiple of the input (decoded events and states), never the claimed length.
-    assert peak_ratio < 400
+    # (the heavy profile once met a 2-byte input whose 1.3 KB of fixed cost was 642 x its size: hence the
+    # allowance of 64 KiB, and the ratio taken over inputs of 1 KiB or more)
+    assert peak_ratio < 400 and excess < 64 * 1024
 
 
 @settings(max_examples=200 if not HEAVY else 2000, deadline=None)
