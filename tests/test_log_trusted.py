@@ -229,16 +229,19 @@ def _forge(data: bytes, rng: random.Random) -> tuple[bytes, str]:
     synced = PREFIX.unpack_from(data, off)[6]
     head = PREFIX.pack(b"KR", KIND_EVENTS, 0, len(payload), seq, len(items), synced)
     tail = data[off + 40 + n :]
-    if len(items) != count:  # later records' seqs move with it
-        tail = _shift_seqs(tail, len(items) - count)
+    # later records move with it: their seqs by the events added or dropped, and their claims of bytes
+    # synced past this record by its change in size (else a claim could pass its own record's offset,
+    # a forgery that depended on how far the writer thread had synced when the base log was written)
+    tail = _shift(tail, len(items) - count, len(payload) - n, past=off)
     return _rechain(data[:off] + head + payload + bytes(12) + tail), way
 
 
-def _shift_seqs(data: bytes, delta: int) -> bytes:
+def _shift(data: bytes, seqs: int, size: int, past: int) -> bytes:
     out, off = bytearray(data), 0
     while off < len(out):
         magic, kind, flags, n, seq, count, synced = PREFIX.unpack_from(out, off)
-        PREFIX.pack_into(out, off, magic, kind, flags, n, seq + delta, count, synced)
+        synced += size if synced > past else 0
+        PREFIX.pack_into(out, off, magic, kind, flags, n, seq + seqs, count, synced)
         if kind == KIND_CHECKPOINT:  # (its payload names the seq too: left as it is, the checkpoint is refused)
             pass
         off += 40 + n
