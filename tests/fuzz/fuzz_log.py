@@ -2,7 +2,7 @@
 
     python tests/fuzz/fuzz_log.py [libFuzzer flags, e.g. -runs=1000000 -seed=7 CORPUS_DIR]
 
-The oracle (``one_input``) extends the quick profile's (tests/test_log_fuzz.py, ``_consume``):
+The oracle (``one_input``) extends the quick profile's (tests/log/test_log_fuzz.py, ``_consume``):
 the bytes, read as a log file, go through everything a reader does with an untrusted log:
 ``scan``, every record decoded (``LogView.events`` / ``LogView.checkpoint``), and the fold
 (``rebuild_state``) from the last checkpoint and from the start, trusted and checked. Only
@@ -17,7 +17,7 @@ file to be resealed (the header's CRC, then every record's chain and CRC recompu
 the record lengths, as whoever writes a file can), so the fuzzer explores what lies behind
 the checksums: payload decoding, checkpoints and the fold. ``seed_corpus`` writes small
 valid logs (three clear policies, with checkpoints, closed and torn) as the starting corpus.
-tests/test_fuzz_harnesses.py runs ``one_input`` on that corpus in the quick profile, so the
+tests/fuzz/test_fuzz_harnesses.py runs ``one_input`` on that corpus in the quick profile, so the
 harness cannot rot. ``scripts/heavy`` runs it for 10^7 executions over many processes.
 """
 
@@ -34,6 +34,7 @@ import zlib
 _TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _TESTS not in sys.path:  # run as a script: the tests directory on the path, as pytest puts it
     sys.path.insert(0, _TESTS)
+    sys.path.insert(0, os.path.join(_TESTS, "log"))
 
 _HEADER, _PREFIX, _TRAILER = 64, 28, 12
 

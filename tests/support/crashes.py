@@ -36,6 +36,7 @@ import structlog
 
 if __package__ in (None, ""):  # run as a script: the tests directory on the path, as pytest puts it
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "log"))
 
 from kvledger.core.errors import LogIOError
 from kvledger import replay

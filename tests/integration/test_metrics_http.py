@@ -31,7 +31,7 @@ from kvledger.metrics.counts import event_tag  # noqa: E402
 from kvledger.metrics.families import SCRAPE_METRICS  # noqa: E402
 from kvledger.metrics.hooks import HOOK_METRICS  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 G = Geometry(num_pages=32, page_tokens=2)
 
 

@@ -13,7 +13,7 @@ import pathlib
 
 import pytest
 
-FUZZ = pathlib.Path(__file__).parent / "fuzz"
+FUZZ = pathlib.Path(__file__).parent
 
 
 def _harness(name: str):

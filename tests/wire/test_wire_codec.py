@@ -500,7 +500,7 @@ def test_page_id_problem_names_the_ids():
 # ---------------------------------------------------------------------------- a layout-7 rank refuses, never ignores
 
 LAYOUT7_COMMIT = "4b3035a72cc2752b23bd91eadafed94773785320"  # the tree before layout 8: wire/ at layout 7
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tp_ranks.py"
 HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
 

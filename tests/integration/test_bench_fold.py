@@ -3,7 +3,7 @@
 import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
 
 import bench_fold  # noqa: E402
 

@@ -416,7 +416,7 @@ def test_bench_workload_encodes_to_the_plain_lists_bytes():
     import pathlib
     import sys
 
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
     import bench_kvevents
 
     steps = bench_kvevents.make_steps(20)

@@ -3,7 +3,7 @@ or partitioned (no bytes in or out) at each phase of the handshake, or after it 
 step and before its COMPLETE left.
 
 The leader runs in the test process (``open_leader`` + ``listen_tcp``); each peer
-is this file run as a script (``python tests/test_wire_faults.py peer ...``): the
+is this file run as a script (``python tests/wire/test_wire_faults.py peer ...``): the
 real ``run_peer`` over a real socket, wrapped so the fault strikes at an exact
 protocol point, and writing what it answered, ran and dropped to a log. Oracle:
 survivors reach ABORT within the deadline, no rank (the healed one included)
