@@ -23,16 +23,12 @@ syscalls.py, simdisk.py), which tmpfs runs for real. A test that wants the real 
 
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
-
-# test_log_workload's helpers, imported from other folders (until tests/support/workload.py holds them)
-sys.path.insert(0, str(Path(__file__).parent / "log"))
 
 # Quick profile in CI and by default; KVLEDGER_HYPOTHESIS=heavy selects the heavy one.
 settings.register_profile("quick", max_examples=100, stateful_step_count=50, deadline=None,

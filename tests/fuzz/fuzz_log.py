@@ -34,7 +34,6 @@ import zlib
 _TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _TESTS not in sys.path:  # run as a script: the tests directory on the path, as pytest puts it
     sys.path.insert(0, _TESTS)
-    sys.path.insert(0, os.path.join(_TESTS, "log"))
 
 _HEADER, _PREFIX, _TRAILER = 64, 28, 12
 
@@ -111,7 +110,7 @@ def seed_corpus() -> list[bytes]:
     from kvledger import CLEAR_POLICIES, Geometry
     from kvledger.durable import open_ledger
     from support.simdisk import SimulatedDisk
-    from test_log_workload import drive
+    from support.workload import drive
 
     quiet = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
     logs = []

@@ -32,7 +32,7 @@ from kvledger.core.log.files import default_layer
 from kvledger.durable import open_ledger
 from support.simdisk import FaultInjector, SimulatedDisk
 
-from test_log_workload import GEOMETRY, drive
+from support.workload import GEOMETRY, drive
 
 HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
 IMAGES = 8 if HEAVY else 2  # crash images per cut point

@@ -22,7 +22,7 @@ from kvledger.core.errors import LogClosedError, LogIOError, LogLockedError
 from kvledger.durable import DurableLedger, open_ledger
 from kvledger.core.log.fold import state_from_checkpoint
 
-from test_log_workload import GEOMETRY, drive
+from support.workload import GEOMETRY, drive
 
 import logging
 

@@ -24,7 +24,7 @@ from kvledger.core.log import EventLog, LogView, open_view
 from support.simdisk import SimulatedDisk
 from kvledger.core.log.fold import rebuild_state
 
-from test_log_workload import GEOMETRY, drive, make_events
+from support.workload import GEOMETRY, drive, make_events
 
 HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
 EXAMPLES = 25_000 if HEAVY else 1_000

@@ -24,7 +24,7 @@ import structlog
 from kvledger import Geometry
 from kvledger.durable import open_ledger
 
-from test_log_workload import GEOMETRY, drive
+from support.workload import GEOMETRY, drive
 
 QUIET = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 WRITER = "kvledger-log-fsync"

@@ -27,7 +27,7 @@ from kvledger.core.log.format import KIND_CHECKPOINT, encode_segment_header
 from kvledger.core.log.segments import list_segments, segment_name
 from kvledger.durable import open_ledger
 
-from test_log_workload import GEOMETRY, drive
+from support.workload import GEOMETRY, drive
 
 HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
 SCALE = 10 if HEAVY else 1

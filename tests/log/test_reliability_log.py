@@ -47,7 +47,7 @@ from kvledger.core.log.fold import rebuild_state, state_from_checkpoint
 from kvledger.tools.replay import replay_log
 
 from support.crashes import R4_HEAVY, R4_QUICK, R5_HEAVY, R5_QUICK, r4_kills, r5_seeds
-from test_log_workload import GEOMETRY, drive, make_events
+from support.workload import GEOMETRY, drive, make_events
 
 HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
 SCALE = 10 if HEAVY else 1

@@ -24,7 +24,7 @@ import structlog
 
 from kvledger.durable import open_ledger
 
-from test_log_workload import GEOMETRY, drive
+from support.workload import GEOMETRY, drive
 
 HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
 ROUNDS = 200 * (10 if HEAVY else 1)

@@ -27,7 +27,7 @@ from kvledger.core.log import open_view
 from support.simdisk import SimulatedDisk
 from kvledger.durable import open_ledger
 
-from test_log_workload import GEOMETRY, drive
+from support.workload import GEOMETRY, drive
 
 HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
 CASES = 1000 * (10 if HEAVY else 1)

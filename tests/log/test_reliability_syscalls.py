@@ -28,7 +28,7 @@ from kvledger.core.log import EventLog, open_view
 from support.simdisk import SimulatedDisk
 from kvledger.durable import open_ledger
 
-from test_log_workload import GEOMETRY, drive
+from support.workload import GEOMETRY, drive
 
 QUIET = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 

@@ -36,7 +36,6 @@ import structlog
 
 if __package__ in (None, ""):  # run as a script: the tests directory on the path, as pytest puts it
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "log"))
 
 from kvledger.core.errors import LogIOError
 from kvledger import replay
@@ -45,7 +44,7 @@ from kvledger.core.log.format import KIND_EVENTS
 from kvledger.core.log.segments import is_segment_name
 from kvledger.durable import open_ledger
 from support.simdisk import FaultInjector, SimulatedDisk
-from test_log_workload import GEOMETRY, drive
+from support.workload import GEOMETRY, drive
 
 __all__ = ["R4_HEAVY", "R4_QUICK", "R5_HEAVY", "R5_QUICK", "R4Counts", "R5Counts", "r4_kills", "r5_seeds"]
 

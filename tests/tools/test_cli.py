@@ -25,7 +25,7 @@ from kvledger.core.events.events import (
 from kvledger.core.log import EventLog
 from kvledger.durable import open_ledger
 
-from test_log_workload import GEOMETRY, drive
+from support.workload import GEOMETRY, drive
 
 QUIET = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 

@@ -23,7 +23,7 @@ from support.simdisk import SimulatedDisk
 from kvledger.durable import open_ledger
 from kvledger.tools.replay import exit_code, render, replay_log
 
-from test_log_workload import GEOMETRY, drive
+from support.workload import GEOMETRY, drive
 
 QUIET = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 
