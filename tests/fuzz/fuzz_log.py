@@ -103,21 +103,17 @@ def one_input(data: bytes) -> None:
 def seed_corpus() -> list[bytes]:
     """Small valid logs (a steering byte each, both values): three policies, checkpoints, closed or not,
     and one cut in its last record (a torn tail)."""
-    import logging
-
-    import structlog
-
     from kvledger import CLEAR_POLICIES, Geometry
     from kvledger.durable import open_ledger
+    from support import QUIET
     from support.simdisk import SimulatedDisk
     from support.workload import drive
 
-    quiet = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
     logs = []
     for i, policy in enumerate(CLEAR_POLICIES):
         disk = SimulatedDisk()
         led = open_ledger("f", Geometry(num_pages=24, page_tokens=16), layer=disk, policy=policy,
-                          checkpoint_every=8, logger=quiet)
+                          checkpoint_every=8, logger=QUIET)
         drive(led, f"fuzz-log-{i}", 1 + i % 2, ranks=1 + i % 2)
         if i == 1:
             led.sync()

@@ -11,15 +11,13 @@ view's first event is refused, naming it.
 
 from __future__ import annotations
 
-import logging
-import os
 import random
 import threading
 
 import msgspec
 import pytest
-import structlog
 
+from support import HEAVY, QUIET
 from kvledger import Geometry, InvalidArgumentError
 from kvledger.core.hashing import block_hashes
 from kvledger.core.log import OsFileLayer
@@ -28,9 +26,7 @@ from kvledger.durable import open_ledger
 from kvledger.kvevents import KVEventBatcher, export_log
 from kvledger.kvevents.cli import main as events_main
 
-HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
 G = Geometry(num_pages=32, page_tokens=4)
-QUIET = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 SEG = 4096
 
 

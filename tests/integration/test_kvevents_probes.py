@@ -19,7 +19,6 @@ stop() time.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -30,6 +29,7 @@ import pytest
 
 zmq = pytest.importorskip("zmq")
 
+from support import HEAVY  # noqa: E402
 from kvledger import ConfigurationError  # noqa: E402
 from kvledger.kvevents import (  # noqa: E402
     SEQ_END,
@@ -42,7 +42,6 @@ from kvledger.kvevents import (  # noqa: E402
     seq_bytes,
 )
 
-HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
 
 
 def batch(n_events: int = 8, first: int = 0) -> KVEventBatchMap:

@@ -16,15 +16,14 @@ creating the directory (F10).
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import random
 import subprocess
 import sys
 
 import pytest
-import structlog
 
+from support import HEAVY, QUIET
 from kvledger import ConfigurationError, CorruptLogError, replay
 from kvledger.core.errors import LogIOError
 from kvledger.core.log import list_segments, open_view
@@ -34,9 +33,7 @@ from support.simdisk import FaultInjector, SimulatedDisk
 
 from support.workload import GEOMETRY, drive
 
-HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
 IMAGES = 8 if HEAVY else 2  # crash images per cut point
-QUIET = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 SEG = {"segment_bytes": 4096}
 CLI = os.path.join(os.path.dirname(sys.executable), "kvledger")
 

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 import structlog
 
+from support import QUIET
 from kvledger import (
     ConfigurationError,
     CorruptLogError,
@@ -26,7 +27,6 @@ from support.workload import GEOMETRY, drive
 
 import logging
 
-QUIET = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 
 
 def test_create_write_through_reopen_same_digest(tmp_path):

@@ -17,6 +17,7 @@ import tracemalloc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support import HEAVY, QUIET
 from kvledger import CLEAR_POLICIES, KVLedgerError, replay
 from kvledger.core.log.format import HEADER_SIZE, KIND_CHECKPOINT, KIND_EVENTS, PREFIX
 from kvledger.core.log.scan import scan
@@ -26,7 +27,6 @@ from kvledger.core.log.fold import rebuild_state
 
 from support.workload import GEOMETRY, drive, make_events
 
-HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
 EXAMPLES = 25_000 if HEAVY else 1_000
 MUTATIONS = 100_000 if HEAVY else 8_000
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=False,
@@ -35,13 +35,8 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=False,
 
 def _valid_log(seed: str = "fuzz", steps: int = 12, every: int = 20) -> bytes:
     from kvledger.durable import open_ledger
-    import logging
-
-    import structlog
-
-    quiet = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
     disk = SimulatedDisk()
-    with open_ledger("v", GEOMETRY, layer=disk, checkpoint_every=every, logger=quiet) as led:
+    with open_ledger("v", GEOMETRY, layer=disk, checkpoint_every=every, logger=QUIET) as led:
         drive(led, seed, steps)
     return disk.read("v")
 
@@ -220,13 +215,8 @@ def test_r7_mutated_segments_of_a_directory_only_raise_library_errors():
     reopened: only the library's errors escape."""
     from kvledger.core.log import list_segments
     from kvledger.durable import open_ledger
-    import logging
-
-    import structlog
-
-    quiet = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
     disk = SimulatedDisk()
-    with open_ledger("d", GEOMETRY, layer=disk, checkpoint_every=20, segment_bytes=4096, logger=quiet) as led:
+    with open_ledger("d", GEOMETRY, layer=disk, checkpoint_every=20, segment_bytes=4096, logger=QUIET) as led:
         drive(led, "fuzz-seg", 40)
     segs = list_segments(disk, "d")
     files = {name: disk.read(f"d/{name}") for name in disk.listdir("d") if not name.endswith(".sync")}
@@ -255,7 +245,7 @@ def test_r7_mutated_segments_of_a_directory_only_raise_library_errors():
                 except KVLedgerError:
                     pass
             with contextlib.suppress(KVLedgerError):
-                open_ledger("d", layer=copy, logger=quiet).log.abandon()
+                open_ledger("d", layer=copy, logger=QUIET).log.abandon()
         except Exception:  # (anything but the library's own error is an escape)
             escapes += 1
     print(f"R7 on a directory ({len(segs)} segments): {cases} mutated segments read from the first and "

@@ -11,7 +11,6 @@ stall in any configuration (F4), and nothing leaked by a ledger dropped without 
 from __future__ import annotations
 
 import gc
-import logging
 import os
 import threading
 import time
@@ -19,14 +18,13 @@ import tracemalloc
 import warnings
 
 import pytest
-import structlog
 
+from support import QUIET
 from kvledger import Geometry
 from kvledger.durable import open_ledger
 
 from support.workload import GEOMETRY, drive
 
-QUIET = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 WRITER = "kvledger-log-fsync"
 
 

@@ -8,7 +8,6 @@ R18 readers against a rotating, retaining writer are here.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import random
 import struct
@@ -17,8 +16,8 @@ import sys
 import zlib
 
 import pytest
-import structlog
 
+from support import HEAVY, QUIET
 from kvledger import CorruptLogError, Geometry, replay
 from kvledger.core.log import open_view
 from support.simdisk import SimulatedDisk
@@ -29,9 +28,7 @@ from kvledger.durable import open_ledger
 
 from support.workload import GEOMETRY, drive
 
-HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
 SCALE = 10 if HEAVY else 1
-QUIET = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 SEG = 8192
 
 

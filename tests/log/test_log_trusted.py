@@ -7,15 +7,13 @@ checkpoints or invariants disagree with what it folded; and forged logs against 
 from __future__ import annotations
 
 import hashlib
-import logging
-import os
 import random
 import struct
 import zlib
 
 import msgspec
-import structlog
 
+from support import HEAVY, QUIET
 from kvledger import CLEAR_POLICIES, CorruptLogError, KVLedgerError, replay
 from kvledger.core.log import open_view
 from support.simdisk import SimulatedDisk
@@ -26,7 +24,6 @@ from kvledger.durable import open_ledger
 
 from support.workload import GEOMETRY, drive
 
-QUIET = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 
 
 def _log(seed: str, policy: str = "released_aliases", steps: int = 20, every: int = 37) -> tuple[bytes, str, int]:
@@ -153,7 +150,6 @@ def test_reopen_folds_the_tail_checked_to_the_same_digest(tmp_path):
 # ---------------------------------------------------------------------- F2: forged impossible events
 
 
-HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
 FORGED = 3000 if HEAVY else 1000
 
 

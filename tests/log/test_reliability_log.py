@@ -20,7 +20,6 @@ quarter of the file layout's counts for R1-R3, R9, R10. ``KVLEDGER_HYPOTHESIS=he
 from __future__ import annotations
 
 import json
-import logging
 import os
 import random
 import shutil
@@ -32,8 +31,8 @@ import zlib
 
 import msgspec
 import pytest
-import structlog
 
+from support import HEAVY, QUIET
 from kvledger import CLEAR_POLICIES, CorruptLogError, replay
 from kvledger.core.log.format import HEADER_SIZE, KIND_CLOSE, KIND_EVENTS, PREFIX, SEGMENT_HEADER_SIZE
 from kvledger.core.log.segments import list_segments
@@ -49,12 +48,10 @@ from kvledger.tools.replay import replay_log
 from support.crashes import R4_HEAVY, R4_QUICK, R5_HEAVY, R5_QUICK, r4_kills, r5_seeds
 from support.workload import GEOMETRY, drive, make_events
 
-HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
 SCALE = 10 if HEAVY else 1
 # the console script of this interpreter's environment (the worktree's own install), else the one on PATH
 CLI = os.path.join(os.path.dirname(sys.executable), "kvledger")
 CLI = CLI if os.path.exists(CLI) else shutil.which("kvledger") or "kvledger"
-QUIET = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 
 
 def _events_of(view) -> list:

@@ -14,23 +14,20 @@ from touching pages a writer cut off under its mapping) is a crash.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys
 import time
 
-import structlog
 
+from support import HEAVY, QUIET
 from kvledger.durable import open_ledger
 
 from support.workload import GEOMETRY, drive
 
-HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
 ROUNDS = 200 * (10 if HEAVY else 1)
 READERS = 2 if HEAVY else 1  # processes reading all the while (each keeps a core busy)
 TORN = (8 if HEAVY else 1) << 20  # bytes of torn tail per round
-QUIET = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 
 _READER = r"""
 import json, sys, time

@@ -12,7 +12,6 @@ replay exit 3), never truncated away as a torn tail with a warning.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import random
 import shutil
@@ -20,8 +19,8 @@ import subprocess
 import sys
 
 import pytest
-import structlog
 
+from support import HEAVY, QUIET
 from kvledger import CorruptLogError, KVLedgerError
 from kvledger.core.log import open_view
 from support.simdisk import SimulatedDisk
@@ -29,12 +28,10 @@ from kvledger.durable import open_ledger
 
 from support.workload import GEOMETRY, drive
 
-HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
 CASES = 1000 * (10 if HEAVY else 1)
 # the console script of this interpreter's environment (the worktree's own install), else the one on PATH
 CLI = os.path.join(os.path.dirname(sys.executable), "kvledger")
 CLI = CLI if os.path.exists(CLI) else shutil.which("kvledger") or "kvledger"
-QUIET = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 
 
 def _base(closed: bool) -> tuple[SimulatedDisk, bytes, bytes, int]:

@@ -16,11 +16,10 @@ swallowed.
 
 from __future__ import annotations
 
-import logging
 import os
 
 import pytest
-import structlog
+from support import QUIET
 from support.syscalls import SyscallRecorder, norm
 
 from kvledger.core.errors import LogIOError
@@ -30,7 +29,6 @@ from kvledger.durable import open_ledger
 
 from support.workload import GEOMETRY, drive
 
-QUIET = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 
 
 def _image_events(rec: SyscallRecorder, path: str) -> tuple[int, object]:

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import random
 import shutil
@@ -24,8 +23,7 @@ import time
 import tracemalloc
 
 import pytest
-import structlog
-from support import craft
+from support import HEAVY, QUIET, craft
 
 from kvledger import CorruptLogError, Geometry, KVLedgerError, LogError
 from kvledger.core.log import DEFAULT_MAX_PAGES, EventLog, open_view
@@ -33,9 +31,7 @@ from kvledger.core.log.fold import rebuild_state
 from kvledger.durable import open_ledger
 from kvledger.tools.replay import replay_log
 
-HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
 SCALE = 10 if HEAVY else 1
-QUIET = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 MEMORY_BOUND = 32 << 20  # what one crafted file may make the readers allocate (tracemalloc peak)
 
 

@@ -22,7 +22,6 @@ is the figure (``--layout file`` the same). ``KVLEDGER_HYPOTHESIS`` plays no par
 from __future__ import annotations
 
 import json
-import logging
 import os
 import random
 import select
@@ -32,11 +31,11 @@ import sys
 import time
 from typing import NamedTuple
 
-import structlog
 
 if __package__ in (None, ""):  # run as a script: the tests directory on the path, as pytest puts it
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from support import QUIET
 from kvledger.core.errors import LogIOError
 from kvledger import replay
 from kvledger.core.log import open_view
@@ -50,7 +49,6 @@ __all__ = ["R4_HEAVY", "R4_QUICK", "R5_HEAVY", "R5_QUICK", "R4Counts", "R5Counts
 
 R4_QUICK, R4_HEAVY = 200, 10_000  # kills in all: half on a file, half on a directory (the test's layouts)
 R5_QUICK, R5_HEAVY = 500, 100_000  # seeds per layout (quick: 1,000 over the two layouts, RELIABILITY's floor)
-QUIET = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 
 
 class PowerCut(Exception):

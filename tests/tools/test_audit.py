@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 import xml.etree.ElementTree as ET
 
 import pytest
-import structlog
 
+from support import QUIET
 from kvledger.core.state import TRANSITIONS
 from kvledger import CLEAR_POLICIES, Geometry, LedgerState
 from kvledger.tools.audit import COLORS, AuditReport, audit_log, render, render_svg
@@ -30,7 +29,6 @@ from kvledger.durable import open_ledger
 
 from support.workload import GEOMETRY, drive
 
-QUIET = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 G = Geometry(num_pages=8, page_tokens=4)
 
 

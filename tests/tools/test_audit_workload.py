@@ -22,13 +22,12 @@ cascading or recording violations fails it).
 
 from __future__ import annotations
 
-import logging
 import os
 import random
 
 import pytest
-import structlog
 
+from support import QUIET
 from kvledger import CLEAR_POLICIES, Geometry, Ledger, LedgerState, OutOfPagesError, check_invariants
 from kvledger.core.events.events import EVENT_TYPES, SanitizerViolation, StepAborted
 from kvledger.durable import open_ledger
@@ -36,7 +35,6 @@ from kvledger.durable import open_ledger
 __all__ = ["GEOMETRY", "QUIET", "build", "serve"]
 
 GEOMETRY = Geometry(num_pages=48, page_tokens=4)
-QUIET = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 RANKS = 2
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import subprocess
@@ -11,8 +10,8 @@ import sys
 import xml.etree.ElementTree as ET
 
 import pytest
-import structlog
 
+from support import QUIET
 from kvledger import Geometry
 from kvledger.core.events.events import (
     CacheConfigured,
@@ -27,7 +26,6 @@ from kvledger.durable import open_ledger
 
 from support.workload import GEOMETRY, drive
 
-QUIET = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 
 def _script() -> str | None:
     """The console script installed beside the interpreter running the tests (its venv's,

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import logging
 
 import pytest
-import structlog
 
+from support import QUIET
 from kvledger import Geometry, InvalidArgumentError, replay
 from kvledger.core.log.format import KIND_CHECKPOINT
 from kvledger.core.events.events import (
@@ -25,7 +24,6 @@ from kvledger.tools.replay import exit_code, render, replay_log
 
 from support.workload import GEOMETRY, drive
 
-QUIET = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 
 
 @pytest.fixture(scope="module")

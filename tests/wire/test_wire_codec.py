@@ -12,7 +12,6 @@ from __future__ import annotations
 import array
 import importlib
 import io
-import os
 import random
 import struct
 import subprocess
@@ -25,6 +24,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support import HEAVY
 from kvledger import Geometry, InvalidArgumentError, WireProtocolError
 from kvledger.wire.codec import (
     DEFAULT_MAX_BODY,
@@ -54,7 +54,6 @@ from kvledger.wire.codec import (
 from kvledger.wire.decoder import FrameDecoder, decode, page_ids_problem
 from kvledger.core.errors import FrameError
 
-HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
 G = Geometry(num_pages=1024, page_tokens=16)
 
 # ---------------------------------------------------------------------------- golden bytes

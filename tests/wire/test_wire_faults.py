@@ -148,13 +148,13 @@ if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "peer":
 # ---------------------------------------------------------------------------- the test side
 
 import pytest  # noqa: E402  (the peer script above does not need it)
+from support import HEAVY  # noqa: E402
 
 from kvledger.wire import open_leader  # noqa: E402
 
 PHASES = ["before_prepare", "after_prepare", "after_ready", "after_decision", "after_run"]
 # Quick profile: a kill at every phase, a pause or a partition at each phase once (two peer
 # processes per schedule); KVLEDGER_HYPOTHESIS=heavy: every fault at every phase.
-HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
 QUICK_PHASES = {"kill": PHASES, "pause": PHASES[1::2], "partition": PHASES[0::2]}
 
 

@@ -14,12 +14,12 @@ violations.
 
 from __future__ import annotations
 
-import os
 import random
 from collections import deque
 
 import pytest
 import torch
+from support import HEAVY
 
 from kvledger import (
     DuplicatePageError,
@@ -67,7 +67,6 @@ from kvledger.wire import (
 from kvledger.wire.decoder import decode
 from kvledger.core.errors import HandshakeRefused
 
-HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
 SCALE = 20 if HEAVY else 1
 G = Geometry(num_pages=64, page_tokens=16)
 EOF = None  # marks the end of a stream in a frame queue

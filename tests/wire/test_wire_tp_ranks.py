@@ -13,17 +13,16 @@ many-peer schedules run in process: test_wire_drivers.py, test_wire_protocol.py)
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from support import HEAVY
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tp_ranks.py"
-HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
 
 
 def _torchrun(nproc: int, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess:
