@@ -208,13 +208,6 @@ def _connected(pub: KVEventPublisher, sub) -> None:
         sub.recv_multipart()
 
 
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.term()
-
-
 # ---------------------------------------------------------------------- Dynamo
 
 

@@ -146,13 +146,6 @@ def published(ledger):
     return {to_u64(h) for h in (ledger.block_hash(p) for p in range(ledger.geometry.num_pages)) if h is not None}
 
 
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.term()
-
-
 @pytest.mark.asyncio
 @pytest.mark.parametrize("log", [False, True])
 async def test_an_engine_publishes_batches_that_rebuild_its_cache(ctx, tmp_path, log):

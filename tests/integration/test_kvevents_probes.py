@@ -29,7 +29,7 @@ import pytest
 
 zmq = pytest.importorskip("zmq")
 
-from support import HEAVY  # noqa: E402
+from support import HEAVY, wait_for  # noqa: E402
 from kvledger import ConfigurationError  # noqa: E402
 from kvledger.kvevents import (  # noqa: E402
     SEQ_END,
@@ -46,22 +46,6 @@ from kvledger.kvevents import (  # noqa: E402
 
 def batch(n_events: int = 8, first: int = 0) -> KVEventBatchMap:
     return KVEventBatchMap(1.0, tuple(BlockRemovedMap((first + i,), "GPU") for i in range(n_events)), 0)
-
-
-def wait_for(cond, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
-
-
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.term()
 
 
 # ---------------------------------------------------------------------- the replay flood

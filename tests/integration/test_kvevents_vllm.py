@@ -40,6 +40,7 @@ import pytest
 
 zmq = pytest.importorskip("zmq")
 
+from support import wait_for  # noqa: E402
 from support.upstream import UpstreamUnavailable, wheel_file  # noqa: E402
 
 from kvledger import Geometry, Ledger, OutOfPagesError  # noqa: E402
@@ -225,13 +226,6 @@ class VllmSubscriber:
                 self.request_replay(len(self.batches))
 
 
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.term()
-
-
 # ---------------------------------------------------------------------- a workload with tenants
 
 
@@ -324,7 +318,7 @@ def test_twenty_full_replays_of_a_full_buffer_lose_nothing(vllm, ctx):
         for trial in range(20):
             sub.replay.send_multipart([b"", (0).to_bytes(8, "big")])
             if trial % 2:  # a slow reader: the whole answer waits in its queue before it reads any
-                assert _wait(lambda: pub.statistics().replay_pending == 0, 30)
+                assert wait_for(lambda: pub.statistics().replay_pending == 0, 30)
             got = []
             while True:
                 assert sub.replay.poll(10_000), f"replay {trial} stalled after {len(got)} batches"
@@ -354,15 +348,6 @@ def _batch(vllm, n: int):
     from kvledger.kvevents import BlockRemovedMap, KVEventBatchMap
 
     return KVEventBatchMap(1.0, tuple(BlockRemovedMap((i,), "GPU") for i in range(n)), 0)
-
-
-def _wait(cond, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 # ---------------------------------------------------------------------- the CLI

@@ -201,13 +201,6 @@ def ticks():
     return lambda: float(next(c))
 
 
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.term()
-
-
 def test_live_stream_rebuilds_the_ledgers_cache_and_the_export_matches(ctx, tmp_path):
     path = tmp_path / "run.kvlog"
     pub = KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:*", topic="kv-events",
