@@ -15,7 +15,7 @@ import contextlib
 
 import anyio
 import pytest
-import torch
+torch = pytest.importorskip("torch")  # (the ranks clear real torch planes)
 
 from kvledger import Geometry, InvalidArgumentError, Ledger, WireProtocolError
 from kvledger.core.events.events import StepAborted, StepCompleted
