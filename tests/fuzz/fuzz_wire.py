@@ -3,7 +3,7 @@
     python tests/fuzz/fuzz_wire.py [libFuzzer flags, e.g. -runs=1000000 -seed=7 CORPUS_DIR]
 
 The oracle (``one_input``) is the one the quick profile's mutation loop applies
-(tests/test_wire_codec.py): bytes fed to ``FrameDecoder`` in chunks may raise only
+(tests/wire/test_wire_codec.py): bytes fed to ``FrameDecoder`` in chunks may raise only
 ``FrameError`` (with an int code and a detail); the decoder never buffers more than
 the header, the body cap and one chunk; every frame it yields re-encodes to exactly
 the bytes it came from. Anything else is a crash, which libFuzzer reports and saves.
@@ -11,7 +11,7 @@ the bytes it came from. Anything else is a crash, which libFuzzer reports and sa
 The first input byte steers the harness rather than the decoder: its low bit asks
 for the first frame's CRC to be recomputed (so the fuzzer explores what lies behind
 the checksum check), its other bits pick the chunk size. ``seed_corpus`` writes the
-golden frames of every kind as the starting corpus. tests/test_fuzz_harnesses.py
+golden frames of every kind as the starting corpus. tests/fuzz/test_fuzz_harnesses.py
 runs ``one_input`` on that corpus in the quick profile, so the harness cannot rot.
 """
 

@@ -22,7 +22,6 @@ is the figure (``--layout file`` the same). ``KVLEDGER_HYPOTHESIS`` plays no par
 from __future__ import annotations
 
 import json
-import logging
 import os
 import random
 import select
@@ -32,11 +31,11 @@ import sys
 import time
 from typing import NamedTuple
 
-import structlog
 
 if __package__ in (None, ""):  # run as a script: the tests directory on the path, as pytest puts it
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from support import QUIET
 from kvledger.core.errors import LogIOError
 from kvledger import replay
 from kvledger.core.log import open_view
@@ -44,13 +43,12 @@ from kvledger.core.log.format import KIND_EVENTS
 from kvledger.core.log.segments import is_segment_name
 from kvledger.durable import open_ledger
 from support.simdisk import FaultInjector, SimulatedDisk
-from test_log_workload import GEOMETRY, drive
+from support.workload import GEOMETRY, drive
 
 __all__ = ["R4_HEAVY", "R4_QUICK", "R5_HEAVY", "R5_QUICK", "R4Counts", "R5Counts", "r4_kills", "r5_seeds"]
 
-R4_QUICK, R4_HEAVY = 200, 10_000  # kills per layout (file and segments: half each... see the test)
-R5_QUICK, R5_HEAVY = 1000, 100_000
-QUIET = structlog.wrap_logger(None, wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
+R4_QUICK, R4_HEAVY = 200, 10_000  # kills in all: half on a file, half on a directory (the test's layouts)
+R5_QUICK, R5_HEAVY = 500, 100_000  # seeds per layout (quick: 1,000 over the two layouts, RELIABILITY's floor)
 
 
 class PowerCut(Exception):
