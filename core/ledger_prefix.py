@@ -64,8 +64,10 @@ class PrefixCommands:
         """
         st = self.state
         if (self._fast and type(request) is int and type(start) is int and type(hashes) is tuple
-                and type(token_ids) is tuple and parent_hash is None and lora_id is None and lora_name is None
-                and start >= 0 and st.policy == "released_aliases"):
+                and type(token_ids) is tuple and lora_id is None and lora_name is None
+                and start >= 0 and st.policy == "released_aliases"
+                and (parent_hash is None or (type(parent_hash) is bytes and 0 < len(parent_hash) <= 64)
+                     or (type(parent_hash) is int and _HASH_MIN <= parent_hash <= _HASH_MAX))):
             rec = st.requests.get(request)
             k = len(hashes)
             if (rec is not None and 0 < k <= len(rec.kv) - start
@@ -87,8 +89,9 @@ class PrefixCommands:
                         fold_prefix.publish_pages(st, request, pages, hashes)
                         return pages
                     seq = st.seq
-                    ev = PagesPublished(request=request, page_ids=pages, hashes=hashes,
-                                        parent_hash=st.page_hash.get(rec.kv[start - 1]) if start else None,
+                    if parent_hash is None and start:
+                        parent_hash = st.page_hash.get(rec.kv[start - 1])
+                    ev = PagesPublished(request=request, page_ids=pages, hashes=hashes, parent_hash=parent_hash,
                                         token_ids=token_ids)
                     if self._put is not None:
                         self._put(seq, ev)
