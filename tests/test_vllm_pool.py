@@ -84,18 +84,28 @@ def test_durable_log_replays_audits_and_records_vllms_hashes(tmp_path):
     page = vllm_stored and stats.block_ids[0][1][0][0]
     audit = _cli("audit", str(log), "--page", str(page))
     assert audit.returncode == 0 and "cached(" in audit.stdout, audit.stdout
-    exported = _cli("events", str(log), "--jsonl")
+    exported = _cli("events", str(log), "--jsonl", "--objects", "--hashes", "raw")
     assert exported.returncode == 0, exported.stderr
     stored, removed = [], []
+    parents: dict = {}  # stored hash -> the hash of the block before it in its request (None: the first)
+
+    def vllm_hash(raw):
+        # the ledger's hash is vLLM's BlockHashWithGroupId: the block hash, then 4 bytes of group id
+        # (vLLM's events carry it as vLLM converts it: a u64 by default)
+        return None if raw is None else maybe_convert_block_hash(base64.b64decode(raw)[:-4])
+
     for line in exported.stdout.splitlines():
         for ev in json.loads(line)["events"]:
             if ev["type"] in ("BlockStored", "BlockRemoved"):
-                # the ledger's hash is vLLM's BlockHashWithGroupId: the block hash, then 4 bytes of group id
-                # (vLLM's events carry it as vLLM converts it: a u64 by default)
-                hashes = [maybe_convert_block_hash(base64.b64decode(h)[:-4]) for h in ev["block_hashes"]]
+                hashes = [vllm_hash(h) for h in ev["block_hashes"]]
                 (stored if ev["type"] == "BlockStored" else removed).extend(hashes)
+                if ev["type"] == "BlockStored":
+                    parents.update(zip(hashes, [vllm_hash(ev["parent_block_hash"]), *hashes[:-1]], strict=True))
     assert stored == vllm_stored and removed == vllm_removed
     assert len(stored) > len(removed) > 0
+    vllm_parents = {h: parent for step in stats.events for e in step if isinstance(e, BlockStored)
+                    for h, parent in zip(e.block_hashes, [e.parent_block_hash, *e.block_hashes[:-1]], strict=True)}
+    assert parents == vllm_parents  # each block's parent, as vLLM's own events give it
 
 
 def test_example_drives_vllm_and_prints_the_audit_of_one_block(tmp_path):
