@@ -65,7 +65,8 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from itertools import chain
+from itertools import chain, repeat
+from operator import gt
 
 from ...core.errors import ConfigurationError, InvalidArgumentError
 
@@ -102,16 +103,17 @@ class PageHolds:
         self.per_page = bool(per_page)
         self._refs: dict[int, list[int]] = {}  # page -> holds holding it (acquisition order)
         self._pages: dict[int, list[int]] = {}  # hold -> its pages, in its ledger block-table order
-        self._writers: set[int] = set()  # holds that reserved and committed their pages (they may publish them)
+        self._writer: dict[int, int] = {}  # page -> the hold that reserved and committed it (it may publish it)
         self._key_of: dict[int, bytes] = {}  # page -> its ledger block hash
         self._page_of: dict[bytes, int] = {}  # ledger block hash -> page
         self._stale: set[int] = set()  # held pages whose hash vLLM dropped: evicted once released
-        self.tokens: dict[int, tuple[int, ...]] = {}  # page -> the tokens it was published with
+        self._tokens: dict[int, tuple[tuple, int]] = {}  # page -> (its publish's tokens, its offset in them)
         self._pins: dict[int, int] = {}  # page -> references to an unhashed held page the ledger cannot record
         self._next = NULL_HOLD + 1
         self._sealed_below = NULL_HOLD  # holds below this committed in a step sealed and completed
         self._dirty = False  # pages were committed in the open step
         self._clear: list[int] = []  # clear lists sealed since take_clear_list
+        self._k = ledger.geometry.page_tokens
         self.splits = 0  # holds split by a partial release (statistics)
         if null_page is not None:
             self._reserve_commit(NULL_HOLD, (null_page,))
@@ -129,6 +131,14 @@ class PageHolds:
         """The page's ledger block hash (None: not published)."""
         return self._key_of.get(page)
 
+    def tokens_of(self, page: int) -> tuple[int, ...] | None:
+        """The tokens ``page`` was published with (None: not published)."""
+        got = self._tokens.get(page)
+        if got is None:
+            return None
+        tokens, at = got
+        return tokens[at : at + self._k]
+
     # ------------------------------------------------------------------ transitions
 
     def allocate(self, pages: Sequence[int]) -> None:
@@ -140,7 +150,9 @@ class PageHolds:
             for p in pages:
                 self._reserve_commit(self._new_hold(), (p,))
         elif pages:
-            self._reserve_commit(self._new_hold(), tuple(pages))
+            h = self._next
+            self._next = h + 1
+            self._reserve_commit(h, tuple(pages))
 
     def share(self, pages: Sequence[int]) -> None:
         """vLLM's ``touch`` added a reference to each page.
@@ -164,7 +176,7 @@ class PageHolds:
         if hashed:
             for group in self._groups(hashed):
                 h = self._new_hold()
-                self.ledger.share(h, tuple([key_of[p] for p in group]))
+                self.ledger.share(h, tuple(map(key_of.__getitem__, group)))
                 self._add(h, group)
         if adopted:
             for group in self._groups(adopted):
@@ -185,11 +197,9 @@ class PageHolds:
         copy-on-write endpoints). Raises as ``pin`` does (earlier pages stay adopted)."""
         refs, pins = self._refs, self._pins
         for p, n in zip(pages, ref_counts, strict=True):
-            held = refs.get(p)
-            if held is None or n > len(held):
-                extra = n - (len(held) if held else 0) - pins.get(p, 0)
-                if extra > 0:
-                    self.pin(p, extra)
+            extra = n - len(refs.get(p, ())) - pins.get(p, 0)
+            if extra > 0:
+                self.pin(p, extra)
 
     def release(self, pages: Sequence[int], ref_counts: Sequence[int] | None = None) -> None:
         """vLLM dropped one reference per listed page (``free_blocks``, ``unpin_blocks``);
@@ -199,28 +209,30 @@ class PageHolds:
         docstring). Pages left unheld whose hash vLLM dropped are evicted. Raises
         ``InvalidArgumentError`` before any change when a page has no reference.
         """
-        if ref_counts is not None:
-            self.adopt(pages, ref_counts)
         if not pages:
             return
-        refs = self._refs
+        held = list(map(self._refs.get, pages))
+        if None in held:
+            if ref_counts is not None:
+                self.adopt(pages, ref_counts)  # (raises for the page vLLM holds and the ledger does not)
+            bad = pages[held.index(None)]
+            raise InvalidArgumentError(f"release of page {bad}, which the ledger holds no reference to")
+        sizes = list(map(len, held))
+        if ref_counts is not None and any(map(gt, ref_counts, sizes)):
+            self.adopt(pages, ref_counts)
         left = set(pages)
         if self._pins or len(left) != len(pages):
             self._release_counted(Counter(pages))
             return
-        candidates: dict[int, None] = {}
-        shared = False
-        for p in pages:
-            held = refs.get(p)
-            if held is None:
-                raise InvalidArgumentError(f"release of page {p}, which the ledger holds no reference to")
-            if len(held) == 1:
-                candidates[held[0]] = None
-            else:
-                shared = True
-                candidates.update(dict.fromkeys(held))
+        # Holds finish in the reverse of the order their pages are listed: vLLM lists a request's
+        # blocks last first and puts them back at the head of its free queue in that order, and
+        # each finished hold pushes its pages onto the ledger's free stack in block-table order,
+        # so the stack's top is the head of vLLM's queue again (its next choice is the ledger's).
         own = self._pages
-        order = sorted(candidates, key=lambda h: -len(own[h])) if shared else candidates
+        order = list(dict.fromkeys([hs[0] for hs in held] if max(sizes) == 1 else chain.from_iterable(held)))
+        order.reverse()
+        if max(sizes) > 1:  # (shared pages: the larger holds first, so a smaller one does not take
+            order.sort(key=lambda h: -len(own[h]))  # a page the larger one needs to finish whole)
         partial: list[int] = []
         for h in order:
             hp = own[h]
@@ -237,6 +249,34 @@ class PageHolds:
         if self._stale:
             self._evict_stale()
 
+    def publish_blocks(self, pages: list[int], keys: list[bytes], tokens: tuple, parent: int | None) -> None:
+        """``publish`` of consecutive blocks of one vLLM request (``cache_full_blocks``): ``pages``
+        with their vLLM hash keys, ``tokens`` theirs (``page_tokens`` each, in order), ``parent``
+        the page before them in the request (None at its start). One ``PagesPublished`` when
+        they are a run of one hold, none published yet and every key new (the usual case);
+        otherwise block by block, as ``publish``."""
+        k = len(pages)
+        key_of, page_of, writer = self._key_of, self._page_of, self._writer
+        h = writer.get(pages[0])
+        if (h is not None and key_of.keys().isdisjoint(pages) and max(map(len, keys)) <= _MAX_KEY
+                and page_of.keys().isdisjoint(keys) and (k == 1 or len(set(keys)) == k)):
+            hp = self._pages[h]
+            start = hp.index(pages[0])
+            if hp[start : start + k] == pages:
+                if h >= self._sealed_below:
+                    self.seal()  # (pages committed in the open step: their step completes first)
+                lkeys = tuple(keys)
+                self.ledger.publish(h, lkeys, tokens, start=start,
+                                    parent_hash=None if parent is None else key_of.get(parent))
+                key_of.update(zip(pages, lkeys, strict=True))
+                page_of.update(zip(lkeys, pages, strict=True))
+                at = range(0, k * self._k, self._k)
+                self._tokens.update(zip(pages, zip(repeat(tokens), at, strict=False), strict=True))
+                return
+        step = self._k
+        self.publish([(p, key, tokens[i * step : (i + 1) * step], parent if i == 0 else pages[i - 1])
+                      for i, (p, key) in enumerate(zip(pages, keys, strict=True))])
+
     def publish(self, blocks: Sequence[Publish]) -> None:
         """vLLM cached these blocks (gave them a primary hash): publish them in the ledger.
 
@@ -245,21 +285,19 @@ class PageHolds:
         by one hold, in its block-table order, go in one ``PagesPublished``; a
         run's parent is the ledger hash of the block before it in vLLM's request.
         """
-        key_of, page_of, refs, writers, own = self._key_of, self._page_of, self._refs, self._writers, self._pages
+        key_of, page_of, writer, own = self._key_of, self._page_of, self._writer, self._pages
         runs: list[list] = []  # [hold, start, pages, keys, tokens, parent key]
         fresh: dict[bytes, int] = {}  # keys of this call (a page's key is recorded once it is published)
         for page, raw, tokens, parent in blocks:
             if page in key_of:
                 self._stale.discard(page)
                 continue
-            key = raw if len(raw) <= _MAX_KEY else _key(raw)
+            key = _key(raw)
             if key in page_of or key in fresh:
                 key = _key(raw + page.to_bytes(4, "big"))
             fresh[key] = page
-            for h in refs.get(page, ()):
-                if h in writers:
-                    break
-            else:
+            h = writer.get(page)
+            if h is None:
                 raise InvalidArgumentError(f"page {page} is cached by vLLM but no hold the ledger knows wrote it")
             run = runs[-1] if runs else None
             if run is not None and run[0] == h:
@@ -278,17 +316,13 @@ class PageHolds:
             return
         if any(run[0] >= self._sealed_below for run in runs):
             self.seal()  # (pages committed in the open step: their step completes first)
-        ledger, keep = self.ledger, self.tokens
+        ledger, keep, k = self.ledger, self._tokens, self._k
         for h, start, pages, keys, toks, pkey in runs:
-            if len(toks) == 1:
-                tokens = toks[0] if type(toks[0]) is tuple else tuple(toks[0])
-            else:
-                tokens = tuple(chain.from_iterable(toks))
+            tokens = tuple(chain.from_iterable(toks))
             ledger.publish(h, tuple(keys), tokens, start=start, parent_hash=pkey)
-            for page, key, t in zip(pages, keys, toks, strict=True):
-                key_of[page] = key
-                page_of[key] = page
-                keep[page] = t if type(t) is tuple else tuple(t)
+            key_of.update(zip(pages, keys, strict=True))
+            page_of.update(zip(keys, pages, strict=True))
+            keep.update(zip(pages, zip(repeat(tokens), range(0, len(pages) * k, k), strict=False), strict=True))
 
     def drop_hashes(self, pages: Iterable[int]) -> None:
         """vLLM removed the hash of these pages: unheld ones are evicted now, held ones once released."""
@@ -330,7 +364,8 @@ class PageHolds:
     def take_clear_list(self) -> list[int]:
         """Seal, and return the pages to zero before the next forward pass: the clear lists of
         every step sealed since the last call, each page once, in listing order."""
-        self.seal()
+        if self._dirty:
+            self.seal()
         if not self._clear:
             return []
         out = list(dict.fromkeys(self._clear))
@@ -372,26 +407,34 @@ class PageHolds:
                 held.append(h)
 
     def _reserve_commit(self, h: int, pages: tuple[int, ...]) -> None:
-        """Hold ``h`` (new, above every hold committed before) writes ``pages``, free in the ledger."""
+        """Hold ``h`` (new, above every hold committed before) writes ``pages``, free in the ledger
+        (so no hold holds them)."""
         ledger = self.ledger
         ledger.allocate(h, ledger.open_step, pages=pages)
         self._pages[h] = list(pages)
-        refs = self._refs
-        for p in pages:
-            refs[p] = [h]
-        self._writers.add(h)
+        if len(pages) == 1:
+            p = pages[0]
+            self._refs[p] = [h]
+            self._writer[p] = h
+        else:
+            self._refs.update(zip(pages, [[h] for _ in pages], strict=True))
+            self._writer.update(dict.fromkeys(pages, h))
         self._dirty = True
 
     def _finish(self, h: int) -> None:
         self.ledger.finish(h)
         refs = self._refs
-        for p in self._pages.pop(h):
-            held = refs[p]
-            if len(held) == 1:
-                del refs[p]
-            else:
-                held.remove(h)
-        self._writers.discard(h)
+        hp = self._pages.pop(h)
+        held = list(map(refs.pop, hp))
+        if max(map(len, held)) > 1:  # shared pages: the other holds keep them
+            for p, hs in zip(hp, held, strict=True):
+                if len(hs) > 1:
+                    hs.remove(h)
+                    refs[p] = hs
+        writer = self._writer
+        if writer.get(hp[0]) == h:  # (a hold wrote all of its pages or none)
+            for p in hp:
+                del writer[p]
 
     def _release_counted(self, need: Counter) -> None:
         """``release`` with pins, or pages listed more than once: references counted per page."""
@@ -446,7 +489,7 @@ class PageHolds:
 
     def _evict(self, pages: list[int]) -> None:
         self.ledger.evict(pages=pages)
-        key_of, page_of, stale, tokens = self._key_of, self._page_of, self._stale, self.tokens
+        key_of, page_of, stale, tokens = self._key_of, self._page_of, self._stale, self._tokens
         for p in pages:
             del page_of[key_of.pop(p)]
             stale.discard(p)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 import pathlib
 from collections.abc import Iterable
+from operator import is_
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,7 +88,6 @@ class LedgerBlockPool(BlockPool):
         geometry = Geometry(num_pages=self.num_gpu_blocks, page_tokens=self.hash_block_size)
         self.ledger, self.log_path = _open(opts, geometry)
         self._verify = opts.verify
-        self._in_alloc = False
         self.last_block_ids_to_zero: list[int] = []  # what the last scheduler step's seal listed
         try:
             self.holds = PageHolds(self.ledger, null_page=self.null_block.block_id, per_page=opts.per_page)
@@ -122,12 +122,10 @@ class LedgerBlockPool(BlockPool):
     # (the scheduler calls these on every step: no per-call verification unless asked).
 
     def get_new_blocks(self, num_blocks: int) -> list:
-        self._in_alloc = True
-        try:
-            blocks = super().get_new_blocks(num_blocks)
-        finally:
-            self._in_alloc = False
-        self.holds.allocate([b.block_id for b in blocks])  # (the pool's own blocks, from its free queue)
+        blocks = super().get_new_blocks(num_blocks)
+        # (the pool's own blocks, from its free queue; the cached ones among them vLLM just evicted,
+        # which holds.allocate evicts in the ledger first)
+        self.holds.allocate([b.block_id for b in blocks])
         if self._verify:
             self.verify()
         return blocks
@@ -161,23 +159,35 @@ class LedgerBlockPool(BlockPool):
                                   kv_cache_group_id, block_mask)
         end = min(num_full_blocks, len(blocks))
         if num_cached_blocks < end:
-            mine, k, ids = self.blocks, self.hash_block_size, request.all_token_ids
-            n_mine = len(mine)
-            items = []
-            prev = blocks[num_cached_blocks - 1] if num_cached_blocks > 0 else None
-            for i in range(num_cached_blocks, end):
-                blk = blocks[i]
-                key = blk.block_hash
-                p = blk.block_id
-                if key is not None and not blk.is_null and 0 <= p < n_mine and mine[p] is blk:
-                    n = blk.block_hash_num_tokens or (i + 1) * block_size
-                    parent = prev.block_id if prev is not None and self._mine(prev) else None
-                    items.append((p, key, tuple(ids[n - k : n]), parent))
-                prev = blk
-            if items:
-                self.holds.publish(items)
+            new = blocks[num_cached_blocks:end]
+            pages = self._own(new)
+            keys = [b.block_hash for b in new]
+            k = self.hash_block_size
+            if pages is not None and None not in keys and block_size == k and block_mask is None:
+                # (the usual case: the pool's own blocks, all hashed now, of the hash block size)
+                prev = blocks[num_cached_blocks - 1] if num_cached_blocks else None
+                ids = request.all_token_ids
+                self.holds.publish_blocks(pages, keys, tuple(ids[num_cached_blocks * k : end * k]),
+                                          prev.block_id if prev is not None and self._mine(prev) else None)
+            else:
+                self._publish_each(request, blocks, num_cached_blocks, end, block_size)
         if self._verify:
             self.verify()
+
+    def _publish_each(self, request, blocks, start: int, end: int, block_size: int) -> None:
+        """``cache_full_blocks``' publish block by block: blocks of the pool's own that vLLM hashed,
+        each with the ``hash_block_size`` tokens its hash ends with."""
+        items = []
+        prev = blocks[start - 1] if start > 0 else None
+        for i in range(start, end):
+            blk = blocks[i]
+            if blk.block_hash is not None and self._mine(blk):
+                n = blk.block_hash_num_tokens or (i + 1) * block_size
+                parent = prev.block_id if prev is not None and self._mine(prev) else None
+                items.append((blk.block_id, blk.block_hash, self._tokens(request, n), parent))
+            prev = blk
+        if items:
+            self.holds.publish(items)
 
     def cache_partial_block(self, request, block, num_tokens: int, kv_cache_group_id: int, block_size: int,
                             replace_existing_hashes: bool = False):
@@ -191,21 +201,13 @@ class LedgerBlockPool(BlockPool):
         return key
 
     def move_block_hashes(self, src_block, dst_block) -> None:
-        tokens = self.holds.tokens.get(src_block.block_id) if self._mine(src_block) else None
+        tokens = self.holds.tokens_of(src_block.block_id) if self._mine(src_block) else None
         super().move_block_hashes(src_block, dst_block)
         if dst_block.block_hash is not None and tokens is not None and self._mine(dst_block):
             self.holds.publish([(dst_block.block_id, dst_block.block_hash, tokens, None)])
         self.holds.drop_hashes(self._pages([src_block]))
         if self._verify:
             self.verify()
-
-    def _maybe_evict_cached_block(self, block) -> bool:
-        evicted = super()._maybe_evict_cached_block(block)
-        if evicted and not self._in_alloc:  # (get_new_blocks mirrors its own evictions at once)
-            self.holds.drop_hashes(self._pages([block]))
-            if self._verify:
-                self.verify()
-        return evicted
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         super().evict_blocks(block_ids)
@@ -265,18 +267,26 @@ class LedgerBlockPool(BlockPool):
         k = self.hash_block_size
         return tuple(request.all_token_ids[n - k : n])
 
+    def _own(self, blocks) -> list[int] | None:
+        """The ids of ``blocks`` when every one is the pool's own and none is the null block (the
+        usual case, checked with C-level passes), else None."""
+        pages = [b.block_id for b in blocks]
+        if self.null_block.block_id in pages:
+            return None
+        try:
+            if all(map(is_, map(self.blocks.__getitem__, pages), blocks)):
+                return pages
+        except IndexError:  # (another pool's block, past the end of ours)
+            pass
+        return None
+
     def _pages_and_refs(self, blocks) -> tuple[list[int], list[int]]:
         """The pool's own blocks among ``blocks`` (``_mine``): their ids and vLLM's ``ref_cnt``."""
-        mine = self.blocks
-        n = len(mine)
-        pages: list[int] = []
-        counts: list[int] = []
-        for b in blocks:
-            p = b.block_id
-            if not b.is_null and 0 <= p < n and mine[p] is b:
-                pages.append(p)
-                counts.append(b.ref_cnt)
-        return pages, counts
+        pages = self._own(blocks)
+        if pages is not None:
+            return pages, [b.ref_cnt for b in blocks]
+        mine = [b for b in blocks if self._mine(b)]
+        return [b.block_id for b in mine], [b.ref_cnt for b in mine]
 
 
 def _open(opts: PoolOptions, geometry: Geometry) -> tuple[Any, pathlib.Path | None]:
