@@ -67,6 +67,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from itertools import chain, repeat
 from operator import gt
+from typing import cast
 
 from ...core.errors import ConfigurationError, InvalidArgumentError
 
@@ -133,11 +134,8 @@ class PageHolds:
 
     def tokens_of(self, page: int) -> tuple[int, ...] | None:
         """The tokens ``page`` was published with (None: not published)."""
-        got = self._tokens.get(page)
-        if got is None:
-            return None
-        tokens, at = got
-        return tokens[at : at + self._k]
+        tokens, at = self._tokens.get(page, ((), 0))
+        return tokens[at : at + self._k] if tokens else None
 
     # ------------------------------------------------------------------ transitions
 
@@ -211,12 +209,13 @@ class PageHolds:
         """
         if not pages:
             return
-        held = list(map(self._refs.get, pages))
-        if None in held:
+        found = list(map(self._refs.get, pages))
+        if None in found:
             if ref_counts is not None:
                 self.adopt(pages, ref_counts)  # (raises for the page vLLM holds and the ledger does not)
-            bad = pages[held.index(None)]
+            bad = pages[found.index(None)]
             raise InvalidArgumentError(f"release of page {bad}, which the ledger holds no reference to")
+        held = cast("list[list[int]]", found)
         sizes = list(map(len, held))
         if ref_counts is not None and any(map(gt, ref_counts, sizes)):
             self.adopt(pages, ref_counts)
