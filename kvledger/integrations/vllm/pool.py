@@ -133,7 +133,8 @@ class LedgerBlockPool(BlockPool):
     def touch(self, blocks) -> None:
         blocks = list(blocks)
         super().touch(blocks)
-        self.holds.share(self._pages(blocks))
+        pages = self._own(blocks)
+        self.holds.share(self._pages(blocks) if pages is None else pages)
         if self._verify:
             self.verify()
 
