@@ -28,8 +28,8 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 
 from kvledger.integrations.vllm import install  # noqa: E402
-from kvledger.integrations.vllm.driver import make_manager, make_trace, run_trace  # noqa: E402
-from kvledger.integrations.vllm.pool import LedgerBlockPool  # noqa: E402
+from kvledger.integrations.vllm.driver import make_manager, make_request, make_trace, run_trace  # noqa: E402
+from kvledger.integrations.vllm.pool import LedgerBlockPool, PoolOptions  # noqa: E402
 
 TRACE = make_trace(seed=23, requests=40, prefixes=3, prefix_tokens=(32, 160), suffix_tokens=(8, 120),
                    output_tokens=(4, 48), arrivals_per_step=2.0)
@@ -65,6 +65,23 @@ def test_same_blocks_and_kv_events_as_vllms_pool(caching):
         assert tail == base_manager.take_events() and isinstance(tail[-1], AllBlocksCleared)
         assert led_manager.block_pool.ledger.cached_count == 0
     led_manager.block_pool.verify()
+
+
+def test_an_eviction_vllms_managers_make_by_hand_is_mirrored():
+    """vLLM's Mamba manager calls the pool's ``_maybe_evict_cached_block`` itself (a checkpoint
+    block it overwrites): the ledger evicts the page too, whether it is cached or held."""
+    pool = LedgerBlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=4,
+                           ledger_options=PoolOptions(check=True, verify=True))
+    request = make_request("r", list(range(8)), 1, block_size=4)
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(request, blocks, 0, 2, 4, 0)
+    assert pool.ledger.block_hash(blocks[0].block_id) is not None
+    assert pool._maybe_evict_cached_block(blocks[1])  # held: its ledger hash goes when it is released
+    pool.free_blocks(reversed(blocks))
+    assert pool.ledger.cached_count == 1 and pool.ledger.block_hash(blocks[1].block_id) is None
+    assert pool._maybe_evict_cached_block(blocks[0])  # cached: evicted at once
+    assert pool.ledger.cached_count == 0
+    pool.verify()
 
 
 def _cli(*args):

@@ -88,6 +88,7 @@ class LedgerBlockPool(BlockPool):
         geometry = Geometry(num_pages=self.num_gpu_blocks, page_tokens=self.hash_block_size)
         self.ledger, self.log_path = _open(opts, geometry)
         self._verify = opts.verify
+        self._in_alloc = False
         self.last_block_ids_to_zero: list[int] = []  # what the last scheduler step's seal listed
         try:
             self.holds = PageHolds(self.ledger, null_page=self.null_block.block_id, per_page=opts.per_page)
@@ -122,9 +123,13 @@ class LedgerBlockPool(BlockPool):
     # (the scheduler calls these on every step: no per-call verification unless asked).
 
     def get_new_blocks(self, num_blocks: int) -> list:
-        blocks = super().get_new_blocks(num_blocks)
+        self._in_alloc = True
+        try:
+            blocks = super().get_new_blocks(num_blocks)
+        finally:
+            self._in_alloc = False
         # (the pool's own blocks, from its free queue; the cached ones among them vLLM just evicted,
-        # which holds.allocate evicts in the ledger first)
+        # which holds.allocate evicts in the ledger first, in one event)
         self.holds.allocate([b.block_id for b in blocks])
         if self._verify:
             self.verify()
@@ -209,6 +214,15 @@ class LedgerBlockPool(BlockPool):
         self.holds.drop_hashes(self._pages([src_block]))
         if self._verify:
             self.verify()
+
+    def _maybe_evict_cached_block(self, block) -> bool:
+        # (vLLM's Mamba manager calls it directly, for a checkpoint block it overwrites)
+        evicted = super()._maybe_evict_cached_block(block)
+        if evicted and not self._in_alloc:  # (get_new_blocks mirrors its own evictions at once)
+            self.holds.drop_hashes(self._pages([block]))
+            if self._verify:
+                self.verify()
+        return evicted
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         super().evict_blocks(block_ids)
