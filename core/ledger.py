@@ -5,11 +5,12 @@
             precondition) ─► sink(seq, event) ─► apply ─► effects
             (ClearPages / StepPlan) ─► [check mode: every invariant]
 
-The serving commands (allocate, reserve, commit(n), finish/cancel, seal_step,
-complete_step, and lookup/share/publish/eviction) have a fast path inside that
-path: when their arguments fall in the common case of the precondition (the top
-of a free stack without stale entries, the head of a reservation, the open step,
-a known request, published hashes), the command checks that case itself as it
+The serving commands (allocate of n pages or of named ones, reserve, commit(n),
+finish/cancel, seal_step, complete_step, and lookup/share/publish/eviction) have a
+fast path inside that path: when their arguments fall in the common case of the
+precondition (the top of a free stack without stale entries, named pages that are
+free, the head of a reservation, the open step, a known request, published
+hashes), the command checks that case itself as it
 decides and folds through the table's own appliers (``fold.allocate_top``,
 ``reserve_top``, ``commit_pages``, ``release_request`` ...). Around the fold a fast
 path calls only what is attached: ``_put(seq, event)`` before it (the sink, then the
@@ -60,6 +61,11 @@ assert checks.MAX_ID == (1 << 63) - 1
 
 class Ledger(RequestCommands, PrefixCommands, SnapshotCommands, StepCommands):
     """The KV-page ledger of one cache. Commands mirror SPEC's event table.
+
+    ``allocate(request, step, n)`` reserves and commits the allocator's next ``n``
+    pages; ``allocate(request, step, pages=ids)`` the named ones, for a scheduler
+    whose own free queue picks its blocks (vLLM's ``BlockPool``): the same two
+    events, each page checked free (a refusal changes nothing).
 
     Every command decides one event against the state and hands it to ``_submit``,
     the one path every event takes: ``validate`` (the event's precondition, from

@@ -19,6 +19,14 @@ from .state.table import HOLDER_CACHED, SHARED_IN
 _HASH_MIN, _HASH_MAX = -(1 << 63), (1 << 63) - 1  # an int block hash is a signed 64-bit value
 _HASH_TYPES = frozenset((bytes, int))  # (a published hash is valid: only its exact type is left to check)
 
+
+def _plain(h: object) -> bool:
+    """``h`` is a valid block hash: 1-64 bytes, or an int in the signed 64-bit range (not a bool)."""
+    if type(h) is bytes:
+        return 0 < len(h) <= 64
+    return type(h) is int and _HASH_MIN <= h <= _HASH_MAX
+
+
 if TYPE_CHECKING:
     from .state.state import LedgerState
 
@@ -64,8 +72,8 @@ class PrefixCommands:
         """
         st = self.state
         if (self._fast and type(request) is int and type(start) is int and type(hashes) is tuple
-                and type(token_ids) is tuple and parent_hash is None and lora_id is None and lora_name is None
-                and start >= 0 and st.policy == "released_aliases"):
+                and type(token_ids) is tuple and lora_id is None and lora_name is None
+                and start >= 0 and st.policy == "released_aliases" and (parent_hash is None or _plain(parent_hash))):
             rec = st.requests.get(request)
             k = len(hashes)
             if (rec is not None and 0 < k <= len(rec.kv) - start
@@ -75,8 +83,7 @@ class PrefixCommands:
                     h = hashes[0]
                     p = rec.kv[start]
                     step = rec.kv_steps[start]
-                    ok = ((type(h) is bytes and 0 < len(h) <= 64) or (type(h) is int and _HASH_MIN <= h <= _HASH_MAX))
-                    ok = (ok and 0 <= step <= st.completed_step and p not in st.page_hash
+                    ok = (_plain(h) and 0 <= step <= st.completed_step and p not in st.page_hash
                           and h not in st.hash_page and step not in st.aborted_steps and checks.all_ints(token_ids))
                     pages: tuple = (p,)
                 else:
@@ -87,8 +94,9 @@ class PrefixCommands:
                         fold_prefix.publish_pages(st, request, pages, hashes)
                         return pages
                     seq = st.seq
-                    ev = PagesPublished(request=request, page_ids=pages, hashes=hashes,
-                                        parent_hash=st.page_hash.get(rec.kv[start - 1]) if start else None,
+                    if parent_hash is None and start:
+                        parent_hash = st.page_hash.get(rec.kv[start - 1])
+                    ev = PagesPublished(request=request, page_ids=pages, hashes=hashes, parent_hash=parent_hash,
                                         token_ids=token_ids)
                     if self._put is not None:
                         self._put(seq, ev)

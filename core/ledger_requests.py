@@ -17,7 +17,7 @@ from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 from . import checks
-from .errors import InvalidArgumentError, OutOfPagesError, UnknownRequestError
+from .errors import InvalidArgumentError, OutOfPagesError, StepOrderError, UnknownRequestError
 from .events.events import (
     PagesCommitted, PagesEvicted, PagesReserved, RequestCancelled, RequestFinished, ReservationReturned,
 )
@@ -33,6 +33,7 @@ __all__ = ["RequestCommands"]
 # An id is an int in [0, 2**63): for an int x, ``x >> 63`` is 0 exactly then (-1 below, >= 1 above),
 # so ``(a | b) >> 63`` checks two ints at once. ``checks.ident`` raises the error.
 _ID_BITS = 63
+_INT_ONLY = {int}
 
 
 class RequestCommands:
@@ -97,13 +98,14 @@ class RequestCommands:
         self._submit(PagesReserved(request=request, page_ids=taken, tenant=tenant))
         return taken
 
-    def allocate(self, request: int, step: int, n: int, *, tenant: str | None = None) -> tuple[int, ...]:
-        """``reserve(request, n)`` then ``commit`` those pages for ``step``: the usual way a
-        scheduler grows a request (vLLM's ``get_new_blocks``). Two events, exactly as the
-        two commands write them, with the same errors; returns the pages. If the commit is
-        refused (a sealed step, a bad step id), the reservation stands: return it with
-        ``return_reservation``.
-        """
+    def allocate(self, request: int, step: int, n: int | None = None, *, pages: Iterable[int] | None = None,
+                 tenant: str | None = None) -> tuple[int, ...]:
+        """``reserve(request, n)`` then ``commit`` those pages for ``step`` (vLLM's ``get_new_blocks``):
+        two events, exactly as the two commands write them, with the same errors; returns the
+        pages. If the commit is refused (a sealed step, a bad step id), the reservation stands
+        (``return_reservation`` it). ``pages=`` names the pages instead (``_allocate_pages``)."""
+        if pages is not None:
+            return self._allocate_pages(request, step, n, pages, tenant)
         st = self.state
         if (self._lean and type(n) is int and n == 1 and type(request) is int and type(step) is int
                 and not (request | step) >> _ID_BITS and step >= st.open_step
@@ -144,6 +146,8 @@ class RequestCommands:
                     return self._allocate_top(rec, request, step, n, tenant)
             elif not rec.reserved and (tenant is None or tenant == rec.tenant):
                 return self._allocate_top(rec, request, step, n, rec.tenant)
+        if n is None:
+            raise InvalidArgumentError("allocate: give n= or pages=")
         pages = self.reserve(request, n, tenant=tenant)
         if len(st.requests[request].reserved) != n:
             self.commit(request, step, pages=pages)  # older reserved pages stay reserved
@@ -152,6 +156,73 @@ class RequestCommands:
         else:
             self._commit(request, step, pages)  # the reservation is exactly these pages: its head
         return pages
+
+    def _allocate_pages(self, request: int, step: int, n: int | None, pages: Iterable[int],
+                        tenant: str | None) -> tuple[int, ...]:
+        """``allocate(request, step, pages=...)``: the named pages, each free and not restoring, are
+        reserved and committed in that order (the same two events; older reserved pages stay
+        reserved). Raises what ``PagesReserved`` / ``PagesCommitted`` raise for them
+        (``PageNotHeldError`` for a page that is not free, ``RestoringPageError``,
+        ``PageOutOfRangeError``, ``DuplicatePageError``, ``TenantMismatchError``), and
+        ``StepOrderError`` for a sealed step before anything is reserved: a refused named
+        allocation changes nothing. A cached page is not taken: ``evict(pages=...)`` it first.
+
+        The fast path: both preconditions' case checked
+        here (int ids, the step not sealed, a new request or one of the same tenant, a tuple of
+        distinct free pages in range, none restoring), the two events put and folded as
+        ``_allocate_top`` folds them. Otherwise every argument and the step are checked first,
+        then the two events go through ``_submit``."""
+        st = self.state
+        if (self._fast and n is None and type(pages) is tuple and type(request) is int and type(step) is int
+                and not (request | step) >> _ID_BITS and step >= st.open_step and self._all_free(pages)):
+            rec = st.requests.get(request)
+            if tenant is None or (type(tenant) is str and (rec is None or tenant == rec.tenant)):
+                if rec is not None:
+                    tenant = rec.tenant
+                seq, put = st.seq, self._put
+                ev = PagesReserved(request=request, page_ids=pages, tenant=tenant)
+                if put is not None:
+                    put(seq, ev)
+                fold.pages_reserved(st, ev)
+                if self._watch:
+                    self._post(seq, ev, ())
+                ev2 = PagesCommitted(request=request, step=step, page_ids=pages)
+                if put is not None:
+                    put(seq + 1, ev2)
+                effects = fold.commit_pages(st, st.requests[request], step, pages)
+                if self._watch:
+                    self._post(seq + 1, ev2, effects)
+                return pages
+        if n is not None:
+            raise InvalidArgumentError("allocate: give exactly one of n= or pages=")
+        checks.ident(request, "request")
+        checks.ident(step, "step")
+        if tenant is not None:
+            checks.tenant(tenant)
+        ids = checks.page_ids(pages, st.num_pages, allow_empty=False)
+        if step < st.open_step:
+            raise StepOrderError(step, st.open_step, "commit into a sealed step")
+        rec = st.requests.get(request)
+        if tenant is None and rec is not None:
+            tenant = rec.tenant
+        self._submit(PagesReserved(request=request, page_ids=ids, tenant=tenant))
+        self._submit(PagesCommitted(request=request, step=step, page_ids=ids))
+        return ids
+
+    def _all_free(self, pages: tuple) -> bool:
+        """``pages`` are distinct int ids in range, each free and not restoring (PagesReserved's
+        per-page precondition), checked without raising."""
+        st = self.state
+        holder = st.holder
+        if len(pages) == 1:
+            p = pages[0]
+            if type(p) is not int or not 0 <= p < st.num_pages or holder[p] != HOLDER_FREE:
+                return False
+        elif (not pages or set(map(type, pages)) != _INT_ONLY or min(pages) < 0 or max(pages) >= st.num_pages
+              or len(set(pages)) != len(pages) or any(holder[p] != HOLDER_FREE for p in pages)):
+            return False
+        targets = st.restore_targets
+        return not targets or targets.keys().isdisjoint(pages)
 
     def _allocate_one(self, rec: RequestRecord | None, request: int, step: int,
                       tenant: str | None) -> tuple[int, ...] | None:

@@ -103,6 +103,25 @@ def share_and_publish(L: Ledger) -> None:
     L.cancel(5)
 
 
+def named_pages(L: Ledger) -> None:
+    """vLLM's pool: pages its free queue picked, anywhere in the free stack; publish with the
+    parent named (the request's previous block, in another ledger request); the cached pages it
+    picks evicted by name first."""
+    L.allocate(1, 0, pages=(5,))
+    L.allocate(1, 0, pages=(0, 9, 3))
+    L.allocate(2, 0, pages=(1,), tenant="t")
+    L.seal_step(0)
+    L.complete_step(0, 0)
+    L.publish(1, (b"a",), _tok(1), start=0)
+    L.publish(1, (b"b", 7), _tok(2), start=1, parent_hash=b"a")
+    L.publish(2, (b"c",), _tok(1), start=0, parent_hash=7)
+    L.finish(1)
+    L.allocate(3, 1, pages=(8, 4, 11))
+    L.evict(pages=(9, 0))
+    L.allocate(3, 1, pages=(9, 0, 2))
+    L.finish(2)
+
+
 def steps(L: Ledger) -> None:
     L.allocate(1, 0, 2)
     L.reserve(2, 3)
@@ -120,6 +139,7 @@ SCENARIOS: dict[str, Callable[[Ledger], None]] = {
     "allocate-one-page": allocate_one_page_at_a_time,
     "allocate-evicting": allocate_evicting,
     "share-and-publish": share_and_publish,
+    "named-pages": named_pages,
     "steps": steps,
 }
 

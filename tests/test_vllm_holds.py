@@ -137,6 +137,49 @@ def test_bad_transitions_raise_and_change_nothing():
     assert ledger.seq == seq
 
 
+def test_publish_blocks_is_one_run_with_the_requests_parent():
+    ledger, h = holds()
+    h.allocate([1])  # the request's first block (one hold) ...
+    h.allocate([2, 3])  # ... and its next two (another)
+    h.seal()
+    h.publish_blocks([1], [b"a"], toks(1), None)
+    n = len(ledger.events)
+    h.publish_blocks([2, 3], [b"b", b"c"], (*toks(2), *toks(3)), 1)  # parent: block 1, in the other hold
+    (ev,) = ledger.events[n:]
+    assert type(ev).__name__ == "PagesPublished" and ev.page_ids == (2, 3) and ev.parent_hash == b"a"
+    assert h.tokens_of(3) == tuple(toks(3)) and h.tokens_of(9) is None
+    n = len(ledger.events)
+    h.allocate([4])  # in the open step: its step is sealed and completed first
+    h.publish_blocks([3, 4], [b"c", b"c"], (*toks(3), *toks(4)), 2)  # 3 is published; 4 repeats its hash
+    kinds = [type(e).__name__ for e in ledger.events[n:]]
+    assert kinds == ["PagesReserved", "PagesCommitted", "StepSealed", "StepCompleted", "PagesPublished"]
+    assert h.key_of(4) == b"c" + (4).to_bytes(4, "big") and ledger.events[-1].parent_hash == b"c"
+
+
+def test_release_puts_pages_back_in_vllms_free_queue_order():
+    """vLLM frees a request's blocks last first and puts them at the head of its free queue in
+    that order; the holds finish so that the ledger's next free pages are the same ones."""
+    ledger, h = holds()
+    h.allocate([3, 4])
+    h.allocate([5])
+    h.release([5, 4, 3])
+    assert ledger.reserve(99, 3) == (5, 4, 3)
+
+
+def test_release_adopts_extra_references_and_refuses_unheld_pages_first():
+    ledger, h = holds()
+    h.allocate([3])
+    h.allocate([4])
+    seq = ledger.seq
+    with pytest.raises(InvalidArgumentError, match="page 9"):
+        h.release([3, 9])
+    assert ledger.seq == seq and h.refs(3) == 1  # nothing finished
+    h.release([4], [2])  # vLLM counted two references (a copy-on-write endpoint): one is a pin
+    assert h.refs(4) == 1 and ledger.holder_of(4) != "free"
+    h.release([4], [1])
+    assert ledger.holder_of(4) == "free"
+
+
 def test_import_pulls_neither_vllm_nor_torch():
     code = ("import sys, kvledger, kvledger.integrations.vllm as v; "
             "assert callable(v.install); "

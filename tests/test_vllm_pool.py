@@ -28,8 +28,8 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 
 from kvledger.integrations.vllm import install  # noqa: E402
-from kvledger.integrations.vllm.driver import make_manager, make_trace, run_trace  # noqa: E402
-from kvledger.integrations.vllm.pool import LedgerBlockPool  # noqa: E402
+from kvledger.integrations.vllm.driver import make_manager, make_request, make_trace, run_trace  # noqa: E402
+from kvledger.integrations.vllm.pool import LedgerBlockPool, PoolOptions  # noqa: E402
 
 TRACE = make_trace(seed=23, requests=40, prefixes=3, prefix_tokens=(32, 160), suffix_tokens=(8, 120),
                    output_tokens=(4, 48), arrivals_per_step=2.0)
@@ -67,6 +67,23 @@ def test_same_blocks_and_kv_events_as_vllms_pool(caching):
     led_manager.block_pool.verify()
 
 
+def test_an_eviction_vllms_managers_make_by_hand_is_mirrored():
+    """vLLM's Mamba manager calls the pool's ``_maybe_evict_cached_block`` itself (a checkpoint
+    block it overwrites): the ledger evicts the page too, whether it is cached or held."""
+    pool = LedgerBlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=4,
+                           ledger_options=PoolOptions(check=True, verify=True))
+    request = make_request("r", list(range(8)), 1, block_size=4)
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(request, blocks, 0, 2, 4, 0)
+    assert pool.ledger.block_hash(blocks[0].block_id) is not None
+    assert pool._maybe_evict_cached_block(blocks[1])  # held: its ledger hash goes when it is released
+    pool.free_blocks(reversed(blocks))
+    assert pool.ledger.cached_count == 1 and pool.ledger.block_hash(blocks[1].block_id) is None
+    assert pool._maybe_evict_cached_block(blocks[0])  # cached: evicted at once
+    assert pool.ledger.cached_count == 0
+    pool.verify()
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "kvledger", *args], capture_output=True, text=True, timeout=120)
 
@@ -84,18 +101,28 @@ def test_durable_log_replays_audits_and_records_vllms_hashes(tmp_path):
     page = vllm_stored and stats.block_ids[0][1][0][0]
     audit = _cli("audit", str(log), "--page", str(page))
     assert audit.returncode == 0 and "cached(" in audit.stdout, audit.stdout
-    exported = _cli("events", str(log), "--jsonl")
+    exported = _cli("events", str(log), "--jsonl", "--objects", "--hashes", "raw")
     assert exported.returncode == 0, exported.stderr
     stored, removed = [], []
+    parents: dict = {}  # stored hash -> the hash of the block before it in its request (None: the first)
+
+    def vllm_hash(raw):
+        # the ledger's hash is vLLM's BlockHashWithGroupId: the block hash, then 4 bytes of group id
+        # (vLLM's events carry it as vLLM converts it: a u64 by default)
+        return None if raw is None else maybe_convert_block_hash(base64.b64decode(raw)[:-4])
+
     for line in exported.stdout.splitlines():
         for ev in json.loads(line)["events"]:
             if ev["type"] in ("BlockStored", "BlockRemoved"):
-                # the ledger's hash is vLLM's BlockHashWithGroupId: the block hash, then 4 bytes of group id
-                # (vLLM's events carry it as vLLM converts it: a u64 by default)
-                hashes = [maybe_convert_block_hash(base64.b64decode(h)[:-4]) for h in ev["block_hashes"]]
+                hashes = [vllm_hash(h) for h in ev["block_hashes"]]
                 (stored if ev["type"] == "BlockStored" else removed).extend(hashes)
+                if ev["type"] == "BlockStored":
+                    parents.update(zip(hashes, [vllm_hash(ev["parent_block_hash"]), *hashes[:-1]], strict=True))
     assert stored == vllm_stored and removed == vllm_removed
     assert len(stored) > len(removed) > 0
+    vllm_parents = {h: parent for step in stats.events for e in step if isinstance(e, BlockStored)
+                    for h, parent in zip(e.block_hashes, [e.parent_block_hash, *e.block_hashes[:-1]], strict=True)}
+    assert parents == vllm_parents  # each block's parent, as vLLM's own events give it
 
 
 def test_example_drives_vllm_and_prints_the_audit_of_one_block(tmp_path):

@@ -49,6 +49,12 @@ def _pages(m, num_pages, out):
             out.append((lambda L, ev=ev: L.submit(ev), PageNotHeldError))
         elif p in m.restoring:
             out.append((lambda L, p=p: L.submit(PagesReserved(request=99, page_ids=(p,))), RestoringPageError))
+        if k != "free":  # named allocation (vLLM's choice of pages): only free ones
+            out.append((lambda L, p=p: L.allocate(98, m.open_step, pages=(p,)), PageNotHeldError))
+        elif p in m.restoring:
+            out.append((lambda L, p=p: L.allocate(98, m.open_step, pages=(p,)), RestoringPageError))
+        elif m.open_step > 0:  # a sealed step is refused before anything is reserved
+            out.append((lambda L, p=p: L.allocate(98, m.open_step - 1, pages=(p,)), StepOrderError))
         if k in ("reserved", "kv", "cached"):  # a cached page holds KV that may still be shared
             out.append((lambda L, p=p: L.alias_snapshot(0, pages=[p]), PageNotHeldError))
         elif p in m.restoring:

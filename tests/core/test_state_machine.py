@@ -225,6 +225,25 @@ class LedgerMachine(PrefixRules, RuleBasedStateMachine):
         self.stats["allocated"] += n
         self.stats["listed"] += len(expect)
 
+    @precondition(lambda self: self.m.reservable())
+    @rule(data=st.data(), rid=st.sampled_from(REQUEST_IDS), ahead=st.integers(0, 1))
+    def allocate_named(self, data, rid, ahead):
+        """reserve + commit of pages the caller names (vLLM's free queue picks them): any free
+        pages, deep in the free stack or on top, in any order; the same two events."""
+        r = self.m.requests.get(rid)
+        tenant = data.draw(st.sampled_from(TENANTS if r is None else (None, r.tenant)))
+        pages = tuple(data.draw(st.permutations(self.draw_subset(data, self.m.reservable(), 3))))
+        step = self.m.open_step + ahead
+        since = len(self.seen)
+        assert self.both(lambda L: L.allocate(rid, step, pages=pages, tenant=tenant)) == pages
+        assert [type(ev).__name__ for ev, _ in self.seen[since:]] == ["PagesReserved", "PagesCommitted"]
+        self.m.reserve(rid, pages, tenant if r is None else r.tenant)
+        expect = self.m.commit(rid, step, list(pages))
+        assert list(self.seen[-1][1][0].page_ids if self.seen[-1][1] else ()) == expect
+        self.b.committed(expect, step, self.m.requests[rid])
+        self.stats["allocated by name"] += len(pages)
+        self.stats["listed"] += len(expect)
+
     def _with_reserved(self):
         return [r for r in self.m.requests.values() if r.reserved]
 
@@ -566,7 +585,8 @@ REPORTED = [
     ("listed", "listed"), ("cleared", "pages cleared"), ("marked", "marked"), ("sealed", "steps sealed"),
     ("retired", "steps retired"), ("most-in-flight", "most in flight"), ("past-cap", "plans past the cap"),
     ("aborts", "aborts"), ("plans-aborted", "plans aborted"), ("multi-aborts", "aborts of several plans"),
-    ("carried", "pages carried"), ("cancelled", "cancelled"), ("finished", "finished"), ("released", "released"),
+    ("carried", "pages carried"), ("named", "allocated by name"), ("cancelled", "cancelled"), ("finished", "finished"),
+    ("released", "released"),
     ("restores-req", "restores into requests"), ("restores-snap", "restores into snapshots"),
     ("alias-reuse", "alias pages reused"), ("published", "pages published"), ("lookups", "lookups"),
     ("lookups-cut-by-tenant", "lookups cut by the tenant"),

@@ -11,6 +11,7 @@ KV pages hold it (``kv(R)``, ``|R| == ref_cnt``):
     vLLM call                         ledger events (pages named as vLLM chose them)
     get_new_blocks(n)  ─► [PagesEvicted(cached pages vLLM evicted)]
                           PagesReserved(h, pages) ─► PagesCommitted(h, open step, pages)
+                          (one command: Ledger.allocate(h, step, pages=...))
     touch(blocks)      ─► PagesShared(h, pages)             (prefix hits: hashed pages)
     free_blocks(...)   ─► RequestFinished(h) per hold whose every page is released
     cache_full_blocks  ─► [StepSealed + StepCompleted] ─► PagesPublished(writer hold, run)
@@ -35,8 +36,10 @@ there every hold is one page (``per_page=True``), which never splits. A ledger
 event for "release these pages of a live request" would make splits
 unnecessary (see docs/VLLM.md).
 
-Steps. Pages are committed into the ledger's open step; ``seal`` seals it and
-records rank 0's completion at once: vLLM runs every reader of a block after
+Steps. Pages are committed into the ledger's open step, always by a new hold
+(hold ids grow, so the holds made since the last seal are exactly those whose
+pages the open step holds); ``seal`` seals it and records rank 0's completion
+at once: vLLM runs every reader of a block after
 its writer on the model stream, which is what the ledger's rule "publish only
 pages whose step completed" protects. A publish of pages committed in the open
 step seals it first, so one vLLM scheduler step may span several ledger steps;
@@ -51,7 +54,10 @@ released, then is evicted in the ledger (a held page cannot lose its hash).
 Pure bookkeeping over a ``Ledger``'s public commands: no vLLM, no torch. Every
 method raises what the ledger raises when vLLM's transition breaks a ledger
 precondition (a ``KVLedgerError``), and then the ledger is unchanged by that
-event; the mirror is only as consistent as vLLM's call sequence.
+event; the mirror is only as consistent as vLLM's call sequence. The common
+calls (``allocate``, ``release`` of distinct pages, ``publish`` of one
+request's new full blocks) take one pass over their pages with C-level set
+operations: the scheduler calls them on every step.
 """
 
 from __future__ import annotations
@@ -59,9 +65,11 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from itertools import chain, repeat
+from operator import gt
+from typing import cast
 
 from ...core.errors import ConfigurationError, InvalidArgumentError
-from ...core.events import PagesReserved
 
 __all__ = ["NULL_HOLD", "PageHolds", "Publish"]
 
@@ -96,17 +104,17 @@ class PageHolds:
         self.per_page = bool(per_page)
         self._refs: dict[int, list[int]] = {}  # page -> holds holding it (acquisition order)
         self._pages: dict[int, list[int]] = {}  # hold -> its pages, in its ledger block-table order
-        self._wrote: dict[int, set[int]] = {}  # hold -> the pages it reserved and committed (it may publish them)
-        self._step_of: dict[int, int] = {}  # hold -> the step it last committed pages in
+        self._writer: dict[int, int] = {}  # page -> the hold that reserved and committed it (it may publish it)
         self._key_of: dict[int, bytes] = {}  # page -> its ledger block hash
-        self._keys: set[bytes] = set()
+        self._page_of: dict[bytes, int] = {}  # ledger block hash -> page
         self._stale: set[int] = set()  # held pages whose hash vLLM dropped: evicted once released
-        self.tokens: dict[int, tuple[int, ...]] = {}  # page -> the tokens it was published with
+        self._tokens: dict[int, tuple[tuple, int]] = {}  # page -> (its publish's tokens, its offset in them)
         self._pins: dict[int, int] = {}  # page -> references to an unhashed held page the ledger cannot record
         self._next = NULL_HOLD + 1
-        self._completed = -1  # the last step sealed and completed
+        self._sealed_below = NULL_HOLD  # holds below this committed in a step sealed and completed
         self._dirty = False  # pages were committed in the open step
         self._clear: list[int] = []  # clear lists sealed since take_clear_list
+        self._k = ledger.geometry.page_tokens
         self.splits = 0  # holds split by a partial release (statistics)
         if null_page is not None:
             self._reserve_commit(NULL_HOLD, (null_page,))
@@ -124,18 +132,25 @@ class PageHolds:
         """The page's ledger block hash (None: not published)."""
         return self._key_of.get(page)
 
+    def tokens_of(self, page: int) -> tuple[int, ...] | None:
+        """The tokens ``page`` was published with (None: not published)."""
+        tokens, at = self._tokens.get(page, ((), 0))
+        return tokens[at : at + self._k] if tokens else None
+
     # ------------------------------------------------------------------ transitions
 
     def allocate(self, pages: Sequence[int]) -> None:
         """vLLM's ``get_new_blocks`` handed out ``pages`` (free blocks, evicting cached ones)."""
-        cached = [p for p in pages if p in self._key_of]
-        if cached:
-            self._evict(cached)
+        key_of = self._key_of
+        if key_of and not key_of.keys().isdisjoint(pages):
+            self._evict([p for p in pages if p in key_of])
         if self.per_page:
             for p in pages:
                 self._reserve_commit(self._new_hold(), (p,))
         elif pages:
-            self._reserve_commit(self._new_hold(), tuple(pages))
+            h = self._next
+            self._next = h + 1
+            self._reserve_commit(h, tuple(pages))
 
     def share(self, pages: Sequence[int]) -> None:
         """vLLM's ``touch`` added a reference to each page.
@@ -146,21 +161,24 @@ class PageHolds:
         counted here and not recorded; the page stays held by its holds until
         its last reference, pins included, is released.
         """
+        key_of, refs = self._key_of, self._refs
         hashed: list[int] = []
         adopted: list[int] = []
         for p in pages:
-            if p in self._key_of:
+            if p in key_of:
                 hashed.append(p)
-            elif p in self._refs:
+            elif p in refs:
                 self._pins[p] = self._pins.get(p, 0) + 1
             else:
                 adopted.append(p)  # a free block handed over as if cached: it changes holder like an allocation
-        for group in self._groups(hashed):
-            h = self._new_hold()
-            self.ledger.share(h, [self._key_of[p] for p in group])
-            self._add(h, group, wrote=False)
-        for group in self._groups(adopted):
-            self._reserve_commit(self._new_hold(), tuple(group))
+        if hashed:
+            for group in self._groups(hashed):
+                h = self._new_hold()
+                self.ledger.share(h, tuple(map(key_of.__getitem__, group)))
+                self._add(h, group)
+        if adopted:
+            for group in self._groups(adopted):
+                self._reserve_commit(self._new_hold(), tuple(group))
 
     def pin(self, page: int, n: int = 1) -> None:
         """``n`` references vLLM's code took on a held page outside the pool (a manager bumping
@@ -171,71 +189,139 @@ class PageHolds:
                                        f"{self.ledger.holder_of(page)}")
         self._pins[page] = self._pins.get(page, 0) + n
 
-    def release(self, pages: Iterable[int]) -> None:
-        """vLLM dropped one reference per listed page (``free_blocks``, ``unpin_blocks``).
+    def adopt(self, pages: Sequence[int], ref_counts: Sequence[int]) -> None:
+        """vLLM counts ``ref_counts[i]`` references on ``pages[i]``: those beyond the holds' and
+        pins' become pins (references vLLM's managers took by bumping ``ref_cnt`` themselves,
+        copy-on-write endpoints). Raises as ``pin`` does (earlier pages stay adopted)."""
+        refs, pins = self._refs, self._pins
+        for p, n in zip(pages, ref_counts, strict=True):
+            extra = n - len(refs.get(p, ())) - pins.get(p, 0)
+            if extra > 0:
+                self.pin(p, extra)
+
+    def release(self, pages: Sequence[int], ref_counts: Sequence[int] | None = None) -> None:
+        """vLLM dropped one reference per listed page (``free_blocks``, ``unpin_blocks``);
+        ``ref_counts``: vLLM's counts before the release (``adopt`` them first).
 
         Whole holds finish; a hold losing only some pages is split (see the module
-        docstring). Pages left unheld whose hash vLLM dropped are evicted.
+        docstring). Pages left unheld whose hash vLLM dropped are evicted. Raises
+        ``InvalidArgumentError`` before any change when a page has no reference.
         """
-        need = Counter(pages)
-        if not need:
+        if not pages:
             return
-        pins = self._pins
-        if pins:  # pins go first: the page stays held in the ledger while vLLM counts a reference
-            for p in need.keys() & pins.keys():
-                k = min(need[p], pins[p])
-                need[p] -= k
-                pins[p] -= k
-                if not pins[p]:
-                    del pins[p]
-        candidates: dict[int, None] = {}
-        for p in [q for q, n in need.items() if n > 0]:
-            for h in self._refs.get(p, ()):
-                candidates[h] = None
-        order = sorted(candidates, key=lambda h: -len(self._pages[h]))
+        found = list(map(self._refs.get, pages))
+        if None in found:
+            if ref_counts is not None:
+                self.adopt(pages, ref_counts)  # (raises for the page vLLM holds and the ledger does not)
+            bad = pages[found.index(None)]
+            raise InvalidArgumentError(f"release of page {bad}, which the ledger holds no reference to")
+        held = cast("list[list[int]]", found)
+        sizes = list(map(len, held))
+        if ref_counts is not None and any(map(gt, ref_counts, sizes)):
+            self.adopt(pages, ref_counts)
+        left = set(pages)
+        if self._pins or len(left) != len(pages):
+            self._release_counted(Counter(pages))
+            return
+        # Holds finish in the reverse of the order their pages are listed: vLLM lists a request's
+        # blocks last first and puts them back at the head of its free queue in that order, and
+        # each finished hold pushes its pages onto the ledger's free stack in block-table order,
+        # so the stack's top is the head of vLLM's queue again (its next choice is the ledger's).
+        own = self._pages
+        order = list(dict.fromkeys([hs[0] for hs in held] if max(sizes) == 1 else chain.from_iterable(held)))
+        order.reverse()
+        if max(sizes) > 1:  # (shared pages: the larger holds first, so a smaller one does not take
+            order.sort(key=lambda h: -len(own[h]))  # a page the larger one needs to finish whole)
         partial: list[int] = []
         for h in order:
-            hp = self._pages[h]
-            if all(need[q] > 0 for q in hp):
-                for q in hp:
-                    need[q] -= 1
+            hp = own[h]
+            if left.issuperset(hp):
+                left.difference_update(hp)
                 self._finish(h)
             else:
                 partial.append(h)
         for h in partial:
+            drop = [q for q in own[h] if q in left]
+            if drop:
+                left.difference_update(drop)
+                self._split(h, drop)
+        if self._stale:
+            self._evict_stale()
+
+    def publish_blocks(self, pages: list[int], keys: list[bytes], tokens: tuple, parent: int | None) -> None:
+        """``publish`` of consecutive blocks of one vLLM request (``cache_full_blocks``): ``pages``
+        with their vLLM hash keys, ``tokens`` theirs (``page_tokens`` each, in order), ``parent``
+        the page before them in the request (None at its start). One ``PagesPublished`` when
+        they are a run of one hold, none published yet and every key new (the usual case);
+        otherwise block by block, as ``publish``."""
+        k = len(pages)
+        key_of, page_of, writer = self._key_of, self._page_of, self._writer
+        h = writer.get(pages[0])
+        if (h is not None and key_of.keys().isdisjoint(pages) and max(map(len, keys)) <= _MAX_KEY
+                and page_of.keys().isdisjoint(keys) and (k == 1 or len(set(keys)) == k)):
             hp = self._pages[h]
-            drop = [q for q in hp if need[q] > 0]
-            if not drop:
-                continue
-            for q in drop:
-                need[q] -= 1
-            self._split(h, drop)
-        left = [p for p, n in need.items() if n > 0]
-        if left:
-            raise InvalidArgumentError(f"release of pages {left[:8]} the ledger holds no reference to")
-        self._evict_stale()
+            start = hp.index(pages[0])
+            if hp[start : start + k] == pages:
+                if h >= self._sealed_below:
+                    self.seal()  # (pages committed in the open step: their step completes first)
+                lkeys = tuple(keys)
+                self.ledger.publish(h, lkeys, tokens, start=start,
+                                    parent_hash=None if parent is None else key_of.get(parent))
+                key_of.update(zip(pages, lkeys, strict=True))
+                page_of.update(zip(lkeys, pages, strict=True))
+                at = range(0, k * self._k, self._k)
+                self._tokens.update(zip(pages, zip(repeat(tokens), at, strict=False), strict=True))
+                return
+        step = self._k
+        self.publish([(p, key, tokens[i * step : (i + 1) * step], parent if i == 0 else pages[i - 1])
+                      for i, (p, key) in enumerate(zip(pages, keys, strict=True))])
 
     def publish(self, blocks: Sequence[Publish]) -> None:
         """vLLM cached these blocks (gave them a primary hash): publish them in the ledger.
 
         A page the ledger has already published keeps its ledger hash (a held
         page's hash cannot change); it is no longer stale. Runs of pages written
-        by one hold, in its block-table order, go in one ``PagesPublished``.
+        by one hold, in its block-table order, go in one ``PagesPublished``; a
+        run's parent is the ledger hash of the block before it in vLLM's request.
         """
-        todo = []
+        key_of, page_of, writer, own = self._key_of, self._page_of, self._writer, self._pages
+        runs: list[list] = []  # [hold, start, pages, keys, tokens, parent key]
+        fresh: dict[bytes, int] = {}  # keys of this call (a page's key is recorded once it is published)
         for page, raw, tokens, parent in blocks:
-            if page in self._key_of:
+            if page in key_of:
                 self._stale.discard(page)
                 continue
             key = _key(raw)
-            if key in self._keys:
+            if key in page_of or key in fresh:
                 key = _key(raw + page.to_bytes(4, "big"))
-            self._key_of[page] = key
-            self._keys.add(key)
-            self.tokens[page] = tuple(tokens)
-            todo.append((page, key, tokens, None if parent is None else self._key_of.get(parent)))
-        if todo:
-            self._publish_runs(todo)
+            fresh[key] = page
+            h = writer.get(page)
+            if h is None:
+                raise InvalidArgumentError(f"page {page} is cached by vLLM but no hold the ledger knows wrote it")
+            run = runs[-1] if runs else None
+            if run is not None and run[0] == h:
+                i = run[1] + len(run[2])
+                hp = own[h]
+                if i < len(hp) and hp[i] == page:
+                    run[2].append(page)
+                    run[3].append(key)
+                    run[4].append(tokens)
+                    continue
+            pkey = None if parent is None else key_of.get(parent)
+            if pkey is None and run is not None and run[2][-1] == parent:  # (published by this call)
+                pkey = run[3][-1]
+            runs.append([h, own[h].index(page), [page], [key], [tokens], pkey])
+        if not runs:
+            return
+        if any(run[0] >= self._sealed_below for run in runs):
+            self.seal()  # (pages committed in the open step: their step completes first)
+        ledger, keep, k = self.ledger, self._tokens, self._k
+        for h, start, pages, keys, toks, pkey in runs:
+            tokens = tuple(chain.from_iterable(toks))
+            ledger.publish(h, tuple(keys), tokens, start=start, parent_hash=pkey)
+            key_of.update(zip(pages, keys, strict=True))
+            page_of.update(zip(keys, pages, strict=True))
+            keep.update(zip(pages, zip(repeat(tokens), range(0, len(pages) * k, k), strict=False), strict=True))
 
     def drop_hashes(self, pages: Iterable[int]) -> None:
         """vLLM removed the hash of these pages: unheld ones are evicted now, held ones once released."""
@@ -268,15 +354,19 @@ class PageHolds:
         step = ledger.open_step
         plan = ledger.seal_step(step)
         ledger.complete_step(step, 0)
-        self._completed = step
+        self._sealed_below = self._next
         self._dirty = False
-        self._clear.extend(plan.clear_list)
+        if plan.clear_list:
+            self._clear.extend(plan.clear_list)
         return plan.clear_list
 
     def take_clear_list(self) -> list[int]:
         """Seal, and return the pages to zero before the next forward pass: the clear lists of
         every step sealed since the last call, each page once, in listing order."""
-        self.seal()
+        if self._dirty:
+            self.seal()
+        if not self._clear:
+            return []
         out = list(dict.fromkeys(self._clear))
         self._clear.clear()
         return out
@@ -292,6 +382,8 @@ class PageHolds:
         """``pages`` cut into holds: one page each (per_page), else runs without a repeated page."""
         if self.per_page:
             return [[p] for p in pages]
+        if len(set(pages)) == len(pages):
+            return [list(pages)]
         groups: list[list[int]] = [[]]
         seen: set[int] = set()
         for p in pages:
@@ -302,31 +394,81 @@ class PageHolds:
             seen.add(p)
         return [g for g in groups if g]
 
-    def _add(self, h: int, pages: Sequence[int], *, wrote: bool) -> None:
+    def _add(self, h: int, pages: Sequence[int]) -> None:
+        """Hold ``h`` shares ``pages`` (it did not write them)."""
         self._pages[h] = list(pages)
+        refs = self._refs
         for p in pages:
-            self._refs.setdefault(p, []).append(h)
-        if wrote:
-            self._wrote[h] = set(pages)
+            held = refs.get(p)
+            if held is None:
+                refs[p] = [h]
+            else:
+                held.append(h)
 
     def _reserve_commit(self, h: int, pages: tuple[int, ...]) -> None:
+        """Hold ``h`` (new, above every hold committed before) writes ``pages``, free in the ledger
+        (so no hold holds them)."""
         ledger = self.ledger
-        ledger.submit(PagesReserved(request=h, page_ids=pages))
-        step = ledger.open_step
-        ledger.commit(h, step, len(pages))
+        ledger.allocate(h, ledger.open_step, pages=pages)
+        self._pages[h] = list(pages)
+        if len(pages) == 1:
+            p = pages[0]
+            self._refs[p] = [h]
+            self._writer[p] = h
+        else:
+            self._refs.update(zip(pages, [[h] for _ in pages], strict=True))
+            self._writer.update(dict.fromkeys(pages, h))
         self._dirty = True
-        self._step_of[h] = step
-        self._add(h, pages, wrote=True)
 
     def _finish(self, h: int) -> None:
         self.ledger.finish(h)
-        for p in self._pages.pop(h):
-            holds = self._refs[p]
-            holds.remove(h)
-            if not holds:
-                del self._refs[p]
-        self._wrote.pop(h, None)
-        self._step_of.pop(h, None)
+        refs = self._refs
+        hp = self._pages.pop(h)
+        held = list(map(refs.pop, hp))
+        if max(map(len, held)) > 1:  # shared pages: the other holds keep them
+            for p, hs in zip(hp, held, strict=True):
+                if len(hs) > 1:
+                    hs.remove(h)
+                    refs[p] = hs
+        writer = self._writer
+        if writer.get(hp[0]) == h:  # (a hold wrote all of its pages or none)
+            for p in hp:
+                del writer[p]
+
+    def _release_counted(self, need: Counter) -> None:
+        """``release`` with pins, or pages listed more than once: references counted per page."""
+        pins = self._pins
+        if pins:  # pins go first: the page stays held in the ledger while vLLM counts a reference
+            for p in need.keys() & pins.keys():
+                k = min(need[p], pins[p])
+                need[p] -= k
+                pins[p] -= k
+                if not pins[p]:
+                    del pins[p]
+        refs, own = self._refs, self._pages
+        short = [p for p, n in need.items() if n > len(refs.get(p, ()))]
+        if short:
+            raise InvalidArgumentError(f"release of pages {short[:8]} the ledger holds no reference to")
+        candidates: dict[int, None] = {}
+        for p in [q for q, n in need.items() if n > 0]:
+            candidates.update(dict.fromkeys(refs[p]))
+        partial: list[int] = []
+        for h in sorted(candidates, key=lambda h: -len(own[h])):
+            hp = own[h]
+            if all(need[q] > 0 for q in hp):
+                for q in hp:
+                    need[q] -= 1
+                self._finish(h)
+            else:
+                partial.append(h)
+        for h in partial:
+            drop = [q for q in own[h] if need[q] > 0]
+            if drop:
+                for q in drop:
+                    need[q] -= 1
+                self._split(h, drop)
+        if self._stale:
+            self._evict_stale()
 
     def _split(self, h: int, drop: list[int]) -> None:
         """Hold ``h`` lets go of ``drop`` and keeps the rest, by a new hold."""
@@ -334,49 +476,25 @@ class PageHolds:
         keep = [p for p in self._pages[h] if p not in dropped]
         self._finish(h)
         self.splits += 1
-        hashed = [p for p in keep if p in self._key_of]
-        fresh = tuple(p for p in keep if p not in self._key_of)
+        key_of = self._key_of
+        hashed = [p for p in keep if p in key_of]
+        fresh = tuple(p for p in keep if p not in key_of)
         if hashed:
             h2 = self._new_hold()
-            self.ledger.share(h2, [self._key_of[p] for p in hashed])
-            self._add(h2, hashed, wrote=False)
+            self.ledger.share(h2, tuple([key_of[p] for p in hashed]))
+            self._add(h2, hashed)
         if fresh:
             self._reserve_commit(self._new_hold(), fresh)
 
     def _evict(self, pages: list[int]) -> None:
         self.ledger.evict(pages=pages)
+        key_of, page_of, stale, tokens = self._key_of, self._page_of, self._stale, self._tokens
         for p in pages:
-            self._keys.discard(self._key_of.pop(p))
-            self._stale.discard(p)
-            self.tokens.pop(p, None)
+            del page_of[key_of.pop(p)]
+            stale.discard(p)
+            tokens.pop(p, None)
 
     def _evict_stale(self) -> None:
-        if self._stale:
-            gone = [p for p in self._stale if not self._refs.get(p)]
-            if gone:
-                self._evict(gone)
-
-    def _writer(self, page: int) -> int:
-        for h in self._refs.get(page, ()):
-            if page in self._wrote.get(h, ()):
-                return h
-        raise InvalidArgumentError(f"page {page} is cached by vLLM but no hold the ledger knows wrote it")
-
-    def _publish_runs(self, todo: list) -> None:
-        """Publish (page, key, tokens, parent) items as runs of one writer hold's block table."""
-        runs: list[tuple[int, int, list]] = []  # (hold, start index, items)
-        for item in todo:
-            h = self._writer(item[0])
-            i = self._pages[h].index(item[0])
-            if runs and runs[-1][0] == h and runs[-1][1] + len(runs[-1][2]) == i:
-                runs[-1][2].append(item)
-            else:
-                runs.append((h, i, [item]))
-        if any(self._step_of[h] > self._completed for h, _, _ in runs):
-            self.seal()
-        ledger = self.ledger
-        for h, start, items in runs:
-            tokens: list[int] = []
-            for item in items:
-                tokens.extend(item[2])
-            ledger.publish(h, [item[1] for item in items], tokens, start=start, parent_hash=items[0][3])
+        gone = [p for p in self._stale if p not in self._refs]
+        if gone:
+            self._evict(gone)

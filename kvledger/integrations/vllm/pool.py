@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 import pathlib
 from collections.abc import Iterable
+from operator import is_
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +118,9 @@ class LedgerBlockPool(BlockPool):
         return self.holds.take_clear_list()
 
     # ------------------------------------------------------------------ transitions
+    #
+    # Each method runs vLLM's own, then hands ``PageHolds`` the pages it touched in one call
+    # (the scheduler calls these on every step: no per-call verification unless asked).
 
     def get_new_blocks(self, num_blocks: int) -> list:
         self._in_alloc = True
@@ -124,46 +128,72 @@ class LedgerBlockPool(BlockPool):
             blocks = super().get_new_blocks(num_blocks)
         finally:
             self._in_alloc = False
-        self.holds.allocate(self._pages(blocks))
-        self._after()
+        # (the pool's own blocks, from its free queue; the cached ones among them vLLM just evicted,
+        # which holds.allocate evicts in the ledger first, in one event)
+        self.holds.allocate([b.block_id for b in blocks])
+        if self._verify:
+            self.verify()
         return blocks
 
     def touch(self, blocks) -> None:
         blocks = list(blocks)
-        self._adopt_refs(blocks)
         super().touch(blocks)
-        self.holds.share(self._pages(blocks))
-        self._after()
+        pages = self._own(blocks)
+        self.holds.share(self._pages(blocks) if pages is None else pages)
+        if self._verify:
+            self.verify()
 
     def free_blocks(self, ordered_blocks: Iterable) -> None:
         blocks = list(ordered_blocks)
-        self._adopt_refs(blocks)
+        pages, counts = self._pages_and_refs(blocks)
         super().free_blocks(blocks)
-        self.holds.release(self._pages(blocks))
-        self._after()
+        self.holds.release(pages, counts)
+        if self._verify:
+            self.verify()
 
     def unpin_blocks(self, blocks, on_reuse) -> None:
         blocks = list(blocks)
-        self._adopt_refs(blocks)
+        pages, counts = self._pages_and_refs(blocks)
         super().unpin_blocks(blocks, on_reuse)
-        self.holds.release(self._pages(blocks))
-        self._after()
+        self.holds.release(pages, counts)
+        if self._verify:
+            self.verify()
 
     def cache_full_blocks(self, request, blocks, num_cached_blocks: int, num_full_blocks: int, block_size: int,
                           kv_cache_group_id: int, block_mask: list[bool] | None = None) -> None:
         super().cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size,
                                   kv_cache_group_id, block_mask)
+        end = min(num_full_blocks, len(blocks))
+        if num_cached_blocks < end:
+            new = blocks[num_cached_blocks:end]
+            pages = self._own(new)
+            keys = [b.block_hash for b in new]
+            k = self.hash_block_size
+            if pages is not None and None not in keys and block_size == k and block_mask is None:
+                # (the usual case: the pool's own blocks, all hashed now, of the hash block size)
+                prev = blocks[num_cached_blocks - 1] if num_cached_blocks else None
+                ids = request.all_token_ids
+                self.holds.publish_blocks(pages, keys, tuple(ids[num_cached_blocks * k : end * k]),
+                                          prev.block_id if prev is not None and self._mine(prev) else None)
+            else:
+                self._publish_each(request, blocks, num_cached_blocks, end, block_size)
+        if self._verify:
+            self.verify()
+
+    def _publish_each(self, request, blocks, start: int, end: int, block_size: int) -> None:
+        """``cache_full_blocks``' publish block by block: blocks of the pool's own that vLLM hashed,
+        each with the ``hash_block_size`` tokens its hash ends with."""
         items = []
-        for i in range(num_cached_blocks, min(num_full_blocks, len(blocks))):
+        prev = blocks[start - 1] if start > 0 else None
+        for i in range(start, end):
             blk = blocks[i]
-            if blk.block_hash is None or not self._mine(blk):
-                continue
-            n = blk.block_hash_num_tokens or (i + 1) * block_size
-            prev = blocks[i - 1] if i > 0 else None
-            parent = prev.block_id if prev is not None and self._mine(prev) else None
-            items.append((blk.block_id, blk.block_hash, self._tokens(request, n), parent))
-        self.holds.publish(items)
-        self._after()
+            if blk.block_hash is not None and self._mine(blk):
+                n = blk.block_hash_num_tokens or (i + 1) * block_size
+                parent = prev.block_id if prev is not None and self._mine(prev) else None
+                items.append((blk.block_id, blk.block_hash, self._tokens(request, n), parent))
+            prev = blk
+        if items:
+            self.holds.publish(items)
 
     def cache_partial_block(self, request, block, num_tokens: int, kv_cache_group_id: int, block_size: int,
                             replace_existing_hashes: bool = False):
@@ -172,34 +202,40 @@ class LedgerBlockPool(BlockPool):
         if block.block_hash is not None and self._mine(block):
             n = block.block_hash_num_tokens or num_tokens
             self.holds.publish([(block.block_id, block.block_hash, self._tokens(request, n), None)])
-        self._after()
+        if self._verify:
+            self.verify()
         return key
 
     def move_block_hashes(self, src_block, dst_block) -> None:
-        tokens = self.holds.tokens.get(src_block.block_id) if self._mine(src_block) else None
+        tokens = self.holds.tokens_of(src_block.block_id) if self._mine(src_block) else None
         super().move_block_hashes(src_block, dst_block)
         if dst_block.block_hash is not None and tokens is not None and self._mine(dst_block):
             self.holds.publish([(dst_block.block_id, dst_block.block_hash, tokens, None)])
         self.holds.drop_hashes(self._pages([src_block]))
-        self._after()
+        if self._verify:
+            self.verify()
 
     def _maybe_evict_cached_block(self, block) -> bool:
+        # (vLLM's Mamba manager calls it directly, for a checkpoint block it overwrites)
         evicted = super()._maybe_evict_cached_block(block)
         if evicted and not self._in_alloc:  # (get_new_blocks mirrors its own evictions at once)
             self.holds.drop_hashes(self._pages([block]))
-            self._after()
+            if self._verify:
+                self.verify()
         return evicted
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         super().evict_blocks(block_ids)
         self.holds.drop_hashes([i for i in block_ids if self.blocks[i].block_hash is None])
-        self._after()
+        if self._verify:
+            self.verify()
 
     def reset_prefix_cache(self) -> bool:
         ok = super().reset_prefix_cache()
         if ok:
             self.holds.evict_all()
-            self._after()
+            if self._verify:
+                self.verify()
         return ok
 
     # ------------------------------------------------------------------ checks
@@ -208,7 +244,7 @@ class LedgerBlockPool(BlockPool):
         """Compare vLLM's blocks with the ledger page by page; raise ``InvariantViolation`` naming
         the first page where they disagree. O(num_gpu_blocks)."""
         holds, ledger = self.holds, self.ledger
-        self._adopt_refs(self.blocks)
+        holds.adopt(*self._pages_and_refs(self.blocks))
         for blk in self.blocks:
             p = blk.block_id
             if blk.is_null:
@@ -246,18 +282,26 @@ class LedgerBlockPool(BlockPool):
         k = self.hash_block_size
         return tuple(request.all_token_ids[n - k : n])
 
-    def _adopt_refs(self, blocks) -> None:
-        """References vLLM's managers took by bumping ``ref_cnt`` themselves (copy-on-write
-        endpoints) become pins before the pool sees them released."""
-        holds = self.holds
-        for p in self._pages(blocks):
-            extra = self.blocks[p].ref_cnt - holds.refs(p)
-            if extra > 0:
-                holds.pin(p, extra)
+    def _own(self, blocks) -> list[int] | None:
+        """The ids of ``blocks`` when every one is the pool's own and none is the null block (the
+        usual case, checked with C-level passes), else None."""
+        pages = [b.block_id for b in blocks]
+        if self.null_block.block_id in pages:
+            return None
+        try:
+            if all(map(is_, map(self.blocks.__getitem__, pages), blocks)):
+                return pages
+        except IndexError:  # (another pool's block, past the end of ours)
+            pass
+        return None
 
-    def _after(self) -> None:
-        if self._verify:
-            self.verify()
+    def _pages_and_refs(self, blocks) -> tuple[list[int], list[int]]:
+        """The pool's own blocks among ``blocks`` (``_mine``): their ids and vLLM's ``ref_cnt``."""
+        pages = self._own(blocks)
+        if pages is not None:
+            return pages, [b.ref_cnt for b in blocks]
+        mine = [b for b in blocks if self._mine(b)]
+        return [b.block_id for b in mine], [b.ref_cnt for b in mine]
 
 
 def _open(opts: PoolOptions, geometry: Geometry) -> tuple[Any, pathlib.Path | None]:
