@@ -58,7 +58,7 @@ way, each enough alone. The layout byte is 8, not 7 (BAD_LAYOUT; HELLO already
 keeps such a rank out of the group). Relabelled 7, the SANITIZE bit is a
 reserved flag (BAD_FLAGS). With the bit cleared too, its body arithmetic
 ``8 + 4 * n_ids + payload_len`` misses ``body_len`` by 8 + 4 * (n_poison +
-n_committed) bytes, never 0 (BAD_LENGTH). ``tests/test_wire_codec.py`` pins
+n_committed) bytes, never 0 (BAD_LENGTH). ``tests/wire/test_wire_codec.py`` pins
 all three against the layout-7 decoder itself.
 
 This module holds everything that turns frames or page ids into bytes

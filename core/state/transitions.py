@@ -78,7 +78,7 @@ class Transition(NamedTuple):
 
 
 # The text columns are SPEC's cells, word for word (markdown code spans dropped);
-# tests/test_transitions.py holds them against a copy of SPEC's table.
+# tests/core/test_transitions.py holds them against a copy of SPEC's table.
 TRANSITIONS: dict[type, Transition] = {
     CacheConfigured: Transition(
         "first event of a log", "all free", "none", "—",

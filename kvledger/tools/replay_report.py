@@ -1,7 +1,7 @@
 """What ``kvledger replay`` reports: the summary, its error, the human rendering and the exit status.
 
 ``ReplaySummary`` is a plain msgspec value (``--json`` prints it, field for field,
-in this order; ``tests/test_replay_modes.py`` pins the keys). ``Tally`` is what
+in this order; ``tests/tools/test_replay_modes.py`` pins the keys). ``Tally`` is what
 the replay's hooks count while the fold runs; ``Tally.into`` adds it to a
 summary. Both replay modes fill the same fields the same way: only ``mode``,
 ``checkpoints_compared``, ``invariant_checks`` and ``seconds`` may differ

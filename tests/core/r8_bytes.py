@@ -1,4 +1,4 @@
-"""R8's second oracle: what every page physically holds (tests/test_state_machine.py).
+"""R8's second oracle: what every page physically holds (tests/core/test_state_machine.py).
 
 ``Bytes`` follows each page's content: zeros, snapshot-row bytes, or KV data of
 a request incarnation. When a step is sealed it runs the plan at once (zero the

@@ -1,7 +1,7 @@
 """R8's invalid commands: every refusal the model can predict from its own state, with its error class.
 
 ``invalid_commands(model)`` lists ``(call, error class)`` pairs, each a command
-the ledger must refuse with exactly that class (tests/test_state_machine.py
+the ledger must refuse with exactly that class (tests/core/test_state_machine.py
 draws one per ``invalid_command`` rule and checks that nothing changed).
 """
 

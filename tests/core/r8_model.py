@@ -1,4 +1,4 @@
-"""R8's reference model: SPEC's event tables written slowly and obviously (tests/test_state_machine.py).
+"""R8's reference model: SPEC's event tables written slowly and obviously (tests/core/test_state_machine.py).
 
 Plain dicts, lists and sets: no flat arrays, no free stack, no pending map, no
 pruning. The model predicts every page's holder (rendered as

@@ -1,5 +1,5 @@
 """R8's prefix-caching rules: publish, write and publish, allocation under pressure, lookup then
-share, evict (a mixin of tests/test_state_machine.py's ``LedgerMachine``).
+share, evict (a mixin of tests/core/test_state_machine.py's ``LedgerMachine``).
 
 Each rule asks the model (``r8_model``) what must happen (which error, which
 pages, which evictions, which ``BlocksStored`` / ``BlocksRemoved`` /

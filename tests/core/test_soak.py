@@ -2,7 +2,7 @@
 
 Quick profile (CI): 100,000 lifecycles on a 1,024-page cache (small enough that KV
 pressure preempts and refuses requests). Heavy profile:
-``KVLEDGER_SOAK_LIFECYCLES=10000000 python -m pytest -s tests/test_soak.py``.
+``KVLEDGER_SOAK_LIFECYCLES=10000000 python -m pytest -s tests/core/test_soak.py``.
 Check mode is off (the hot path); the full invariant checker runs every 10,000
 lifecycles and at the end, a cheap partition count every 1,000.
 

@@ -5,7 +5,7 @@ SPEC's words; every event type has exactly one row; and the table is what runs
 (``LedgerState`` dispatches through it and nothing else: a row replaced in one
 state's table changes that state's fold, and an event with no row is refused
 naming its type). What each row does is pinned case by case in
-tests/test_event_table.py.
+tests/core/test_event_table.py.
 """
 
 from __future__ import annotations

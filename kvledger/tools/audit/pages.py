@@ -22,7 +22,7 @@ the pages its event names, the records of the requests and snapshots it names,
 and the step bookkeeping (open step, plans in flight, clear lists, completions);
 an event that names neither p nor a holder of p changes nothing p's view or
 its future transitions read, except a request's tenant, which ``tenants``
-follows for every request. ``tests/test_audit_pages.py`` holds the rows equal
+follows for every request. ``tests/tools/test_audit_pages.py`` holds the rows equal
 to the checked engine's for every page of logs that use every event.
 
 Cost: the events of the window are decoded and looked at once (a membership
