@@ -79,9 +79,10 @@ from typing import Any, NamedTuple
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _REPO = os.path.dirname(_HERE)
-for _p in (_HERE, _REPO):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+if _REPO not in sys.path:  # last: tests.support.upstream only (an installed or mapped kvledger comes first)
+    sys.path.append(_REPO)
 
 from _common import fmt_rate, interleaved, interleaved_segments, print_table  # noqa: E402
 from serving_trace import (  # noqa: E402

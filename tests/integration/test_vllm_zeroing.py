@@ -137,6 +137,10 @@ def test_gpu_zero_block_ids_on_the_model_stream(backend, layout):
     fill(buf)
     before = cache.clone()
     stream = torch.cuda.Stream()
+    # the model stream orders after the cache's writes, as vLLM's own stream does after the model's
+    # (without it the clears raced fill and clone on the default stream: the H200 run of 2026-12-02
+    # found the first-cleared blocks refilled with the torch and cuda backends)
+    stream.wait_stream(torch.cuda.current_stream())
     zeroer = KVCacheZeroer(views, blocks, backend=backend, stream=stream)
     g = torch.Generator().manual_seed(23)
     ids = torch.randperm(blocks, generator=g)[:300].tolist()
