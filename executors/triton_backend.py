@@ -62,9 +62,11 @@ ZERO_COPY_IDS = 64
 class _Fill:
     """The fill kernel for one backend and one fill value, launched the way ``mode`` says."""
 
-    def __init__(self, b: TritonClearBackend, fill: int, meta: torch.Tensor) -> None:
+    def __init__(self, b: TritonClearBackend, fill: int, meta: torch.Tensor,
+                 device_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        anchor, deltas, strides, lengths = device_tables  # the backend's, made once
         self.consts = fill_constants(b.tables, b.config, fill)
-        self.args: list[Any] = [b._anchor, meta, b._deltas, b._strides, b._lengths, b.num_planes, b.tables.chunks]
+        self.args: list[Any] = [anchor, meta, deltas, strides, lengths, b.num_planes, b.tables.chunks]
         self.num_warps = b.config.num_warps
         self.mode = b.launch
         self.compiled = compile_kernel(fill_pages_kernel, self.args, self.consts, self.num_warps)
@@ -180,7 +182,8 @@ class TritonClearBackend(ClearBackendBase):
         f = self._ones if ones else self._zero
         if f is None:
             with torch.cuda.device(self._device):
-                f = _Fill(self, -1 if ones else 0, self._graph_list)
+                f = _Fill(self, -1 if ones else 0, self._graph_list,
+                          (self._anchor, self._deltas, self._strides, self._lengths))
             if ones:
                 self._ones = f
             else:

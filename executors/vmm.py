@@ -78,13 +78,13 @@ class AliasRows:
     the plane (``[num_pages, ...]``, same dtype); ``ptrs[k]`` is that address.
     """
 
-    __slots__ = ("first_page", "num_pages", "ptrs", "tensors", "_mappings", "live")
+    __slots__ = ("first_page", "num_pages", "ptrs", "tensors", "mappings", "live")
 
     def __init__(self, first_page: int, num_pages: int, mappings: list[_Mapping],
                  tensors: Sequence[torch.Tensor]) -> None:
         self.first_page = first_page
         self.num_pages = num_pages
-        self._mappings = mappings
+        self.mappings = mappings  # the driver mappings behind ptrs (the planes that made them unmap them)
         self.ptrs = tuple(m.ptr for m in mappings)
         self.tensors = tuple(tensors)
         self.live = True
@@ -241,7 +241,7 @@ class VmmCachePlanes:
             raise InvalidArgumentError(f"{rows!r} are not rows of these cache planes")
         torch.cuda.synchronize(self.device)
         with torch.cuda.device(self.device):
-            for m in rows._mappings:
+            for m in rows.mappings:
                 self._unmap(m)
         rows.live = False
         self._rows.remove(rows)
@@ -259,7 +259,7 @@ class VmmCachePlanes:
             torch.cuda.synchronize(self.device)
         with torch.cuda.device(self.device):
             for rows in list(self._rows):
-                for m in rows._mappings:
+                for m in rows.mappings:
                     self._unmap(m)
                 rows.live = False
                 self._rows.remove(rows)

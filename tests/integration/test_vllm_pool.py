@@ -128,7 +128,7 @@ def test_durable_log_replays_audits_and_records_vllms_hashes(tmp_path):
 def test_example_drives_vllm_and_prints_the_audit_of_one_block(tmp_path):
     out = subprocess.run([sys.executable, "examples/vllm_prefix_audit.py", "--requests", "30", "--blocks", "120",
                           "--log", str(tmp_path / "ex.kvlog")], capture_output=True, text=True, timeout=300,
-                         cwd=pathlib.Path(__file__).resolve().parent.parent)
+                         cwd=pathlib.Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     assert "on LedgerBlockPool" in text and "result       OK" in text and "no lifecycle faults" in text

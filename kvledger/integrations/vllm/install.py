@@ -52,6 +52,15 @@ class Installation:
         """The ledger pools made since ``install`` that are still alive, oldest first."""
         return [p for p in (r() for r in self._pools) if p is not None]
 
+    def track(self, pool: Any) -> None:
+        """Count ``pool`` among ``pools`` (a weak reference: a pool vLLM drops is gone from it)."""
+        self._pools.append(weakref.ref(pool))
+
+    def patch(self, owner: Any, name: str, value: Any) -> None:
+        """Set ``owner.name`` to ``value``, remembering what was there for ``uninstall``."""
+        self._restore.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
     def forget_pools(self) -> list:
         """The pools made since ``install`` (or the last call) that are still alive; forgets them all."""
         pools = self.pools
@@ -111,16 +120,14 @@ def install(*, log: str | os.PathLike | None = None, fsync: str = "background",
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
-        inst._pools.append(weakref.ref(self))
+        inst.track(self)
 
     cls = inst.pool_class
     cls.__init__ = __init__  # type: ignore[misc]
     cls.__module__ = LedgerBlockPool.__module__
     cls.__qualname__ = "LedgerBlockPool"
     for name in _PATCHED_MODULES:
-        module = sys.modules[name]
-        inst._restore.append((module, "BlockPool", module.BlockPool))
-        module.BlockPool = cls  # type: ignore[attr-defined]
+        inst.patch(sys.modules[name], "BlockPool", cls)
     _wrap_take_new_block_ids(inst, kv_cache_manager.KVCacheManager, LedgerBlockPool)
     inst.installed = True
     _active.append(inst)
@@ -145,7 +152,6 @@ def _check_options(log: Any, fsync: str, policy: str, per_page: bool | None) -> 
 def _wrap_take_new_block_ids(inst: Installation, manager_cls: Any, pool_cls: type) -> None:
     """Each scheduler step seals the pool's ledger step; with ``zeroing`` its clear list is the answer."""
     take = manager_cls.take_new_block_ids
-    inst._restore.append((manager_cls, "take_new_block_ids", take))
 
     def take_new_block_ids(self: Any) -> list[int]:
         ids = take(self)
@@ -157,4 +163,4 @@ def _wrap_take_new_block_ids(inst: Installation, manager_cls: Any, pool_cls: typ
         return ledger_ids if inst.zeroing else ids
 
     take_new_block_ids.__doc__ = take.__doc__
-    manager_cls.take_new_block_ids = take_new_block_ids
+    inst.patch(manager_cls, "take_new_block_ids", take_new_block_ids)
