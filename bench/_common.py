@@ -185,6 +185,30 @@ def interleaved_segments(
     return out
 
 
+def timed_segments(sides: dict[str, Callable[[], Any]], n_segments: int, k: int, repeats: int) -> dict[str, float]:
+    """Seconds per unit of each side, for sides that time themselves: each builder returns an
+    object with ``segment(k) -> seconds`` (k units) and ``close()``. The sum over segments of each
+    segment's fastest time over ``repeats`` (sides alternate within a segment, the order flips
+    every segment, the collector off meanwhile), divided by the units run."""
+    names = list(sides)
+    best = {name: [float("inf")] * n_segments for name in names}
+    for _ in range(repeats):
+        built = {name: sides[name]() for name in names}
+        order = names[:]
+        gc.collect()
+        gc.disable()
+        try:
+            for i in range(n_segments):
+                for name in order:
+                    best[name][i] = min(best[name][i], built[name].segment(k))
+                order.reverse()
+        finally:
+            gc.enable()
+            for side in built.values():
+                side.close()
+    return {name: sum(times) / (n_segments * k) for name, times in best.items()}
+
+
 def machine_info() -> dict[str, Any]:
     """What produced the figures: Python, platform, CPU count, date (UTC)."""
     try:

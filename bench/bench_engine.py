@@ -47,7 +47,6 @@ each segment's fastest run over the repeats (``--quick``: 3 repeats, else 7).
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import shutil
 import sys
@@ -58,7 +57,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import print_table  # noqa: E402
+from _common import print_table, timed_segments  # noqa: E402
 
 from kvledger import Geometry, Ledger  # noqa: E402
 
@@ -222,28 +221,6 @@ class _EngineSide:
         self.loop.close()
 
 
-def _segmented(sides: dict[str, Callable[[], Any]], n_segments: int, k: int, repeats: int) -> dict[str, float]:
-    """Seconds per unit of each side: the sum over segments of each segment's fastest time
-    over ``repeats`` (sides alternate within a segment, the order flips every segment)."""
-    names = list(sides)
-    best = {name: [float("inf")] * n_segments for name in names}
-    for _ in range(repeats):
-        built = {name: sides[name]() for name in names}
-        order = names[:]
-        gc.collect()
-        gc.disable()
-        try:
-            for i in range(n_segments):
-                for name in order:
-                    best[name][i] = min(best[name][i], built[name].segment(k))
-                order.reverse()
-        finally:
-            gc.enable()
-            for side in built.values():
-                side.close()
-    return {name: sum(times) / (n_segments * k) for name, times in best.items()}
-
-
 # ---------------------------------------------------------------------- the tables
 
 
@@ -309,7 +286,7 @@ def _step_cases(s: _Setup, n: int) -> dict[str, Callable[[], Any]]:
 
 def _per_step(s: _Setup, figures: dict, rows: list) -> None:
     for n in SIZES:
-        t = _segmented(_step_cases(s, n), s.segments, _steps_per_segment(n), s.repeats)
+        t = timed_segments(_step_cases(s, n), s.segments, _steps_per_segment(n), s.repeats)
         bare, eng = t["bare"], t["engine"]
         key = f"n{n}_"
         figures.update({key + "bare_us_per_step": bare * 1e6, key + "engine_us_per_step": eng * 1e6,
@@ -344,7 +321,7 @@ def _sanitize_rows(s: _Setup, figures: dict) -> list:
         def side(sanitize: bool, n: int = n) -> _EngineSide:
             return _EngineSide(s.engine_kwargs(None, planes=True, sanitize=sanitize), n, _engine_step)
 
-        t = _segmented({"off": lambda: side(False), "sanitize": lambda: side(True)},
+        t = timed_segments({"off": lambda: side(False), "sanitize": lambda: side(True)},
                        s.segments, _steps_per_segment(n), s.repeats)
         off, on = t["off"], t["sanitize"]
         key = f"n{n}_sanitize_"
@@ -368,7 +345,7 @@ def _per_command(s: _Setup, figures: dict) -> list:
         ]
     rows = []
     for label, bare_side, engine_side in pairs:
-        t = _segmented({"bare": bare_side, "engine": engine_side}, s.segments, 1, s.repeats)
+        t = timed_segments({"bare": bare_side, "engine": engine_side}, s.segments, 1, s.repeats)
         per = 3 * n
         b, e = t["bare"] / per, t["engine"] / per
         key = "cmd_" + label.split(" (")[0].replace(", ", "_").replace(" ", "_") + "_"

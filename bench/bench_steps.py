@@ -39,7 +39,6 @@ in between, as a serving loop's own work does): what that costs lands in "machin
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import os
 import random
@@ -50,7 +49,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import print_table  # noqa: E402
+from _common import print_table, timed_segments  # noqa: E402
 
 NUM_PAGES = 4096
 PLANES = 3
@@ -381,27 +380,6 @@ class _CheckpointSide:
 # ---------------------------------------------------------------------- the run
 
 
-def _segmented(sides: dict[str, Callable[[], Any]], n_segments: int, k: int, repeats: int) -> dict[str, float]:
-    """Seconds per step of each side: the sum over segments of each segment's best over the repeats."""
-    names = list(sides)
-    best = {name: [float("inf")] * n_segments for name in names}
-    for _ in range(repeats):
-        built = {name: sides[name]() for name in names}
-        order = names[:]
-        gc.collect()
-        gc.disable()
-        try:
-            for i in range(n_segments):
-                for name in order:
-                    best[name][i] = min(best[name][i], built[name].segment(k))
-                order.reverse()
-        finally:
-            gc.enable()
-            for side in built.values():
-                side.close()
-    return {name: sum(times) / (n_segments * k) for name, times in best.items()}
-
-
 def run(quick: bool, device: str = "cpu", backend: str | None = None) -> dict:
     try:
         import anyio  # noqa: F401
@@ -424,7 +402,7 @@ def run(quick: bool, device: str = "cpu", backend: str | None = None) -> dict:
             "executor": lambda: _ExecutorSide(s),
             "checkpoint": lambda: _CheckpointSide(s),
         }
-        t = {name: v * 1e6 for name, v in _segmented(sides, segments, k, repeats).items()}
+        t = {name: v * 1e6 for name, v in timed_segments(sides, segments, k, repeats).items()}
     finally:
         torch.set_num_threads(threads)
     executor_own = t["executor"] - t["copies"] - t["clear"]

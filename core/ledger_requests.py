@@ -423,29 +423,25 @@ class RequestCommands:
     def cancel(self, request: int) -> None:
         """The request is aborted: its reserved and KV pages go back to the free list."""
         st = self.state
-        if self._fast and type(request) is int and request in st.requests:  # fast path: r known is all it needs
-            if self._plain:
-                fold.release_request(st, request)
-                return
-            seq, ev = st.seq, RequestCancelled(request=request)
-            if self._put is not None:
-                self._put(seq, ev)
-            effects = fold.release_request(st, request)
-            if self._watch:
-                self._post(seq, ev, effects)
-            return
-        if type(request) is not int or request >> _ID_BITS:
-            checks.ident(request, "request")
-        self._submit(RequestCancelled(request=request))
+        if self._plain and type(request) is int and request in st.requests:  # nothing watches: the fold alone
+            fold.release_request(st, request)
+        else:
+            self._release(request, RequestCancelled)
 
     def finish(self, request: int) -> None:
         """The request completed: its reserved and KV pages go back to the free list."""
         st = self.state
-        if self._fast and type(request) is int and request in st.requests:  # fast path: r known is all it needs
-            if self._plain:
-                fold.release_request(st, request)
-                return
-            seq, ev = st.seq, RequestFinished(request=request)
+        if self._plain and type(request) is int and request in st.requests:  # nothing watches: the fold alone
+            fold.release_request(st, request)
+        else:
+            self._release(request, RequestFinished)
+
+    def _release(self, request: int, event: type[RequestCancelled] | type[RequestFinished]) -> None:
+        """``cancel`` and ``finish`` past the plain path: a known request's event built once for
+        the sink and the watchers around the fold (fast path), else checked and submitted."""
+        st = self.state
+        if self._fast and type(request) is int and request in st.requests:  # r known is all it needs
+            seq, ev = st.seq, event(request=request)
             if self._put is not None:
                 self._put(seq, ev)
             effects = fold.release_request(st, request)
@@ -454,4 +450,4 @@ class RequestCommands:
             return
         if type(request) is not int or request >> _ID_BITS:
             checks.ident(request, "request")
-        self._submit(RequestFinished(request=request))
+        self._submit(event(request=request))

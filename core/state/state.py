@@ -274,13 +274,7 @@ class LedgerState:
                 return list(stack)
             live_at = None
         else:
-            holder, targets, seen = self.holder, self.restore_targets, set()
-            live_at = [False] * len(stack)
-            for i in range(len(stack) - 1, -1, -1):
-                p = stack[i]
-                if p not in seen and holder[p] == HOLDER_FREE and p not in targets:
-                    seen.add(p)
-                    live_at[i] = True
+            live_at = self._live_entries()
         out: list[int] = []
         at = 0
         for marker, pages in (*runs, (len(stack), ())):
@@ -292,18 +286,24 @@ class LedgerState:
             at = marker
         return out
 
-    def compact_free_stack(self) -> None:
-        """Drop the stale entries (the allocator's order is unchanged; the runs' markers follow)."""
-        if not self.stale_entries:
-            return
-        stack, runs = self.free_stack, self.parked
-        holder, targets, seen = self.holder, self.restore_targets, set()
+    def _live_entries(self) -> list[bool]:
+        """For each free-stack entry, whether it is live: the topmost entry of a page that is free
+        and no restore's target (a page freed again leaves its older entries stale below)."""
+        stack, holder, targets, seen = self.free_stack, self.holder, self.restore_targets, set()
         live_at = [False] * len(stack)
         for i in range(len(stack) - 1, -1, -1):
             p = stack[i]
             if p not in seen and holder[p] == HOLDER_FREE and p not in targets:
                 seen.add(p)
                 live_at[i] = True
+        return live_at
+
+    def compact_free_stack(self) -> None:
+        """Drop the stale entries (the allocator's order is unchanged; the runs' markers follow)."""
+        if not self.stale_entries:
+            return
+        stack, runs = self.free_stack, self.parked
+        live_at = self._live_entries()
         kept: list[int] = []
         at = 0
         for run in runs:

@@ -155,6 +155,7 @@ class VllmSubscriber:
         self.vllm, self.topic = vllm, topic.encode()
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        self.monitor = self.sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)  # before the connection
         if bind:
             self.sub.bind(endpoint)
         else:
@@ -167,7 +168,19 @@ class VllmSubscriber:
         self.live = self.replayed = 0
         self.hashes: set[int] = set()
 
+    def wait_connected(self, timeout: float = 30) -> None:
+        """Wait for the SUB socket's handshake with the publisher, then a moment for the subscription
+        to reach the publisher's I/O thread (a PUB drops what it sends before that: under CI's load
+        a whole 31-batch run went by before a fresh subscription took)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        assert self.monitor.poll(int(timeout * 1000)), "the subscriber never connected"
+        recv_monitor_message(self.monitor)
+        time.sleep(0.2)
+
     def close(self) -> None:
+        self.sub.disable_monitor()
+        self.monitor.close(linger=0)
         self.sub.close(linger=0)
         if self.replay is not None:
             self.replay.close(linger=0)
@@ -285,6 +298,7 @@ async def test_vllm_decodes_every_batch_of_a_live_engine_and_its_full_replay(vll
             pub = engine.kv_events
             assert isinstance(pub, KVEventPublisher) and pub.topic == "kv-events"
             sub = VllmSubscriber(vllm, ctx, pub.endpoint, pub.replay_endpoint, "kv-events")
+            sub.wait_connected()
             published = await drive_engine(engine)
             expected = {to_u64(h) for h in (engine.ledger.block_hash(p) for p in range(G.num_pages)) if h}
             stats = pub.statistics()
