@@ -124,10 +124,10 @@ def _convert(effects: Sequence, lay: Layout, medium: str | None, fold: bool, out
 
 def _convert_common(it: Iterator, lay: Layout, medium: str | None, out: list) -> tuple[Any, tuple]:
     """Fold and convert effects from ``it`` while they are ``BlocksRemoved`` or ``BlocksStored``
-    (no LoRA name, at least one block) with hashes of 16 bytes (``core.hashing.block_hash``'s):
-    k of them in one ``struct`` call over their joined bytes, which raises unless they are
-    bytes adding up to 16 x k; lengths that only add up are told apart by checking all but
-    one (k <= 3: the first and the last). Returns the first effect not taken (None at the
+    (no LoRA name) with one or more hashes of 16 bytes (``core.hashing.block_hash``'s): k of
+    them in one ``struct`` call over their joined bytes, which raises unless they are bytes
+    adding up to 16 x k; lengths that only add up are told apart by checking all but one
+    (k <= 3: the first and the last). Returns the first effect not taken (None at the
     end) and the latest publish's last hash with its u64 form (a publish's parent is
     usually it: folded already)."""
     stored, removed = lay.stored, lay.removed
@@ -136,20 +136,20 @@ def _convert_common(it: Iterator, lay: Layout, medium: str | None, out: list) ->
     prev_raw: object = None
     prev_u64 = 0
     for eff in it:
-        hs = eff.hashes  # _Cleared: ()
+        hs = eff.hashes  # no hashes (_Cleared, an empty event): IndexError below, handed over
         k = len(hs)
         try:
             folded = unpack[k](join(hs))
+            if len(hs[0]) != 16 or k > 2 and (len(hs[-1]) != 16 or k > 3 and (
+                    len(hs[1]) != 16 or k > 4 and min(map(len, hs)) != 16)):
+                return eff, (prev_raw, prev_u64)
         except not_common:
-            return eff, (prev_raw, prev_u64)
-        if k > 1 and (len(hs[0]) != 16 or k > 2 and (len(hs[-1]) != 16 or k > 3 and (
-                len(hs[1]) != 16 or k > 4 and min(map(len, hs)) != 16))):
             return eff, (prev_raw, prev_u64)
         t = type(eff)
         if t is BlocksRemoved:
             append(removed(folded, medium))
             continue
-        if t is not BlocksStored or not k or eff.lora_name is not None:
+        if t is not BlocksStored or eff.lora_name is not None:
             return eff, (prev_raw, prev_u64)
         parent = eff.parent_hash
         if parent is not None:
