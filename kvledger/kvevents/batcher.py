@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import struct
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import chain
 from typing import Any, NamedTuple
 
 from kvledger.core.errors import InvalidArgumentError
@@ -98,62 +99,116 @@ class _Keyed(NamedTuple):
     hashes: tuple  # the effect's own
 
 
-_last8 = struct.Struct(">Q").unpack_from  # core.hashing.to_u64 of one hash of 8 bytes or more
 _UNPACK16 = [struct.Struct(">" + "8xQ" * k).unpack for k in range(17)]  # k 16-byte hashes: their last 8 bytes
+_NOT_16 = (struct.error, IndexError)  # the joined bytes are not 16 x k (k <= 16) long
+_NOT_COMMON = (TypeError, *_NOT_16)  # ... or not all bytes
 
 
-def _convert(effects: Iterable, lay: Layout, medium: str | None, fold: bool, out: list) -> None:
-    """Append the KV event of each effect to ``out``; ``fold``: hashes as u64. The common folds
-    (int hashes; up to 16 of ``core.hashing.block_hash``'s 16 bytes in one C call) are inlined:
-    a call per event costs as much as the fold. The rest: ``core.hashing.to_u64_all``."""
+def _convert(effects: Sequence, lay: Layout, medium: str | None, fold: bool, out: list) -> None:
+    """Append the KV event of each effect to ``out``; ``fold``: hashes as u64.
+
+    Two loops, because every batch takes this path and a Python op per event is what it
+    costs (bench/bench_kvevents.py): ``_convert_common`` takes the shape nearly every
+    event has when folding (16-byte hashes, no extra keys), and hands the first effect it
+    cannot take, with the rest, to ``_convert_any``, which takes every shape. Int hashes
+    go there at once (the common loop would stop at the first, at the cost of an exception)."""
+    it = iter(effects)
+    prev: tuple = (None, 0)
+    if fold and not (effects and effects[0].hashes and type(effects[0].hashes[0]) is int):
+        first, prev = _convert_common(it, lay, medium, out)
+        if first is None:
+            return
+        it = chain((first,), it)
+    _convert_any(it, lay, medium, fold, out, prev)
+
+
+def _convert_common(it: Iterator, lay: Layout, medium: str | None, out: list) -> tuple[Any, tuple]:
+    """Fold and convert effects from ``it`` while they are ``BlocksRemoved`` or ``BlocksStored``
+    (no LoRA name) with one or more hashes of 16 bytes (``core.hashing.block_hash``'s): k of
+    them in one ``struct`` call over their joined bytes, which raises unless they are bytes
+    adding up to 16 x k; lengths that only add up are told apart by checking all but one
+    (k <= 3: the first and the last). Returns the first effect not taken (None at the
+    end) and the latest publish's last hash with its u64 form (a publish's parent is
+    usually it: folded already)."""
+    stored, removed = lay.stored, lay.removed
+    append = out.append
+    unpack, join, not_common = _UNPACK16, b"".join, _NOT_COMMON
+    prev_raw: object = None
+    prev_u64 = 0
+    for eff in it:
+        hs = eff.hashes  # no hashes (_Cleared, an empty event): IndexError below, handed over
+        k = len(hs)
+        try:
+            folded = unpack[k](join(hs))
+            if len(hs[0]) != 16 or k > 2 and (len(hs[-1]) != 16 or k > 3 and (
+                    len(hs[1]) != 16 or k > 4 and min(map(len, hs)) != 16)):
+                return eff, (prev_raw, prev_u64)
+        except not_common:
+            return eff, (prev_raw, prev_u64)
+        t = type(eff)
+        if t is BlocksRemoved:
+            append(removed(folded, medium))
+            continue
+        if t is not BlocksStored or eff.lora_name is not None:
+            return eff, (prev_raw, prev_u64)
+        parent = eff.parent_hash
+        if parent is not None:
+            parent = prev_u64 if parent is prev_raw else to_u64(parent)
+        prev_raw, prev_u64 = hs[-1], folded[-1]
+        append(stored(folded, parent, eff.token_ids, eff.page_tokens, eff.lora_id, medium, None))
+    return None, (prev_raw, prev_u64)
+
+
+def _convert_any(it: Iterable, lay: Layout, medium: str | None, fold: bool, out: list, prev: tuple) -> None:
+    """Convert every effect of ``it`` (``prev``: ``_convert_common``'s last publish). Folds:
+    16-byte hashes as there, ints >= 0 to themselves (the ledger's are signed 64-bit),
+    anything else by ``core.hashing.to_u64_all``."""
     stored, removed, cleared = lay.stored, lay.removed, lay.cleared
     with_keys = lay.name == "map"
     append = out.append
-    last8, unpack, join = _last8, _UNPACK16, b"".join
-    prev_raw: object = None  # the last block hash of the latest publish, and its u64 form
-    prev_u64 = 0
-    for eff in effects:
-        t = type(eff)
-        if t is _Cleared:
-            append(cleared())
-            continue
-        keys = None
-        if t is _Keyed:
-            eff, keys, hs = eff
-        else:
-            hs = eff.hashes
-        raw = hs
+    unpack, join, not16 = _UNPACK16, b"".join, _NOT_16
+    prev_raw, prev_u64 = prev  # the last block hash of the latest publish, and its u64 form
+    for eff in it:
+        raw = hs = eff.hashes  # _Cleared: ()
         if fold and hs:
-            h, k = hs[0], len(hs)
-            if type(h) is int:  # int hashes: the ledger's are signed 64-bit, so >= 0 ones fold to themselves
+            h = hs[0]
+            if type(h) is bytes:
+                k = len(hs)
                 try:
-                    if min(hs) < 0:
-                        hs = to_u64_all(hs)
-                except TypeError:  # ints and bytes mixed
-                    hs = to_u64_all(hs)
-            elif k == 1:
-                hs = (last8(h, 8)[0],) if type(h) is bytes and len(h) == 16 else to_u64_all(hs)
+                    hs = unpack[k](join(hs))
+                except not16:
+                    hs = to_u64_all(raw)
+                except TypeError:  # bytes and ints mixed
+                    hs = to_u64_all(raw)
+                else:
+                    if k > 1 and (len(h) != 16 or k > 2 and (len(raw[-1]) != 16 or k > 3 and (
+                            len(raw[1]) != 16 or k > 4 and min(map(len, raw)) != 16))):
+                        hs = to_u64_all(raw)
+            elif type(h) is not int:
+                hs = to_u64_all(raw)  # raises
             else:
                 try:
-                    joined = join(hs)
-                except TypeError:  # int hashes
-                    joined = b""
-                # all k are 16 bytes: the total says so once all but one are known to be
-                if (len(joined) == 16 * k and len(h) == 16 and len(hs[-1]) == 16 and k <= 16
-                        and (k == 2 or k == 3 or (k == 4 and len(hs[1]) == 16) or min(map(len, hs)) == 16)):
-                    hs = unpack[k](joined)
-                else:
-                    hs = to_u64_all(hs)
+                    if min(hs) < 0:
+                        hs = to_u64_all(raw)
+                except TypeError:  # ints and bytes mixed
+                    hs = to_u64_all(raw)
+        t = type(eff)
         if t is BlocksRemoved:
             append(removed(hs, medium))
             continue
+        if t is BlocksStored:
+            keys = None
+        elif t is _Keyed:
+            eff, keys = eff.effect, eff.keys
+        else:
+            append(cleared())
+            continue
         parent = eff.parent_hash
-        if fold and raw:
-            if parent is not None:  # usually the last block of the publish before: folded already
-                parent = prev_u64 if parent is prev_raw else (
-                    last8(parent, len(parent) - 8)[0] if type(parent) is bytes and len(parent) >= 8
-                    else to_u64(parent))
-            prev_raw, prev_u64 = raw[-1], hs[-1]
+        if fold:
+            if parent is not None:
+                parent = prev_u64 if parent is prev_raw else to_u64(parent)
+            if raw:
+                prev_raw, prev_u64 = raw[-1], hs[-1]
         lora = eff.lora_name
         if lora is not None:
             keys = (lora, *keys) if keys else (lora,)
@@ -257,11 +312,13 @@ class KVEventBatcher:
                 if t is BlocksRemoved:
                     self._pending.append(eff)
                 elif t is BlocksStored:
-                    keys = self._keys_of(event.request) if self._tenants or self._salts else None
-                    self._pending.append(eff if keys is None else _Keyed(eff, keys, eff.hashes))
-        hook = self._hooks.get(type(event))
-        if hook is not None:
-            hook(event)
+                    if self._tenants or self._salts:
+                        keys = self._keys_of(event.request)
+                        if keys is not None:
+                            eff = _Keyed(eff, keys, eff.hashes)
+                    self._pending.append(eff)
+        if type(event) in self._hooks:  # most events have no hook: one lookup for them
+            self._hooks[type(event)](event)
 
     def _sealed(self, event) -> None:
         if self._auto and self._pending:
@@ -296,5 +353,5 @@ class KVEventBatcher:
     def build(self, ts: float, effects: Iterable):
         """The batch (this batcher's layout, medium and rank) of collected effects, stamped ``ts``."""
         events: list = []
-        _convert(effects, self._layout, self._medium, self._fold, events)
+        _convert(tuple(effects), self._layout, self._medium, self._fold, events)
         return self._layout.batch(ts, tuple(events), self._rank)
