@@ -350,6 +350,48 @@ def test_the_u64_fold_of_every_hash_shape(hashes):
     assert got[0].block_hashes == got[1].block_hashes == want and got[1].parent_block_hash == want[0]
 
 
+def _mixed_effects(rng: random.Random, n: int) -> list:
+    """A stream whose shape changes from effect to effect: 16-byte publishes chained to the last
+    block (the same bytes object, as the fold hands it on), evictions of 1-17 blocks, LoRA and
+    int-hash publishes, odd hash lengths, empty events."""
+    out: list = []
+    last = None
+    for _ in range(n):
+        kind = rng.choice(("plain", "plain", "plain", "remove", "lora", "ints", "odd", "wide", "empty"))
+        k = rng.randint(1, 4) if kind != "wide" else rng.choice((16, 17, 20))
+        if kind == "ints":
+            hs = tuple(rng.randint(-2**63, 2**63 - 1) for _ in range(k))
+        elif kind == "odd":
+            hs = tuple(rng.randbytes(rng.choice((8, 16, 24))) for _ in range(k))
+        elif kind == "empty":
+            hs = ()
+        else:
+            hs = tuple(rng.randbytes(16) for _ in range(k))
+        if kind == "remove":
+            out.append(BlocksRemoved(hashes=hs))
+            continue
+        out.append(BlocksStored(hashes=hs, parent_hash=last if rng.random() < 0.8 else rng.randbytes(16),
+                                token_ids=(1,) * len(hs), page_tokens=1,
+                                lora_name="adapter" if kind == "lora" else None))
+        if hs:
+            last = hs[-1]
+    return out
+
+
+def test_a_batch_of_changing_shapes_converts_as_each_effect_alone():
+    """The batcher converts the common shape (16-byte hashes, no extra keys) in a lean loop and hands
+    the first other effect, with the rest and the last publish's folded hash, to a loop that takes
+    every shape: a whole batch must equal each of its effects converted alone, whichever loop
+    takes which effect and wherever the hand-over falls."""
+    rng = random.Random(24)
+    for trial in range(200):
+        effects = _mixed_effects(rng, rng.randint(1, 30))
+        for layout in ("map", "array"):
+            whole = to_kv_events(effects, layout=layout)
+            alone = [e for eff in effects for e in to_kv_events([eff], layout=layout)]
+            assert whole == alone, (trial, layout)
+
+
 def test_one_batch_per_sealed_step_never_empty():
     out: list = []
     ticks = iter(range(100))
