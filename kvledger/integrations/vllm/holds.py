@@ -60,7 +60,9 @@ precondition (a ``KVLedgerError``), and then the ledger is unchanged by that
 event; the mirror is only as consistent as vLLM's call sequence. The common
 calls (``allocate``, ``release`` of distinct pages, ``publish`` of one
 request's new full blocks) take one pass over their pages with C-level set
-operations: the scheduler calls them on every step.
+operations: the scheduler calls them on every step. A call of one block (a decode
+step's ``get_new_blocks(1)``, the block that just filled, one block freed) skips even
+those passes: the same events and holds, from a path of its own.
 """
 
 from __future__ import annotations
