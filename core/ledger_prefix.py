@@ -18,6 +18,7 @@ from .state.table import HOLDER_CACHED, SHARED_IN
 
 _HASH_MIN, _HASH_MAX = -(1 << 63), (1 << 63) - 1  # an int block hash is a signed 64-bit value
 _HASH_TYPES = frozenset((bytes, int))  # (a published hash is valid: only its exact type is left to check)
+_INT_ONLY = {int}
 
 
 def _plain(h: object) -> bool:
@@ -256,6 +257,21 @@ class PrefixCommands:
         Returns the page ids evicted; the fold's effect is a ``BlocksRemoved`` KV event.
         """
         st = self.state
+        if n is None and self._lean and (type(pages) is list or type(pages) is tuple):
+            # fast path (vLLM's pool evicting the cached blocks its free queue picked): named,
+            # distinct int pages, each cached (so in range), nothing watched (the effects unread)
+            ids = tuple(pages)
+            cached = st.cached
+            if len(ids) == 1:
+                ok = type(ids[0]) is int and ids[0] in cached
+            else:
+                ok = (bool(ids) and set(map(type, ids)) == _INT_ONLY and len(set(ids)) == len(ids)
+                      and cached.keys() >= set(ids))
+            if ok:
+                if self._put is not None:
+                    self._put(st.seq, PagesEvicted(page_ids=ids))
+                fold_prefix.evict_pages(st, ids)
+                return ids
         if n is not None and pages is not None:
             raise InvalidArgumentError("evict: give n= or pages=, not both")
         if pages is None:

@@ -451,6 +451,9 @@ REJECTS = [
     ("evict-cmd-float", lambda L: L.evict(1.5), InvalidArgumentError, ["1.5"]),
     ("evict-cmd-kv-page", lambda L: L.evict(pages=[1]), PageNotHeldError, [1]),
     ("evict-cmd-empty-pages", lambda L: L.evict(pages=[]), InvalidArgumentError, []),
+    ("evict-cmd-all-or-nothing", lambda L: L.evict(pages=[4, 2]), PageNotHeldError, [2]),
+    ("evict-cmd-duplicate", lambda L: L.evict(pages=(4, 4)), DuplicatePageError, [4]),
+    ("evict-cmd-bool-page", lambda L: L.evict(pages=[True]), InvalidArgumentError, ["True"]),
     # ---- reserve / alias_snapshot with eviction: all-or-nothing, the cache untouched
     ("reserve-more-than-free-and-cached", lambda L: L.reserve(9, 8), OutOfPagesError, [9, 8, 7]),
     ("alias-more-than-free-and-cached", lambda L: L.alias_snapshot(300, 8), OutOfPagesError, [300, 8, 7]),

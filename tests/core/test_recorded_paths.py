@@ -120,6 +120,7 @@ def named_pages(L: Ledger) -> None:
     L.evict(pages=(9, 0))
     L.allocate(3, 1, pages=(9, 0, 2))
     L.finish(2)
+    L.evict(pages=[1])  # a list of one (vLLM's get_new_blocks evicting the block it picked)
 
 
 def steps(L: Ledger) -> None:

@@ -186,3 +186,20 @@ def test_import_pulls_neither_vllm_nor_torch():
             "bad = [m for m in ('vllm', 'torch', 'triton') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_releasing_one_shared_page_finishes_the_latest_hold():
+    """One block, two holds (a prefix hit on a held block): the later hold lets go, with or
+    without vLLM's counts, as for a longer list (the one-block path takes the same hold)."""
+    for counts in (None, [2]):
+        ledger, h = holds()
+        h.allocate([3])
+        h.seal()
+        h.publish_blocks([3], [b"h3"], tuple(toks(3)), None)
+        (first,) = h.holds_of(3)
+        h.share([3])
+        assert len(h.holds_of(3)) == 2
+        h.release([3], counts)
+        assert h.holds_of(3) == (first,) and ledger.holder_of(3) == f"kv({first})"
+        h.release([3], None if counts is None else [1])
+        assert h.holds_of(3) == () and ledger.holder_of(3).startswith("cached(")

@@ -1,5 +1,8 @@
 """vLLM's block references as ledger requests ("holds"): the mirror under ``LedgerBlockPool``.
 
+One piece: ``PageHolds`` is one class whose maps (holds, writers, keys, pins) every
+transition updates together; the one-block fast paths sit beside the general calls.
+
 vLLM's ``BlockPool`` counts references to a block (``ref_cnt``) without saying
 who holds them: ``get_new_blocks(n)`` and ``touch(blocks)`` add references,
 ``free_blocks(blocks)`` drops one per listed block, in any grouping. The ledger
@@ -57,7 +60,9 @@ precondition (a ``KVLedgerError``), and then the ledger is unchanged by that
 event; the mirror is only as consistent as vLLM's call sequence. The common
 calls (``allocate``, ``release`` of distinct pages, ``publish`` of one
 request's new full blocks) take one pass over their pages with C-level set
-operations: the scheduler calls them on every step.
+operations: the scheduler calls them on every step. A call of one block (a decode
+step's ``get_new_blocks(1)``, the block that just filled, one block freed) skips even
+those passes: the same events and holds, from a path of its own.
 """
 
 from __future__ import annotations
@@ -142,6 +147,19 @@ class PageHolds:
     def allocate(self, pages: Sequence[int]) -> None:
         """vLLM's ``get_new_blocks`` handed out ``pages`` (free blocks, evicting cached ones)."""
         key_of = self._key_of
+        if len(pages) == 1:  # (the commonest call: a decode step's next block, often a cached one)
+            p = pages[0]
+            if p in key_of:
+                self._evict([p])
+            h = self._next
+            self._next = h + 1
+            ledger = self.ledger
+            ledger.allocate(h, ledger.open_step, pages=(p,))
+            self._pages[h] = [p]
+            self._refs[p] = [h]
+            self._writer[p] = h
+            self._dirty = True
+            return
         if key_of and not key_of.keys().isdisjoint(pages):
             self._evict([p for p in pages if p in key_of])
         if self.per_page:
@@ -209,6 +227,15 @@ class PageHolds:
         """
         if not pages:
             return
+        if len(pages) == 1 and not self._pins:  # (the commonest call: one block of its own hold)
+            held1 = self._refs.get(pages[0])
+            if held1 is not None and len(held1) == 1 and (ref_counts is None or ref_counts[0] <= 1):
+                h = held1[0]
+                if len(self._pages[h]) == 1:
+                    self._finish(h)
+                    if self._stale:
+                        self._evict_stale()
+                    return
         found = list(map(self._refs.get, pages))
         if None in found:
             if ref_counts is not None:
@@ -257,6 +284,19 @@ class PageHolds:
         k = len(pages)
         key_of, page_of, writer = self._key_of, self._page_of, self._writer
         h = writer.get(pages[0])
+        if k == 1:  # (the commonest call: a decode step's block that just filled)
+            p, key = pages[0], keys[0]
+            if h is not None and p not in key_of and key not in page_of and len(key) <= _MAX_KEY:
+                hp = self._pages[h]
+                start = 0 if hp[0] == p else hp.index(p)  # (a hold's writer is in its pages)
+                if h >= self._sealed_below:
+                    self.seal()  # (committed in the open step: its step completes first)
+                self.ledger.publish(h, (key,), tokens, start=start,
+                                    parent_hash=None if parent is None else key_of.get(parent))
+                key_of[p] = key
+                page_of[key] = p
+                self._tokens[p] = (tokens, 0)
+                return
         if (h is not None and key_of.keys().isdisjoint(pages) and max(map(len, keys)) <= _MAX_KEY
                 and page_of.keys().isdisjoint(keys) and (k == 1 or len(set(keys)) == k)):
             hp = self._pages[h]

@@ -164,11 +164,23 @@ class LedgerBlockPool(BlockPool):
         super().cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size,
                                   kv_cache_group_id, block_mask)
         end = min(num_full_blocks, len(blocks))
+        k = self.hash_block_size
+        if end - num_cached_blocks == 1 and block_size == k and block_mask is None:
+            # (the commonest call: the one block a decode step filled, the pool's own, hashed now)
+            blk = blocks[num_cached_blocks]
+            key = blk.block_hash
+            if key is not None and self._mine(blk):
+                prev = blocks[num_cached_blocks - 1] if num_cached_blocks else None
+                self.holds.publish_blocks([blk.block_id], [key],
+                                          tuple(request.all_token_ids[num_cached_blocks * k : end * k]),
+                                          prev.block_id if prev is not None and self._mine(prev) else None)
+                if self._verify:
+                    self.verify()
+                return
         if num_cached_blocks < end:
             new = blocks[num_cached_blocks:end]
             pages = self._own(new)
             keys = [b.block_hash for b in new]
-            k = self.hash_block_size
             if pages is not None and None not in keys and block_size == k and block_mask is None:
                 # (the usual case: the pool's own blocks, all hashed now, of the hash block size)
                 prev = blocks[num_cached_blocks - 1] if num_cached_blocks else None
@@ -297,6 +309,9 @@ class LedgerBlockPool(BlockPool):
 
     def _pages_and_refs(self, blocks) -> tuple[list[int], list[int]]:
         """The pool's own blocks among ``blocks`` (``_mine``): their ids and vLLM's ``ref_cnt``."""
+        if len(blocks) == 1:
+            blk = blocks[0]
+            return ([blk.block_id], [blk.ref_cnt]) if self._mine(blk) else ([], [])
         pages = self._own(blocks)
         if pages is not None:
             return pages, [b.ref_cnt for b in blocks]
