@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from support import HEAVY
 
+pytest.importorskip("torch.distributed.run")  # torchrun, and the ranks' torch planes
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tp_ranks.py"
 
