@@ -308,13 +308,18 @@ _EVENTS = msgspec.msgpack.Decoder(list[Event])
 _CHECKPOINT = msgspec.msgpack.Decoder(Checkpoint)
 
 
-def decode_events(buf, rec: RecordInfo, path: str = "<memory>") -> list:
-    """The events of a verified events record. Raises ``CorruptLogError`` naming offset and seq."""
+def _payload(decoder: msgspec.msgpack.Decoder, buf, rec: RecordInfo, path: str, what: str):
+    """A verified record's payload through ``decoder``; ``CorruptLogError`` (offset, seq) if it fails."""
     start = rec.offset + PREFIX_SIZE
     try:
-        events = _EVENTS.decode(buf[start : start + rec.length])
+        return decoder.decode(buf[start : start + rec.length])
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise CorruptLogError(path, rec.offset, rec.seq, f"events payload does not decode: {exc}") from None
+        raise CorruptLogError(path, rec.offset, rec.seq, f"{what} payload does not decode: {exc}") from None
+
+
+def decode_events(buf, rec: RecordInfo, path: str = "<memory>") -> list:
+    """The events of a verified events record. Raises ``CorruptLogError`` naming offset and seq."""
+    events = _payload(_EVENTS, buf, rec, path, "events")
     if len(events) != rec.count:
         raise CorruptLogError(path, rec.offset, rec.seq,
                               f"record holds {len(events)} events, its header says {rec.count}")
@@ -322,11 +327,8 @@ def decode_events(buf, rec: RecordInfo, path: str = "<memory>") -> list:
 
 
 def decode_checkpoint(buf, rec: RecordInfo, path: str = "<memory>") -> Checkpoint:
-    start = rec.offset + PREFIX_SIZE
-    try:
-        cp = _CHECKPOINT.decode(buf[start : start + rec.length])
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise CorruptLogError(path, rec.offset, rec.seq, f"checkpoint payload does not decode: {exc}") from None
+    """The checkpoint of a verified checkpoint record, naming its own record's seq."""
+    cp = _payload(_CHECKPOINT, buf, rec, path, "checkpoint")
     if cp.seq != rec.seq:
         raise CorruptLogError(path, rec.offset, rec.seq, f"checkpoint payload names seq {cp.seq}")
     return cp
