@@ -184,15 +184,7 @@ class RequestCommands:
                 if put is not None:
                     put(seq, ev)
                 fold.pages_reserved(st, ev)
-                if self._watch:
-                    self._post(seq, ev, ())
-                ev2 = PagesCommitted(request=request, step=step, page_ids=pages)
-                if put is not None:
-                    put(seq + 1, ev2)
-                effects = fold.commit_pages(st, st.requests[request], step, pages)
-                if self._watch:
-                    self._post(seq + 1, ev2, effects)
-                return pages
+                return self._commit_reserved(seq, ev, request, step, pages)
         if n is not None:
             raise InvalidArgumentError("allocate: give exactly one of n= or pages=")
         checks.ident(request, "request")
@@ -308,14 +300,21 @@ class RequestCommands:
         if put is not None:
             put(seq, ev)
         fold.reserve_top(st, rec, request, n, tenant)
+        return self._commit_reserved(seq, ev, request, step, pages)
+
+    def _commit_reserved(self, seq: int, reserved: PagesReserved, request: int, step: int,
+                         pages: tuple[int, ...]) -> tuple[int, ...]:
+        """The second half of an allocation past the plain path: ``reserved`` (seq ``seq``, put and
+        folded) to the observer, then its ``PagesCommitted`` put, folded and posted."""
+        st, put = self.state, self._put
         if self._watch:
-            self._post(seq, ev, ())
-        ev2 = PagesCommitted(request=request, step=step, page_ids=pages)
+            self._post(seq, reserved, ())
+        ev = PagesCommitted(request=request, step=step, page_ids=pages)
         if put is not None:
-            put(seq + 1, ev2)
+            put(seq + 1, ev)
         effects = fold.commit_pages(st, st.requests[request], step, pages)
         if self._watch:
-            self._post(seq + 1, ev2, effects)
+            self._post(seq + 1, ev, effects)
         return pages
 
     def _evict_plain(self, n: int) -> None:
