@@ -44,7 +44,7 @@ from ..events.events import (
     StepSealed,
 )
 from ..state.canonical import digest_of
-from ..state.invariants import check_invariants
+from ..state.invariants import check_invariants, check_page_ids
 from ..state.state import LedgerState
 from .format import KIND_CHECKPOINT, KIND_EVENTS, Checkpoint, LogHeader, RecordInfo
 from .reader import LogView
@@ -112,6 +112,7 @@ def state_from_checkpoint(cp: Checkpoint, header: LogHeader, *, path: str = "<me
         if st.num_pages != n or not _int_list(st.holder, n, -3, 1 << 63) \
                 or not _int_list(st.alias_count, n, 0, 1 << 63) or not _int_list(st.free_stack, None, 0, n):
             raise bad("page table does not match the geometry")
+        check_page_ids(st)  # (bounds, O(ids named): a trusted start checks them even without the invariants)
         version = int(data["v"])  # checkpoints of an older kvledger keep their own layout
         if st.canonical_bytes(version) != cp.state:
             raise bad("state does not re-encode to the recorded bytes")

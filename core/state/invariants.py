@@ -12,19 +12,41 @@ from ..errors import InvariantViolation
 from .state import LedgerState
 from .table import ALIAS, CACHED, FREE, HOLDER_ALIAS, HOLDER_CACHED, HOLDER_FREE, KV, MARK_ALL, MARK_TENANT, RESERVED
 
-__all__ = ["check_invariants"]
+__all__ = ["check_invariants", "check_page_ids"]
 
 
 def check_invariants(st: LedgerState) -> None:
-    """Raise ``InvariantViolation`` naming the first broken invariant and page. Pure."""
+    """Raise ``InvariantViolation`` naming the first broken invariant and page. Pure, and total: a
+    state built from forged bytes gets the same error, never an IndexError."""
     if st.geometry is None:
         return
+    check_page_ids(st)
     h = st.holder_codes()  # derived from the holder list and the request lists
     _holders_partition(st, h)
     _free_stack_agrees(st, h)
     _marks_and_pending(st, h)
     _clear_lists_and_restores(st, h)
     _prefix_cache(st, h)
+
+
+def check_page_ids(st: LedgerState) -> None:
+    """Every page id the state names lies in ``[0, num_pages)``, else ``InvariantViolation`` naming
+    the collection and the id (O(ids named); the page table's own length is the caller's check)."""
+    n = st.num_pages
+    reqs = st.requests.values()
+    named = [("a request's reserved pages", [p for rec in reqs for p in rec.reserved]),
+             ("a request's KV pages", [p for rec in reqs for p in rec.kv]),
+             ("a request's restored pages", [p for rec in reqs for p in rec.restored or ()]),
+             ("a snapshot", [p for pages in st.snapshots.values() for p in pages]),
+             ("a clear list", [p for pages in st.clear_lists.values() for p in pages]),
+             ("a step in flight", [p for plan in st.in_flight for p in plan.clear_list]),
+             ("the marks", st.marks), ("the residue", st.residue), ("the restore targets", st.restore_targets),
+             ("the pending clears", st.pending), ("the restored pages", st.restored_since),
+             ("the page hashes", st.page_hash), ("the sharers", st.sharers), ("the cached pages", st.cached)]
+    for what, ids in named:
+        for p in ids:
+            if type(p) is not int or not 0 <= p < n:
+                raise InvariantViolation(1, f"{what} names page {p!r}, outside the geometry's [0, {n})")
 
 
 def _request_index(st: LedgerState) -> dict[int, tuple[int, int]]:

@@ -12,6 +12,7 @@ import struct
 import zlib
 
 import msgspec
+import pytest
 
 from support import HEAVY, QUIET
 from kvledger import CLEAR_POLICIES, CorruptLogError, KVLedgerError, replay
@@ -334,3 +335,55 @@ def test_f2_f3_forged_events_are_refused():
     assert cases >= FORGED * 9 // 10 and rejected >= cases // 2 and imp[0] >= cases // 10
     assert reopen_missed == 0 and imp[1] == imp[0] and imp[2] == imp[0] and plan[1] == plan[0]
     assert agree == cases - rejected
+
+
+# ---------------------------------------------------------------------- a forged checkpoint's page ids
+
+
+def _forge_checkpoint(data: bytes, edit) -> bytes:
+    """The log with its last checkpoint's state edited by ``edit(canonical dict)``, its digest made
+    right for the new bytes, and every chain and CRC recomputed: only the reader's checks of what the
+    state says can refuse it."""
+    from kvledger.core.log.format import Checkpoint
+    from kvledger.core.state.canonical import digest_of
+
+    off, _, n, _, _ = [r for r in _records_of(data) if r[1] == KIND_CHECKPOINT][-1]
+    cp = msgspec.msgpack.decode(data[off + 28 : off + 28 + n], type=Checkpoint)
+    canon = msgspec.msgpack.decode(cp.state)
+    edit(canon)
+    state = msgspec.msgpack.encode(canon)
+    payload = msgspec.msgpack.encode(Checkpoint(seq=cp.seq, digest=digest_of(state), state=state))
+    head = bytearray(data[off : off + 28])
+    struct.pack_into("<I", head, 4, len(payload))
+    return _rechain(data[:off] + bytes(head) + payload + bytes(12) + data[off + 40 + n :])
+
+
+@pytest.mark.parametrize("bad", [GEOMETRY.num_pages, GEOMETRY.num_pages + 1000, -1])
+def test_a_checkpoint_naming_a_page_outside_the_geometry_is_corruption_for_every_fold(bad):
+    """Found by the heavy profile's log fuzzer (2026-12-02, 883,708th execution of one process): a
+    checkpoint whose request listed a page past num_pages passed the trusted start (it skips the
+    O(num_pages) invariants), and the fold's final invariant check raised IndexError out of
+    ``rebuild_state``. Negative ids indexed from the table's end, silently."""
+    data, _, _ = _log("cp-range", steps=25, every=23)
+
+    def edit(canon: dict) -> None:
+        live = [r for r in canon["requests"] if r[3]]
+        assert live, "no request with KV pages at the last checkpoint"
+        live[0][3].append(bad)
+        for r in canon["kv_steps"]:
+            if r[0] == live[0][0]:
+                r[1].append(r[1][-1])
+
+    forged = _forge_checkpoint(data, edit)
+    for trusted in (True, False):  # a fold that starts at the checkpoint
+        with _view(forged) as v:
+            assert v.scan.error is None
+            with pytest.raises(CorruptLogError, match="outside the geometry"):
+                rebuild_state(v, from_checkpoint=True, trusted=trusted)
+    # a trusted fold from seq 0 that verifies every checkpoint it passes: its own digest differs
+    with _view(forged) as v, pytest.raises(CorruptLogError, match="checkpoint recorded"):
+        fold_records(v, LedgerState(), 0, trusted=True, verify_gap=0)
+    disk = SimulatedDisk()
+    disk.put("t", forged)
+    with pytest.raises(CorruptLogError, match="outside the geometry"):
+        open_ledger("t", layer=disk, logger=QUIET)
