@@ -27,6 +27,7 @@ from kvledger.demo.model import FP8, ModelConfig, RankModel, fp8_nan_bytes  # no
 from kvledger.demo.ranks import SkipClearBackend  # noqa: E402
 from kvledger.demo.results import compare_logits  # noqa: E402
 from kvledger.demo.run import run_demo, simulate  # noqa: E402
+from support.cli import SCRIPT, kvledger  # noqa: E402
 
 SMALL = DemoConfig(requests=12, short_tokens=128, long_tokens=256)
 
@@ -210,20 +211,17 @@ def test_run_demo_reports_ok_only_when_the_oracle_holds():
     assert not bad.oracle["equal"]
 
 
-SCRIPT = os.path.join(os.path.dirname(sys.executable), "kvledger")  # this tree's, not another one on PATH
-
-
 @pytest.mark.skipif(
-    importlib.util.find_spec("kvledger.tools.cli") is None or not os.path.exists(SCRIPT),
-    reason="the kvledger console script (replay/audit) is not installed beside this interpreter",
+    importlib.util.find_spec("kvledger.tools.cli") is None or SCRIPT is None,
+    reason="the kvledger console script (replay/audit) is not installed",
 )
 def test_log_replays_and_audits_with_the_console_script(tmp_path):
     log = tmp_path / "demo.kvlog"
     run = _sim(SMALL, log_path=str(log))
-    p = subprocess.run([SCRIPT, "replay", str(log)], capture_output=True, text=True, timeout=120)
+    p = kvledger("replay", str(log))
     assert p.returncode == 0, p.stdout + p.stderr
     assert run.digest in p.stdout
-    p = subprocess.run([SCRIPT, "audit", "--check", str(log)], capture_output=True, text=True, timeout=120)
+    p = kvledger("audit", "--check", str(log))
     assert p.returncode == 0, p.stdout + p.stderr
 
 

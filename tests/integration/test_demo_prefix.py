@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 
 import anyio
 import pytest
@@ -28,10 +25,10 @@ from kvledger.demo.cli import main  # noqa: E402
 from kvledger.demo.prefix import PrefixCache  # noqa: E402
 from kvledger.demo.results import compare_logits  # noqa: E402
 from kvledger.demo.run import simulate  # noqa: E402
+from support.cli import kvledger  # noqa: E402
 
 PREFIX = DemoConfig(requests=24, short_tokens=128, long_tokens=256, prefix_cache=True, page_budget=200,
                     bare_every=0)
-SCRIPT = os.path.join(os.path.dirname(sys.executable), "kvledger")
 
 
 def _sim(config, **kw):
@@ -166,7 +163,7 @@ def test_cli_prefix_cache_table_json_replay_and_audit(tmp_path, capsys):
         assert row in out
     run = json.loads(js.read_text())["run"]
     assert run["prefix_hit_rate"] > 0 and run["pages_shared"] > 0 and run["pages_evicted"] > 0
-    p = subprocess.run([SCRIPT, "replay", str(log)], capture_output=True, text=True, timeout=120)
+    p = kvledger("replay", str(log))
     assert p.returncode == 0 and run["digest"] in p.stdout, p.stdout + p.stderr
     _audit_finds_only_what_the_cache_keeps(log)
 
@@ -174,11 +171,11 @@ def test_cli_prefix_cache_table_json_replay_and_audit(tmp_path, capsys):
 def _audit_finds_only_what_the_cache_keeps(log) -> None:
     """``kvledger audit --check`` finds nothing: pages the prefix cache keeps after a request
     ended (cached, or shared by another request) are not leaks, and no read was unzeroed."""
-    p = subprocess.run([SCRIPT, "audit", str(log), "--check", "--json"], capture_output=True, text=True, timeout=120)
+    p = kvledger("audit", str(log), "--check", "--json")
     assert p.returncode == 0 and json.loads(p.stdout)["faults"] == [], p.stdout[-2000:]
 
 
 def test_audit_check_passes_on_a_prefix_cache_log(logged):
     log, _ = logged
-    p = subprocess.run([SCRIPT, "audit", log, "--check"], capture_output=True, text=True, timeout=120)
+    p = kvledger("audit", log, "--check")
     assert p.returncode == 0, p.stdout[-2000:]

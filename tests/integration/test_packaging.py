@@ -25,17 +25,44 @@ _NOT_SOURCES = shutil.ignore_patterns(
 )
 
 
+_OFFLINE = ("Temporary failure in name resolution", "Network is unreachable",
+            "No matching distribution found for setuptools")
+
+
+def _backend_here() -> bool:
+    """Whether this environment already has what pyproject's build-system asks (setuptools>=68 and
+    wheel; setuptools>=70.1 builds wheels itself): then the build runs here, needing no index."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = (int(x) for x in version("setuptools").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return False
+    if (major, minor) >= (70, 1):
+        return True
+    try:
+        version("wheel")
+    except PackageNotFoundError:
+        return False
+    return major >= 68
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     src = tmp_path_factory.mktemp("src") / "kvledger"
     shutil.copytree(ROOT, src, ignore=_NOT_SOURCES)
     out = tmp_path_factory.mktemp("wheel")
+    isolated = not _backend_here()
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(src)],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *([] if isolated else ["--no-build-isolation"]),
+         "-w", str(out), str(src)],
         capture_output=True,
         text=True,
         timeout=300,
     )
+    if proc.returncode and isolated and any(s in proc.stderr for s in _OFFLINE):
+        pytest.skip("the isolated build fetches setuptools>=68 and no package index is reachable here "
+                    "(an offline host: install setuptools>=71 to build without one)")
     assert proc.returncode == 0, proc.stderr[-2000:]
     (whl,) = out.glob("kvledger-*.whl")
     return whl

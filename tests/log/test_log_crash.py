@@ -18,8 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 
@@ -32,10 +30,10 @@ from kvledger.durable import open_ledger
 from support.simdisk import FaultInjector, SimulatedDisk
 
 from support.workload import GEOMETRY, drive
+from support.cli import kvledger
 
 IMAGES = 8 if HEAVY else 2  # crash images per cut point
 SEG = {"segment_bytes": 4096}
-CLI = os.path.join(os.path.dirname(sys.executable), "kvledger")
 
 
 class _PowerCut(Exception):
@@ -139,7 +137,7 @@ def test_f9_a_lost_last_segment_is_reported_not_rolled_back(tmp_path):
     assert ei.value.seq == first_lost and str(events - 1) in str(ei.value)
     with open_view(path) as v:
         assert isinstance(v.scan.error, CorruptLogError) and "missing" in str(v.scan.error)
-    out = subprocess.run([CLI, "replay", str(path)], capture_output=True, text=True, timeout=120)
+    out = kvledger("replay", str(path))
     assert out.returncode == 3, out.stdout + out.stderr
     print(f"F9 lost last segment: {len(segs)} segments, {events} events; open, view and replay (exit "
           f"{out.returncode}) report seq {first_lost}-{events - 1} lost")

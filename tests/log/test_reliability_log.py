@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import struct
 import subprocess
 import sys
@@ -47,11 +46,10 @@ from kvledger.tools.replay import replay_log
 
 from support.crashes import R4_HEAVY, R4_QUICK, R5_HEAVY, R5_QUICK, r4_kills, r5_seeds
 from support.workload import GEOMETRY, drive, make_events
+from support.cli import kvledger
 
 SCALE = 10 if HEAVY else 1
 # the console script of this interpreter's environment (the worktree's own install), else the one on PATH
-CLI = os.path.join(os.path.dirname(sys.executable), "kvledger")
-CLI = CLI if os.path.exists(CLI) else shutil.which("kvledger") or "kvledger"
 
 
 def _events_of(view) -> list:
@@ -505,7 +503,7 @@ def test_r10_tamper_detection(tmp_path):
     for n, (c, bad, want) in enumerate(samples):
         p = tmp_path / (f"tampered-{n}.kvlog")
         p.write_bytes(bad)
-        out = subprocess.run([CLI, "replay", str(p), "--json"], capture_output=True, text=True, timeout=120)
+        out = kvledger("replay", str(p), "--json")
         rep = json.loads(out.stdout)
         assert out.returncode == 3, (c, out.stdout, out.stderr)
         assert (rep["error"]["offset"], rep["error"]["seq"]) == want

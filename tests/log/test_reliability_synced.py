@@ -14,9 +14,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -27,11 +24,10 @@ from support.simdisk import SimulatedDisk
 from kvledger.durable import open_ledger
 
 from support.workload import GEOMETRY, drive
+from support.cli import kvledger
 
 CASES = 1000 * (10 if HEAVY else 1)
 # the console script of this interpreter's environment (the worktree's own install), else the one on PATH
-CLI = os.path.join(os.path.dirname(sys.executable), "kvledger")
-CLI = CLI if os.path.exists(CLI) else shutil.which("kvledger") or "kvledger"
 
 
 def _base(closed: bool) -> tuple[SimulatedDisk, bytes, bytes, int]:
@@ -100,7 +96,7 @@ def test_r20_the_issues_case_through_the_cli(tmp_path):
     assert len(data) > 2500
     data[2401 : len(data) - 10] = bytes(len(data) - 10 - 2401)
     p.write_bytes(bytes(data))
-    out = subprocess.run([CLI, "replay", str(p), "--json"], capture_output=True, text=True, timeout=120)
+    out = kvledger("replay", str(p), "--json")
     rep = json.loads(out.stdout)
     print(f"R20 the issue's case: {events} events, zeroed [2401, {len(data) - 10}): replay exit {out.returncode}, "
           f"{rep['error']['message'][:120]}")
@@ -192,7 +188,7 @@ def test_r20_the_issues_stale_copy_case_through_the_cli(tmp_path):
         p.write_bytes(blob)
         with pytest.raises(CorruptLogError):
             open_ledger(p, logger=QUIET)
-        out = subprocess.run([CLI, "replay", str(p), "--json"], capture_output=True, text=True, timeout=120)
+        out = kvledger("replay", str(p), "--json")
         assert out.returncode == 3, (name, out.stdout, out.stderr)
         assert p.read_bytes() == blob  # untouched
 

@@ -9,6 +9,7 @@
     craft       log bytes built by hand, checksums and chain forged to match
     crashes     R4 and R5 as functions of a kill or seed range (the heavy profile shards them)
     upstream    vLLM 0.33.0's wheel and sdist, fetched once and cached
+    cli         the kvledger console script (``kvledger(*args)``), found beside the interpreter or on PATH
 """
 
 from __future__ import annotations

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -25,23 +23,9 @@ from kvledger.core.log import EventLog
 from kvledger.durable import open_ledger
 
 from support.workload import GEOMETRY, drive
+from support.cli import kvledger
 
 
-def _script() -> str | None:
-    """The console script installed beside the interpreter running the tests (its venv's,
-    so the script runs this tree), else the one on PATH."""
-    here = os.path.join(os.path.dirname(sys.executable), "kvledger")
-    return here if os.path.exists(here) else shutil.which("kvledger")
-
-
-SCRIPT = _script()
-
-
-def kvledger(*args, timeout=120):
-    """Run the installed console script (``pip install -e .`` puts it beside the interpreter)."""
-    if SCRIPT is None:
-        pytest.fail("the kvledger console script is not installed: run `python -m pip install -e . --no-deps`")
-    return subprocess.run([SCRIPT, *map(str, args)], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
