@@ -364,11 +364,19 @@ def test_a_checkpoint_naming_a_page_outside_the_geometry_is_corruption_for_every
     checkpoint whose request listed a page past num_pages passed the trusted start (it skips the
     O(num_pages) invariants), and the fold's final invariant check raised IndexError out of
     ``rebuild_state``. Negative ids indexed from the table's end, silently."""
-    data, _, _ = _log("cp-range", steps=25, every=23)
+    disk = SimulatedDisk()  # a log left open (synced, not closed): its last checkpoint is not at its end
+    led = open_ledger("t", GEOMETRY, layer=disk, checkpoint_every=23, logger=QUIET)
+    drive(led, "cp-range", 25, ranks=2, tenants=3)
+    led.sync()
+    led.log.abandon()
+    data = disk.read("t")
+    with _view(data) as v:
+        final = rebuild_state(v, from_checkpoint=False)[0]
 
     def edit(canon: dict) -> None:
-        live = [r for r in canon["requests"] if r[3]]
-        assert live, "no request with KV pages at the last checkpoint"
+        # a request that finishes after the checkpoint: the fold would release the forged page
+        live = [r for r in canon["requests"] if r[3] and r[0] not in final.requests]
+        assert live, "no request with KV pages at the last checkpoint that ends after it"
         live[0][3].append(bad)
         for r in canon["kv_steps"]:
             if r[0] == live[0][0]:
