@@ -86,7 +86,9 @@ def test_wheel_ships_py_typed(wheel):
 def test_wheel_imports_from_a_plain_directory(wheel, tmp_path):
     target = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(target)
-    env = dict(os.environ, PYTHONPATH=str(target))
+    # the wheel's folder first; the environment's own entries after it (a host whose dependencies were
+    # installed into a --target folder finds msgspec there; the assert below pins which kvledger loads)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")])))
     code = (
         "import kvledger, kvledger.core.state, kvledger.wire, kvledger.executors;"
         f"assert kvledger.__file__.startswith({str(target)!r}), kvledger.__file__;"
