@@ -62,7 +62,7 @@ def wheel(tmp_path_factory) -> Path:
     )
     if proc.returncode and isolated and any(s in proc.stderr for s in _OFFLINE):
         pytest.skip("the isolated build fetches setuptools>=68 and no package index is reachable here "
-                    "(an offline host: install setuptools>=71 to build without one)")
+                    "(an offline host: install setuptools>=70.1 to build without one)")
     assert proc.returncode == 0, proc.stderr[-2000:]
     (whl,) = out.glob("kvledger-*.whl")
     return whl
