@@ -231,13 +231,14 @@ def _start_metrics(args: argparse.Namespace, err):
 
 
 def _stop_metrics(server, args: argparse.Namespace, err) -> None:
-    """``--metrics-linger``: serve until one more scrape (or the time is up), then stop."""
+    """``--metrics-linger``: serve until one more scrape (or the time is up), then stop. The scrape
+    waited for began after the run was over (not one in flight then), so it holds the final figures."""
     linger = getattr(args, "metrics_linger", 0.0)
     try:
         if linger > 0:
             err.print(f"metrics: the run is over; serving {server.url} until one more scrape "
                       f"(at most {linger:g} s)", markup=False, highlight=False, soft_wrap=True)
-            server.wait_scrape(server.scrapes, linger)
+            server.wait_fresh_scrape(linger)
     finally:
         server.close()
 

@@ -3,6 +3,7 @@
     server = MetricsServer(registry, port=0)      # 0: any free port (server.port says which)
     ... GET http://127.0.0.1:PORT/metrics  (Prometheus text exposition; any path serves it)
     server.wait_scrape(after=n, timeout=30)       # block until scrape n + 1 has been served
+    server.wait_fresh_scrape(timeout=30)          # ... until one that began after this call has
     server.close()                                # returns at once; answers in progress finish
 
 One listening thread accepts connections; each connection is served in its own
@@ -64,6 +65,26 @@ class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
             self.slots.release()
 
 
+class _Delivered:
+    """A WSGI body that reports once the server has written all of it: the server calls
+    ``close()`` after its last write, so a scrape counts as served only when its answer is on
+    the socket (a demo that stops serving after "one more scrape" never cuts that answer off)."""
+
+    def __init__(self, body: Any, served: Any) -> None:
+        self._body, self._served = body, served
+
+    def __iter__(self) -> Any:
+        return iter(self._body)
+
+    def close(self) -> None:
+        try:
+            close = getattr(self._body, "close", None)
+            if close is not None:
+                close()
+        finally:
+            self._served()
+
+
 class MetricsServer:
     """Serve ``registry`` on ``host:port`` until ``close()`` (also a context manager).
 
@@ -84,14 +105,17 @@ class MetricsServer:
         app = prometheus().make_wsgi_app(registry)
         self.scrapes = 0
         self._served = threading.Condition()
+        self._begun = 0  # scrapes that reached the registry, numbered in the order they began
+        self._newest_served = 0  # the highest such number among the scrapes served
 
         def counted(environ: dict, start_response: Any) -> Any:
-            body = app(environ, start_response)
-            if environ.get("REQUEST_METHOD") == "GET":
-                with self._served:
-                    self.scrapes += 1
-                    self._served.notify_all()
-            return body
+            if environ.get("REQUEST_METHOD") != "GET":
+                return app(environ, start_response)
+            with self._served:
+                self._begun += 1
+                number = self._begun
+            body = app(environ, start_response)  # the registry is collected here
+            return _Delivered(body, lambda: self._count_served(number))
 
         handler = type("_Handler", (_QuietHandler,), {"timeout": float(idle_timeout)})
         try:
@@ -111,10 +135,25 @@ class MetricsServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}/metrics"
 
+    def _count_served(self, number: int) -> None:
+        with self._served:
+            self.scrapes += 1
+            self._newest_served = max(self._newest_served, number)
+            self._served.notify_all()
+
     def wait_scrape(self, after: int, timeout: float) -> bool:
         """Block until more than ``after`` scrapes were served (True) or ``timeout`` s pass (False)."""
         with self._served:
             return self._served.wait_for(lambda: self.scrapes > after, timeout)
+
+    def wait_fresh_scrape(self, timeout: float) -> bool:
+        """Block until a scrape that began after this call has been served (True) or ``timeout``
+        s pass (False). A scrape already in flight does not count: it may have collected the
+        registry before the caller's last change (``kvledger demo --metrics-linger`` waits on
+        this once the run is over, so the scrape it waits for holds the final figures)."""
+        with self._served:
+            mark = self._begun
+            return self._served.wait_for(lambda: self._newest_served > mark, timeout)
 
     def close(self) -> None:
         """Stop accepting and release the port, without waiting for answers in progress. Idempotent."""

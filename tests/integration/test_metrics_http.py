@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import http.client
 import json
 import re
 import socket
@@ -59,7 +60,9 @@ def fresh() -> tuple:
 def get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as resp:
         assert resp.status == 200
-        return resp.read().decode()
+        text = resp.read().decode()
+    assert text, "an empty answer: the server stopped before writing it"
+    return text
 
 
 def test_server_serves_the_registry_counts_scrapes_and_releases_its_port():
@@ -86,6 +89,85 @@ def test_server_serves_the_registry_counts_scrapes_and_releases_its_port():
             MetricsServer(reg, port=port)  # type: ignore[arg-type]
 
 
+class _Gate:
+    """A collector whose collect() blocks until released: a scrape held in flight."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.armed = True
+
+    def collect(self):
+        if self.armed:
+            self.armed = False
+            self.entered.set()
+            self.release.wait(30)
+        from prometheus_client.core import GaugeMetricFamily
+
+        yield GaugeMetricFamily("gate", "held in flight once", value=1)
+
+
+def test_a_fresh_scrape_is_one_that_began_after_the_wait_not_one_in_flight():
+    """CI flake of stop 26: the demo's linger counted a scrape already in flight when the run
+    was over as "one more" (its figures may predate the end) and stopped serving before the
+    final scrape. ``wait_fresh_scrape`` returns only for a scrape that began after the call."""
+    reg = prometheus_client.CollectorRegistry()
+    gate = _Gate()
+    reg.register(gate)  # type: ignore[arg-type]
+    with MetricsServer(reg, port=0) as server:
+        early = threading.Thread(target=lambda: get(server.url))
+        early.start()
+        assert gate.entered.wait(10)  # the early scrape is collecting, not yet served
+        waited: list[bool] = []
+        waiter = threading.Thread(target=lambda: waited.append(server.wait_fresh_scrape(30)))
+        mark = server.scrapes
+        waiter.start()
+        time.sleep(0.2)  # the waiter has taken its mark (a scheduling delay makes the test pass, never fail)
+        gate.release.set()
+        early.join()
+        assert server.wait_scrape(mark, 10)  # the in-flight scrape was served ...
+        waiter.join(0.3)
+        assert waiter.is_alive() and not waited  # ... and is not the fresh one
+        get(server.url)
+        waiter.join(10)
+        assert waited == [True]
+        assert not server.wait_fresh_scrape(0.05)  # none began after this call
+
+
+class _Bulky:
+    """A collector whose exposition (~24 MB) is larger than loopback's socket buffers."""
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        fam = GaugeMetricFamily("bulky", "a large answer", labels=["blob"])
+        for i in range(24):
+            fam.add_metric([f"{i:02d}" + "x" * (1 << 20)], i)
+        yield fam
+
+
+def test_a_scrape_counts_as_served_only_once_its_answer_is_written():
+    """The cause of stop 26's CI failure: the scrape was counted when the registry had been
+    collected, before the answer was written, so the demo stopped serving (and exited) with
+    the final scrape's answer unwritten (the scraper read an empty body). A client that asks
+    and does not read holds the answer in the server: it is not served until it is read."""
+    reg = prometheus_client.CollectorRegistry()
+    reg.register(_Bulky())  # type: ignore[arg-type]
+    with MetricsServer(reg, port=0, idle_timeout=30) as server:
+        client = socket.create_connection(("127.0.0.1", server.port))
+        try:
+            client.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+            assert not server.wait_scrape(0, 1.0)  # collected, still being written: not served
+            got = bytearray()
+            client.settimeout(30)
+            while chunk := client.recv(1 << 20):
+                got += chunk
+        finally:
+            client.close()
+        assert server.wait_scrape(0, 10) and server.scrapes == 1
+        head, _, body = bytes(got).partition(b"\r\n\r\n")
+        assert b" 200 " in head.split(b"\r\n")[0] and len(body) > 24 << 20
+
+
 def test_an_idle_client_blocks_no_scrape_and_close_returns_at_once():
     """The probe of issue #19 (cc956ad: one idle TCP client blocked every scrape and made close()
     hang): a client that connects and sends nothing, and one that sends half a request, sit on
@@ -107,7 +189,9 @@ def test_an_idle_client_blocks_no_scrape_and_close_returns_at_once():
         assert _closed_within(idle, 10)  # idle_timeout: the server dropped it
         for s in late:
             s.close()
-        assert v(parse(get(server.url)), "kvledger_ledger_seq") == 1
+        # The server frees a closed client's slot when its thread reads the EOF: under load that
+        # lands after our next connect, which is then refused at once (a scraper retries).
+        assert v(parse(get_until_served(server.url, 10)), "kvledger_ledger_seq") == 1
         half2 = socket.create_connection(("127.0.0.1", server.port))
         half2.sendall(b"GET /metrics HTTP/1.1\r\n")
         t0 = time.monotonic()
@@ -122,6 +206,18 @@ def test_an_idle_client_blocks_no_scrape_and_close_returns_at_once():
             server.close()
     print(f"close() with a half-sent request open: {took * 1000:.0f} ms")
     assert not closer.is_alive() and took < 1.0
+
+
+def get_until_served(url: str, deadline_s: float) -> str:
+    """``get``, again every 50 ms while the server refuses the connection (all slots busy)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            return get(url)
+        except (http.client.RemoteDisconnected, ConnectionResetError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def _closed_within(sock: socket.socket, timeout: float) -> bool:
@@ -170,7 +266,10 @@ def assert_labels_bounded(got: dict, world: int) -> None:
 
 def poll(url: str, into: list, stop: threading.Event) -> None:
     while not stop.wait(0.2):
-        into.append(parse(get(url)))
+        try:
+            into.append(parse(get(url)))
+        except OSError:  # the demo stopped serving: its one more scrape was one of ours
+            return
 
 
 def final_scrape(proc: subprocess.Popen, url: str, deadline_s: float = 60.0) -> dict:
@@ -212,7 +311,10 @@ def demo_with_scrapes(tmp_path: Path, world: int) -> tuple[list[dict], dict, dic
             elif line.startswith("metrics: the run is over"):
                 stop.set()
                 poller.join()
-                final = final_scrape(proc, url)
+                # The demo stops serving after the first scrape that began after the run was
+                # over. If that was the poller's (it raced this line), the server is gone now
+                # and the poller's last scrape is that one: the final figures.
+                final = final_scrape(proc, url) or (during[-1] if during else {})
                 break
         out, err = proc.communicate(timeout=120)
     finally:
