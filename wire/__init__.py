@@ -1,7 +1,8 @@
-"""kvledger.wire: tensor-parallel PREPARE/READY/LAUNCH/COMPLETE over layout-8 frames.
+"""kvledger.wire: tensor-parallel PREPARE/READY/LAUNCH/COMPLETE over layout-9 frames.
 
     frames       the frame values and codes (small frozen msgspec Structs)
     codec        their byte layout and the encoders (``struct``, CRC32, golden bytes)
+    auth         the handshake's proof of the job's key (HMAC-SHA256), what it protects and what not
     decoder      bytes -> frames (incremental, checked) and the PREPARE page-id check
     protocol     the handshake's overview, the events links hand out, the link base
     peer         PeerLink: a peer's end of its link (pure state machine)
@@ -19,11 +20,14 @@ when one of their names is first used. Never torch, triton or CUDA.
 
 from typing import TYPE_CHECKING
 
+from .auth import INSECURE_TEST_KEY, KEY_ENV, key_from_env, key_from_text, key_to_text, new_key, new_nonce
 from .codec import (
     FLAG_SANITIZE,
     LAYOUT,
     NO_RANK,
     Abort,
+    Auth,
+    Challenge,
     Complete,
     FrameKind,
     Hello,
@@ -89,9 +93,13 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "FLAG_SANITIZE",
+    "INSECURE_TEST_KEY",
+    "KEY_ENV",
     "LAYOUT",
     "NO_RANK",
     "Abort",
+    "Auth",
+    "Challenge",
     "Complete",
     "Completed",
     "Completions",
@@ -109,6 +117,11 @@ __all__ = [
     "encode",
     "encode_prepare",
     "geometry_digest",
+    "key_from_env",
+    "key_from_text",
+    "key_to_text",
+    "new_key",
+    "new_nonce",
     "page_ids_problem",
     "NEED_DATA",
     "Answered",

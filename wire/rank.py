@@ -15,13 +15,26 @@ importable from here).
         plan = ledger.seal_step(step)
         d = await leader.run_step(plan, payload, timeout=0.5)
         d.launch: clear plan.clear_list locally,     run_peer(stream, geometry, rank=r, world_size=W,
-                  run the step,                               on_launch=clear_and_run)
+                  run the step,                               key=leader.key, on_launch=clear_and_run)
                   c = await leader.wait_completed(    on LAUNCH: on_launch(step, clear_pages, payload),
                           step, timeout=1.0)                     then COMPLETE(ok, or failed + why)
                   ledger.complete_step(step, r)      on ABORT:  on_drop(step, code, rank)  (nothing cleared)
                       for r in c.completed
                   c.ok or ledger.abort_step(step)
         else:     ledger.abort_step(step)
+
+Who may be a rank (layout 9). Every link proves the job's key before it counts
+(``kvledger.wire.auth``); the leader's key is ``key=``, else ``$KVLEDGER_WIRE_KEY``,
+else a fresh one (``WireLeader.key``: hand it to the peers). A link that has not
+proved it is *pending*, and pending links are bounded: each gets
+``handshake_timeout`` seconds to join (then it is closed), and at most
+``max_pending`` are held at once (one more evicts the oldest pending link, so an
+idle flood never locks a real rank out, and never holds more than that many
+sockets). ``pinned`` ({rank: IP address}) also refuses a rank that connects from
+another address. The accept loop survives EMFILE / ENFILE and other accept
+errors (it logs, backs off up to a second, and goes on serving the links it
+has). ``statistics()`` counts all of it (``pending``, ``evicted``,
+``handshake_timeouts``, ``auth_failed``, ``accept_errors``).
 
 Per link the leader runs a reader task (frames in, votes to the decision rule,
 completions to the ledger of completions) and a writer task fed by a bounded
@@ -38,15 +51,19 @@ nothing here configures output.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+import ipaddress
+import math
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
-from anyio.abc import ByteStream, TaskStatus
+from anyio.abc import ByteStream, SocketAttribute, TaskStatus
 
 from ..core.errors import InvalidArgumentError, WireProtocolError
 from ..core.events import Geometry, StepPlan
+from .auth import INSECURE_TEST_KEY, check_key, key_from_env, new_key, new_nonce
 from .codec import RejectCode, Sanitize
 from .completion import Completions, StepCompletion
 from .decision import Leader
@@ -60,8 +77,11 @@ __all__ = ["WireLeader", "open_leader", "run_peer", "OnLaunch", "OnDrop"]
 _DECIDABLE = (LeaderState.IDLE, LeaderState.AWAITING, LeaderState.VOTED)  # a link that can take LAUNCH / ABORT
 
 
+_ACCEPT_BACKOFF = (0.01, 1.0)  # seconds: the first wait after a failed accept, and the longest
+
+
 class _Conn:
-    __slots__ = ("link", "stream", "out_send", "out_recv", "rank", "cancel", "alive", "writer_done")
+    __slots__ = ("link", "stream", "out_send", "out_recv", "rank", "cancel", "alive", "writer_done", "handshake")
 
     def __init__(self, link: LeaderLink, stream: ByteStream, outbox: int) -> None:
         self.link = link
@@ -71,6 +91,37 @@ class _Conn:
         self.cancel: anyio.CancelScope | None = None
         self.alive = True
         self.writer_done = anyio.Event()
+        self.handshake = anyio.CancelScope()  # the handshake deadline (set when the link's task starts)
+
+
+def _pins(pinned: Mapping[int, str] | None, world_size: int) -> dict[int, Any]:
+    """``pinned`` checked: {peer rank: ip_address}. ``InvalidArgumentError`` for a rank out of range
+    or an address that is not an IP literal."""
+    out: dict[int, Any] = {}
+    for rank, host in (pinned or {}).items():
+        if type(rank) is not int or not 1 <= rank < world_size:
+            raise InvalidArgumentError(f"pinned: {rank!r} is not a peer rank of {world_size}")
+        try:
+            out[rank] = _unmapped(ipaddress.ip_address(host))
+        except ValueError:
+            raise InvalidArgumentError(f"pinned: rank {rank}'s address must be an IP address, got {host!r}") from None
+    return out
+
+
+def _unmapped(ip: Any) -> Any:
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return mapped if mapped is not None else ip
+
+
+def _peer_ip(stream: ByteStream) -> Any:
+    """The remote IP address of a TCP stream (None for a stream without one, e.g. a memory pipe)."""
+    addr = stream.extra(SocketAttribute.remote_address, None)
+    if not isinstance(addr, tuple):
+        return None
+    try:
+        return _unmapped(ipaddress.ip_address(addr[0]))
+    except ValueError:
+        return None
 
 
 class WireLeader:
@@ -80,6 +131,13 @@ class WireLeader:
     time. ``wait_completed`` waits for the peers' COMPLETEs of a launched step
     (any number of launched steps may await theirs). ``statistics()`` gives the
     decision rule's counters, the completions' and the links'.
+
+    ``key``: the job's key (None: ``$KVLEDGER_WIRE_KEY``, else a fresh one; read it
+    back from ``key`` to hand it to the peers). ``handshake_timeout``: seconds a
+    link may take to prove the key and join; ``max_pending``: links held at once
+    that have not (module docstring); ``pinned``: {peer rank: IP address} each
+    such rank must connect from. Raises ``InvalidArgumentError`` for a bad value,
+    ``ConfigurationError`` for a ``$KVLEDGER_WIRE_KEY`` that is not a key.
     """
 
     def __init__(
@@ -91,10 +149,29 @@ class WireLeader:
         outbox_frames: int = 32,
         close_grace: float = 1.0,
         logger: Any = None,
+        key: bytes | None = None,
+        handshake_timeout: float = 5.0,
+        max_pending: int = 64,
+        pinned: Mapping[int, str] | None = None,
     ) -> None:
+        if not isinstance(handshake_timeout, (int, float)) or not handshake_timeout > 0:
+            raise InvalidArgumentError(f"handshake_timeout must be a positive number of seconds, "
+                                       f"got {handshake_timeout!r}")
+        if type(max_pending) is not int or max_pending < 1:
+            raise InvalidArgumentError(f"max_pending must be an int >= 1, got {max_pending!r}")
         self.geometry = geometry
         self.world_size = world_size
         self._rule = Leader(geometry, world_size=world_size, next_step=next_step)
+        self._pinned = _pins(pinned, world_size)
+        env_key = key_from_env() if key is None else None
+        self._key = check_key(key) if key is not None else env_key if env_key is not None else new_key()
+        self._handshake_timeout = float(handshake_timeout)
+        self._max_pending = max_pending
+        self._pending: OrderedDict[_Conn, None] = OrderedDict()  # unproven links, oldest first
+        self._counts = {"evicted": 0, "handshake_timeouts": 0, "accept_errors": 0, "pin_refused": 0}
+        self._auth_failed = 0  # proofs that failed on links already closed
+        self._quiet: dict[str, int] = {}  # log lines held back, by event (``_quota``)
+        self._logged: dict[str, float] = {}
         self._outbox = outbox_frames
         self._close_grace = close_grace
         self._log = wire_logger(logger)
@@ -107,14 +184,47 @@ class WireLeader:
         self._completions_changed = anyio.Event()
         self._step_lock = anyio.Lock()
         self._closing = False
+        if self._key == INSECURE_TEST_KEY:
+            self._log.warning("wire.insecure_test_key", side="leader",
+                              detail="INSECURE_TEST_KEY is publicly known: any process can be a rank")
+
+    def _quota(self, event: str) -> bool:
+        """Whether to log ``event`` now: at most once a second each (what a flood of unproven links
+        causes is counted, and the next line says how many were held back)."""
+        now = anyio.current_time()
+        if now - self._logged.get(event, -math.inf) >= 1.0:
+            self._logged[event] = now
+            return True
+        self._quiet[event] = self._quiet.get(event, 0) + 1
+        return False
+
+    @property
+    def key(self) -> bytes:
+        """The job's key every peer must prove (hand it to them: ``run_peer(..., key=)``, the
+        environment's ``KVLEDGER_WIRE_KEY`` as hex, or the rendezvous store)."""
+        return self._key
 
     # ------------------------------------------------------------------ links
 
     def attach(self, stream: ByteStream) -> None:
-        """Serve one peer over ``stream`` (any anyio byte stream); returns at once."""
+        """Serve one peer over ``stream`` (any anyio byte stream); returns at once.
+
+        The link is pending until its peer proved the key and joined: it is closed after
+        ``handshake_timeout`` s, and when ``max_pending`` links are pending already the
+        oldest of them is closed to make room."""
         if self._tg is None or self._closing:
             raise InvalidArgumentError("attach() outside open_leader() or after it closed")
-        conn = _Conn(LeaderLink(self.geometry, world_size=self.world_size), stream, self._outbox)
+        link = LeaderLink(self.geometry, world_size=self.world_size, key=self._key, nonce=new_nonce())
+        conn = _Conn(link, stream, self._outbox)
+        while len(self._pending) >= self._max_pending:
+            oldest, _ = self._pending.popitem(last=False)
+            self._counts["evicted"] += 1
+            if self._quota("pending_evicted"):
+                self._log.warning("wire.pending_evicted", evicted=self._counts["evicted"],
+                                  max_pending=self._max_pending)
+            oldest.handshake.cancel()
+        self._pending[conn] = None
+        conn.handshake.deadline = anyio.current_time() + self._handshake_timeout
         self._all.add(conn)
         self._tg.start_soon(self._run_conn, conn)
 
@@ -132,6 +242,10 @@ class WireLeader:
     async def _serve(
         self, listener: Any, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
+        """Accept until the leader closes. A failed accept (EMFILE / ENFILE: out of file
+        descriptors; ECONNABORTED, ENOBUFS, ...) is logged and retried after a pause that
+        doubles up to a second: the links already served go on meanwhile."""
+        backoff = _ACCEPT_BACKOFF[0]
         async with listener:
             task_status.started()
             while True:
@@ -139,6 +253,15 @@ class WireLeader:
                     stream = await accept(listener)
                 except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                     return
+                except OSError as exc:
+                    self._counts["accept_errors"] += 1
+                    if self._quota("accept_failed"):
+                        self._log.warning("wire.accept_failed", errno=exc.errno, error=str(exc), retry_s=backoff,
+                                          since_last=self._quiet.pop("accept_failed", 0))
+                    await anyio.sleep(backoff)
+                    backoff = min(2 * backoff, _ACCEPT_BACKOFF[1])
+                    continue
+                backoff = _ACCEPT_BACKOFF[0]
                 if self._closing:
                     await stream.aclose()
                     return
@@ -226,12 +349,23 @@ class WireLeader:
             async with anyio.create_task_group() as tg:
                 conn.cancel = tg.cancel_scope
                 tg.start_soon(self._write_loop, conn)
-                await self._read_loop(conn)
+                with conn.handshake:  # lifted (deadline inf) once the peer proved the key and joined
+                    await self._read_loop(conn)
+                if conn.handshake.cancelled_caught and conn.rank is None:
+                    timed_out = anyio.current_time() >= conn.handshake.deadline
+                    if timed_out:
+                        self._counts["handshake_timeouts"] += 1
+                    if self._quota("handshake_dropped"):
+                        self._log.info("wire.handshake_dropped", reason="deadline" if timed_out else "evicted",
+                                       state=conn.link.state.value, since_last=self._quiet.pop("handshake_dropped", 0))
+                    tg.cancel_scope.cancel()  # nothing owed to a link that never joined
                 conn.out_send.close()
                 with anyio.move_on_after(self._close_grace):
                     await conn.writer_done.wait()
                 tg.cancel_scope.cancel()
         finally:
+            self._pending.pop(conn, None)
+            self._auth_failed += conn.link.statistics().get("auth_failed", 0)
             self._drop(conn)
             self._all.discard(conn)
             with anyio.CancelScope(shield=True):
@@ -259,7 +393,11 @@ class WireLeader:
                 try:
                     ev = link.next_event()
                 except WireProtocolError as exc:
-                    self._log.warning("wire.peer_error", rank=conn.rank, code=int(exc.code), detail=exc.detail)
+                    if conn.rank is not None:
+                        self._log.warning("wire.peer_error", rank=conn.rank, code=int(exc.code), detail=exc.detail)
+                    elif self._quota("handshake_failed"):  # (a flood of them is one line a second)
+                        self._log.warning("wire.handshake_failed", code=int(exc.code), detail=exc.detail,
+                                          since_last=self._quiet.pop("handshake_failed", 0))
                     self._flush(conn)
                     return
                 if ev is NEED_DATA:
@@ -273,12 +411,22 @@ class WireLeader:
             self._flush(conn)
 
     def _on_event(self, conn: _Conn, ev: Any) -> bool:
-        if type(ev) is PeerHello:
+        if type(ev) is PeerHello:  # (the peer proved the key: the link says so only then)
             r = ev.rank
             old = self._conns.get(r)
             if old is not None and old.alive:
                 conn.link.refuse(RejectCode.BAD_RANK, f"rank {r} is already connected")
                 return False
+            pin = self._pinned.get(r)
+            if pin is not None:
+                came = _peer_ip(conn.stream)
+                if came != pin:
+                    self._counts["pin_refused"] += 1
+                    self._log.warning("wire.pin_refused", rank=r, pinned=str(pin), came_from=str(came))
+                    conn.link.refuse(RejectCode.BAD_AUTH, f"rank {r} must connect from {pin}, came from {came}")
+                    return False
+            self._pending.pop(conn, None)
+            conn.handshake.deadline = math.inf
             rule = self._rule
             rule.join(r)
             conn.rank = r
@@ -402,9 +550,13 @@ class WireLeader:
         return self._rule.next_step
 
     def statistics(self) -> dict[str, int]:
-        """The decision rule's counters, the completions' (``complete.*``) and, per live rank, its link's."""
+        """The decision rule's counters, the completions' (``complete.*``), the handshake's
+        (``pending`` links now, ``evicted``, ``handshake_timeouts``, ``auth_failed``, ``pin_refused``,
+        ``accept_errors``) and, per live rank, its link's."""
         out = dict(self._rule.statistics())
         out.update({f"complete.{k}": v for k, v in self._done.statistics().items()})
+        out.update(self._counts, pending=len(self._pending),
+                   auth_failed=self._auth_failed + sum(c.link.statistics()["auth_failed"] for c in self._all))
         for r, c in sorted(self._conns.items()):
             for k, v in c.link.statistics().items():
                 out[f"rank{r}.{k}"] = v
