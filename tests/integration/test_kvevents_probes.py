@@ -326,7 +326,7 @@ def test_vllms_endpoint_rules():
 
 def test_a_wildcard_bind_reports_an_endpoint_a_subscriber_can_dial(ctx, monkeypatch):
     monkeypatch.setenv("KVLEDGER_HOST_IP", "127.0.0.1")
-    with KVEventPublisher("tcp://*:0", replay_endpoint="tcp://*:0") as pub:
+    with KVEventPublisher("tcp://*:0", replay_endpoint="tcp://*:0", allow_remote=True) as pub:
         assert pub.binds and pub.endpoint.startswith("tcp://127.0.0.1:") and pub.endpoint != "tcp://127.0.0.1:0"
         d = ctx.socket(zmq.DEALER)
         d.connect(pub.replay_endpoint)
@@ -338,7 +338,7 @@ def test_a_wildcard_bind_reports_an_endpoint_a_subscriber_can_dial(ctx, monkeypa
 def test_data_parallel_ranks_publish_on_offset_ports(ctx):
     with KVEventPublisher("tcp://127.0.0.1:0", bind=True) as probe:
         port = int(probe.endpoint.rpartition(":")[2])
-    pubs = [KVEventPublisher(f"tcp://*:{port}", data_parallel_rank=r) for r in (0, 1)]
+    pubs = [KVEventPublisher(f"tcp://*:{port}", data_parallel_rank=r, allow_remote=True) for r in (0, 1)]
     try:
         for p in pubs:
             p.start()
