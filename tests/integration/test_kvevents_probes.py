@@ -147,6 +147,84 @@ def test_a_replay_flood_starves_no_live_batch_and_stop_ends_the_thread(ctx):
     assert not pub.thread.is_alive() and took < 1.0 + 0.5  # 1 s, and a little for a loaded box's scheduler
 
 
+_MANY = textwrap.dedent("""
+    import sys, time
+    import zmq
+    from kvledger.kvevents import seq_bytes
+    ctx = zmq.Context()
+    socks = []
+    for _ in range(int(sys.argv[2])):  # more requesters than the publisher serves at once, none reading
+        d = ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.SNDHWM, 100_000)
+        d.setsockopt(zmq.RCVHWM, 4)
+        d.connect(sys.argv[1])
+        socks.append(d)
+    print("flooding", flush=True)
+    t0 = time.monotonic()
+    sent = 0
+    while time.monotonic() - t0 < float(sys.argv[3]):
+        for d in socks:
+            try:
+                d.send_multipart([b"", seq_bytes(0)], zmq.NOBLOCK)
+                sent += 1
+            except zmq.Again:
+                pass
+        time.sleep(0.001)
+    print("stopped", sent, flush=True)
+    sys.stdin.read()  # the sockets stay connected, unread, until the test is done
+""")
+
+
+def _replay(ctx, endpoint: str, first: int, seconds: float = 10) -> tuple[list[int], bool, float]:
+    """A consumer's replay request from ``first``: the seqs it got, whether the end marker came, and
+    how long the whole answer took."""
+    d = ctx.socket(zmq.DEALER)
+    d.connect(endpoint)
+    t0 = time.monotonic()
+    d.send_multipart([b"", seq_bytes(first)])
+    seqs, end = [], False
+    try:
+        while time.monotonic() - t0 < seconds:
+            if d.poll(50):
+                frames = d.recv_multipart()  # [b"", topic, seq, payload]
+                if frames[2] == SEQ_END:
+                    end = True
+                    break
+                seqs.append(int.from_bytes(frames[2], "big"))
+    finally:
+        d.close(linger=0)
+    return seqs, end, time.monotonic() - t0
+
+
+def test_a_legitimate_replay_during_and_after_a_flood_gets_its_batches_and_the_end_marker(ctx):
+    """Issue 32, finding 6 (e388c64: right after 100 requesters flooded the replay socket with
+    full-replay requests and stopped reading, a consumer's request for the last 10 batches got
+    nothing at all: no batches, no end marker, no error). The flooders hold their sockets open,
+    unread; the consumer is answered whole, during the flood and after it."""
+    steps = 2000
+    pub = KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", buffer_steps=steps).start()
+    for i in range(steps):
+        assert pub.publish(batch(first=i), timeout=30) is not None
+    assert pub.wait_sent(steps - 1, 30)
+    flood = subprocess.Popen([sys.executable, "-c", _MANY, pub.replay_endpoint, "100", "3"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert flood.stdout.readline().strip() == "flooding"
+        assert wait_for(lambda: pub.statistics().replay_requests > 1000, 30)
+        during = _replay(ctx, pub.replay_endpoint, steps - 10)
+        flood.stdout.readline()  # "stopped": the flood is over, its 100 sockets still open and unread
+        after = _replay(ctx, pub.replay_endpoint, steps - 10)
+        s = pub.statistics()
+    finally:
+        flood.communicate("", timeout=30)
+        pub.stop()
+    want = list(range(steps - 10, steps))
+    print(f"replay flood of 100 requesters: {s.replay_requests} requests ({s.replay_refused} refused or cut off); "
+          f"a consumer's request for the last 10 batches got {len(during[0])} batches + end marker {during[1]} in "
+          f"{during[2] * 1000:.0f} ms during it, {len(after[0])} + {after[1]} in {after[2] * 1000:.0f} ms after it")
+    assert during[:2] == (want, True) and after[:2] == (want, True)
+
+
 def test_stop_returns_within_its_timeout_when_a_subscriber_stopped_reading(ctx):
     pub = KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0").start()
     sub = ctx.socket(zmq.SUB)
