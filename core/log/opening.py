@@ -120,7 +120,7 @@ def _open_directory(layer, directory: str, repair: bool, loader, max_pages: int,
         paths = d.drop_empty_tail(list_segments(layer, directory))
         bufs, scans = scan_segments(layer, paths, max_pages=max_pages)
         res = combine(directory, scans)
-        view = LogView(bufs[0], res, directory, bufs=bufs, paths=paths[: len(scans)])
+        view = LogView(None, res, directory, bufs=bufs, paths=paths[: len(scans)])
         try:
             res.raise_error()
             lost = missing_tail(layer, directory, paths, res.header)

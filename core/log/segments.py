@@ -15,7 +15,11 @@ audit and ``open_ledger`` fold from its checkpoint on.
 
     list_segments      the segment files of a directory, in seq order
     scan_segments      map and verify segments in order, each against its successor's
-                       header (complete and intact) and the last one against its stamp
+                       header (complete and intact) and the last one against its stamp,
+                       holding at most two mapped at once while it scans
+    SegmentBuffers     a view's segments: at most ``MAPPED_SEGMENTS`` mapped (each mapping
+                       holds a file descriptor), the others mapped again when a record of
+                       theirs is read, and checked to still hold what was verified
     missing_tail       a sync stamp of a segment after the last one present: the
                        directory lost its tail (``CorruptLogError`` naming what was synced)
     combine            one ``Scan`` for a view over several segments
@@ -27,8 +31,10 @@ is ``directory.py``; the live segment is ``live.py``.
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 
 from ..errors import CorruptLogError, LogError, LogIOError
+from .files import release_buffer
 from .format import (
     DEFAULT_MAX_PAGES,
     SyncStamp,
@@ -37,8 +43,10 @@ from .format import (
 )
 from .scan import Scan, scan
 
-__all__ = ["LOCK_NAME", "SEGMENT_SUFFIX", "combine", "is_segment_name", "list_segments", "missing_tail",
-           "scan_segments", "segment_name", "unfinished_directory"]
+__all__ = ["LOCK_NAME", "MAPPED_SEGMENTS", "SEGMENT_SUFFIX", "SegmentBuffers", "combine", "is_segment_name",
+           "list_segments", "missing_tail", "scan_segments", "segment_name", "unfinished_directory"]
+
+MAPPED_SEGMENTS = 32  # segments a view keeps mapped at once (a mapping holds a file descriptor)
 
 SEGMENT_PREFIX, SEGMENT_SUFFIX = "seg-", ".kvlog"
 LOCK_NAME = "LOCK"
@@ -121,42 +129,131 @@ def _link_error(path: str, what: str) -> CorruptLogError:
     return CorruptLogError(path, 0, None, f"segment does not continue the one before it: {what}")
 
 
+class SegmentBuffers:
+    """The mapped segments of a view over a log directory, at most ``limit`` at once.
+
+    A mapping holds a file descriptor, so a view that kept every segment of a long
+    log mapped could not open one with more segments than ``RLIMIT_NOFILE`` allows
+    (issue 32). ``scan_segments`` hands each segment over as it verified it; the
+    ``limit`` used most recently stay mapped, and ``get`` maps another again when one
+    of its records is read (a fold reads them in order: each is mapped once more).
+
+    A segment mapped again must still hold what was verified: its header bytes, at
+    least the verified length, and the chain value of its last verified record at the
+    same place. Closed segments never change and the last one only grows or is
+    replaced by its own prefix (``files``), so that holds unless the file was deleted
+    meanwhile (retention, while a reader folds a long log: ``LogError``, read the log
+    again) or replaced by other bytes (``CorruptLogError``). A log of at most
+    ``limit`` segments stays mapped whole, as before: a reader keeps its view whole
+    whatever retention deletes.
+    """
+
+    __slots__ = ("layer", "paths", "limit", "_held", "_kept", "remapped")
+
+    def __init__(self, layer, paths: list[str], limit: int = MAPPED_SEGMENTS) -> None:
+        self.layer = layer
+        self.paths = paths
+        self.limit = max(1, limit)
+        self._held: OrderedDict[int, object] = OrderedDict()  # index -> buffer, least recently used first
+        self._kept: dict[int, tuple[bytes, int, int, bytes]] = {}  # index -> (header, verified end, the last
+        #                                                            verified record's end, its chain value)
+        self.remapped = 0  # segments mapped again on demand
+
+    def put(self, i: int, buf, scanned: Scan) -> None:
+        """Hold segment ``i``'s buffer, verified as ``scanned`` (may unmap the least recently used)."""
+        last = scanned.records[-1].end if scanned.records else 0
+        chain = bytes(buf[last - 12 : last - 4]) if last else b""
+        self._kept[i] = (bytes(buf[: scanned.header.size]), scanned.end, last, chain)
+        self._hold(i, buf)
+
+    def _hold(self, i: int, buf) -> None:
+        self._held[i] = buf
+        self._held.move_to_end(i)
+        while len(self._held) > self.limit:
+            _, old = self._held.popitem(last=False)
+            release_buffer(old)
+
+    def get(self, i: int):
+        """Segment ``i``'s buffer: held, or mapped again and checked (class docstring)."""
+        buf = self._held.get(i)
+        if buf is not None:
+            self._held.move_to_end(i)
+            return buf
+        path = self.paths[i]
+        header, end, last, chain = self._kept[i]
+        try:
+            buf = self.layer.read(path)
+        except FileNotFoundError:
+            raise LogError(f"{path} was deleted (by retention?) while this view was reading it: "
+                           "read the log again") from None
+        except OSError as exc:
+            raise LogIOError(path, "read", exc) from exc
+        same = len(buf) >= end and bytes(buf[: len(header)]) == header
+        if not same or (last and bytes(buf[last - 12 : last - 4]) != chain):
+            release_buffer(buf)
+            raise CorruptLogError(path, 0, None, "the segment no longer holds what was verified when the view "
+                                  "was made (replaced meanwhile)")
+        self.remapped += 1
+        self._hold(i, buf)
+        return buf
+
+    def close(self) -> None:
+        held, self._held = self._held, OrderedDict()
+        for buf in held.values():
+            release_buffer(buf)
+
+
 def scan_segments(layer, paths: list[str], *, until: int | None = None, max_pages: int = DEFAULT_MAX_PAGES,
-                  stamps: bool = True) -> tuple[list, list[Scan]]:
-    """Map and verify segments in order: (buffers, scans). Stops after the first problem.
+                  stamps: bool = True, limit: int = MAPPED_SEGMENTS) -> tuple[SegmentBuffers, list[Scan]]:
+    """Map and verify segments in order: (their buffers, scans). Stops after the first problem.
 
     A segment with a successor is checked against the successor's header (its
     size and last chain value: it must be complete and intact); the last one
-    against its sync stamp. The caller releases the buffers.
+    against its sync stamp. At most two segments are mapped for the scan itself
+    (one and its successor's header); the buffers keep the ``limit`` most recent
+    (``SegmentBuffers``). The caller closes the buffers.
     """
     raw_stamp = layer.read_stamp(paths[-1]) if stamps and hasattr(layer, "read_stamp") else None
-    bufs = [_read(layer, p) for p in paths]
+    held = SegmentBuffers(layer, paths, limit)
+    scans: list[Scan] = []
+    loose: list = []  # mapped here and not yet handed to ``held``: released if anything raises
     try:
-        headers = [decode_header(b, p, max_pages=max_pages) for b, p in zip(bufs, paths, strict=True)]
-        scans: list[Scan] = []
-        for i, (buf, p, hdr) in enumerate(zip(bufs, paths, headers, strict=True)):
-            nxt = headers[i + 1] if i + 1 < len(headers) else None
-            problem = _link_problem(headers[i - 1] if i else None, hdr, scans[-1] if scans else None)
+        buf = _read(layer, paths[0])
+        loose.append(buf)
+        hdr = decode_header(buf, paths[0], max_pages=max_pages)
+        prev = None
+        for i, p in enumerate(paths):
+            nxt = nxt_buf = None
+            if i + 1 < len(paths):
+                nxt_buf = _read(layer, paths[i + 1])
+                loose.append(nxt_buf)
+                nxt = decode_header(nxt_buf, paths[i + 1], max_pages=max_pages)
+            problem = _link_problem(prev, hdr, scans[-1] if scans else None)
             if problem is not None:
                 res = Scan(p, hdr, len(buf))
                 res.error = _link_error(p, problem)
-                scans.append(res)
-                break
-            stamp = decode_stamp(raw_stamp, hdr) if nxt is None else \
-                SyncStamp(log_id=hdr.log_id, size=nxt.prev_size, next_seq=nxt.first_seq, chain=nxt.prev_chain)
-            res = scan(buf, p, until=until, stamp=stamp, max_pages=max_pages, segment=i)
-            if nxt is not None and res.error is None and not res.stopped and (res.size != nxt.prev_size
-                                                                              or res.torn_at is not None):
-                res.error = CorruptLogError(p, res.end, res.next_seq, f"segment is {res.size} bytes, its successor "
-                                            f"says it was closed at {nxt.prev_size}")
+                res.segment = i
+            else:
+                stamp = decode_stamp(raw_stamp, hdr) if nxt is None else \
+                    SyncStamp(log_id=hdr.log_id, size=nxt.prev_size, next_seq=nxt.first_seq, chain=nxt.prev_chain)
+                res = scan(buf, p, until=until, stamp=stamp, max_pages=max_pages, segment=i)
+                if nxt is not None and res.error is None and not res.stopped and (res.size != nxt.prev_size
+                                                                                  or res.torn_at is not None):
+                    res.error = CorruptLogError(p, res.end, res.next_seq, f"segment is {res.size} bytes, its "
+                                                f"successor says it was closed at {nxt.prev_size}")
             scans.append(res)
-            if res.error is not None or res.stopped:
+            loose = [b for b in loose if b is not buf]
+            held.put(i, buf, res)
+            if res.error is not None or res.stopped or nxt is None:
                 break
+            prev, buf, hdr = hdr, nxt_buf, nxt
     except BaseException:
-        for b in bufs:
-            getattr(b, "close", lambda: None)()
+        held.close()
         raise
-    return bufs, scans
+    finally:
+        for b in loose:
+            release_buffer(b)
+    return held, scans
 
 
 def _link_problem(prev, hdr, prev_scan: Scan | None) -> str | None:
