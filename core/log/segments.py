@@ -4,6 +4,8 @@
         seg-00000000000000000000.kvlog    segment 0: events from seq 0
         seg-00000000000000812345.kvlog    segment k: opens with a checkpoint at seq 812345
         seg-00000000000000812345.kvlog.sync   the last segment's sync stamp
+        HEAD.sync                         the directory's head: the newest segment created
+                                          (index, first seq), replaced atomically at each roll
 
 Every segment is a version-2 file (``format.encode_segment_header``): its
 header names its index, its first seq, and the final size and chain value of
@@ -20,8 +22,12 @@ audit and ``open_ledger`` fold from its checkpoint on.
     SegmentBuffers     a view's segments: at most ``MAPPED_SEGMENTS`` mapped (each mapping
                        holds a file descriptor), the others mapped again when a record of
                        theirs is read, and checked to still hold what was verified
-    missing_tail       a sync stamp of a segment after the last one present: the
-                       directory lost its tail (``CorruptLogError`` naming what was synced)
+    missing_tail       a head, or a sync stamp, naming a segment after the last one present:
+                       the directory lost its tail (``CorruptLogError`` naming what is gone)
+    head / write_head  the directory's head stamp (44 bytes: magic, log id, index, first seq,
+                       CRC-32): which segment is the newest. Losing the last segment *with*
+                       its sync stamp leaves the head naming it, so that too is detected
+                       (issue 32); only a directory that also lost ``HEAD.sync`` cannot tell
     combine            one ``Scan`` for a view over several segments
 
 The write side (creating a directory, rolling to the next segment, retention)
@@ -31,7 +37,10 @@ is ``directory.py``; the live segment is ``live.py``.
 from __future__ import annotations
 
 import os
+import struct
+import zlib
 from collections import OrderedDict
+from typing import NamedTuple
 
 from ..errors import CorruptLogError, LogError, LogIOError
 from .files import release_buffer
@@ -43,13 +52,55 @@ from .format import (
 )
 from .scan import Scan, scan
 
-__all__ = ["LOCK_NAME", "MAPPED_SEGMENTS", "SEGMENT_SUFFIX", "SegmentBuffers", "combine", "is_segment_name",
-           "list_segments", "missing_tail", "scan_segments", "segment_name", "unfinished_directory"]
+__all__ = ["HEAD_NAME", "LOCK_NAME", "MAPPED_SEGMENTS", "SEGMENT_SUFFIX", "Head", "SegmentBuffers", "combine",
+           "encode_head", "head", "is_segment_name", "list_segments", "missing_tail", "scan_segments",
+           "segment_name", "unfinished_directory", "write_head"]
 
 MAPPED_SEGMENTS = 32  # segments a view keeps mapped at once (a mapping holds a file descriptor)
 
 SEGMENT_PREFIX, SEGMENT_SUFFIX = "seg-", ".kvlog"
 LOCK_NAME = "LOCK"
+HEAD_NAME = "HEAD"  # written through the layer's stamp call: the file is ``HEAD.sync``
+_HEAD = struct.Struct("<8s16sQQ")  # magic, log id, segment index, its first seq; then a CRC-32
+_HEAD_MAGIC = b"KVLHEAD1"
+
+
+class Head(NamedTuple):
+    """The newest segment a directory's writer created: its index and first seq."""
+
+    segment: int
+    first_seq: int
+
+
+def encode_head(log_id: bytes, segment: int, first_seq: int) -> bytes:
+    body = _HEAD.pack(_HEAD_MAGIC, log_id, segment, first_seq)
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def head(layer, directory: str, log_id: bytes) -> Head | None:
+    """The directory's head, if it has one for log ``log_id`` (None: none, unreadable, another
+    log's, or a layer without stamps: no evidence either way)."""
+    reader = getattr(layer, "read_stamp", None)
+    if reader is None:
+        return None
+    try:
+        data = reader(os.path.join(directory, HEAD_NAME))
+    except (OSError, LogError):
+        return None
+    if data is None or len(data) != _HEAD.size + 4 or data[:8] != _HEAD_MAGIC:
+        return None
+    if zlib.crc32(data[: _HEAD.size]) != struct.unpack_from("<I", data, _HEAD.size)[0]:
+        return None
+    _, owner, segment, first_seq = _HEAD.unpack_from(data, 0)
+    return Head(segment, first_seq) if owner == log_id else None
+
+
+def write_head(layer, directory: str, header) -> None:
+    """Say, durably and atomically, that the segment with ``header`` is the directory's newest
+    (a layer without stamps: nothing). Raises ``OSError``."""
+    writer = getattr(layer, "write_stamp", None)
+    if writer is not None:
+        writer(os.path.join(directory, HEAD_NAME), encode_head(header.log_id, header.segment, header.first_seq))
 
 
 def segment_name(first_seq: int) -> str:
@@ -85,12 +136,17 @@ def unfinished_directory(layer, directory: str) -> bool:
 
 
 def missing_tail(layer, directory: str, paths: list[str], header) -> CorruptLogError | None:
-    """The error for a directory that lost its last segment(s), else None.
+    """The error for a directory that lost its last segment(s), else None (``header``: the
+    header of the last segment present).
 
-    A segment gets its sync stamp when it becomes the live one and keeps it until its successor
-    holds a checkpoint; retention never deletes the live segment. So a stamp (``seg-N.kvlog.sync``)
-    of this log (``header``: any of its segments' headers) whose segment sorts after the last one
-    present names a segment that was lost with everything the stamp says was synced in it.
+    A segment gets its sync stamp when it becomes the live one and keeps it until its
+    successor holds a checkpoint; retention never deletes the live segment. So a stamp
+    (``seg-N.kvlog.sync``) of this log whose segment sorts after the last one present names
+    a segment that was lost with everything the stamp says was synced in it. Lost together
+    with its stamp, the segment is still named by the head (``HEAD.sync``: the newest
+    segment the writer created, moved back only by a writer that removes one itself): a
+    head of this log naming a segment after the last one present says the tail is gone.
+    A directory of an older kvledger has no head until a writer opens it.
     """
     last = os.path.basename(paths[-1])
     try:
@@ -115,6 +171,17 @@ def missing_tail(layer, directory: str, paths: list[str], header) -> CorruptLogE
                                f"segment {name} is missing, and its sync stamp says it was synced up to seq "
                                f"{stamp.next_seq - 1}: the directory lost its last segment(s), synced events "
                                f"seq {first}-{stamp.next_seq - 1} are gone")
+    newest = head(layer, directory, header.log_id)
+    if newest is not None and newest.segment > header.segment:
+        name = segment_name(newest.first_seq)
+        if not layer.exists(os.path.join(directory, name)):  # (else: a writer rolled after the listing)
+            return CorruptLogError(os.path.join(directory, name), 0, newest.first_seq,
+                                   f"segment {name} is missing: the directory's head (HEAD.sync) names it as "
+                                   f"segment {newest.segment}, "
+                                   f"but the last segment present is segment {header.segment} ({last}): the "
+                                   f"directory lost its last {newest.segment - header.segment} segment(s), sync "
+                                   f"stamps and all; every event after the last present segment's is gone (the "
+                                   f"newest segment began at seq {newest.first_seq})")
     return None
 
 
