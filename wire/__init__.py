@@ -11,6 +11,7 @@
     completion   Completions: which peers completed which launched step (pure)
     transport    in-process memory pipes and anyio TCP streams       (loaded on first use)
     rank         the leader's driver: open_leader / WireLeader.run_step, wait_completed  (same)
+    admission    the leader's door: deadlines and a cap on unproven links, pins, accept errors (same)
     peer_driver  the peer's driver: run_peer                                          (same)
 
 Importing this package loads only the sans-I/O half (msgspec, no anyio, no

@@ -1,5 +1,7 @@
 """A peer's end of its link to the leader: a pure state machine (see ``protocol``).
 
+One piece: ``PeerLink``'s handlers share its fields (h11's ``Connection`` is one class too).
+
 Peer link states (``PeerState``); ``k`` is the link's current step:
 
     CONNECTING ─start()─► HELLO_SENT ─CHALLENGE, the leader's proof ok─► AUTH_SENT (AUTH sent)

@@ -149,21 +149,17 @@ async def run_peer(
 ) -> dict[str, int]:
     """Run peer ``rank`` over ``stream`` until the leader closes it; return the link's counters.
 
-    Sends HELLO, proves ``key`` (the job's key; None: ``$KVLEDGER_WIRE_KEY``, and
-    ``ConfigurationError`` without one) once the leader proved it, and waits up to
-    ``hello_timeout`` s in all to be accepted (``TimeoutError`` otherwise). A leader
-    that cannot prove the key gets REJECT BAD_AUTH and nothing else. Then every
-    PREPARE is validated and answered READY or REJECT by the link,
-    ``on_launch(step, clear_pages, payload)`` runs for each LAUNCH (may be async;
-    it clears the pages and runs the step) and is followed by a
-    COMPLETE, and ``on_drop(step, code, rank)`` runs for each ABORT (nothing to
-    clear). A PREPARE whose payload is over ``max_payload`` bytes is answered
-    REJECT FRAME_TOO_LARGE (the step aborts on every rank).
-
+    Sends HELLO, proves ``key`` (the job's; None: ``$KVLEDGER_WIRE_KEY``, else
+    ``ConfigurationError``) once the leader proved it (else REJECT BAD_AUTH), and
+    waits up to ``hello_timeout`` s to be accepted (``TimeoutError``). Then every
+    PREPARE is validated and answered READY or REJECT by the link, ``on_launch(step,
+    clear_pages, payload)`` runs for each LAUNCH (may be async; it clears the pages
+    and runs the step) and is followed by a COMPLETE, and ``on_drop(step, code,
+    rank)`` runs for each ABORT (nothing to clear). A PREPARE whose payload is
+    over ``max_payload`` bytes is answered REJECT FRAME_TOO_LARGE (the step aborts).
     ``sanitize=True``: this rank runs sanitize-mode steps, and ``on_launch`` gets
     them with a keyword ``sanitize=`` (a ``Sanitize``: the poison and committed
-    lists); without it such a PREPARE is answered REJECT UNSUPPORTED and
-    ``on_launch`` never sees one.
+    lists); without it such a PREPARE is answered REJECT UNSUPPORTED.
 
     Raises ``WireProtocolError`` when the leader breaks the protocol (after
     telling it why) or refuses us (``HandshakeRefused``). What ``on_launch``
@@ -173,15 +169,9 @@ async def run_peer(
     """
     log = wire_logger(logger)
     try:
-        job_key = peer_key(key, log)
-    except BaseException:
-        with anyio.CancelScope(shield=True):
-            await stream.aclose()
-        raise
-    link = PeerLink(geometry, rank=rank, world_size=world_size, key=job_key, nonce=new_nonce(),
-                    max_payload=max_payload, sanitize=sanitize)
-    io = _PeerIO(link, stream)
-    try:
+        link = PeerLink(geometry, rank=rank, world_size=world_size, key=peer_key(key, log), nonce=new_nonce(),
+                        max_payload=max_payload, sanitize=sanitize)
+        io = _PeerIO(link, stream)
         await io.join(hello_timeout, log)
         while True:
             ev = await io.next_event()

@@ -1,5 +1,8 @@
 """The leader's async driver: ``open_leader`` / ``WireLeader`` over any byte stream (memory or TCP).
 
+One piece: ``WireLeader``'s link tasks, step path and completions share its links and
+events; who may become a rank is its own object (``admission``).
+
 It moves bytes between the transports and the pure state machines (one
 ``LeaderLink`` per peer, the ``Leader`` decision rule, the ``Completions``
 ledger) and owns the leader's clocks: the vote deadline (``run_step(...,
@@ -23,18 +26,10 @@ importable from here).
                   c.ok or ledger.abort_step(step)
         else:     ledger.abort_step(step)
 
-Who may be a rank (layout 9). Every link proves the job's key before it counts
-(``kvledger.wire.auth``); the leader's key is ``key=``, else ``$KVLEDGER_WIRE_KEY``,
-else a fresh one (``WireLeader.key``: hand it to the peers). A link that has not
-proved it is *pending*, and pending links are bounded: each gets
-``handshake_timeout`` seconds to join (then it is closed), and at most
-``max_pending`` are held at once (one more evicts the oldest pending link, so an
-idle flood never locks a real rank out, and never holds more than that many
-sockets). ``pinned`` ({rank: IP address}) also refuses a rank that connects from
-another address. The accept loop survives EMFILE / ENFILE and other accept
-errors (it logs, backs off up to a second, and goes on serving the links it
-has). ``statistics()`` counts all of it (``pending``, ``evicted``,
-``handshake_timeouts``, ``auth_failed``, ``accept_errors``).
+Who may be a rank (layout 9): every link proves the job's key before it counts
+(``kvledger.wire.auth``; the key is ``key=``, else ``$KVLEDGER_WIRE_KEY``, else a
+fresh one: ``WireLeader.key``). Links that have not are bounded in time and number,
+may be pinned to an address, and a failed accept (EMFILE) is survived: ``admission``.
 
 Per link the leader runs a reader task (frames in, votes to the decision rule,
 completions to the ledger of completions) and a writer task fed by a bounded
@@ -51,18 +46,16 @@ nothing here configures output.
 
 from __future__ import annotations
 
-import ipaddress
-import math
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
-from anyio.abc import ByteStream, SocketAttribute, TaskStatus
+from anyio.abc import ByteStream, TaskStatus
 
 from ..core.errors import InvalidArgumentError, WireProtocolError
 from ..core.events import Geometry, StepPlan
+from .admission import Admission
 from .auth import INSECURE_TEST_KEY, check_key, key_from_env, new_key, new_nonce
 from .codec import RejectCode, Sanitize
 from .completion import Completions, StepCompletion
@@ -77,9 +70,6 @@ __all__ = ["WireLeader", "open_leader", "run_peer", "OnLaunch", "OnDrop"]
 _DECIDABLE = (LeaderState.IDLE, LeaderState.AWAITING, LeaderState.VOTED)  # a link that can take LAUNCH / ABORT
 
 
-_ACCEPT_BACKOFF = (0.01, 1.0)  # seconds: the first wait after a failed accept, and the longest
-
-
 class _Conn:
     __slots__ = ("link", "stream", "out_send", "out_recv", "rank", "cancel", "alive", "writer_done", "handshake")
 
@@ -92,36 +82,6 @@ class _Conn:
         self.alive = True
         self.writer_done = anyio.Event()
         self.handshake = anyio.CancelScope()  # the handshake deadline (set when the link's task starts)
-
-
-def _pins(pinned: Mapping[int, str] | None, world_size: int) -> dict[int, Any]:
-    """``pinned`` checked: {peer rank: ip_address}. ``InvalidArgumentError`` for a rank out of range
-    or an address that is not an IP literal."""
-    out: dict[int, Any] = {}
-    for rank, host in (pinned or {}).items():
-        if type(rank) is not int or not 1 <= rank < world_size:
-            raise InvalidArgumentError(f"pinned: {rank!r} is not a peer rank of {world_size}")
-        try:
-            out[rank] = _unmapped(ipaddress.ip_address(host))
-        except ValueError:
-            raise InvalidArgumentError(f"pinned: rank {rank}'s address must be an IP address, got {host!r}") from None
-    return out
-
-
-def _unmapped(ip: Any) -> Any:
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return mapped if mapped is not None else ip
-
-
-def _peer_ip(stream: ByteStream) -> Any:
-    """The remote IP address of a TCP stream (None for a stream without one, e.g. a memory pipe)."""
-    addr = stream.extra(SocketAttribute.remote_address, None)
-    if not isinstance(addr, tuple):
-        return None
-    try:
-        return _unmapped(ipaddress.ip_address(addr[0]))
-    except ValueError:
-        return None
 
 
 class WireLeader:
@@ -154,27 +114,17 @@ class WireLeader:
         max_pending: int = 64,
         pinned: Mapping[int, str] | None = None,
     ) -> None:
-        if not isinstance(handshake_timeout, (int, float)) or not handshake_timeout > 0:
-            raise InvalidArgumentError(f"handshake_timeout must be a positive number of seconds, "
-                                       f"got {handshake_timeout!r}")
-        if type(max_pending) is not int or max_pending < 1:
-            raise InvalidArgumentError(f"max_pending must be an int >= 1, got {max_pending!r}")
         self.geometry = geometry
         self.world_size = world_size
         self._rule = Leader(geometry, world_size=world_size, next_step=next_step)
-        self._pinned = _pins(pinned, world_size)
         env_key = key_from_env() if key is None else None
         self._key = check_key(key) if key is not None else env_key if env_key is not None else new_key()
-        self._handshake_timeout = float(handshake_timeout)
-        self._max_pending = max_pending
-        self._pending: OrderedDict[_Conn, None] = OrderedDict()  # unproven links, oldest first
-        self._counts = {"evicted": 0, "handshake_timeouts": 0, "accept_errors": 0, "pin_refused": 0}
+        self._log = wire_logger(logger)
+        self._door = Admission(world_size, handshake_timeout=handshake_timeout, max_pending=max_pending,
+                               pinned=pinned, logger=self._log)
         self._auth_failed = 0  # proofs that failed on links already closed
-        self._quiet: dict[str, int] = {}  # log lines held back, by event (``_quota``)
-        self._logged: dict[str, float] = {}
         self._outbox = outbox_frames
         self._close_grace = close_grace
-        self._log = wire_logger(logger)
         self._tg: anyio.abc.TaskGroup | None = None
         self._conns: dict[int, _Conn] = {}
         self._all: set[_Conn] = set()
@@ -188,16 +138,6 @@ class WireLeader:
             self._log.warning("wire.insecure_test_key", side="leader",
                               detail="INSECURE_TEST_KEY is publicly known: any process can be a rank")
 
-    def _quota(self, event: str) -> bool:
-        """Whether to log ``event`` now: at most once a second each (what a flood of unproven links
-        causes is counted, and the next line says how many were held back)."""
-        now = anyio.current_time()
-        if now - self._logged.get(event, -math.inf) >= 1.0:
-            self._logged[event] = now
-            return True
-        self._quiet[event] = self._quiet.get(event, 0) + 1
-        return False
-
     @property
     def key(self) -> bytes:
         """The job's key every peer must prove (hand it to them: ``run_peer(..., key=)``, the
@@ -207,24 +147,13 @@ class WireLeader:
     # ------------------------------------------------------------------ links
 
     def attach(self, stream: ByteStream) -> None:
-        """Serve one peer over ``stream`` (any anyio byte stream); returns at once.
-
-        The link is pending until its peer proved the key and joined: it is closed after
-        ``handshake_timeout`` s, and when ``max_pending`` links are pending already the
-        oldest of them is closed to make room."""
+        """Serve one peer over ``stream`` (any anyio byte stream); returns at once. The link is
+        pending until its peer proved the key and joined (``admission``: a deadline, a cap)."""
         if self._tg is None or self._closing:
             raise InvalidArgumentError("attach() outside open_leader() or after it closed")
         link = LeaderLink(self.geometry, world_size=self.world_size, key=self._key, nonce=new_nonce())
         conn = _Conn(link, stream, self._outbox)
-        while len(self._pending) >= self._max_pending:
-            oldest, _ = self._pending.popitem(last=False)
-            self._counts["evicted"] += 1
-            if self._quota("pending_evicted"):
-                self._log.warning("wire.pending_evicted", evicted=self._counts["evicted"],
-                                  max_pending=self._max_pending)
-            oldest.handshake.cancel()
-        self._pending[conn] = None
-        conn.handshake.deadline = anyio.current_time() + self._handshake_timeout
+        self._door.admit(conn)
         self._all.add(conn)
         self._tg.start_soon(self._run_conn, conn)
 
@@ -242,10 +171,8 @@ class WireLeader:
     async def _serve(
         self, listener: Any, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        """Accept until the leader closes. A failed accept (EMFILE / ENFILE: out of file
-        descriptors; ECONNABORTED, ENOBUFS, ...) is logged and retried after a pause that
-        doubles up to a second: the links already served go on meanwhile."""
-        backoff = _ACCEPT_BACKOFF[0]
+        """Accept until the leader closes; a failed accept (EMFILE, ...) is retried after a pause
+        (``admission``) while the links already served go on."""
         async with listener:
             task_status.started()
             while True:
@@ -254,14 +181,9 @@ class WireLeader:
                 except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                     return
                 except OSError as exc:
-                    self._counts["accept_errors"] += 1
-                    if self._quota("accept_failed"):
-                        self._log.warning("wire.accept_failed", errno=exc.errno, error=str(exc), retry_s=backoff,
-                                          since_last=self._quiet.pop("accept_failed", 0))
-                    await anyio.sleep(backoff)
-                    backoff = min(2 * backoff, _ACCEPT_BACKOFF[1])
+                    await anyio.sleep(self._door.accept_failed(exc))
                     continue
-                backoff = _ACCEPT_BACKOFF[0]
+                self._door.accepted()
                 if self._closing:
                     await stream.aclose()
                     return
@@ -352,20 +274,15 @@ class WireLeader:
                 with conn.handshake:  # lifted (deadline inf) once the peer proved the key and joined
                     await self._read_loop(conn)
                 if conn.handshake.cancelled_caught and conn.rank is None:
-                    timed_out = anyio.current_time() >= conn.handshake.deadline
-                    if timed_out:
-                        self._counts["handshake_timeouts"] += 1
-                    if self._quota("handshake_dropped"):
-                        self._log.info("wire.handshake_dropped", reason="deadline" if timed_out else "evicted",
-                                       state=conn.link.state.value, since_last=self._quiet.pop("handshake_dropped", 0))
+                    self._door.dropped(conn, conn.link.state.value)
                     tg.cancel_scope.cancel()  # nothing owed to a link that never joined
                 conn.out_send.close()
                 with anyio.move_on_after(self._close_grace):
                     await conn.writer_done.wait()
                 tg.cancel_scope.cancel()
         finally:
-            self._pending.pop(conn, None)
-            self._auth_failed += conn.link.statistics().get("auth_failed", 0)
+            self._door.gone(conn)
+            self._auth_failed += conn.link.statistics()["auth_failed"]
             self._drop(conn)
             self._all.discard(conn)
             with anyio.CancelScope(shield=True):
@@ -395,9 +312,9 @@ class WireLeader:
                 except WireProtocolError as exc:
                     if conn.rank is not None:
                         self._log.warning("wire.peer_error", rank=conn.rank, code=int(exc.code), detail=exc.detail)
-                    elif self._quota("handshake_failed"):  # (a flood of them is one line a second)
+                    elif self._door.quota("handshake_failed"):  # (a flood of them is one line a second)
                         self._log.warning("wire.handshake_failed", code=int(exc.code), detail=exc.detail,
-                                          since_last=self._quiet.pop("handshake_failed", 0))
+                                          since_last=self._door.held_back("handshake_failed"))
                     self._flush(conn)
                     return
                 if ev is NEED_DATA:
@@ -417,16 +334,11 @@ class WireLeader:
             if old is not None and old.alive:
                 conn.link.refuse(RejectCode.BAD_RANK, f"rank {r} is already connected")
                 return False
-            pin = self._pinned.get(r)
-            if pin is not None:
-                came = _peer_ip(conn.stream)
-                if came != pin:
-                    self._counts["pin_refused"] += 1
-                    self._log.warning("wire.pin_refused", rank=r, pinned=str(pin), came_from=str(came))
-                    conn.link.refuse(RejectCode.BAD_AUTH, f"rank {r} must connect from {pin}, came from {came}")
-                    return False
-            self._pending.pop(conn, None)
-            conn.handshake.deadline = math.inf
+            problem = self._door.pin_problem(r, conn.stream)
+            if problem is not None:
+                conn.link.refuse(RejectCode.BAD_AUTH, problem)
+                return False
+            self._door.joined(conn)
             rule = self._rule
             rule.join(r)
             conn.rank = r
@@ -555,7 +467,7 @@ class WireLeader:
         ``accept_errors``) and, per live rank, its link's."""
         out = dict(self._rule.statistics())
         out.update({f"complete.{k}": v for k, v in self._done.statistics().items()})
-        out.update(self._counts, pending=len(self._pending),
+        out.update(self._door.statistics(),
                    auth_failed=self._auth_failed + sum(c.link.statistics()["auth_failed"] for c in self._all))
         for r, c in sorted(self._conns.items()):
             for k, v in c.link.statistics().items():

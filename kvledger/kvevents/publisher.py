@@ -1,4 +1,5 @@
 """KVEventPublisher: KV event batches on a ZMQ PUB socket, with a replay socket (vLLM 0.33's protocol).
+One piece: the publisher's thread owns the sockets, the queue and the counters it reports.
 
     step thread (the ledger's)                      publisher thread (owns the sockets), each turn:
     ledger observer ─► observe ─► KVEventBatcher     1. up to 256 queued batches: build, encode,
