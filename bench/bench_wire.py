@@ -1,4 +1,4 @@
-"""The layout-8 wire: PREPARE codec costs, and a step's round trips over TCP.
+"""The layout-9 wire: PREPARE codec costs, and a step's round trips over TCP.
 
 Part 1, codec (one process, no I/O), for clear lists of 16, 1,024 and 16,384 ids:
 

@@ -63,7 +63,7 @@ from .decision import Leader
 from .leader import LeaderLink, LeaderState
 from .peer_driver import STREAM_CLOSED, OnDrop, OnLaunch, run_peer, wire_logger
 from .protocol import NEED_DATA, Completed, ConnectionClosed, Decision, PeerHello
-from .transport import accept, listen_tcp, listener_address
+from .transport import accept, listen_tcp, listener_address, memory_pipe
 
 __all__ = ["WireLeader", "open_leader", "run_peer", "OnLaunch", "OnDrop"]
 
@@ -156,6 +156,15 @@ class WireLeader:
         self._door.admit(conn)
         self._all.add(conn)
         self._tg.start_soon(self._run_conn, conn)
+
+    async def run_local_peer(self, rank: int, on_launch: OnLaunch, **kwargs: Any) -> dict[str, int]:
+        """Run peer ``rank`` in this process over an in-memory pipe, proving this leader's key
+        (an in-process rank needs nothing handed to it). ``kwargs`` go to ``run_peer``;
+        returns its counters when the leader closes the link."""
+        mine, theirs = memory_pipe()
+        self.attach(mine)
+        return await run_peer(theirs, self.geometry, rank=rank, world_size=self.world_size, key=self._key,
+                              on_launch=on_launch, **kwargs)
 
     async def listen(self, listener: Any) -> tuple[str, int]:
         """Accept peers on ``listener`` (from ``listen_tcp``) until the leader closes; returns its address."""

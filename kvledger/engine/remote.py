@@ -16,7 +16,8 @@ Who may be a rank: a peer counts only once it proved the job's key
 (``kvledger.wire.auth``). ``RemoteRanks.key`` is that key; without one the
 engine takes ``$KVLEDGER_WIRE_KEY`` (hex) or makes a fresh key per job, which
 ``engine.leader.key`` hands to the peers (``serve_remote_rank(..., key=)``; a
-peer without ``key=`` reads ``$KVLEDGER_WIRE_KEY``). Links that have not proved
+peer without ``key=`` reads ``$KVLEDGER_WIRE_KEY``; a rank in the engine's own
+process needs nothing: ``engine.leader.run_local_peer(rank, on_launch)``). Links that have not proved
 it are bounded (``handshake_timeout``, ``max_pending``), and ``pinned`` ties a
 rank to the IP address it must connect from.
 

@@ -215,7 +215,7 @@ def _trickle(port: int, stop: threading.Event, every: float, log: list, again: b
     request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: " + b"a" * 10_000
     while not stop.is_set():
         try:
-            s = socket.create_connection(("127.0.0.1", port))
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
         except OSError:
             continue
         t0 = time.monotonic()
@@ -244,27 +244,30 @@ def test_sixteen_trickling_clients_do_not_block_a_scrape():
     stop = threading.Event()
     cut: list = []
     with MetricsServer(reg, port=0, idle_timeout=5, max_clients=16, request_timeout=60) as server:
-        threads = [threading.Thread(target=_trickle, args=(server.port, stop, 0.25, cut, True)) for _ in range(16)]
+        threads = [threading.Thread(target=_trickle, args=(server.port, stop, 0.25, cut, True), daemon=True)
+                   for _ in range(16)]
         for t in threads:
             t.start()
         answered, took = 0, 0.0
-        for _ in range(10):
-            # every slot held by a trickler (the one cut off for the last scrape is back)
-            assert wait_for(lambda: server.statistics()["reading"] == 16, 10)
-            t0 = time.monotonic()
-            answered += v(parse(get(server.url)), "kvledger_kv_cache_pages") == G.num_pages
-            took = max(took, time.monotonic() - t0)
-        evicted = server.statistics()["evicted"]
-        stop.set()
-        for t in threads:
-            t.join(10)
+        try:
+            for _ in range(10):
+                # every slot held by a trickler (the one cut off for the last scrape is back)
+                assert wait_for(lambda: server.statistics()["reading"] == 16, 10)
+                t0 = time.monotonic()
+                answered += v(parse(get(server.url)), "kvledger_kv_cache_pages") == G.num_pages
+                took = max(took, time.monotonic() - t0)
+            evicted = server.statistics()["evicted"]
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(10)
     print(f"16 trickling clients holding every slot (reconnecting when cut off): {answered}/10 scrapes answered, "
           f"the slowest in {took * 1000:.0f} ms; {evicted} trickling connections evicted for them")
     assert answered == 10 and evicted == 10
     # the total bound: one byte every 0.1 s keeps every read under idle_timeout, not the request
     stop, cut = threading.Event(), []
     with MetricsServer(reg, port=0, idle_timeout=5, request_timeout=1.0) as server:
-        t = threading.Thread(target=_trickle, args=(server.port, stop, 0.1, cut))
+        t = threading.Thread(target=_trickle, args=(server.port, stop, 0.1, cut), daemon=True)
         t.start()
         t.join(20)
         stop.set()

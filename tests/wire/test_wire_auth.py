@@ -207,7 +207,7 @@ async def test_pinned_ranks_join_only_from_their_address():
             with anyio.fail_after(5):
                 await leader.wait_joined([1])
             s2 = await connect_tcp(host, port)
-            with pytest.raises(HandshakeRefused) as info:
+            with pytest.raises(HandshakeRefused) as info, anyio.fail_after(10):  # (joined: it would serve on)
                 await run_peer(s2, G, rank=2, world_size=3, key=leader.key, on_launch=print, hello_timeout=5)
             assert info.value.code == RejectCode.BAD_AUTH and "10.9.8.7" in info.value.detail
             assert leader.ranks == frozenset({1}) and leader.statistics()["pin_refused"] == 1
@@ -311,6 +311,23 @@ async def test_a_peer_without_a_key_cannot_start_and_the_environment_carries_one
     with pytest.raises(ConfigurationError):
         async with open_leader(G, world_size=2):
             pass
+
+
+@pytest.mark.asyncio
+async def test_an_in_process_rank_needs_no_key_handed_to_it():
+    """A leader with no key given makes one per job; ``run_local_peer`` runs a rank in this process
+    with it (two leaders' keys differ: a key is per job)."""
+    ran = []
+    async with anyio.create_task_group() as tg, open_leader(G, world_size=2, close_grace=0.1) as leader:
+        tg.start_soon(lambda: leader.run_local_peer(1, lambda step, ids, payload: ran.append(step)))
+        with anyio.fail_after(5):
+            await leader.wait_joined()
+        d = await leader.run_step(StepPlan(step=0, clear_list=(3,)), timeout=2)
+        assert d.launch and (await leader.wait_completed(0, timeout=2)).ok
+        async with open_leader(G, world_size=2) as other:
+            assert other.key != leader.key and len(leader.key) == 32
+        tg.cancel_scope.cancel()
+    assert ran == [0]
 
 
 # ---------------------------------------------------------------------------- the authenticated-wire fuzz
