@@ -31,10 +31,12 @@ full at its last send: it stopped reading; its jobs are dropped), else of the on
 owed the most batches, when that is more than the newcomer asks for (a flood asks
 for whole buffers; a consumer that saw a gap asks for a few): the one cut off is
 sent the end marker, so its replay ends, short, and it may ask again. When neither
-applies, and for a requester past ``per_client``, the request is refused *in
-protocol*: answered with the end marker alone, at once, never left without an
-answer. A requester that does not read its refusals either is let go (counted).
-Sans-I/O apart from ``clock``.
+applies, the request is refused *in protocol*: answered with the end marker
+alone, at once, never left without an answer (refusals take at most a quarter of a
+turn). A requester that already has ``per_client`` requests in hand is owed their
+answers, which it gets: more requests from it are dropped, counted, not answered (a
+flood from one socket costs a read each, not a send). A requester that does not read
+its refusals either is let go (counted). Sans-I/O apart from ``clock``.
 """
 
 from __future__ import annotations
@@ -117,7 +119,8 @@ class ReplayService:
                 return self._refuse(ident)
             queue = self._jobs[ident] = deque()
         elif len(queue) >= self._per_client:
-            return self._refuse(ident)
+            self.refused += 1  # (it is owed the answers to the ones in hand: those end with the marker)
+            return None
         queue.append(_Job(ident, start, end, self._clock()))
 
     def _refuse(self, ident: bytes) -> None:
@@ -147,12 +150,12 @@ class ReplayService:
         return True
 
     def serve(self, send: Callable[[tuple], bool], budget: int) -> int:
-        """Send at most ``budget`` answer messages: first the refusals owed, then the jobs, round
+        """Send at most ``budget`` answer messages: first refusals owed (a quarter of it at most), then the jobs, round
         robin (each requester at most an equal share of what is left, and the ones served move
         to the back, so the next turn starts with the others); returns how many were sent.
         ``send(frames)`` (``frames`` start with the requester id) returns False when it would
         block; raises ``PeerGone`` when the requester left."""
-        sent = self._send_refusals(send, budget)
+        sent = self._send_refusals(send, max(1, budget // 4))
         now = self._clock()
         jobs = self._jobs
         order = list(jobs)
@@ -191,7 +194,10 @@ class ReplayService:
             pos = bisect_left(buf, job.next_seq, key=_SEQ)
             topic, ident, vllm = self._topic, job.ident, self._vllm
             for seq, payload in islice(buf, pos, None):
-                if seq > job.end_seq or sent >= budget:
+                if seq > job.end_seq:  # the rest of its range left the buffer meanwhile (or never was)
+                    job.next_seq = job.end_seq + 1
+                    break
+                if sent >= budget:
                     break
                 frames = (ident, b"", topic, seq_bytes(seq), payload) if vllm else (ident, b"", seq_bytes(seq), payload)
                 if not send(frames):

@@ -130,6 +130,8 @@ def test_a_replay_flood_starves_no_live_batch_and_stop_ends_the_thread(ctx):
         while not want <= got and time.monotonic() < deadline:
             if sub.poll(100):
                 got.add(int.from_bytes(sub.recv_multipart()[1], "big"))
+        # the readers' whole answers (each a full buffer, served round robin beside the others)
+        assert wait_for(lambda: pub.statistics().replay_answers > 0, 60)
         t0 = time.monotonic()
         pub.stop()  # while the flood goes on
         took = time.monotonic() - t0
@@ -228,6 +230,34 @@ def test_a_legitimate_replay_during_and_after_a_flood_gets_its_batches_and_the_e
           f"a consumer's request for the last 10 batches got {len(during[0])} batches + end marker {during[1]} in "
           f"{during[2] * 1000:.0f} ms during it, {len(after[0])} + {after[1]} in {after[2] * 1000:.0f} ms after it")
     assert during[:2] == (want, True) and after[:2] == (want, True)
+
+
+def test_a_job_whose_range_left_the_buffer_still_gets_its_end_marker():
+    """A replay job waiting its turn while live batches push its range out of the buffer ends with
+    the end marker (e388c64 left such a job pending for ever, never sending it: no answer at all,
+    and a requester slot held)."""
+    from kvledger.kvevents.replay import ReplayService
+
+    svc = ReplayService(4, topic=b"t")
+    for seq in range(4):
+        svc.record(seq, b"p%d" % seq)
+    svc.request([b"id", b"", seq_bytes(1)])  # owed 1..3
+    for seq in range(4, 12):
+        svc.record(seq, b"p%d" % seq)  # the buffer now holds 8..11: none of 1..3
+    sent: list = []
+    assert svc.serve(lambda frames: sent.append(frames) or True, 64) == 1
+    assert sent == [(b"id", b"", b"", SEQ_END, b"")] and svc.pending == 0 and svc.answers == 1
+    # and one whose range left the buffer halfway through gets what is left, then the marker
+    svc = ReplayService(4, topic=b"t")
+    for seq in range(4):
+        svc.record(seq, b"p%d" % seq)
+    svc.request([b"id", b"", seq_bytes(0)])  # owed 0..3
+    sent = []
+    svc.serve(lambda frames: sent.append(frames) or True, 2)  # 0 and 1 go out
+    for seq in range(4, 7):
+        svc.record(seq, b"p%d" % seq)  # 2 left the buffer, 3 is still there
+    svc.serve(lambda frames: sent.append(frames) or True, 64)
+    assert [int.from_bytes(f[3], "big", signed=True) for f in sent] == [0, 1, 3, -1]
 
 
 def test_stop_returns_within_its_timeout_when_a_subscriber_stopped_reading(ctx):
