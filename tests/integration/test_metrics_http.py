@@ -250,7 +250,7 @@ def test_sixteen_trickling_clients_do_not_block_a_scrape():
             t.start()
         answered, took = 0, 0.0
         try:
-            for _ in range(10):
+            for _ in range(5):
                 # every slot held by a trickler (the one cut off for the last scrape is back)
                 assert wait_for(lambda: server.statistics()["reading"] == 16, 10)
                 t0 = time.monotonic()
@@ -261,9 +261,9 @@ def test_sixteen_trickling_clients_do_not_block_a_scrape():
             stop.set()
             for t in threads:
                 t.join(10)
-    print(f"16 trickling clients holding every slot (reconnecting when cut off): {answered}/10 scrapes answered, "
+    print(f"16 trickling clients holding every slot (reconnecting when cut off): {answered}/5 scrapes answered, "
           f"the slowest in {took * 1000:.0f} ms; {evicted} trickling connections evicted for them")
-    assert answered == 10 and evicted == 10
+    assert answered == 5 and evicted == 5
     # the total bound: one byte every 0.1 s keeps every read under idle_timeout, not the request
     stop, cut = threading.Event(), []
     with MetricsServer(reg, port=0, idle_timeout=5, request_timeout=1.0) as server:
