@@ -31,7 +31,7 @@ from kvledger import (
 )
 
 BACKENDS = ["torch", "cuda", "cuda-per-page", "triton", "triton-jit", "triton-launcher", "triton-chunked",
-            "triton-graph"]
+            "triton-graph", "triton-by-value", "triton-copied", "triton-on-stream", "triton-mapped"]
 SLEEP_CYCLES = 40_000_000  # ~20 ms at ~2 GHz: long enough for the host to enqueue everything after it
 
 
@@ -58,12 +58,16 @@ def make_backend(name, planes, stream=None):
         return CudaClearBackend(planes, stream=stream, mode="per_page" if name == "cuda-per-page" else "coalesced")
     pytest.importorskip("cuda.bindings")
     pytest.importorskip("triton")
-    from kvledger.executors.triton_backend import FillConfig, TritonClearBackend
+    from kvledger.executors.triton_backend import FillConfig, IdsPlan, TritonClearBackend
 
     knobs: dict = {
         "triton-jit": {"fast_launch": False},  # Triton's JIT launch, list copied on the model stream
         "triton-launcher": {"launch": "triton", "prefetch": False},  # the compiled kernel's own launcher
         "triton-chunked": {"config": FillConfig(block_bytes=2048, chunked=True, plane_major=True, programs_per_sm=2)},
+        "triton-by-value": {"ids": IdsPlan(128, "side")},  # every list up to 128 ids in the parameters
+        "triton-copied": {"ids": IdsPlan(0, "side")},  # every list copied on the side stream
+        "triton-on-stream": {"ids": IdsPlan(0, "stream")},  # every list copied on the model stream
+        "triton-mapped": {"ids": IdsPlan(0, "mapped")},  # the kernel reads the pinned row (measured only)
     }.get(name, {})
     backend = TritonClearBackend(planes, stream=stream, **knobs)
     return _GraphClear(backend) if name == "triton-graph" else backend
