@@ -446,11 +446,11 @@ class TritonClearBackend(ClearBackendBase):
         """
         ids = checks.page_ids(page_ids, self.num_pages)
         n = len(ids)
-        if self._slot_graphs is None:
-            self._slot_graphs = self._try_row_graphs()
         stream, cu = self._streams()
         pushed = self._enter()
         try:
+            if self._slot_graphs is None:
+                self._slot_graphs = self._try_row_graphs()
             if self._slot_graphs:
                 ring = self._graph_ring
                 assert ring is not None
