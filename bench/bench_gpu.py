@@ -75,6 +75,7 @@ CEILING_BYTES = 2 << 30
 BIG_CASE = 32e6  # bandwidth targets apply from here up
 GHZ = 2.0e9  # SM clock used to size the sleep kernel (H200 boost ~1.98 GHz)
 TARGETS: dict[str, tuple[str, float]] = {}  # filled by _targets (the runner reads it after run)
+TUNING: list[Any] = [None]  # the triton backend's CardTuning for this run (None: the table's, or --config)
 
 
 class Timer:
@@ -198,8 +199,8 @@ def _backends(torch, planes, stream, config, res: dict) -> tuple[dict[str, Calla
     from kvledger.executors.torch_backend import TorchClearBackend
     from kvledger.executors.triton_backend import TritonClearBackend
 
-    tb = TritonClearBackend(planes, stream=stream, config=config)
-    gb = TritonClearBackend(planes, stream=stream, config=config)
+    tb = TritonClearBackend(planes, stream=stream, config=config, tuning=TUNING[0])
+    gb = TritonClearBackend(planes, stream=stream, config=config, tuning=TUNING[0])
     tb.warmup()
     gb.graph_clear([])  # capture once
     out = {"triton": tb.clear, "triton-graph": gb.graph_clear,
@@ -324,7 +325,7 @@ class Run:
 
         plans = {"value": IdsPlan(128, "side"), "side": IdsPlan(0, "side"), "stream": IdsPlan(0, "stream"),
                  "mapped": IdsPlan(0, "mapped")}
-        made = {how: TritonClearBackend(planes, stream=self.stream, config=self.config, ids=plan)
+        made = {how: TritonClearBackend(planes, stream=self.stream, config=self.config, ids=plan, tuning=TUNING[0])
                 for how, plan in plans.items()}
         for n in PLACEMENT_SIZES:
             ids = tuple(self.rng.sample(range(0, NUM_PAGES, 2), n))
@@ -334,7 +335,7 @@ class Run:
                 self.res[key + "_device_us"], self.res[key + "_host_us"] = dev * 1e6, host * 1e6
 
 
-def run(quick: bool = False, config_path: str | None = None) -> dict:
+def run(quick: bool = False, config_path: str | None = None, tuning_path: str | None = None) -> dict:
     try:
         import torch
     except ImportError:
@@ -359,6 +360,14 @@ def run(quick: bool = False, config_path: str | None = None) -> dict:
     from kvledger.executors.triton_tuning import tuning_for
 
     row = tuning_for(res["card"])
+    if tuning_path and os.path.exists(tuning_path):  # this run's sweep: its two shapes as the card's row
+        from kvledger.executors.triton_tuning import INF, SMALL, CardTuning
+
+        with open(tuning_path) as f:
+            swept = json.load(f)
+        row = CardTuning(shapes=((SMALL, FillConfig(**swept["best_small"])), (INF, FillConfig(**swept["best"]))),
+                         ids=row.ids, source=f"this run's sweep ({tuning_path})")
+    TUNING[0] = row if config is None else None
     res["tuning"] = (f"{[(up_to, c.tag()) for up_to, c in row.shapes]} ids={row.ids} ({row.source})"
                      if config is None else f"one shape from {config_path}: {config.tag()}")
     if config is not None:
@@ -380,10 +389,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tune", action="store_true", help="accepted for scripts/gpu-check; the sweep is bench_gpu_tune")
-    ap.add_argument("--config", help="bench_gpu_tune.py's JSON: time the kernel with its best knobs")
+    ap.add_argument("--config", help="bench_gpu_tune.py's JSON: time the kernel with its large class's knobs alone")
+    ap.add_argument("--tuning", help="bench_gpu_tune.py's JSON: its two shapes as this card's row of triton_tuning")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
-    res = run(quick=args.quick, config_path=args.config)
+    res = run(quick=args.quick, config_path=args.config, tuning_path=args.tuning)
     if "skipped" in res:
         print(f"bench_gpu skipped: {res['skipped']}")
     if args.json:

@@ -152,7 +152,9 @@ def host_figures(torch, run: Any, planes, objs: dict) -> None:
 # --------------------------------------------------------------------------- the report
 
 def _targets(res: dict) -> list[tuple[str, str, float, Any]]:
-    """Issue 31's targets, and issue 15's it did not replace, as (figure, op, want, got)."""
+    """Issue 31's targets, and issue 15's it did not replace, as (figure, op, want, got). The host
+    targets are the sealed plan's (``clear_checked``): ``clear`` of user input adds the id check
+    (``core.checks.page_ids``), shown in the host table."""
     from bench_gpu import BIG_CASE, LIST_SIZES, PAGE_BYTES, PLANE_COUNTS
 
     rows: list[tuple[str, str, float, Any]] = []
@@ -172,8 +174,6 @@ def _targets(res: dict) -> list[tuple[str, str, float, Any]]:
         rows.append(("vllm_zeroer_ran", "==", 1, 0))
     for pat in ("adj", "sc"):
         rows.append((f"p3_n1024_{pat}_triton_x_naive", ">=", 1.5, res.get(f"p3_n1024_{pat}_triton_x_naive")))
-    for n, want in ((16, 15.0), (128, 15.0), (1024, 30.0)):
-        rows.append((f"host_n{n}_clear_us", "<=", want, res.get(f"host_n{n}_clear_us")))
     for n, want in ((16, 15.0), (128, 15.0), (1024, 30.0)):  # per engine step: the plan needs no recheck
         rows.append((f"host_n{n}_clear_checked_us", "<=", want, res.get(f"host_n{n}_clear_checked_us")))
     floor = res.get("floor_graph_replay_us")

@@ -6,10 +6,11 @@ behind a sleep kernel, median, the same list every run; ids where the card's row
 over 128 planes (16 KiB per plane page), against one memset of the same bytes in the same
 run. The small class (clears under 32 MB) picks the configuration with the best worst
 ratio to the fastest configuration of each of its cases; the large class (32 MB and up)
-the best worst ratio to the same-size memset (ties: the mean). The printed row is what
+the best mean ratio to the same-size memset (ties: the worst). The printed row is what
 ``triton_tuning.TABLE`` takes for this card. ``python bench/bench_gpu_tune.py [--quick]
 [--json PATH]``; the JSON's ``best`` is the large class's configuration (what
-``bench_gpu.py --config`` reads to time one shape).
+``bench_gpu.py --config`` reads to time one shape) and ``best_small`` the small one's
+(``bench_gpu.py --tuning`` times the two as this card's row).
 """
 
 from __future__ import annotations
@@ -103,13 +104,13 @@ def run(quick: bool = False) -> dict:
     res: dict = {"card": card, "memset_us": {c: v * 1e6 for c, v in same.items()},
                  "configs": {cfg.tag(): {c: v * 1e6 for c, v in row.items()} for cfg, row in table.items()}}
     print_table(f"fill kernel sweep on {card}: device us per case (and x the same-size memset); small: worst "
-                "ratio to the fastest config, large: worst x memset",
+                "ratio to the fastest config, large: worst x memset (chosen by the mean)",
                 ["config", *cases, "small worst", "large worst"],
                 [[cfg.tag(), *[f"{table[cfg][c] * 1e6:.1f} ({same[c] / table[cfg][c]:.2f})" for c in cases],
                   f"{lo_s:.2f}", f"{lo_b:.2f}"] for cfg, lo_s, _, lo_b, _ in scored]
                 + [["memset", *[f"{same[c] * 1e6:.1f}" for c in cases], "", ""]])
     best_small = max(scored, key=lambda t: (t[1], t[2]))[0]
-    best_big = max(scored, key=lambda t: (t[3], t[4]))[0]
+    best_big = max(scored, key=lambda t: (t[4], t[3]))[0]
     res.update({f"best_{k}": v for k, v in dataclasses.asdict(best_big).items()})
     res["best_small"] = dataclasses.asdict(best_small)
     print(f"{card}: shapes=(({SMALL_CLASS:.0f}, {_literal(best_small)}), (INF, {_literal(best_big)}))")

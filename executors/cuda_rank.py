@@ -110,7 +110,7 @@ class CudaRank:
         self.driver_copies = 0  # input copies made by the driver (the rest went through copy_)
         self._cu: Any = None  # the model stream as a CUstream, when the driver copies can be used
         self._threads: set[int] = set()  # threads seen with the rank's context current (checked once each)
-        self._known: dict[tuple[int, int], tuple[Any, Any, int]] = {}  # plain pairs: (src, dst, nbytes)
+        self._known: dict[tuple[int, int], tuple[Any, Any, int, bool]] = {}  # plain pairs: (src, dst, bytes, dtod)
         try:
             from . import cuda_driver
 
@@ -130,17 +130,17 @@ class CudaRank:
                 seen = known.get((id(src), id(dst)))
                 if (seen is not None and seen[0] is src and seen[1] is dst and src.nbytes == seen[2] == dst.nbytes
                         and src.is_contiguous() and dst.is_contiguous()):
-                    n = seen[2]
+                    n, on_device = seen[2], seen[3]
                 elif type(src) is self._tensor and type(dst) is self._tensor and self._plain(src, dst):
-                    n = dst.nbytes
+                    n, on_device = dst.nbytes, src.is_cuda
                     if len(known) >= _KNOWN_PAIRS:
                         known.clear()
-                    known[(id(src), id(dst))] = (src, dst, n)
+                    known[(id(src), id(dst))] = (src, dst, n, on_device)
                 else:
                     dst.copy_(src, non_blocking=True)
                     continue
                 if n:
-                    if src.is_cuda:
+                    if on_device:
                         self._dtod(dst.data_ptr(), src.data_ptr(), n, self._cu)
                     else:
                         self._htod(dst.data_ptr(), src.data_ptr(), n, self._cu)

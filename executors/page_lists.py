@@ -74,9 +74,19 @@ class ListRing:
     def __len__(self) -> int:
         return len(self._slots)
 
-    def first(self) -> ListSlot:
-        """The slot ``acquire`` would hand out next, not taken (for set-up work on a row)."""
-        return self._slots[self._next]
+    def slots(self) -> tuple[ListSlot, ...]:
+        """Every slot, for set-up work on the rows (nothing is taken)."""
+        return tuple(self._slots)
+
+    def try_acquire(self) -> ListSlot | None:
+        """The next slot if it is free for reuse, else None (the ring never grows here)."""
+        i = self._next
+        slot = self._slots[i]
+        if slot.used and not cuda_driver.event_query(slot.done):
+            return None
+        self._next = (i + 1) % len(self._slots)
+        slot.used = True
+        return slot
 
     def acquire(self) -> ListSlot:
         """The next slot free for reuse (its ``done`` event completed); a new one if it is busy."""

@@ -44,6 +44,7 @@ context handling; splitting the class would split that state.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -75,6 +76,7 @@ __all__ = ["FillConfig", "IdsPlan", "StagedClear", "TritonClearBackend"]
 LAUNCH_MODES = ("driver", "triton", "jit")
 _PLANS_CACHED = 4096  # list lengths whose clear plan is kept (a longer list's pack dwarfs making it)
 _SIZE_CLASS_MIN = 16  # words: graph_clear's smallest copy (size classes are powers of two)
+GRAPH_ROWS = 8  # graph_clear's pinned rows, each with its graphs (busy rows: the staged path)
 
 
 class _Fill:
@@ -203,9 +205,9 @@ class TritonClearBackend(ClearBackendBase):
         self._plans: dict[int, tuple[_Fill, int, DirectLaunch | None]] = {}  # n (poison: -n) -> _plan's
         self._verifier: Any = None
         self._graph: torch.cuda.CUDAGraph | None = None
-        self._graph_exec: Any = None
         self._graphs: list[Any] = []  # graph_clear's captured graphs (kept alive)
         self._capture_stream: torch.cuda.Stream | None = None
+        self._staged_exec: Any = None  # graph_clear's clear-only graph over the static list
         self._slot_graphs: bool | None = None  # graph_clear: per-row graphs work here (None: not tried yet)
         self._clears = self._pages = self._copies = self._by_value = 0
         self._ctx_threads: set[int] = set()
@@ -435,85 +437,101 @@ class TritonClearBackend(ClearBackendBase):
         """Replay a captured clear graph over ``page_ids`` on the model stream.
 
         Host work: the id check, one ``struct.pack_into`` and one graph launch, whatever
-        the list length: each pinned row of a small ring (``page_lists.ListRing``) has its
-        own graphs, one per size class (16, 32, ... words, up to the list's capacity), each
-        ``[copy the row's first words to the static list -> its row's event (an external
-        event node) -> the clear kernel -> count := 0]``, captured through the driver on a
-        private stream the first time a row meets a class (no host wait). Where that
-        capture is refused (a launch mode other than "driver", or a driver without
-        external event nodes), the list is staged (:meth:`stage`) and one clear-only
-        graph replays it. Raises what :meth:`stage` raises, before anything is enqueued.
+        the list length: each of ``GRAPH_ROWS`` pinned rows has its own graphs, one per size
+        class (16, 32, ... words, up to the list's capacity), each ``[copy the row's first
+        words to its device row -> its row's event (an external event node) -> the clear
+        kernel over that row, a grid for the class's longest list]``, all captured through
+        the driver on a private stream at the first call (no host wait, no capture later).
+        When every row is still in use, the list is staged (:meth:`stage`) and a clear-only
+        graph over the static list replays it (two driver calls more). Where the per-row
+        capture is refused (a launch mode other than "driver", or a driver without external
+        event nodes), always the latter, through torch's capture. Raises what :meth:`stage`
+        raises, before anything is enqueued.
         """
         ids = checks.page_ids(page_ids, self.num_pages)
         n = len(ids)
-        stream, cu = self._streams()
-        pushed = self._enter()
+        cu = self._cu if self._stream is not None else self._streams()[1]
+        pushed = threading.get_ident() not in self._ctx_threads and self._enter()
         try:
-            if self._slot_graphs is None:
-                self._slot_graphs = self._try_row_graphs()
-            if self._slot_graphs:
+            ring = self._graph_ring
+            if ring is None and self._slot_graphs is None:
+                self._slot_graphs = self._make_row_graphs()
                 ring = self._graph_ring
-                assert ring is not None
-                slot = ring.acquire()
+            slot = ring.try_acquire() if ring is not None else None
+            if slot is not None:
                 words = n + 1
                 packer(words).pack_into(slot.host_np, 0, n, *ids)
-                cls = _size_class(words, 1 + self.capacity)
-                g = slot.graphs.get(cls)
-                if g is None:
-                    g = self._row_graph(slot, cls)
-                cuda_driver.graph_launch(g, cu)
+                cls = _SIZE_CLASS_MIN if words <= _SIZE_CLASS_MIN else 1 << (words - 1).bit_length()
+                cuda_driver.graph_launch(slot.graphs[cls if cls <= self.capacity else 1 + self.capacity], cu)
             else:
                 self._stage_checked(ids, cu)
-                if self._graph is None:
+                if self._staged_exec is None:
                     self._graph = self.capture()
-                    raw = getattr(self._graph, "raw_cuda_graph_exec", None)
-                    self._graph_exec = cuda_driver.as_cugraphexec(raw()) if raw is not None else None
-                if self._graph_exec is not None:
-                    cuda_driver.graph_launch(self._graph_exec, cu)
-                else:
-                    with torch.cuda.device(self._device), torch.cuda.stream(stream):
-                        self._graph.replay()
+                    self._staged_exec = cuda_driver.as_cugraphexec(self._graph.raw_cuda_graph_exec())
+                cuda_driver.graph_launch(self._staged_exec, cu)
         finally:
             if pushed:
                 cuda_driver.pop_context()
         self._clears += 1
         self._pages += n
 
-    def _try_row_graphs(self) -> bool:
-        """Whether ``graph_clear`` can use per-row graphs here: capture the first one now."""
+    def _make_row_graphs(self) -> bool:
+        """graph_clear's rows and their graphs (``graph_clear``), and the staged graph; False (and
+        nothing kept) where the driver refuses a capture."""
         if self._fill(False).direct is None:
             return False
         with torch.cuda.device(self._device):
-            self._graph_ring = ListRing(torch, 1 + self.capacity, self._device)
+            ring = ListRing(torch, 1 + self.capacity, self._device, slots=GRAPH_ROWS)
             self._capture_stream = torch.cuda.Stream(self._device)
+        most = 1 + self.capacity
+        classes = [c for c in (1 << b for b in range(4, most.bit_length() + 1)) if c < most] + [most]
+        for cls in classes:  # compile and load every shape's kernel now: nothing may load during a capture
+            self._fill(False, cls - 1)
         try:
-            self._row_graph(self._graph_ring.first(), _size_class(1, 1 + self.capacity))
+            for slot in ring.slots():
+                for cls in classes:
+                    slot.graphs[cls] = self._capture(functools.partial(self._row_nodes, slot, cls))
+            self._staged_exec = self._capture(self._staged_nodes)
         except (CudaDriverError, RuntimeError):
-            self._graph_ring = None
+            self._graphs.clear()
+            for slot in ring.slots():
+                slot.graphs.clear()
             return False
+        self._graph_ring = ring
         return True
 
-    def _row_graph(self, slot: ListSlot, words: int) -> Any:
-        """Capture ``[row -> static list (words) -> row event -> clear -> count := 0]`` for ``slot``."""
-        fill = self._fill(False)
+    def _row_nodes(self, slot: ListSlot, words: int, cs: Any) -> None:
+        """Row ``slot`` -> its device row (``words`` int32), its event, the clear over that row."""
+        fill = self._fill(False, words - 1)  # the shape of the class's longest list
         direct = fill.direct
         assert direct is not None
+        cuda_driver.memcpy_htod_async(slot.dptr, slot.host_ptr, 4 * words, cs)
+        cuda_driver.event_record_external(slot.done, cs)
+        direct.set_pointer(1, slot.dptr)
+        direct(fill.grid(words - 1), cs)  # (not counted as a launch: it runs on replays, never from the host)
+
+    def _staged_nodes(self, cs: Any) -> None:
+        """The clear over the static list (what :meth:`stage` put there), then count := 0."""
+        direct = self._fill(False).direct
+        assert direct is not None
+        direct.set_pointer(1, self._graph_ptr)
+        direct(self._graph_programs, cs)
+        cuda_driver.memset_d32_async(self._graph_ptr, 0, 1, cs)
+
+    def _capture(self, nodes: Callable[[Any], None]) -> Any:
+        """``nodes(stream)`` captured through the driver on the private capture stream; the
+        executable graph (kept alive with the backend)."""
         assert self._capture_stream is not None
         cs = cuda_driver.as_custream(self._capture_stream.cuda_stream)
         cuda_driver.stream_begin_capture(cs)
         try:
-            cuda_driver.memcpy_htod_async(self._graph_ptr, slot.host_ptr, 4 * words, cs)
-            cuda_driver.event_record_external(slot.done, cs)
-            direct.set_pointer(1, self._graph_ptr)
-            direct(self._graph_programs, cs)  # (not counted: it runs on replays, never from the host)
-            cuda_driver.memset_d32_async(self._graph_ptr, 0, 1, cs)
+            nodes(cs)
         except BaseException:
             cuda_driver.stream_end_capture(cs, discard=True)
             raise
         graph = cuda_driver.stream_end_capture(cs)
         exe = cuda_driver.graph_instantiate(graph)
         self._graphs.append((graph, exe))
-        slot.graphs[words] = exe
         return exe
 
     def staged(self) -> StagedClear:
@@ -597,15 +615,6 @@ def _config(config: FillConfig | None, programs_per_sm: int | None, num_warps: i
     if type(bb) is not int or bb < 64 or bb & (bb - 1):
         raise ConfigurationError(f"block_bytes must be a power of two >= 64, got {bb!r}")
     return config
-
-
-def _size_class(words: int, most: int) -> int:
-    """The copy size (int32 words) of graph_clear's graph for a list of ``words`` words: the next
-    power of two from ``_SIZE_CLASS_MIN``, at most ``most`` (the list's capacity)."""
-    cls = _SIZE_CLASS_MIN
-    while cls < words:
-        cls *= 2
-    return min(cls, most)
 
 
 def _model_stream(stream: Any, dev: torch.device) -> tuple[torch.cuda.Stream | None, Any]:

@@ -77,21 +77,20 @@ class CardTuning:
         return self.shapes[-1][1]
 
 
-_SMALL = FillConfig(block_bytes=4096, num_warps=4, programs_per_sm=16)
-_LARGE = FillConfig()  # 16 KiB blocks, 4 warps, 16 programs per SM, chunked: issue 15's H200 sweep
 INF = float("inf")
-
 SMALL = 32e6  # bytes: the shapes' classes meet here (bench_gpu_tune.SMALL_CLASS)
 
-DEFAULT = CardTuning(shapes=((SMALL, _SMALL), (INF, _LARGE)), ids=IdsPlan(16, "side"),
-                     source="not measured on this card: a guess from the H200's large shape")
+_H100 = "bench_gpu_tune.py --quick on an H100 80GB HBM3, 2026-12-07 (bench/README.md, issue 31)"
 
 TABLE: dict[str, CardTuning] = {
-    "NVIDIA H200": CardTuning(shapes=((SMALL, _SMALL), (INF, _LARGE)), ids=IdsPlan(16, "side"),
-                              source="issue 15's sweep (2026-12-01) for the large shape; issue 31 to re-measure"),
-    "NVIDIA H100 80GB HBM3": CardTuning(shapes=((SMALL, _SMALL), (INF, _LARGE)), ids=IdsPlan(16, "side"),
-                                        source="issue 31 to measure"),
+    "NVIDIA H200": CardTuning(shapes=((SMALL, FillConfig(block_bytes=8192)), (INF, FillConfig(programs_per_sm=32))),
+                              ids=IdsPlan(16, "side"), source="the H100's row until the H200's sweep"),
+    "NVIDIA H100 80GB HBM3": CardTuning(shapes=((SMALL, FillConfig(block_bytes=8192)),
+                                               (INF, FillConfig(programs_per_sm=32))),
+                                        ids=IdsPlan(16, "side"), source=_H100),
 }
+
+DEFAULT = dataclasses.replace(TABLE["NVIDIA H100 80GB HBM3"], source="not measured on this card: the H100's row")
 
 
 def tuning_for(card: str) -> CardTuning:

@@ -137,9 +137,9 @@ def _profile_a_few_steps(backend, step, graph, stream, rng):
 
 
 def test_graph_clear_and_the_eager_ring_never_wait_for_the_device():
-    """With the GPU held by a long sleep, 64 eager clears (by value and copied) and 32 graph clears
-    return at once: the list ring and the graph rows grow (a new row's graphs are captured on a
-    private stream, which waits for nothing)."""
+    """With the GPU held by a long sleep, 36 eager clears (by value and copied) and 32 graph clears
+    return at once: the list ring grows, and graph_clear stages its lists once its rows are all
+    in use (its graphs were all captured at its first call)."""
     pytest.importorskip("cuda.bindings")
     pytest.importorskip("triton")
     import time
@@ -167,7 +167,8 @@ def test_graph_clear_and_the_eager_ring_never_wait_for_the_device():
     assert not stream.query(), f"the GPU finished a 0.5 s sleep during {host * 1e3:.1f} ms of enqueuing"
     after = backend.statistics()
     assert after["ring_slots"] > before["ring_slots"]  # the ring grew instead of waiting
-    assert after["graph_rows"] > before["graph_rows"] > 0  # so did graph_clear's rows
+    assert after["graphs_captured"] == before["graphs_captured"] > 0  # nothing captured meanwhile
+    assert after["list_copies"] > before["list_copies"] + 4  # graph rows in use: staged instead
     assert after["by_value_launches"] >= before["by_value_launches"] + 32
     stream.synchronize()
     listed = torch.tensor(list(range(32)) + list(range(100, 132)) + list(range(200, 232)) + list(range(40, 40 + long)),
@@ -213,4 +214,4 @@ def test_graph_clear_rows_and_size_classes_zero_exactly_the_listed_pages():
         assert not diff, f"plane {k} pages {diff[:8]} differ from the mirror"
     stats = backend.statistics()
     assert stats["kernel_launches"] == launches
-    assert stats["graphs_captured"] >= 5 and stats["list_copies"] == 0  # the per-row graphs, no staging
+    assert stats["graphs_captured"] >= 5  # the per-row graphs (a busy row: the staged graph)
