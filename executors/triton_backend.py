@@ -388,6 +388,16 @@ class TritonClearBackend(ClearBackendBase):
                 cuda_driver.pop_context()
         return len(ids)
 
+    def stage_checked(self, ids: tuple[int, ...]) -> None:
+        """``stage`` for ids known good (a sealed plan's tuple: see ``clear_checked``)."""
+        _, cu = self._streams()
+        pushed = threading.get_ident() not in self._ctx_threads and self._enter()
+        try:
+            self._stage_checked(ids, cu)
+        finally:
+            if pushed:
+                cuda_driver.pop_context()
+
     def _stage_checked(self, ids: tuple[int, ...], cu: Any) -> None:
         slot: ListSlot = self._ring.acquire()
         n = len(ids)
@@ -448,7 +458,10 @@ class TritonClearBackend(ClearBackendBase):
         event nodes), always the latter, through torch's capture. Raises what :meth:`stage`
         raises, before anything is enqueued.
         """
-        ids = checks.page_ids(page_ids, self.num_pages)
+        self.graph_clear_checked(checks.page_ids(page_ids, self.num_pages))
+
+    def graph_clear_checked(self, ids: tuple[int, ...]) -> None:
+        """``graph_clear`` for ids known good (a sealed plan's tuple: see ``clear_checked``)."""
         n = len(ids)
         cu = self._cu if self._stream is not None else self._streams()[1]
         pushed = threading.get_ident() not in self._ctx_threads and self._enter()
@@ -598,6 +611,10 @@ class StagedClear(ClearBackendBase):
     def clear(self, page_ids: Sequence[int]) -> None:
         """Stage ``page_ids`` for the next replay; raises what ``TritonClearBackend.stage`` raises."""
         self.backend.stage(page_ids)
+
+    def clear_checked(self, page_ids: tuple[int, ...]) -> None:
+        """Stage a sealed plan's list (no id check: ``TritonClearBackend.stage_checked``)."""
+        self.backend.stage_checked(page_ids)
 
 
 def _config(config: FillConfig | None, programs_per_sm: int | None, num_warps: int | None) -> FillConfig:

@@ -342,8 +342,9 @@ def _check_listed_zero_and_inputs(planes, idx, dev_in, want_in, flag):
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("checked", [False, True], ids=["user-list", "sealed-plan"])
 @pytest.mark.parametrize("name", ["cuda", "triton", "triton-graph"])
-async def test_rank_executor_runs_copies_clear_graph_in_stream_order(name):
+async def test_rank_executor_runs_copies_clear_graph_in_stream_order(name, checked):
     """The engine's RankExecutor with the GPU backends: copies -> clear -> graph on the model stream."""
     ex_mod = pytest.importorskip("kvledger.executors.executor")
     import anyio
@@ -390,7 +391,8 @@ async def test_rank_executor_runs_copies_clear_graph_in_stream_order(name):
             as_bytes(p).index_fill_(0, idx, 0x7F)
     replies = ex_mod.StepReplies(1)
     job = ex_mod.StepJob(StepPlan(step=0, clear_list=tuple(listed)),
-                         ex_mod.StepInputs(copies=[(host_in, dev_in)]), anyio.CancelScope(), replies)
+                         ex_mod.StepInputs(copies=[(host_in, dev_in)]), anyio.CancelScope(), replies,
+                         checked=checked)  # sealed plan: the backend's clear_checked (triton-graph: stage_checked)
     outcome = await ex.run_job(job)
     assert outcome.status == "ok", outcome.error
     s.synchronize()
