@@ -50,22 +50,11 @@ TARGETS = {"clear_added_pct": ("<=", 1.0)}
 def _config(quick: bool, device: str):
     from kvledger.demo import DemoConfig
 
-    if device == "cuda":  # the seed's sizes and backend (triton where installed); --quick: a third of the requests
-        return DemoConfig(device="cuda", requests=48 if quick else 143, short_tokens=16384, long_tokens=32768,
-                          backend=_cuda_backend())
+    if device == "cuda":  # the seed's sizes; --quick: a third of the requests
+        return DemoConfig(device="cuda", requests=48 if quick else 143, short_tokens=16384, long_tokens=32768)
     if quick:
         return DemoConfig(requests=48, short_tokens=256, long_tokens=512)
     return DemoConfig()
-
-
-def _cuda_backend() -> str:
-    """triton when it and cuda-python import here (what the seed's demo runs with), else torch."""
-    try:
-        import cuda.bindings.driver  # noqa: F401
-        import triton  # noqa: F401
-    except ImportError:
-        return "torch"
-    return "triton"
 
 
 def run(quick: bool, device: str = "cpu") -> dict:
