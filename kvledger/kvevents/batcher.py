@@ -3,7 +3,9 @@
     Ledger._submit ─► observer(seq, event, effects) ─► KVEventBatcher.observe: collect
                         effects   BlocksStored (with its request's extra keys), BlocksRemoved
                         event     CacheConfigured ─► AllBlocksCleared (a new cache starts empty)
-                                  PagesReserved / PagesShared ─► the request's tenant
+                                  PagesReserved / PagesShared ─► the request's tenant (a vLLM
+                                      pool's "g<idx>:<kind>:<dtype>[:w<window>]": its KV cache group)
+                                  RequestLabelled ─► a vLLM pool's session_id (the vLLM request id)
                                   RequestFinished / RequestCancelled ─► forget its keys
                                   StepSealed ─► close the batch (auto_flush), stamped clock()
                     ─► build: BlocksStored ─► BlockStored (block_size = page_tokens, medium,
@@ -41,10 +43,18 @@ empty ``token_ids`` list (a router that only matches hashes needs none; one that
 hashes tokens itself cannot work without them); ``"tenant"`` and ``"salt"`` keep
 those out of ``extra_keys`` (hashes computed with them as extra keys still differ,
 so prefixes stay apart; the consumer just cannot read who they belong to).
+
+A vLLM pool's holds (``integrations.vllm``: one ledger request per vLLM request and
+KV cache group, its tenant naming the group) carry no tenant key: their blocks go
+out with vLLM's own cache-spec fields, ``group_idx``, ``kv_cache_spec_kind``,
+``kv_cache_spec_sliding_window`` and ``session_id`` (the label the pool gave the
+hold: vLLM's request id; ``omit=("tenant",)`` leaves it out), as vLLM's hybrid
+pool publishes them.
 """
 
 from __future__ import annotations
 
+import re
 import struct
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -60,6 +70,7 @@ from kvledger.core.events.events import (
     PagesShared,
     RequestCancelled,
     RequestFinished,
+    RequestLabelled,
     StepSealed,
 )
 from kvledger.core.hashing import to_u64, to_u64_all
@@ -114,11 +125,26 @@ _CLEARED = _Cleared()
 
 
 class _Keyed(NamedTuple):
-    """A ``BlocksStored`` collected with the extra keys of the request that published it."""
+    """A ``BlocksStored`` collected with the extra keys of the request that published it, and (a
+    vLLM pool's hold) its KV cache group, the group's kind and window, and the vLLM request id."""
 
     effect: BlocksStored
-    keys: tuple
+    keys: tuple | None
     hashes: tuple  # the effect's own
+    group: tuple | None = None  # (group_idx, kind, sliding window or None, session id or None)
+
+
+# A vLLM pool's tenant names the KV cache group that wrote a block (integrations/vllm/groups.py):
+# "g<idx>:<kind>:<dtype>[:w<window>]". It goes in the group fields, not in extra_keys.
+_GROUP = re.compile(r"^g(\d+):([a-z_]+):[^:]*(?::w(\d+))?$")
+
+
+def vllm_group(tenant: str | None) -> tuple | None:
+    """``(group_idx, kind, window)`` of a vLLM pool's tenant, or None for any other tenant."""
+    m = _GROUP.match(tenant) if tenant else None
+    if m is None:
+        return None
+    return int(m.group(1)), m.group(2), int(m.group(3)) if m.group(3) else None
 
 
 _UNPACK16 = [struct.Struct(">" + "8xQ" * k).unpack for k in range(17)]  # k 16-byte hashes: their last 8 bytes
@@ -221,10 +247,11 @@ def _convert_any(it: Iterable, lay: Layout, medium: str | None, fold: bool, out:
         if t is BlocksRemoved:
             append(removed(hs, medium))
             continue
+        group = None
         if t is BlocksStored:
             keys = None
         elif t is _Keyed:
-            eff, keys = eff.effect, eff.keys
+            eff, keys, group = eff.effect, eff.keys, eff.group
         else:
             append(cleared())
             continue
@@ -239,8 +266,12 @@ def _convert_any(it: Iterable, lay: Layout, medium: str | None, fold: bool, out:
             keys = (lora, *keys) if keys else (lora,)
         token_ids = eff.token_ids if tokens else ()
         if with_keys:
-            append(stored(hs, parent, token_ids, eff.page_tokens, eff.lora_id, medium, lora,
-                          (keys,) * len(hs) if keys else None))
+            if group is None:
+                append(stored(hs, parent, token_ids, eff.page_tokens, eff.lora_id, medium, lora,
+                              (keys,) * len(hs) if keys else None))
+            else:
+                append(stored(hs, parent, token_ids, eff.page_tokens, eff.lora_id, medium, lora,
+                              (keys,) * len(hs) if keys else None, *group))
         else:
             append(stored(hs, parent, token_ids, eff.page_tokens, eff.lora_id, medium, lora))
 
@@ -281,9 +312,12 @@ class KVEventBatcher:
         self._fold = check_choice(hashes, HASH_FORMS, "hashes") == "u64"
         self._tenants: dict[int, str] = {}  # request -> its tenant (requests that have one)
         self._salts: dict[int, str] = {}  # request -> the cache salt its caller set
+        self._groups: dict[int, tuple] = {}  # request -> (group, kind, window, vLLM request id): a vLLM pool's
+        self._labels: dict[int, str] = {}  # request -> the engine's label, until its group is known
         self._hooks: dict[type, Callable[[Any], None]] = {
             StepSealed: self._sealed, PagesReserved: self._tenant, PagesShared: self._tenant,
-            RequestFinished: self._gone, RequestCancelled: self._gone, CacheConfigured: self._configured}
+            RequestFinished: self._gone, RequestCancelled: self._gone, CacheConfigured: self._configured,
+            RequestLabelled: self._label}
         self._sink = sink
         self._medium = medium
         self._rank = data_parallel_rank
@@ -318,8 +352,12 @@ class KVEventBatcher:
     def set_tenants(self, tenants: dict[int, str | None]) -> None:
         """Know these requests' tenants (``request -> tenant``; None entries skipped): an
         export that starts at a checkpoint seeds them from the checkpoint's state."""
-        if "tenant" not in self.omit:
-            self._tenants.update({r: t for r, t in tenants.items() if t is not None})
+        for r, t in tenants.items():
+            group = vllm_group(t)
+            if group is not None:
+                self._groups[r] = (*group, None)
+            elif t is not None and "tenant" not in self.omit:
+                self._tenants[r] = t
 
     def _keys_of(self, request: int) -> tuple | None:
         tenant, salt = self._tenants.get(request), self._salts.get(request)
@@ -343,10 +381,11 @@ class KVEventBatcher:
                 if t is BlocksRemoved:
                     self._pending.append(eff)
                 elif t is BlocksStored:
-                    if self._tenants or self._salts:
+                    if self._tenants or self._salts or self._groups:
                         keys = self._keys_of(event.request)
-                        if keys is not None:
-                            eff = _Keyed(eff, keys, eff.hashes)
+                        group = self._groups.get(event.request) if self._groups else None
+                        if keys is not None or group is not None:
+                            eff = _Keyed(eff, keys, eff.hashes, group)
                     self._pending.append(eff)
         if type(event) in self._hooks:  # most events have no hook: one lookup for them
             self._hooks[type(event)](event)
@@ -356,17 +395,29 @@ class KVEventBatcher:
             self.flush()
 
     def _tenant(self, event) -> None:
-        if event.tenant is not None and "tenant" not in self.omit:
+        if event.tenant is None:
+            return
+        group = vllm_group(event.tenant)
+        if group is not None:  # a vLLM pool's hold: its group in the group fields, its label as the session
+            label = None if "tenant" in self.omit else self._labels.pop(event.request, None)
+            self._groups[event.request] = (*group, label)
+        elif "tenant" not in self.omit:
             self._tenants[event.request] = event.tenant
 
+    def _label(self, event) -> None:
+        self._labels[event.request] = event.label
+
     def _gone(self, event) -> None:
-        if self._tenants or self._salts:
+        if self._tenants or self._salts or self._groups:
             self._tenants.pop(event.request, None)
             self._salts.pop(event.request, None)
+            self._groups.pop(event.request, None)
 
     def _configured(self, event) -> None:
         self._pending.append(_CLEARED)
         self._tenants.clear()
+        self._groups.clear()
+        self._labels.clear()
 
     def flush(self):
         """Close the pending events into a batch (stamped ``clock()``) and hand it to the sink;

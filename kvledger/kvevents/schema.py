@@ -17,9 +17,16 @@ under ``"type"``::
     AllBlocksCleared  {"type": "AllBlocksCleared"}
 
 ``extra_keys`` (vLLM 0.33's field) holds, per block, what separates equal token
-prefixes: the LoRA name, the tenant, the caller's cache salt (``batcher``). The later
-vLLM fields (``group_idx``, ``kv_cache_spec_kind``, ...) default to None and are
-omitted (``omit_defaults``), as is ``extra_keys`` when no block has any.
+prefixes: the LoRA name, the tenant, the caller's cache salt (``batcher``). A vLLM
+pool's blocks (``integrations.vllm``) carry the cache-spec fields both 0.33 and 0.34
+define instead of a tenant key::
+                      "group_idx": int, "kv_cache_spec_kind": str,      (the KV cache group that
+                      "kv_cache_spec_sliding_window": int,               wrote them; the window
+                      "session_id": str                                  only for one; the vLLM
+                                                                         request's id)
+Fields left None are omitted (``omit_defaults``), as is ``extra_keys`` when no block has
+any; ``locality``, ``ownership`` and ``lookahead_token_ids`` are never sent, and a
+``BlockRemoved`` carries no ``group_idx`` (an eviction does not name the group).
 
 ``"array"`` (``layout="array"``, for consumers of the vLLM releases before 0.26):
 every struct is ``array_like``, so a struct is a msgpack array of its fields in
@@ -143,6 +150,12 @@ class BlockStoredMap(_MapEvent, frozen=True, tag="BlockStored"):
     medium: str | None
     lora_name: str | None
     extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
+    # vLLM's cache-spec metadata (its 0.33 and 0.34 decoders read them; left out when unknown):
+    # the KV cache group that wrote the blocks, its kind and window, and the request's id
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    session_id: str | None = None
 
 
 class BlockRemovedMap(_MapEvent, frozen=True, tag="BlockRemoved"):

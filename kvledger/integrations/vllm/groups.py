@@ -8,7 +8,10 @@ group makes carries the group as its ledger *tenant*, and the ``groups`` policy
 (the ledger's ``cross_tenant``) lists a block for a clear exactly when it moves to
 another tenant:
 
-    tenant  "g<id>:<kind>:<dtype>"      e.g. "g0:full_attention:float16", "g1:mamba:float32"
+    tenant  "g<id>:<kind>:<dtype>[:w<window>]"   e.g. "g0:full_attention:float16", "g1:mamba:float32",
+                                                 "g2:sliding_window:float32:w96"
+            (the KV events name the group with it: ``group_idx``, ``kv_cache_spec_kind``,
+            ``kv_cache_spec_sliding_window``)
 
 A recurrent state's group (Mamba, linear attention: a ``MambaSpec``) also reads a
 request's first state block before it writes it, so those commits read the whole
@@ -94,7 +97,8 @@ def group_tenants(kv_cache_groups: Iterable[Any]) -> tuple[dict[int, str], set[i
             kind = spec_kind(spec)
         except ConfigurationError as exc:
             raise ConfigurationError(f"KV cache group {gid} (layers {list(group.layer_names)[:4]}): {exc}") from None
-        tenants[gid] = f"g{gid}:{kind}:{_dtype(spec)}"
+        window = getattr(spec, "sliding_window", None)
+        tenants[gid] = f"g{gid}:{kind}:{_dtype(spec)}" + (f":w{window}" if isinstance(window, int) else "")
         if kind in STATE_KINDS:
             states.add(gid)
     return tenants, states
