@@ -1,7 +1,10 @@
 """Cost in the user's unit: vLLM's own ``Scheduler`` step, without and with kvledger installed.
 
-    $(python scripts/vllm-conformance --version 0.34.0 --python) bench/bench_vllm_scheduler.py [--quick]
+    $(python scripts/vllm-conformance --version 0.34.0 --python) bench/bench_vllm_scheduler.py [--quick] [--split]
     (any version's conformance venv; elsewhere the module reports itself skipped)
+
+``--split`` adds a third side, kvledger's pool with an in-memory ledger (``install()``, no
+log), alternated with the other two: what the pool and ledger cost apart from the log.
 
 vLLM's ``Scheduler`` (``AsyncScheduler`` for async scheduling) is built the way vLLM's own
 ``tests/v1/core`` build it: ``tests/v1/core/utils.py``'s ``create_scheduler`` for the plain
@@ -237,12 +240,14 @@ class Run:
 
     def __init__(self, v: _VLLM, trace: list[TraceRequest], model: str, caching: bool, async_scheduling: bool,
                  ledger_dir: str | None, digest: bool = False) -> None:
+        """``ledger_dir``: None for vLLM's pool; a folder for kvledger's durable log; ``""`` for
+        kvledger's pool with an in-memory ledger (no log: ``--split``)."""
         self.v, self.async_scheduling = v, async_scheduling
         self.inst = None
         if ledger_dir is not None:
             from kvledger.integrations.vllm import install
 
-            self.inst = install(log=ledger_dir, fsync="background")
+            self.inst = install(log=ledger_dir or None, fsync="background")
         try:
             make = v.plain_scheduler if model == "plain" else v.hybrid_scheduler
             self.scheduler = make(caching, async_scheduling)
@@ -378,7 +383,7 @@ CONFIGS = [(model, caching, async_scheduling)
            for model in ("plain", "hybrid") for caching in (False, True) for async_scheduling in (False, True)]
 
 
-def run(quick: bool) -> dict:
+def run(quick: bool, split: bool = False) -> dict:
     missing = _vllm_missing()
     if missing:
         print(f"bench_vllm_scheduler: skipped: {missing}")
@@ -398,12 +403,13 @@ def run(quick: bool) -> dict:
             info = _steps_and_check(v, trace, config, tmp)
             k = max(1, info["steps"] // SEGMENTS)
 
-            def side(ledger: bool, config: tuple = config) -> Any:
-                log_dir = tempfile.mkdtemp(dir=tmp) if ledger else None
-                return Run(v, trace, *config, log_dir)
+            def side(ledger: str | None, config: tuple = config) -> Any:
+                return Run(v, trace, *config, tempfile.mkdtemp(dir=tmp) if ledger == "log" else ledger)
 
-            per_step = timed_segments({"vllm": lambda: side(False), "kvledger": lambda: side(True)},
-                                      SEGMENTS, k, repeats)
+            sides = {"vllm": lambda: side(None), "kvledger": lambda: side("log")}
+            if split:
+                sides["no log"] = lambda: side("")
+            per_step = timed_segments(sides, SEGMENTS, k, repeats)
             added = (per_step["kvledger"] / per_step["vllm"] - 1.0) * 100.0
             worst = max(worst, added)
             out[f"vllm_us_{tag}"] = per_step["vllm"] * 1e6
@@ -414,16 +420,20 @@ def run(quick: bool) -> dict:
             rows.append([model, "on" if caching else "off", "async" if async_scheduling else "sync",
                          str(info["steps"]), str(info["preempted"]), str(info["hit_tokens"]), str(info["events"]),
                          f"{per_step['vllm'] * 1e6:.1f}", f"{per_step['kvledger'] * 1e6:.1f}",
-                         f"{(per_step['kvledger'] - per_step['vllm']) * 1e6:+.1f}", f"{added:+.1f} %"])
+                         f"{(per_step['kvledger'] - per_step['vllm']) * 1e6:+.1f}", f"{added:+.1f} %"]
+                        + ([f"{(per_step['no log'] / per_step['vllm'] - 1.0) * 100.0:+.1f} %"] if split else []))
+            if split:
+                out[f"nolog_added_pct_{tag}"] = (per_step["no log"] / per_step["vllm"] - 1.0) * 100.0
     out["worst_added_pct"] = worst
     print_table(f"vLLM {out['vllm']} Scheduler step (schedule() + update_from_output()), {len(trace)} requests, "
                 f"{NUM_BLOCKS} blocks of {BLOCK_SIZE} tokens, KV events on; kvledger: install(log=DIR, "
                 f"fsync='background'); per step, sum of {SEGMENTS} segments' best of {repeats}, "
                 f"sides alternated",
                 ["model", "caching", "scheduling", "steps", "preempted", "hit tokens", "ledger events",
-                 "vllm us/step", "kvledger us/step", "diff us", "kvledger adds"], rows)
+                 "vllm us/step", "kvledger us/step", "diff us", "kvledger adds",
+                 *(["without the log"] if split else [])], rows)
     return out
 
 
 if __name__ == "__main__":
-    run("--quick" in sys.argv[1:])
+    run("--quick" in sys.argv[1:], split="--split" in sys.argv[1:])
