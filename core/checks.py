@@ -31,7 +31,7 @@ from .errors import (
     InvalidArgumentError,
     PageOutOfRangeError,
 )
-from .events.events import MAX_ID, MAX_PAGES, Geometry
+from .events.events import COMMIT_READS, MAX_ID, MAX_PAGES, Geometry
 
 __all__ = [
     "MAX_ID",
@@ -41,10 +41,12 @@ __all__ = [
     "Problem",
     "all_ints",
     "block_hash_list",
+    "commit_reads",
     "count",
     "duplicates",
     "geometry",
     "ident",
+    "label",
     "out_of_range",
     "page_ids",
     "page_ids_problem",
@@ -99,6 +101,20 @@ def tenant(value) -> str | None:
     """A tenant: a str or None."""
     if value is not None and type(value) is not str:
         raise InvalidArgumentError(f"tenant must be a str or None, got {value!r}")
+    return value
+
+
+def commit_reads(value) -> str:
+    """How a committing step first reads its pages: one of ``COMMIT_READS``."""
+    if value not in COMMIT_READS or type(value) is not str:
+        raise InvalidArgumentError(f"reads must be one of {COMMIT_READS}, got {value!r}")
+    return value
+
+
+def label(value) -> str:
+    """A request's label: a str of at most 1,024 characters."""
+    if type(value) is not str or len(value) > 1024:
+        raise InvalidArgumentError(f"a label must be a str of at most 1024 characters, got {value!r:.80}")
     return value
 
 

@@ -31,6 +31,8 @@ from ..events.events import (
     CacheConfigured,
     PagesCommitted,
     PagesEvicted,
+    PagesReleased,
+    PagesUnwritten,
     PagesPublished,
     PagesReserved,
     PagesShared,
@@ -220,6 +222,12 @@ def _violation_bounds(st: LedgerState, ev) -> None:
                           f"{st.num_pages} pages)")
 
 
+def _unwritten_bounds(st: LedgerState, ev) -> None:
+    _pages_in_range(st, ev)
+    if ev.step >= st.open_step:
+        raise _Impossible("step", f"pages unwritten by step {ev.step}, not sealed (open step {st.open_step})")
+
+
 # What a trusted fold still checks of every event before it applies it: page ids against the
 # geometry, step numbers against the open step and the steps in flight. O(ids) and a few compares:
 # the bounds a CRC-valid but forged or buggy record could break to reach a state no validated
@@ -230,7 +238,7 @@ _BOUNDS: dict[type, Callable] = {
     SnapshotAliased: _pages_in_range, RestoreStarted: _pages_in_range, RestoreCompleted: _pages_in_range,
     StepSealed: _seal_bounds, StepCompleted: _completed_bounds, StepAborted: _aborted_bounds,
     SanitizerViolation: _violation_bounds, PagesPublished: _pages_in_range, PagesShared: _pages_in_range,
-    PagesEvicted: _pages_in_range,
+    PagesEvicted: _pages_in_range, PagesReleased: _pages_in_range, PagesUnwritten: _unwritten_bounds,
 }
 
 

@@ -28,9 +28,9 @@ from itertools import filterfalse
 from typing import TYPE_CHECKING
 
 from ..events.events import (
-    CacheConfigured, ClearPages, PagesCommitted, PagesMarked, PagesReserved, ReservationReturned, RestoreCompleted,
-    RestoreStarted, SanitizerViolation, SnapshotAliased, SnapshotReleased, StepAborted, StepCompleted, StepPlan,
-    StepSealed,
+    CacheConfigured, ClearPages, PagesCommitted, PagesMarked, PagesReleased, PagesReserved, ReservationReturned,
+    RestoreCompleted, RestoreStarted, SanitizerViolation, SnapshotAliased, SnapshotReleased, StepAborted,
+    StepCompleted, StepPlan, StepSealed,
 )
 from .table import (
     HOLDER_ALIAS, HOLDER_CACHED, HOLDER_FREE, MARK_ALL, MARK_TENANT, MAX_IN_FLIGHT, SHARERS_ORDERED, RequestRecord,
@@ -40,13 +40,15 @@ if TYPE_CHECKING:
     from .state import LedgerState
 
 __all__ = [
-    "allocate_top", "cache_configured", "commit_pages", "complete", "release_request", "reserve_top",
-    "seal", "pages_committed", "pages_reserved", "request_gone", "reservation_returned",
+    "allocate_top", "cache_configured", "commit_pages", "complete", "release_pages", "release_request", "record",
+    "reserve_top", "seal", "pages_committed", "pages_released", "pages_reserved", "request_gone",
+    "reservation_returned",
     "restore_completed", "restore_started", "sanitizer_violation", "snapshot_aliased", "snapshot_released",
     "step_aborted", "step_completed", "step_sealed",
 ]
 
 _NO_EFFECTS: tuple = ()
+_NOBODY = object()  # a tenant no residue names (a commit that reads the whole page lists every mark)
 
 
 # ---------------------------------------------------------------------- shared pieces
@@ -224,22 +226,25 @@ def reservation_returned(st: LedgerState, e: ReservationReturned) -> tuple:
 
 
 def pages_committed(st: LedgerState, e: PagesCommitted) -> tuple:
-    return commit_pages(st, st.requests[e.request], e.step, e.page_ids)
+    return commit_pages(st, st.requests[e.request], e.step, e.page_ids, e.reads)
 
 
-def commit_pages(st: LedgerState, rec: RequestRecord, step: int, pages: tuple) -> tuple:
+def commit_pages(st: LedgerState, rec: RequestRecord, step: int, pages: tuple, reads: str = "tail") -> tuple:
     """``pages`` (reserved by ``rec``'s request, none restoring, ``step`` not sealed) join its
-    block table; marked ones are listed for ``step``. Returns ``(ClearPages,)`` or ``()``."""
+    block table; marked ones are listed for ``step`` (``reads="tail"``: except those marked for
+    other tenants only and left by its own; ``"whole"``: all of them). Returns
+    ``(ClearPages,)`` or ``()``."""
     marks = st.marks
     listed = None
     if marks and not marks.keys().isdisjoint(pages):
         residue, pend = st.residue, st.pending
         listed = []
+        own = rec.tenant if reads == "tail" else _NOBODY
         for p in pages:
             m = marks.pop(p, 0)
             if m:
-                if m == MARK_TENANT and residue.pop(p) == rec.tenant:
-                    continue  # the committing tenant's own bytes
+                if m == MARK_TENANT and residue.pop(p) == own:
+                    continue  # the committing tenant's own bytes, read under a mask
                 if p not in pend:
                     pend[p] = step
                     listed.append(p)
@@ -290,6 +295,57 @@ def release_request(st: LedgerState, request: int) -> tuple:
     marked = _free_pages(st, pages, rec.tenant, dirty)
     st.seq += 1
     return (PagesMarked(page_ids=tuple(marked)),) if marked else _NO_EFFECTS
+
+
+def pages_released(st: LedgerState, e: PagesReleased) -> tuple:
+    return release_pages(st, st.requests[e.request], e.page_ids)
+
+
+def release_pages(st: LedgerState, rec: RequestRecord, pages: tuple) -> tuple:
+    """Request ``rec`` (live) lets go of ``pages``, some of its KV pages: they leave its block
+    table, and each goes where ``release_request`` sends a page of a request that ends (still
+    shared: the others keep it; hashed: cached, the last released first in line for eviction;
+    else free, marked as the policy marks a request's bytes). Returns ``PagesMarked`` or ``()``."""
+    r, gone = rec.request, set(pages)
+    kv, steps = rec.kv, rec.kv_steps
+    if tuple(kv[-len(pages):]) == pages:  # (the commonest: the tail, in order)
+        del kv[-len(pages):], steps[-len(pages):]
+    else:
+        keep = [i for i, p in enumerate(kv) if p not in gone]
+        rec.kv = [kv[i] for i in keep]
+        rec.kv_steps = [steps[i] for i in keep]
+    holder, sharers, hashed = st.holder, st.sharers, st.page_hash
+    freed: list[int] = []
+    to_cache: list[int] = []
+    for p in pages:
+        holders = sharers.get(p) if sharers else None
+        if holders is not None:
+            del holders[r]  # (an ordered set: table.py)
+            if holder[p] == r:
+                if len(holders) >= SHARERS_ORDERED and type(holders) is dict:
+                    holders = sharers[p] = OrderedDict.fromkeys(holders)
+                holder[p] = next(iter(holders))
+            if len(holders) == 1:
+                del sharers[p]
+        elif p in hashed:
+            holder[p] = HOLDER_CACHED
+            to_cache.append(p)
+        else:
+            freed.append(p)
+    if to_cache:
+        to_cache.reverse()
+        st.cached.update(dict.fromkeys(to_cache))
+    marked: list[int] | tuple = ()
+    if freed:
+        marked = _free_pages(st, freed, rec.tenant, freed if st.policy != "released_aliases" else ())
+    st.seq += 1
+    return _marked(marked)
+
+
+def record(st: LedgerState, e) -> tuple:
+    """A record-only event (``RequestLabelled``, ``PagesUnwritten``): the fold counts it, nothing more."""
+    st.seq += 1
+    return _NO_EFFECTS
 
 
 def _release_shares(st: LedgerState, rec: RequestRecord) -> list[int]:

@@ -29,6 +29,10 @@ table and nothing else; an event type that is not in it is refused
     PagesShared             hashed kv(R) or cached(h)        -> kv(R + {r})        unchanged  -
     PagesEvicted            cached(h)                        -> free               policy     BlocksRemoved
     SanitizerViolation      step sealed                      -                     -          - (a record)
+    PagesReleased           kv(r), r known                   leave r: others keep, policy     -
+                                                             hashed cached, or free
+    PagesUnwritten          step sealed                      -                     -          - (a record)
+    RequestLabelled         -                                -                     -          - (a record)
 
 To add an event: its struct in ``core/events/events.py``, a precondition in
 ``preconditions.py``, an applier in ``fold.py`` (``fold_prefix.py`` for prefix caching), and its row here.
@@ -45,10 +49,13 @@ from ..events.events import (
     PagesCommitted,
     PagesEvicted,
     PagesPublished,
+    PagesReleased,
     PagesReserved,
     PagesShared,
+    PagesUnwritten,
     RequestCancelled,
     RequestFinished,
+    RequestLabelled,
     ReservationReturned,
     RestoreCompleted,
     RestoreStarted,
@@ -145,6 +152,18 @@ TRANSITIONS: dict[type, Transition] = {
         "each page cached(h)", "→ free, hash dropped", "as for a request's page going free under the policy",
         "KV event BlockRemoved",
         pre.pages_evicted, fold_prefix.pages_evicted),
+    # Not in SPEC's table: a live request letting go of some pages (vLLM's sliding windows and
+    # state blocks), and two records for engines that name their requests and drop work.
+    PagesReleased: Transition(
+        "r known; each page in r's KV pages", "each leaves r: still shared, kept by the others; hashed, "
+        "→ cached(h); else → free", "as for a request's page going free under the policy", "—",
+        pre.pages_released, fold.pages_released),
+    PagesUnwritten: Transition(
+        "step sealed; pages valid", "—", "—", "— (a record: the step ran without the request)",
+        pre.pages_unwritten, fold.record),
+    RequestLabelled: Transition(
+        "— (it may come before r's first event)", "—", "—", "— (a record: the engine's name for r)",
+        pre.request_labelled, fold.record),
 }
 
 assert set(TRANSITIONS) == set(EVENT_TYPES), "every event type has exactly one row"

@@ -42,6 +42,8 @@ from kvledger.core.events import (
     ClearPages,
     PagesCommitted,
     PagesEvicted,
+    PagesReleased,
+    PagesUnwritten,
     PagesMarked,
     PagesPublished,
     PagesReserved,
@@ -68,7 +70,7 @@ __all__ = ["HISTORY", "SanitizerTracker"]
 HISTORY = 16  # events kept per page
 _KIND_ORDER = {"not_zero": 0, "poison": 1}
 _PAGE_EVENTS = (PagesReserved, ReservationReturned, PagesCommitted, PagesShared, SnapshotAliased,
-                RestoreStarted, RestoreCompleted, PagesPublished, PagesEvicted)
+                RestoreStarted, RestoreCompleted, PagesPublished, PagesEvicted, PagesReleased, PagesUnwritten)
 
 
 class _Found:
@@ -175,7 +177,7 @@ class SanitizerTracker(StepHook):
             pages = event.page_ids
             if t is PagesReserved or t is PagesShared:
                 self._requests.setdefault(event.request, {}).update(dict.fromkeys(pages))
-            elif t is ReservationReturned:
+            elif t is ReservationReturned or t is PagesReleased:
                 held = self._requests.get(event.request, {})
                 for p in pages:
                     held.pop(p, None)

@@ -19,6 +19,7 @@ from kvledger.core.events.events import (
     CacheConfigured,
     RequestCancelled,
     RequestFinished,
+    RequestLabelled,
     SanitizerViolation,
     SnapshotReleased,
     StepAborted,
@@ -51,7 +52,7 @@ def touched(st: LedgerState, ev, t) -> tuple:
         return tuple(p for plan in st.in_flight if plan.step >= ev.step for p in plan.clear_list)
     if t is SanitizerViolation:
         return (ev.page_id,)
-    if t is StepCompleted or t is CacheConfigured:
+    if t is StepCompleted or t is CacheConfigured or t is RequestLabelled:
         return ()
     return ev.page_ids
 
@@ -113,7 +114,7 @@ class CheckedAudit:
         page = self.subject["page"]
         if not self.started_page and page is not None:
             self.started_page = True
-            self.views.rows.append(start_row(self.st, page, self.since))
+            self.views.rows.append(start_row(self.st, page, self.since, self.views.names))
 
     def _event(self, seq: int, ev) -> None:
         st, model = self.st, self.model
@@ -143,6 +144,7 @@ class CheckedAudit:
             model.post(seq, ev, t, pre)
             model.check_pages(seq, pages)
         self._note_seal_or_release(seq, ev, t, pages)
+        self.views.names.event(ev, t, st)
         if seq >= self.since:
             self.views.record(seq, ev, t, pages, before, effects, open_step, plan_step)
         if self.svg is not None:
