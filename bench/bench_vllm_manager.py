@@ -1,6 +1,6 @@
 """Cost inside vLLM: one serving trace through vLLM 0.33's KVCacheManager, on vLLM's pool and on kvledger's.
 
-    ~/.cache/kvledger/vllm-venv/bin/python bench/bench_vllm_manager.py [--quick]
+    $(python scripts/vllm-conformance --version 0.33.0 --python) bench/bench_vllm_manager.py [--quick]
     (the venv ``scripts/vllm-conformance`` builds; elsewhere the module reports itself skipped)
 
 Workload (fixed seed, generated before any clock runs; ``driver.make_trace``): 300

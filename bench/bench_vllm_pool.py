@@ -1,7 +1,7 @@
 """kvledger's ``Ledger`` beside vLLM 0.33.0's own ``BlockPool`` and a plain pool, in one run.
 
 vLLM's ``vllm/v1/core/block_pool.py`` and ``kv_cache_utils.py`` are read at run
-time out of the vLLM 0.33.0 wheel (``tests/support/upstream.py``: a cache folder,
+time out of vLLM 0.33.0's source distribution (``tests/support/upstream.py``: a cache folder,
 ``$KVLEDGER_UPSTREAM_CACHE`` or ``~/.cache/kvledger/upstream``, filled from the
 package registry once; never committed). The modules they import (the config,
 the logger, the KV-event structs, the request, ...) are replaced by empty stubs
@@ -159,12 +159,12 @@ def _stub(name: str) -> types.ModuleType:
 
 
 def load_block_pool() -> types.ModuleType:
-    """vLLM 0.33.0's ``vllm.v1.core.block_pool`` module, loaded from the cached wheel files
+    """vLLM 0.33.0's ``vllm.v1.core.block_pool`` module, loaded from the cached source files
     with stubs for what it imports. Raises ``UpstreamUnavailable`` when the files are not
     cached and the registry cannot be reached. Leaves ``sys.modules`` as it found it."""
-    from tests.support.upstream import wheel_file
+    from tests.support.upstream import source_file
 
-    files = {name: wheel_file(f"vllm/v1/core/{name}.py") for name in ("kv_cache_utils", "block_pool")}
+    files = {name: source_file(f"vllm/v1/core/{name}.py") for name in ("kv_cache_utils", "block_pool")}
     saved = {name: sys.modules.get(name) for name in (*_STUBBED, "vllm.v1.core.kv_cache_utils",
                                                       "vllm.v1.core.block_pool")}
     try:
@@ -745,7 +745,7 @@ def run(quick: bool, *, only: str | None = None, blocks: tuple[int, ...] = BLOCK
     repeats = 3 if quick else 5
     allocations = QUICK_ALLOCATIONS if quick else ALLOCATIONS
     figures: dict = {"repeats": repeats, "allocations": allocations, "segment_ops": SEGMENT_OPS,
-                     "vllm": "0.33.0 BlockPool (files from the wheel)", "gc": "disabled while timed"}
+                     "vllm": "0.33.0 BlockPool (files from the sdist)", "gc": "disabled while timed"}
     if only in (None, "trace"):
         rows = []
         for n in blocks:

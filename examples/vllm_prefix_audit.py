@@ -2,6 +2,7 @@
 audit of one block from the durable log.
 
     pip install 'kvledger[vllm]'            # or: python scripts/vllm-conformance (builds a vLLM venv)
+    (without vLLM it exits 2, naming that install command)
     python examples/vllm_prefix_audit.py [--requests 120] [--blocks 400] [--log vllm.kvlog] [--policy all_reused]
 
 ``install()`` makes every vLLM ``BlockPool`` built afterwards a ``LedgerBlockPool``;
@@ -17,12 +18,17 @@ shared by later requests, cached, evicted.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import pathlib
+import sys
 import tempfile
 
 from kvledger.integrations.vllm import install
 from kvledger.integrations.vllm.driver import make_manager, make_trace, run_trace
 from kvledger.tools.cli import main as kvledger_cli
+
+
+INSTALL = "pip install 'kvledger[vllm]'"
 
 
 def main() -> None:
@@ -32,6 +38,9 @@ def main() -> None:
     ap.add_argument("--log", default=None, help="the log to write (default: a temporary file)")
     ap.add_argument("--policy", default="released_aliases", choices=["released_aliases", "all_reused"])
     args = ap.parse_args()
+    if importlib.util.find_spec("vllm") is None:
+        print(f"vllm_prefix_audit.py needs vLLM, which is not installed here: {INSTALL}", file=sys.stderr)
+        raise SystemExit(2)
     log = pathlib.Path(args.log) if args.log else pathlib.Path(tempfile.mkdtemp(prefix="kvledger-vllm-")) / "vllm.kvlog"
 
     trace = make_trace(seed=7, requests=args.requests)

@@ -288,15 +288,15 @@ def test_helper_hashes_publish_and_look_up():
 
 
 def _vllm_fold():
-    """``maybe_convert_block_hash`` from vLLM 0.33.0's wheel (``vllm/v1/core/kv_cache_utils.py``), the
+    """``maybe_convert_block_hash`` from vLLM 0.33.0's source distribution (``vllm/v1/core/kv_cache_utils.py``), the
     function's own source run with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` at its default (on)."""
     import ast
     from types import SimpleNamespace
 
-    from support.upstream import UpstreamUnavailable, wheel_file
+    from support.upstream import UpstreamUnavailable, source_file
 
     try:
-        path = wheel_file("vllm/v1/core/kv_cache_utils.py")
+        path = source_file("vllm/v1/core/kv_cache_utils.py")
     except UpstreamUnavailable as exc:
         import warnings
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,3 +32,14 @@ def test_prefix_cache_example_shares_prefixes_and_evicts_under_pressure():
 def test_kv_pressure_example_lists_released_rows():
     text = _run("examples/kv_pressure.py", "--steps", "12")
     assert re.search(r"^\s*\d+\s+\d+\s+\d+\s+\d+\s+\[\d", text, re.M), text
+
+
+def test_vllm_example_without_vllm_exits_2_with_the_install_command():
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed in this environment: the example runs instead")
+    out = subprocess.run([sys.executable, "examples/vllm_prefix_audit.py"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert out.stdout == ""
+    assert out.stderr.strip().splitlines() == [
+        "vllm_prefix_audit.py needs vLLM, which is not installed here: pip install 'kvledger[vllm]'"]

@@ -1,9 +1,9 @@
 """kvledger's KV events read by vLLM 0.33.0's own decoder (issue #19): the consumers' code, not a restatement.
 
-Pins, with vLLM 0.33.0's ``vllm/distributed/kv_events.py`` taken from its wheel
-(``tests/support/upstream.py``) and loaded unchanged (only the vllm modules it
+Pins, with vLLM 0.33.0's ``vllm/distributed/kv_events.py`` taken from its source
+distribution (``tests/support/upstream.py``) and loaded unchanged (only the vllm modules it
 imports are stood in for, in ``sys.modules``, while it loads: its logger, its
-network helpers; ``KVEventsConfig`` and ``ExternalBlockHash`` are the wheel's own):
+network helpers; ``KVEventsConfig`` and ``ExternalBlockHash`` are vLLM's own):
 
 * with no flags, ``msgspec.msgpack.Decoder(type=KVEventBatch)`` of vLLM's structs
   decodes every batch of a live engine's stream, of ``kvledger events --zmq`` and
@@ -41,7 +41,7 @@ import pytest
 zmq = pytest.importorskip("zmq")
 
 from support import wait_for  # noqa: E402
-from support.upstream import UpstreamUnavailable, wheel_file  # noqa: E402
+from support.upstream import UpstreamUnavailable, source_file  # noqa: E402
 
 from kvledger import Geometry, Ledger, OutOfPagesError  # noqa: E402
 from kvledger.core.hashing import U64_MASK, block_hashes, to_u64  # noqa: E402
@@ -64,7 +64,7 @@ def _module(name: str, **attrs) -> types.ModuleType:
 
 
 def _external_block_hash(utils_path) -> object:
-    """``ExternalBlockHash`` as the wheel's ``kv_cache_utils.py`` defines it (its one assignment,
+    """``ExternalBlockHash`` as vLLM's ``kv_cache_utils.py`` defines it (its one assignment,
     evaluated alone: the module itself needs torch)."""
     tree = ast.parse(utils_path.read_text())
     for node in tree.body:
@@ -84,11 +84,11 @@ def _load(path, name: str) -> types.ModuleType:
 
 @pytest.fixture(scope="module")
 def vllm():
-    """vLLM 0.33.0's ``vllm.distributed.kv_events`` (and its ``KVEventsConfig``), loaded from the wheel."""
+    """vLLM 0.33.0's ``vllm.distributed.kv_events`` (and its ``KVEventsConfig``), loaded from the sdist."""
     try:
-        events_py = wheel_file("vllm/distributed/kv_events.py")
-        config_py = wheel_file("vllm/config/kv_events.py")
-        utils_py = wheel_file("vllm/v1/core/kv_cache_utils.py")
+        events_py = source_file("vllm/distributed/kv_events.py")
+        config_py = source_file("vllm/config/kv_events.py")
+        utils_py = source_file("vllm/v1/core/kv_cache_utils.py")
     except UpstreamUnavailable as exc:
         msg = (f"vLLM 0.33.0's kv_events.py could not be fetched ({exc}): the conformance tests against vLLM's "
                "own decoder did NOT run")

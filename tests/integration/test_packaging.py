@@ -19,9 +19,11 @@ pytestmark = pytest.mark.xdist_group("packaging")  # one wheel build per run, on
 
 
 # Build outputs and caches that must not leak into the wheel: setuptools builds in
-# place and would reuse a stale build/lib left by an earlier build.
+# place and would reuse a stale build/lib left by an earlier build. .vllm-venv*: the conformance venvs
+# (KVLEDGER_VLLM_VENV=$PWD/.vllm-venv, several GB each) filled tmpfs when copied.
 _NOT_SOURCES = shutil.ignore_patterns(
-    ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis", "*.kvlog", ".whl*"
+    ".git", ".venv", ".vllm-venv*", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis", "*.kvlog",
+    ".whl*",
 )
 
 

@@ -5,9 +5,17 @@ decoder, its ``BlockPool``, its KV cache manager and its tests), never with a
 restatement of it. That code is never committed: this module downloads the
 pinned distribution once into a cache folder and reads files out of it.
 
-    wheel_file("vllm/distributed/kv_events.py")  -> Path of that file, extracted
-    wheel_path()                                 -> Path of the whole wheel
-    sdist_dir()                                  -> Path of the unpacked source distribution
+    source_file("vllm/distributed/kv_events.py")  -> Path of that file, out of the source distribution
+    sdist_dir()                                   -> Path of the unpacked source distribution
+    wheel_path()                                  -> Path of the whole wheel: only to install vLLM
+                                                     into a virtual environment (scripts/vllm-conformance)
+
+Tests and benchmarks read vLLM's files from the source distribution (about 50 MB,
+the same Python files as the wheel, plus ``tests/`` and ``requirements/``), never
+from the wheel (240-340 MB, mostly compiled kernels): ``source_file`` extracts
+one member into a cache of just the files, and reuses the unpacked sdist when
+``sdist_dir`` has made it. ``version`` is one of ``VLLM_VERSIONS`` (default
+``VLLM_VERSION``).
 
 The cache folder is ``$KVLEDGER_UPSTREAM_CACHE`` or ``~/.cache/kvledger/upstream``.
 Every download is checked against the registry's own sha256. A registry that
@@ -31,9 +39,10 @@ import tarfile
 import tempfile
 import urllib.error
 import urllib.request
-import zipfile
 
 VLLM_VERSION = "0.33.0"
+# The versions scripts/vllm-conformance runs vLLM's own tests for, each in its own environment.
+VLLM_VERSIONS = ("0.33.0", "0.34.0")
 SIMPLE_INDEX = os.environ.get("KVLEDGER_SIMPLE_INDEX", "https://pypi.org/simple")
 _TIMEOUT_S = 300
 
@@ -97,20 +106,38 @@ def _wheel_name(version: str) -> str:
 
 
 def wheel_path(version: str = VLLM_VERSION) -> pathlib.Path:
-    """vLLM's wheel (the x86-64 one: only its pure-Python files are read)."""
+    """vLLM's wheel (the x86-64 one), to install vLLM into a virtual environment with ``--no-deps``.
+    Never read files out of it: ``source_file`` does that from the source distribution."""
     return _download("vllm", _wheel_name(version))
 
 
-def wheel_file(member: str, version: str = VLLM_VERSION) -> pathlib.Path:
-    """One file of vLLM's wheel, e.g. ``vllm/distributed/kv_events.py``, extracted into the cache."""
-    target = cache_dir() / f"vllm-{version}-files" / member
+def source_file(member: str, version: str = VLLM_VERSION) -> pathlib.Path:
+    """One file of vLLM's source distribution, e.g. ``vllm/distributed/kv_events.py``.
+
+    The unpacked sdist's copy when ``sdist_dir(version)`` has made it; else the member
+    alone, extracted from the source archive into ``vllm-<version>-sdist-files/``.
+    Raises ``FileNotFoundError`` for a member the sdist lacks."""
+    unpacked = cache_dir() / f"vllm-{version}-sdist"
+    if (unpacked / ".complete").exists():
+        path = unpacked / f"vllm-{version}" / member
+        if not path.is_file():
+            raise FileNotFoundError(f"{member} is not in vLLM {version}'s source distribution")
+        return path
+    target = cache_dir() / f"vllm-{version}-sdist-files" / member
     if target.exists():
         return target
-    with zipfile.ZipFile(wheel_path(version)) as wheel:
-        data = wheel.read(member)
+    archive = _download("vllm", f"vllm-{version}.tar.gz")
+    with tarfile.open(archive) as tar:
+        try:
+            data = tar.extractfile(f"vllm-{version}/{member}")
+        except KeyError:
+            data = None
+        if data is None:
+            raise FileNotFoundError(f"{member} is not in vLLM {version}'s source distribution")
+        content = data.read()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(target.suffix + ".part")
-    tmp.write_bytes(data)
+    tmp.write_bytes(content)
     tmp.replace(target)
     return target
 
