@@ -405,13 +405,21 @@ class KVEventBatcher:
             self._tenants[event.request] = event.tenant
 
     def _label(self, event) -> None:
-        self._labels[event.request] = event.label
+        if "tenant" in self.omit:
+            return
+        group = self._groups.get(event.request)
+        if group is not None:  # labelled after its first pages
+            self._groups[event.request] = (*group[:3], event.label)
+        else:
+            self._labels[event.request] = event.label
 
     def _gone(self, event) -> None:
         if self._tenants or self._salts or self._groups:
             self._tenants.pop(event.request, None)
             self._salts.pop(event.request, None)
             self._groups.pop(event.request, None)
+        if self._labels:
+            self._labels.pop(event.request, None)
 
     def _configured(self, event) -> None:
         self._pending.append(_CLEARED)

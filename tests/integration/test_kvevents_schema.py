@@ -170,6 +170,9 @@ def vllm_map_era() -> SimpleNamespace:
         group_idx: int | None = None
         kv_cache_spec_kind: str | None = None
         kv_cache_spec_sliding_window: int | None = None
+        locality: str | None = None
+        ownership: str | None = None
+        session_id: str | None = None
 
     class BlockRemoved(KVCacheEvent):
         block_hashes: list[bytes | int]
@@ -259,8 +262,9 @@ def test_our_structs_decode_vllm_bytes_map_era_with_newer_fields():
         v.removed(block_hashes=[5], medium="GPU", group_idx=0),
     ], data_parallel_rank=2)
     got = decode_batch(msgspec.msgpack.encode(theirs), "map")
-    assert got == KVEventBatchMap(3.0, (BlockStoredMap((5,), None, (1, 2), 2, None, "GPU", None, (None,)),
-                                        BlockRemovedMap((5,), "GPU")), 2)  # extra_keys read, the rest skipped
+    assert got == KVEventBatchMap(3.0, (BlockStoredMap((5,), None, (1, 2), 2, None, "GPU", None, (None,), 0,
+                                                       "full_attention"),
+                                        BlockRemovedMap((5,), "GPU")), 2)  # the group read, the rest skipped
 
 
 # ---------------------------------------------------------------------- framing and decode errors

@@ -41,85 +41,34 @@ import pytest
 zmq = pytest.importorskip("zmq")
 
 from support import wait_for  # noqa: E402
-from support.upstream import UpstreamUnavailable, source_file  # noqa: E402
+from support.upstream import VLLM_VERSIONS, UpstreamUnavailable  # noqa: E402
+from support.vllm_kv_events import load_kv_events  # noqa: E402
 
 from kvledger import Geometry, Ledger, OutOfPagesError  # noqa: E402
 from kvledger.core.hashing import U64_MASK, block_hashes, to_u64  # noqa: E402
 from kvledger.core.log import EventLog  # noqa: E402
 from kvledger.engine import open_engine  # noqa: E402
-from kvledger.kvevents import KVEventPublisher, export_log  # noqa: E402
+from kvledger.kvevents import KVEventPublisher, encode_batch, export_log  # noqa: E402
 from kvledger.kvevents.cli import main as events_main  # noqa: E402
 
 G = Geometry(num_pages=48, page_tokens=4)
 END = (-1).to_bytes(8, "big", signed=True)
 
 
-# ---------------------------------------------------------------------- vLLM 0.33.0's own file
+# ---------------------------------------------------------------------- vLLM's own file, per version
 
 
-def _module(name: str, **attrs) -> types.ModuleType:
-    mod = types.ModuleType(name)
-    mod.__dict__.update(attrs)
-    return mod
-
-
-def _external_block_hash(utils_path) -> object:
-    """``ExternalBlockHash`` as vLLM's ``kv_cache_utils.py`` defines it (its one assignment,
-    evaluated alone: the module itself needs torch)."""
-    tree = ast.parse(utils_path.read_text())
-    for node in tree.body:
-        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "ExternalBlockHash":
-            return eval(compile(ast.Expression(node.value), str(utils_path), "eval"), {})  # noqa: S307
-    raise AssertionError("ExternalBlockHash not found in vLLM's kv_cache_utils.py")
-
-
-def _load(path, name: str) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-@pytest.fixture(scope="module")
-def vllm():
-    """vLLM 0.33.0's ``vllm.distributed.kv_events`` (and its ``KVEventsConfig``), loaded from the sdist."""
+@pytest.fixture(scope="module", params=VLLM_VERSIONS)
+def vllm(request):
+    """vLLM's ``vllm.distributed.kv_events`` (and its ``KVEventsConfig``), loaded from each supported
+    version's sdist (``support.vllm_kv_events``)."""
     try:
-        events_py = source_file("vllm/distributed/kv_events.py")
-        config_py = source_file("vllm/config/kv_events.py")
-        utils_py = source_file("vllm/v1/core/kv_cache_utils.py")
+        events = load_kv_events(request.param)
     except UpstreamUnavailable as exc:
-        msg = (f"vLLM 0.33.0's kv_events.py could not be fetched ({exc}): the conformance tests against vLLM's "
-               "own decoder did NOT run")
+        msg = (f"vLLM {request.param}'s kv_events.py could not be fetched ({exc}): the conformance tests against "
+               "vLLM's own decoder did NOT run")
         warnings.warn(msg, stacklevel=1)
         pytest.skip(msg)
-    stubs = {
-        "vllm": _module("vllm"),
-        "vllm.config": _module("vllm.config"),
-        "vllm.config.utils": _module("vllm.config.utils", config=dataclasses.dataclass),
-        "vllm.logger": _module("vllm.logger", init_logger=logging.getLogger),
-        "vllm.utils": _module("vllm.utils"),
-        "vllm.utils.network_utils": _module(
-            "vllm.utils.network_utils", get_ip=lambda: "127.0.0.1", get_tcp_uri=lambda ip, port: f"tcp://{ip}:{port}",
-            is_valid_ipv6_address=lambda ip: ":" in ip, split_zmq_path=lambda p: ("tcp", *p[6:].rsplit(":", 1))),
-        "vllm.v1": _module("vllm.v1"),
-        "vllm.v1.core": _module("vllm.v1.core"),
-        "vllm.v1.core.kv_cache_utils": _module("vllm.v1.core.kv_cache_utils",
-                                               ExternalBlockHash=_external_block_hash(utils_py)),
-        "vllm.distributed": _module("vllm.distributed"),
-    }
-    with pytest.MonkeyPatch.context() as mp:
-        for name, mod in stubs.items():
-            mp.setitem(sys.modules, name, mod)
-        mp.delitem(sys.modules, "vllm.config.kv_events", raising=False)
-        mp.delitem(sys.modules, "vllm.distributed.kv_events", raising=False)
-        config = _load(config_py, "vllm.config.kv_events")
-        events = _load(events_py, "vllm.distributed.kv_events")
-        mp.delitem(sys.modules, "vllm.config.kv_events")
-        mp.delitem(sys.modules, "vllm.distributed.kv_events")
-    events.KVEventsConfigClass = config.KVEventsConfig
-    events.decoder = msgspec.msgpack.Decoder(type=events.KVEventBatch)
     return events
 
 
@@ -445,3 +394,44 @@ def test_jsonl_lines_decode_with_vllms_structs(vllm, tmp_path, capsys):
     assert set(first) == {"seq", "ts", "data_parallel_rank", "events"} and first["seq"] == 0
     with pytest.raises(msgspec.ValidationError):
         dec.decode(out.read_bytes().splitlines()[0])
+
+
+# ---------------------------------------------------------------------- a vLLM pool's KV cache groups
+
+
+def test_a_hybrid_pools_blocks_carry_vllms_cache_spec_fields(vllm, tmp_path):
+    """A vLLM pool's holds (one ledger request per vLLM request and KV cache group, its tenant
+    naming the group, labelled with vLLM's request id) publish with ``group_idx``,
+    ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window`` and ``session_id`` set, decoded
+    by the version's own structs; no tenant in ``extra_keys``; a plain tenant keeps its key."""
+    path = tmp_path / "hybrid.kvlog"
+    log = EventLog.create(path, G)
+    led = Ledger(G, sink=log.append)
+    T = G.page_tokens
+    groups = {1: "g0:full_attention:bfloat16", 2: "g1:mamba:float32", 3: "g2:sliding_window:bfloat16:w96",
+              4: "acme"}
+    hashed = {}
+    for r, tenant in groups.items():
+        tokens = list(range(r * 100, r * 100 + 2 * T))
+        hashes = block_hashes(tokens, T, extra_keys=(tenant,))
+        if r == 1:  # labelled before its first pages (as the pool does) or after: either way
+            led.label(r, "chatcmpl-7")
+        led.reserve(r, 2, tenant=tenant)
+        if r in (2, 3):
+            led.label(r, "chatcmpl-7")
+        led.commit(r, 0, 2)
+        hashed[r] = (tokens, hashes)
+    led.seal_step(0)
+    led.complete_step(0, 0)
+    for r, (tokens, hashes) in hashed.items():
+        led.publish(r, hashes, tokens)
+    led.seal_step(1)
+    log.close()
+    exported: list = []
+    export_log(path, exported.append)
+    stored = [e for b in exported for e in vllm.decoder.decode(encode_batch(b)).events
+              if type(e) is vllm.BlockStored]
+    got = sorted((repr(e.group_idx), e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window, e.session_id,
+                  plain(e.extra_keys)) for e in stored)
+    assert got == [("0", "full_attention", None, "chatcmpl-7", None), ("1", "mamba", None, "chatcmpl-7", None),
+                   ("2", "sliding_window", 96, "chatcmpl-7", None), ("None", None, None, None, [["acme"], ["acme"]])]
