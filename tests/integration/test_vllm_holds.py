@@ -182,6 +182,22 @@ def test_a_state_block_waiting_for_its_step_is_hidden_and_an_attention_hit_is_a_
     assert len(ledger.holders_of(2)) == 2 and h.refs(2) == 2  # the pin became a share
 
 
+def test_under_async_scheduling_every_groups_waiting_block_is_hidden():
+    """Kills: an attention block visible to lookups while its writing step may still drop its writer
+    (async scheduling: the probe's mixed-precision trace read stale fp32 bytes as fp16 through such
+    a hit, at step 469 of 1,000)."""
+    ledger, h, _ = fenced()
+    h.hide_all = True
+    h.allocate([1], ("m", 1), "whole")
+    h.allocate([2], ("a", 0))
+    h.publish([(1, b"s", toks(1), None), (2, b"k", toks(2), None)])
+    assert h.hidden(1) and h.hidden(2)
+    step = ledger.open_step
+    h.take_clear_list()
+    h.complete(step)
+    assert not h.hidden(1) and not h.hidden(2) and h.key_of(2) == b"k"
+
+
 def test_a_writer_that_lets_go_before_its_step_completed_keeps_the_block_until_then():
     ledger, h, _ = fenced()
     h.allocate([1], ("r", 0))

@@ -2,8 +2,10 @@
 
 Runs ``python -m kvledger.integrations.vllm.probe`` (kvledger/integrations/vllm/probe) from
 the folder holding vLLM's ``tests/`` (``$KVLEDGER_VLLM_TESTS``: ``scripts/vllm-conformance``
-sets it; skips without it) over a short trace of each hybrid configuration, sync and
-async, and checks issue 28's claims on what the byte checker observed:
+sets it; skips without it) over a short trace (160 steps) of each hybrid configuration,
+sync and async, plus 1,000 steps of the mixed-precision config under async scheduling
+(vLLM's rule and ``groups``: aborts that drop writers out of scheduled steps need a long
+trace), and checks issue 28's claims on what the byte checker observed:
 
     vLLM's own rule          stale reads in the Mamba configs (a fresh state on another
                              request's or group's bytes), unwritten hits under async scheduling
@@ -41,7 +43,17 @@ def table(tmp_path_factory):
                           cwd=TESTS, env=env, capture_output=True, text=True, timeout=1500)
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {(r["config"], r["async_scheduling"], r["rule"]): r for r in json.loads(out.read_text())}
+    rows = {(r["config"], r["async_scheduling"], r["rule"]): r for r in json.loads(out.read_text())}
+    # one long trace: aborts under async scheduling drop writers out of steps already scheduled
+    # (the first stale read an attention hit let through came at step 469)
+    long = out.with_name("long.json")
+    proc = subprocess.run([sys.executable, "-m", "kvledger.integrations.vllm.probe", "--steps", "1000",
+                           "--configs", "mixed", "--modes", "async", "--rules", "vllm,groups", "--json", str(long)],
+                          cwd=TESTS, env=env, capture_output=True, text=True, timeout=1500)
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows.update({(r["config"] + "-1000", r["async_scheduling"], r["rule"]): r for r in json.loads(long.read_text())})
+    return rows
 
 
 def test_kvledgers_default_rule_leaves_no_stale_read_and_zeroes_at_most_half_of_vllms_bytes(table):

@@ -53,11 +53,18 @@ Steps. Pages are committed into the ledger's open step. Two ways a step ends:
                    completes; then it is published if its writer's request ran in
                    that step, else recorded ``PagesUnwritten`` and its hash withdrawn
                    from vLLM (``withdraw``). A state group's waiting block is hidden
-                   from vLLM's lookups (``hidden``); an attention group's is not
-                   (vLLM's stream-order rule: a later request's attention reads it
-                   after the writing layers ran): a hit on it is a pin until the
-                   publish, then a share. A writer that lets go of a waiting block
-                   keeps it in the ledger (``_deferred``) until its publish resolves.
+                   from vLLM's lookups (``hidden``). An attention group's is hidden
+                   too under async scheduling (``hide_all``): a request aborted
+                   after its step was scheduled can drop out of that step, so its
+                   blocks may never be written, and a hit taken meanwhile would
+                   read what the block held before (the probe's mixed-precision
+                   trace: stale fp32 bytes read as fp16). Under sync scheduling an
+                   attention group's waiting block is visible (vLLM's stream-order
+                   rule: a later request's attention reads it after the writing
+                   layers ran, and nothing drops out of a scheduled step): a hit
+                   on it is a pin until the publish, then a share. A writer that
+                   lets go of a waiting block keeps it in the ledger
+                   (``_deferred``) until its publish resolves.
 
 Ledger block hashes are vLLM's ``BlockHashWithGroupId`` bytes. vLLM may cache
 two blocks under one hash (it never de-duplicates); the ledger's hashes are
@@ -141,6 +148,7 @@ class PageHolds:
         self._clear: list[int] = []  # clear lists sealed since take_clear_list
         self._k = ledger.geometry.page_tokens
         self.fenced = False
+        self.hide_all = False  # fenced under async scheduling: every group's waiting block is hidden
         self._pending: dict[int, Pending] = {}  # page -> its publish, waiting for its step (fenced)
         self._pending_keys: dict[bytes, int] = {}  # ledger hash -> page, of the waiting publishes
         self._deferred: dict[int, int] = {}  # page -> the hold vLLM released it from while its publish waits
@@ -182,7 +190,8 @@ class PageHolds:
         return page in self._pending
 
     def hidden(self, page: int) -> bool:
-        """A waiting state block: vLLM's lookups must not hit it yet."""
+        """A waiting state block (any waiting block under ``hide_all``): vLLM's lookups must not hit
+        it yet."""
         pend = self._pending.get(page)
         return pend is not None and pend.hidden
 
@@ -532,7 +541,7 @@ class PageHolds:
             key = self._new_key(raw, page, {})
             who = self._who.get(h)
             pending[page] = Pending(h, key, tuple(tokens), parent, step,
-                                    who is not None and who[1] in self.state_groups)
+                                    self.hide_all or (who is not None and who[1] in self.state_groups))
             keys[key] = page
 
     def complete(self, step: int, dropped: Iterable[str] = ()) -> None:

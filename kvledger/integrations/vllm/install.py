@@ -362,6 +362,14 @@ def _how_it_reads(manager: Any, pool: Any, rid: str, gid: int, args: tuple, kwar
         pool.whole_blocks = max(0, main // manager.block_size - (len(held) if held else 0))
 
 
+def _schedules_ahead(scheduler: Any) -> bool:
+    """Async scheduling: step N+1 is scheduled before step N's output returns (vLLM's
+    ``AsyncScheduler``, or ``scheduler_config.async_scheduling``)."""
+    if any(c.__name__ == "AsyncScheduler" for c in type(scheduler).__mro__):
+        return True
+    return bool(getattr(getattr(scheduler, "scheduler_config", None), "async_scheduling", False))
+
+
 def _wrap_scheduler(inst: Installation, scheduler_cls: Any, pool_cls: type) -> None:
     """The fence: the scheduler's pool seals one ledger step per ``schedule()`` and completes it when
     ``update_from_output`` reports the step ran."""
@@ -377,7 +385,7 @@ def _wrap_scheduler(inst: Installation, scheduler_cls: Any, pool_cls: type) -> N
                     f"kvledger zeroing=True with a KV connector ({type(self.connector).__name__}): the ledger does "
                     "not see the blocks a connector loads asynchronously, so its clear list could zero one it is "
                     "writing; install with zeroing=False (kvledger still records every block)")
-            pool.drive()  # type: ignore[attr-defined]
+            pool.drive(_schedules_ahead(self))  # type: ignore[attr-defined]
 
     @functools.wraps(schedule)
     def schedule_(self: Any, *args: Any, **kwargs: Any) -> Any:

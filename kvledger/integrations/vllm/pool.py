@@ -22,7 +22,8 @@ tenant and says which groups hold recurrent states). Calls nobody names (vLLM's
 tests working the pool, the scheduler freeing copy-on-write endpoints) get holds of
 their own. ``drive()`` (the scheduler wrapper) turns the fence on: one ledger step
 per ``schedule()``, completed by ``completed()`` from ``update_from_output``; a state
-group's block vLLM hashes is hidden from ``get_cached_block`` until then.
+group's block vLLM hashes (any group's, under async scheduling) is hidden from
+``get_cached_block`` until then.
 
 The ledger checks each transition against its own rules and raises a
 ``KVLedgerError`` naming the page when vLLM's call sequence breaks one. vLLM's
@@ -180,10 +181,12 @@ class LedgerBlockPool(BlockPool):
         if self.holds is not None:
             self.holds.set_groups(tenants, states)
 
-    def drive(self) -> None:
-        """A vLLM ``Scheduler`` drives this pool: the fence is on (holds.py's "fenced")."""
+    def drive(self, async_scheduling: bool = False) -> None:
+        """A vLLM ``Scheduler`` drives this pool: the fence is on (holds.py's "fenced"); with
+        ``async_scheduling`` every group's waiting block is hidden from lookups, not only a state's."""
         if self.holds is not None:
             self.holds.fenced = True
+            self.holds.hide_all = async_scheduling
 
     # ------------------------------------------------------------------ the clear list and the fence
 
@@ -304,7 +307,7 @@ class LedgerBlockPool(BlockPool):
             hidden = self.holds.hidden
             for blk in blocks:
                 if hidden(blk.block_id):
-                    return None  # (a state block whose writing step has not completed: not a hit yet)
+                    return None  # (a block whose writing step has not completed: not a hit yet)
         return blocks
 
     def cache_full_blocks(self, request, blocks, num_cached_blocks: int, num_full_blocks: int, block_size: int,
