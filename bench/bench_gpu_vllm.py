@@ -5,7 +5,7 @@ vLLM is committed or restated here: ``vllm/v1/worker/utils.py`` (its Triton kern
 ``_zero_kv_blocks_kernel`` and its ``KVBlockZeroer``: the address table its ``__init__``
 builds and the launch ``zero_block_ids`` makes) and ``vllm/utils/torch_utils.py``
 (``async_tensor_h2d``, which that launch calls to put the ids on the device) are read from
-vLLM 0.33.0 as ``tests/support/upstream.py`` fetches it (``$KVLEDGER_UPSTREAM_CACHE``: a
+vLLM 0.33.0's source distribution as ``tests/support/upstream.py`` fetches it (``$KVLEDGER_UPSTREAM_CACHE``: a
 device host with no network gets the two files carried in that cache). Only those three
 definitions are taken out of the files (``ast``), compiled with their own line numbers
 against the real file name, so Triton reads the kernel's source from the file itself; the
@@ -47,7 +47,7 @@ def vllm_files() -> dict[str, str]:
         sys.path.append(root)  # (appended: the mapped kvledger package stays first)
     from tests.support import upstream
 
-    return {member: str(upstream.wheel_file(member)) for member in TAKEN}
+    return {member: str(upstream.source_file(member)) for member in TAKEN}
 
 
 class _AttentionSpec:

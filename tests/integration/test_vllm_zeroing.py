@@ -7,7 +7,8 @@ These tests build such views by hand (no vLLM needed), fill every byte with a
 nonzero pattern (FP8 NaN bytes among them), zero some block ids with each clear
 backend through ``KVCacheZeroer``, and check byte for byte that exactly the
 listed blocks' bytes, in every layer and head, are zero and nothing else moved.
-The GPU test does the same with CUDA tensors and the cuda / triton backends.
+The GPU tests do the same with CUDA tensors and the torch / cuda / triton backends, for
+vLLM's attention layouts and for a hybrid model's Mamba state tuples overlaid on attention pages.
 """
 
 from __future__ import annotations
@@ -222,5 +223,44 @@ def test_gpu_zero_block_ids_on_the_model_stream(backend, layout):
     listed[torch.tensor(ids, device="cuda")] = True
     per_block = cache.transpose(0, 1).reshape(blocks, -1).view(torch.uint8)  # [B, every byte of the block]
     was = before.transpose(0, 1).reshape(blocks, -1).view(torch.uint8)
+    assert int(per_block[listed].count_nonzero()) == 0
+    assert torch.equal(per_block[~listed], was[~listed])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "cuda", "triton"])
+@pytest.mark.parametrize("given", ["mamba", "both"])
+def test_gpu_zero_a_hybrid_models_mamba_states_on_the_model_stream(backend, given):
+    """Issue 28 on the card: vLLM's Mamba state tuples (conv and SSM states, packed from the
+    start of their page, the rest padding) overlaid on the attention group's pages are zeroed
+    through the Mamba caches alone or both groups, with every backend, on the model stream;
+    exactly the listed blocks' whole pages, in every layer, and nothing else."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if backend == "cuda":
+        pytest.importorskip("cuda.bindings")
+    if backend == "triton":
+        pytest.importorskip("triton")
+    blocks = 2048
+    buf, pages, attention, mamba = hybrid_views(layers=4, blocks=blocks, heads=8, tokens=16, width=128,
+                                                dtype=torch.bfloat16, device="cuda",
+                                                states=(((3, 512), torch.bfloat16), ((8, 32, 16), torch.float32)))
+    fill(buf)
+    before = pages.clone()
+    caches = {f"mamba.{i}": v for i, v in enumerate(mamba)}
+    if given == "both":
+        caches |= {f"attn.{i}": v for i, v in enumerate(attention)}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the model stream after the cache's writes
+    zeroer = KVCacheZeroer(caches, blocks, backend=backend, stream=stream)
+    assert len(zeroer.planes) == 4  # one whole page per layer, however many groups name it
+    g = torch.Generator().manual_seed(28)
+    ids = torch.randperm(blocks, generator=g)[:200].tolist()
+    zeroer.zero_block_ids(ids)
+    stream.synchronize()
+    listed = torch.zeros(blocks, dtype=torch.bool, device="cuda")
+    listed[torch.tensor(ids, device="cuda")] = True
+    per_block = pages.transpose(0, 1).reshape(blocks, -1)  # [B, every byte of the block's pages]
+    was = before.transpose(0, 1).reshape(blocks, -1)
     assert int(per_block[listed].count_nonzero()) == 0
     assert torch.equal(per_block[~listed], was[~listed])
