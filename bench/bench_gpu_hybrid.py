@@ -103,7 +103,8 @@ def run(quick: bool = False) -> dict:
     clears = {"kvledger triton": ours["triton"].zero_block_ids, "kvledger cuda": ours["cuda"].zero_block_ids,
               "vLLM KVBlockZeroer": vllm.clear}
     res: dict = {"card": torch.cuda.get_device_name(0), "torch": torch.__version__, "layers": LAYERS,
-                 "blocks": NUM_BLOCKS, "page_bytes": PAGE_BYTES, "reps": reps, "vllm_files": ", ".join(vllm.paths.values())}
+                 "blocks": NUM_BLOCKS, "page_bytes": PAGE_BYTES, "reps": reps,
+                 "vllm_files": ", ".join(vllm.paths.values())}
     rng = random.Random(28)
     rows = []
     wrong = 0
@@ -114,8 +115,8 @@ def run(quick: bool = False) -> dict:
             bad = _check(torch, pages, clear, ids, stream)
             res[f"{n}_{name}_wrong_bytes"] = bad
             wrong += bad
-        dev = {name: timer(lambda clear=clear: clear(ids), reps)[0] for name, clear in clears.items()}
-        dev["memset"] = timer(lambda: cuda_driver.memset_d8_async(ptr, 0, nbytes, cu), reps)[0]
+        dev = {name: timer(lambda clear=clear, ids=ids: clear(ids), reps)[0] for name, clear in clears.items()}
+        dev["memset"] = timer(lambda nbytes=nbytes: cuda_driver.memset_d8_async(ptr, 0, nbytes, cu), reps)[0]
         for name, t in dev.items():
             res[f"{n}_{name.replace(' ', '_')}_device_us"] = t * 1e6
         ratio_vllm = dev["vLLM KVBlockZeroer"] / dev["kvledger triton"]

@@ -22,17 +22,12 @@ reason says these tests did not run, and a warning is raised).
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import importlib.util
 import json
-import logging
 import os
 import random
-import sys
 import threading
 import time
-import types
 import warnings
 
 import msgspec
