@@ -4,11 +4,15 @@
                 schedule()                                   (sync: then execute, update)
                 [async: schedule() again before the previous step executes; aborts land between]
                 execute(step): poison released blocks (sanitizer) -> zero new_block_ids_to_zero ->
-                    copy-on-write copies -> for each scheduled request, in each group:
-                        attention: write the chunk's tokens' KV, read the blocks it attends to
-                        Mamba align: copy the previous state block into the current one (a read),
-                            read the initial state (zeros for a request with no state yet), write
-                            the checkpoints and the final state;  Mamba none: read, write block 0
+                    copy-on-write copies -> in each group, for the whole batch as a GPU runs it:
+                        attention: every request writes its chunk's tokens' KV, then every
+                            request reads the blocks it attends to
+                        Mamba align: every request's previous state block is copied into its
+                            current one (a read; zeros for a request with no state yet), then
+                            every request writes its checkpoints and final state;
+                        Mamba none: every request reads block 0, then every request writes it
+                    (so a hit on a block another request writes in the same step reads what the
+                    block held before the step, as the batched kernels do)
                     -> the ModelRunnerOutput (a sampled token once a request's prompt is done)
                 update_from_output()
     aborts      a running request now and then; its prompt comes back at once as a new request
@@ -135,7 +139,7 @@ class _Worker:
                 for g, ids in enumerate(ids_by_group):
                     known.blocks[g].extend(ids)
             known.computed = cached.num_computed_tokens[i]
-        ran, sampled = [], []
+        ran, sampled, batch = [], [], []
         for rid, n in out.num_scheduled_tokens.items():
             r = self.reqs.get(rid)
             if r is None:
@@ -143,10 +147,12 @@ class _Worker:
             if rid in self.drop_now:
                 self._drop(r, n)
                 continue
-            self._run(r, n, step)
-            ran.append(rid)
+            batch.append((r, n))
+        self._run(batch, step)
+        for r, n in batch:
+            ran.append(r.rid)
             end = r.computed + n
-            sampled.append([_token(rid, end)] if end >= len(r.prompt) else [])
+            sampled.append([_token(r.rid, end)] if end >= len(r.prompt) else [])
             r.computed = end
         from vllm.v1.outputs import ModelRunnerOutput
 
@@ -165,14 +171,26 @@ class _Worker:
             else:
                 self.dropped.update((g, h[p]) for p in range(r.computed, r.computed + n))
 
-    def _run(self, r: _Req, n: int, step: int) -> None:
+    def _run(self, batch: list[tuple[_Req, int]], step: int) -> None:
+        """One forward pass over the batch, in a GPU's order, group by group: every request's
+        initial state is read (Mamba align: copied into its current block) before any request's
+        state is written, and every request's KV is written before any request's attention reads
+        (a layer's cache write precedes its attention for the whole batch). A request hitting a
+        block another request of the same step writes therefore reads what the block held before
+        the step."""
         for g, (kind, _) in enumerate(self.planned.kinds):
             if kind == "mamba":
-                self._mamba(r, g, n, step)
+                for r, n in batch:
+                    self._mamba_read(r, g, n, step)
+                for r, n in batch:
+                    self._mamba_write(r, g, n, step)
             else:
-                self._attention(r, g, n, step)
+                for r, n in batch:
+                    self._attention_write(r, g, n, step)
+                for r, n in batch:
+                    self._attention_read(r, g, n, step)
 
-    def _attention(self, r: _Req, g: int, n: int, step: int) -> None:
+    def _attention_write(self, r: _Req, g: int, n: int, step: int) -> None:
         mem, c0, end = self.mem, r.computed, r.computed + n
         h = r.upto(end)
         blocks = r.blocks[g]
@@ -184,6 +202,11 @@ class _Worker:
             if b != self.null:
                 mem.write_tokens(g, b, s, h[p : p + k], r.rid, step)
             p += k
+
+    def _attention_read(self, r: _Req, g: int, n: int, step: int) -> None:
+        mem, end = self.mem, r.computed + n
+        h = r.upto(end)
+        blocks = r.blocks[g]
         window = mem.window.get(g)
         first = 0 if not window else max(0, end - window) // BLOCK_SIZE
         last = (end - 1) // BLOCK_SIZE
@@ -198,7 +221,27 @@ class _Worker:
             self.seen[key] = seen
             mem.read_kv(g, r.rid, step, b, range(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE), end, h, self.dropped)
 
-    def _mamba(self, r: _Req, g: int, n: int, step: int) -> None:
+    def _mamba_read(self, r: _Req, g: int, n: int, step: int) -> None:
+        """The state the request starts the step from (align: copied into its current block first)."""
+        mem, c0, end = self.mem, r.computed, r.computed + n
+        h = r.upto(end)
+        blocks = r.blocks[g]
+        start = ("st", c0, h[c0 - 1]) if c0 else None
+        if self.planned.mamba_mode == "align":
+            curr = (end + BLOCK_SIZE - 1) // BLOCK_SIZE - 1
+            prev = r.state_at.get(g, (c0 - 1) // BLOCK_SIZE if c0 else -1)
+            if prev >= 0 and prev != curr and blocks[prev] != self.null:
+                mem.read_state(g, r.rid, step, blocks[prev], start, self.dropped)
+                mem.copy_state(g, blocks[prev], blocks[curr])
+            elif prev == curr:  # the state stays in its block: read in place
+                mem.read_state(g, r.rid, step, blocks[curr], start, self.dropped)
+            elif prev < 0:  # no state yet: the kernel reads the block it will write
+                mem.read_state(g, r.rid, step, blocks[curr], None, self.dropped)
+        else:
+            mem.read_state(g, r.rid, step, blocks[0], start, self.dropped)
+
+    def _mamba_write(self, r: _Req, g: int, n: int, step: int) -> None:
+        """The states the step leaves: checkpoints at block ends crossed (align) and the last one."""
         mem, c0, end = self.mem, r.computed, r.computed + n
         h = r.upto(end)
         blocks = r.blocks[g]
@@ -208,23 +251,13 @@ class _Worker:
 
         if self.planned.mamba_mode == "align":
             curr = (end + BLOCK_SIZE - 1) // BLOCK_SIZE - 1
-            prev = r.state_at.get(g, (c0 - 1) // BLOCK_SIZE if c0 else -1)
-            if prev >= 0 and prev != curr and blocks[prev] != self.null:
-                mem.read_state(g, r.rid, step, blocks[prev], content(c0), self.dropped)
-                mem.copy_state(g, blocks[prev], blocks[curr])
-            elif prev == curr:  # the state stays in its block: read in place
-                mem.read_state(g, r.rid, step, blocks[curr], content(c0), self.dropped)
-            elif prev < 0:  # no state yet: the kernel reads the block it will write
-                mem.read_state(g, r.rid, step, blocks[curr], None, self.dropped)
             for i in range(c0 // BLOCK_SIZE, curr):  # checkpoints at block ends crossed
                 if (i + 1) * BLOCK_SIZE > c0 and blocks[i] != self.null:
                     mem.write_state(g, blocks[i], content((i + 1) * BLOCK_SIZE), r.rid, step)
             mem.write_state(g, blocks[curr], content(end), r.rid, step)
             r.state_at[g] = curr
         else:
-            b = blocks[0]
-            mem.read_state(g, r.rid, step, b, content(c0) if c0 else None, self.dropped)
-            mem.write_state(g, b, content(end), r.rid, step)
+            mem.write_state(g, blocks[0], content(end), r.rid, step)
 
 
 class _Trace:
