@@ -34,12 +34,13 @@ def test_kv_pressure_example_lists_released_rows():
     assert re.search(r"^\s*\d+\s+\d+\s+\d+\s+\d+\s+\[\d", text, re.M), text
 
 
-def test_vllm_example_without_vllm_exits_2_with_the_install_command():
+@pytest.mark.parametrize("example", ["vllm_prefix_audit.py", "vllm_hybrid.py"])
+def test_vllm_examples_without_vllm_exit_2_with_the_install_command(example):
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed in this environment: the example runs instead")
-    out = subprocess.run([sys.executable, "examples/vllm_prefix_audit.py"], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, f"examples/{example}"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2, (out.returncode, out.stderr)
     assert out.stdout == ""
     assert out.stderr.strip().splitlines() == [
-        "vllm_prefix_audit.py needs vLLM, which is not installed here: pip install 'kvledger[vllm]'"]
+        f"{example} needs vLLM, which is not installed here: pip install 'kvledger[vllm]'"]

@@ -77,3 +77,17 @@ def test_the_sanitizer_names_the_first_stale_read(table):
     for config in ("align", "none", "mixed"):
         first = table[(config, False, "sanitizer")]["first_stale"]
         assert first and "previous holder" in first and "block" in first, first
+
+
+def test_the_hybrid_example_shows_a_block_crossing_groups():
+    """examples/vllm_hybrid.py: both rules' table, then the audit of a block the attention group and
+    the Mamba group both held, with its clear."""
+    if not TESTS:
+        pytest.skip("needs vLLM's tests/ ($KVLEDGER_VLLM_TESTS, set by scripts/vllm-conformance)")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "examples/vllm_hybrid.py", "--steps", "120"], cwd=root,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    text = out.stdout
+    assert "align  sync  vllm" in text and "align  sync  groups            0         0" in text, text
+    assert "g0:full_attention" in text and "g1:mamba" in text and "zeroed by step" in text, text

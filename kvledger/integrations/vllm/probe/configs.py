@@ -21,6 +21,9 @@ hybrid config and add the Mamba mode and layout. Everything else is vLLM's.
 
 from __future__ import annotations
 
+import functools
+import os
+import tempfile
 from dataclasses import dataclass
 from math import prod
 from typing import Any
@@ -84,9 +87,25 @@ def _dtype_name(spec: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# The model create_scheduler's configs name: facebook/opt-125m's config.json with its published
+# sizes, written to a local folder (no hub lookup: offline, vLLM retries one for seconds per scheduler)
+_OPT_125M = dict(vocab_size=50272, hidden_size=768, num_hidden_layers=12, ffn_dim=3072, num_attention_heads=12,
+                 max_position_embeddings=2048, word_embed_proj_dim=768, architectures=["OPTForCausalLM"])
+
+
+@functools.cache
+def model_dir() -> str:
+    """A folder holding the probe's model config (``create_scheduler``'s ``model``)."""
+    import transformers
+
+    path = os.path.join(tempfile.mkdtemp(prefix="kvledger-probe-model-"), "opt-125m")
+    transformers.OPTConfig(**_OPT_125M).save_pretrained(path)
+    return path
+
+
 def _vllm_config(utils: Any, num_blocks: int, mode: str | None) -> Any:
     with _patched(utils, None, mode, num_blocks):
-        sched = utils.create_scheduler(num_blocks=num_blocks, block_size=BLOCK_SIZE)
+        sched = utils.create_scheduler(model=model_dir(), num_blocks=num_blocks, block_size=BLOCK_SIZE)
     return sched.vllm_config
 
 
@@ -125,7 +144,7 @@ def scheduler(utils: Any, planned: Planned, *, async_scheduling: bool, max_num_s
     # spans max_model_len tokens)
     block = max(g.kv_cache_spec.block_size for g in planned.config.kv_cache_groups)
     with _patched(utils, planned.config, planned.mamba_mode, planned.config.num_blocks):
-        return utils.create_scheduler(num_blocks=planned.config.num_blocks, block_size=block,
+        return utils.create_scheduler(model=model_dir(), num_blocks=planned.config.num_blocks, block_size=block,
                                       enable_prefix_caching=planned.caching, async_scheduling=async_scheduling,
                                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len)
