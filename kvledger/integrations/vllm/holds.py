@@ -149,6 +149,7 @@ class PageHolds:
         self._k = ledger.geometry.page_tokens
         self.fenced = False
         self.hide_all = False  # fenced under async scheduling: every group's waiting block is hidden
+        self.scheduling = False  # fenced: inside the scheduler's schedule() (its steps complete later)
         self._pending: dict[int, Pending] = {}  # page -> its publish, waiting for its step (fenced)
         self._pending_keys: dict[bytes, int] = {}  # ledger hash -> page, of the waiting publishes
         self._deferred: dict[int, int] = {}  # page -> the hold vLLM released it from while its publish waits
@@ -185,6 +186,14 @@ class PageHolds:
         tokens, at = self._tokens.get(page, ((), 0))
         return tokens[at : at + self._k] if tokens else None
 
+    def tokens_for(self, raw: bytes) -> tuple[int, ...] | None:
+        """The tokens of the block vLLM hashed ``raw`` (published, or waiting), or None."""
+        key = _key(bytes(raw))
+        page = self._page_of.get(key)
+        if page is None:
+            page = self._pending_keys.get(key)
+        return None if page is None else self.tokens_of(page)
+
     def waiting(self, page: int) -> bool:
         """vLLM hashed ``page`` and its publish waits for the step that writes it."""
         return page in self._pending
@@ -199,6 +208,12 @@ class PageHolds:
     def deferred_count(self) -> int:
         """Pages vLLM let go of that the ledger keeps while their publish waits."""
         return len(self._deferred)
+
+    @property
+    def deferred_idle(self) -> int:
+        """Pages kept for a waiting publish that vLLM counts free: no other reference (a hit may
+        have pinned one meanwhile)."""
+        return sum(1 for p in self._deferred if self.refs(p) == 0)
 
     def hold_of(self, who: Who) -> int | None:
         return self._named.get(who)
@@ -295,8 +310,11 @@ class PageHolds:
                 h = self._hold(who)
                 self.ledger.share(h, tuple(map(key_of.__getitem__, hashed)), tenant=self._tenant[h])
                 self._add(h, hashed)
-            else:
-                for group in self._groups(hashed):
+            else:  # (one anonymous hold per writer's group: a connector pins several groups' blocks at once)
+                by_tenant: dict[str | None, list[int]] = {}
+                for p in hashed:
+                    by_tenant.setdefault(self._key_tenant.get(p), []).append(p)
+                for group in (g for run in by_tenant.values() for g in self._groups(run)):
                     h = self._hold(None)
                     self._tenant[h] = self._key_tenant.get(group[0])
                     self.ledger.share(h, tuple(map(key_of.__getitem__, group)), tenant=self._tenant[h])
@@ -526,8 +544,21 @@ class PageHolds:
             keep.update(zip(pages, zip(repeat(tokens), range(0, len(pages) * k, k), strict=False), strict=True))
 
     def _wait(self, blocks: Sequence[Publish]) -> None:
-        """Fenced: the blocks wait for the step that writes them (the open one) to complete."""
+        """Fenced: the blocks wait for the step that writes them (the open one) to complete.
+
+        Outside ``schedule()`` (code working the scheduler's manager directly, as vLLM's tests
+        do: no scheduler step will seal or complete the open step) the open step is sealed and
+        completed at once, as without a scheduler, unless a step sealed earlier is still in
+        flight (then the blocks wait behind it)."""
         step = self.ledger.open_step
+        if not self.scheduling and not self.ledger.state.in_flight:
+            self._queue(blocks, step)
+            self.seal()
+            self.complete(step)
+            return
+        self._queue(blocks, step)
+
+    def _queue(self, blocks: Sequence[Publish], step: int) -> None:
         pending, keys, writer = self._pending, self._pending_keys, self._writer
         for page, raw, tokens, parent in blocks:
             if page in self._key_of:

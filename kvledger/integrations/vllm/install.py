@@ -17,6 +17,8 @@ What it patches (in memory, restored by ``uninstall``; nothing on disk changes):
                                                      pool detached)
     Scheduler.__init__ / schedule /               -> the fence: one ledger step per schedule(), its
       update_from_output                             completion observed from update_from_output
+    SimpleCPUOffloadScheduler.bind_gpu_block_pool -> the offload's CPU pool holds copies: no groups
+                                                     (its _insert_block_hash calls are mirrored)
 
 Before patching, it checks that the vLLM running is one of ``VLLM_VERSIONS`` and that
 every method it overrides or wraps still has the parameters it was written for; it
@@ -65,10 +67,12 @@ _SIGNATURES: dict[str, dict[str, tuple[str, ...]]] = {
                                 "replace_existing_hashes"),
         "move_block_hashes": ("src_block", "dst_block"),
         "_maybe_evict_cached_block": ("block",),
+        "_insert_block_hash": ("block_hash_with_group_id", "block", "num_tokens"),
         "evict_blocks": ("block_ids",),
         "reset_prefix_cache": (),
     },
     "vllm.v1.core.kv_cache_manager:KVCacheManager": {"take_new_block_ids": ()},
+    "vllm.v1.simple_kv_offload.manager:SimpleCPUOffloadScheduler": {"bind_gpu_block_pool": ("gpu_block_pool",)},
     "vllm.v1.core.sched.scheduler:Scheduler": {"update_from_output": ("scheduler_output", "model_runner_output")},
     "vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager": {
         "allocate_new_blocks": ("request_id", "num_tokens", "num_tokens_main_model"),
@@ -198,7 +202,8 @@ def install(*, log: str | os.PathLike | None = None, fsync: str = "background", 
 
     options = PoolOptions(log=log, fsync=fsync, policy=policy, on_error=on_error, check=check, verify=verify,
                           layer=layer)
-    inst = Installation(type("LedgerBlockPool", (LedgerBlockPool,), {"options": options}), bool(zeroing),
+    inst = Installation(type("LedgerBlockPool", (LedgerBlockPool,), {"options": options, "peers": weakref.WeakSet()}),
+                        bool(zeroing),
                         block_pool_mod.BlockPool)
     original_init = LedgerBlockPool.__init__
 
@@ -216,6 +221,8 @@ def install(*, log: str | os.PathLike | None = None, fsync: str = "background", 
     _wrap_coordinator(inst, coordinator.KVCacheCoordinator, LedgerBlockPool)
     _wrap_managers(inst, single.SingleTypeKVCacheManager, LedgerBlockPool)
     _wrap_scheduler(inst, scheduler.Scheduler, LedgerBlockPool)
+    offload = importlib.import_module("vllm.v1.simple_kv_offload.manager")
+    _wrap_offload(inst, offload.SimpleCPUOffloadScheduler, LedgerBlockPool)
     inst.installed = True
     _active.append(inst)
     return inst
@@ -370,6 +377,24 @@ def _schedules_ahead(scheduler: Any) -> bool:
     return bool(getattr(getattr(scheduler, "scheduler_config", None), "async_scheduling", False))
 
 
+def _wrap_offload(inst: Installation, offload_cls: Any, pool_cls: type) -> None:
+    """vLLM's simple CPU offload: its CPU pool (a ledger pool too, built by its own coordinator)
+    holds copies of the GPU pool's blocks, one CPU block serving every group that shares the GPU
+    block's bytes; once the scheduler binds the GPU pool, the CPU pool's holds carry no group
+    (``LedgerBlockPool.hold_copies``). Its ``_insert_block_hash`` calls are mirrored by the pool."""
+    bind = offload_cls.bind_gpu_block_pool
+
+    @functools.wraps(bind)
+    def bind_gpu_block_pool(self: Any, gpu_block_pool: Any) -> Any:
+        out = bind(self, gpu_block_pool)
+        cpu = getattr(self, "cpu_block_pool", None)
+        if isinstance(cpu, pool_cls):
+            cpu.hold_copies()  # type: ignore[attr-defined]
+        return out
+
+    inst.patch(offload_cls, "bind_gpu_block_pool", bind_gpu_block_pool)
+
+
 def _wrap_scheduler(inst: Installation, scheduler_cls: Any, pool_cls: type) -> None:
     """The fence: the scheduler's pool seals one ledger step per ``schedule()`` and completes it when
     ``update_from_output`` reports the step ran."""
@@ -389,10 +414,15 @@ def _wrap_scheduler(inst: Installation, scheduler_cls: Any, pool_cls: type) -> N
 
     @functools.wraps(schedule)
     def schedule_(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = schedule(self, *args, **kwargs)
         pool = self.kv_cache_manager.block_pool
-        if isinstance(pool, pool_cls):
-            pool.scheduled(out)  # type: ignore[attr-defined]
+        if not isinstance(pool, pool_cls):
+            return schedule(self, *args, **kwargs)
+        pool.scheduling(True)  # type: ignore[attr-defined]
+        try:
+            out = schedule(self, *args, **kwargs)
+        finally:
+            pool.scheduling(False)  # type: ignore[attr-defined]
+        pool.scheduled(out)  # type: ignore[attr-defined]
         return out
 
     @functools.wraps(update)

@@ -55,7 +55,7 @@ from typing import Any
 
 from vllm.v1.core.block_pool import BlockPool
 
-from ...core.errors import ConfigurationError, InvariantViolation, KVLedgerError
+from ...core.errors import ConfigurationError, InvalidArgumentError, InvariantViolation, KVLedgerError
 from ...core.events import Geometry
 from ...core.ledger import Ledger
 from ...logs import get_logger
@@ -141,6 +141,7 @@ class LedgerBlockPool(BlockPool):
         self._verify = opts.verify
         self._fail = opts.on_error == "fail"
         self._in_alloc = False
+        self._hashing = 0  # inside one of this pool's own hashing calls (their _insert_block_hash is theirs)
         self.detached: str | None = None  # why the pool stopped recording (None: it records)
         self.ledger: Any = None
         self.log_path: pathlib.Path | None = None
@@ -164,6 +165,9 @@ class LedgerBlockPool(BlockPool):
                 self.close()
                 raise
             self.holds.withdraw = self._withdraw
+        peers = getattr(type(self), "peers", None)
+        if peers is not None:
+            peers.add(self)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -180,6 +184,14 @@ class LedgerBlockPool(BlockPool):
         tenants, states = group_tenants(kv_cache_groups)
         if self.holds is not None:
             self.holds.set_groups(tenants, states)
+
+    def hold_copies(self) -> None:
+        """This pool holds copies of another pool's blocks (vLLM's simple CPU offload): a copy
+        serves every KV cache group that shares the original's bytes, so its holds carry no group
+        (no tenant: shares across groups are the point) and nothing is read from it before a full
+        write, so it lists nothing to zero."""
+        if self.holds is not None:
+            self.holds.set_groups({}, ())
 
     def drive(self, async_scheduling: bool = False) -> None:
         """A vLLM ``Scheduler`` drives this pool: the fence is on (holds.py's "fenced"); with
@@ -208,6 +220,12 @@ class LedgerBlockPool(BlockPool):
         if self.holds.fenced:
             self.last_sealed_step = self.ledger.open_step - 1
         return ids
+
+    def scheduling(self, inside: bool) -> None:
+        """The scheduler enters (``True``) or leaves its ``schedule()``: blocks hashed outside it
+        (code working the manager directly) are published at once when no step is in flight."""
+        if self.holds is not None:
+            self.holds.scheduling = inside
 
     def scheduled(self, scheduler_output: Any) -> None:
         """``schedule()`` returned ``scheduler_output``: its ledger step is the one sealed for it."""
@@ -312,8 +330,12 @@ class LedgerBlockPool(BlockPool):
 
     def cache_full_blocks(self, request, blocks, num_cached_blocks: int, num_full_blocks: int, block_size: int,
                           kv_cache_group_id: int, block_mask: list[bool] | None = None) -> None:
-        super().cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size,
-                                  kv_cache_group_id, block_mask)
+        self._hashing += 1
+        try:
+            super().cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size,
+                                      kv_cache_group_id, block_mask)
+        finally:
+            self._hashing -= 1
         if self.detached is not None:
             return
         try:
@@ -358,8 +380,12 @@ class LedgerBlockPool(BlockPool):
 
     def cache_partial_block(self, request, block, num_tokens: int, kv_cache_group_id: int, block_size: int,
                             replace_existing_hashes: bool = False):
-        key = super().cache_partial_block(request, block, num_tokens, kv_cache_group_id, block_size,
-                                          replace_existing_hashes)
+        self._hashing += 1
+        try:
+            key = super().cache_partial_block(request, block, num_tokens, kv_cache_group_id, block_size,
+                                              replace_existing_hashes)
+        finally:
+            self._hashing -= 1
         if self.detached is None and block.block_hash is not None and self._mine(block):
             n = block.block_hash_num_tokens or num_tokens
             try:
@@ -375,7 +401,11 @@ class LedgerBlockPool(BlockPool):
             super().move_block_hashes(src_block, dst_block)
             return
         tokens = self.holds.tokens_of(src_block.block_id) if self._mine(src_block) else None
-        super().move_block_hashes(src_block, dst_block)
+        self._hashing += 1
+        try:
+            super().move_block_hashes(src_block, dst_block)
+        finally:
+            self._hashing -= 1
         try:
             if dst_block.block_hash is not None and tokens is not None and self._mine(dst_block):
                 self.holds.publish([(dst_block.block_id, dst_block.block_hash, tokens, None)])
@@ -384,6 +414,45 @@ class LedgerBlockPool(BlockPool):
             self._detach(exc)
         if self._verify:
             self.verify()
+
+    def _insert_block_hash(self, block_hash_with_group_id, block, num_tokens) -> None:
+        """vLLM's own hashing calls use it inside (mirrored by them); a caller outside is vLLM's
+        simple CPU offload registering a block it copied from the GPU pool in this (CPU) pool's
+        prefix cache: the block's first (primary) hash is published in the ledger, with the
+        tokens the GPU pool's ledger published that hash with (``tokens_for``)."""
+        primary = block.block_hash is None
+        super()._insert_block_hash(block_hash_with_group_id, block, num_tokens)
+        if self._hashing or not primary or self.detached is not None or block.block_hash is None:
+            return
+        if not self._mine(block):
+            return
+        try:
+            tokens = self._tokens_elsewhere(block.block_hash)
+            if tokens is None:
+                raise InvalidArgumentError(
+                    f"block {block.block_id} was hashed by a caller outside the pool's own hashing calls and no "
+                    "ledger pool of this installation knows the hash's tokens (vLLM's simple CPU offload copies a "
+                    "block another pool published; nothing else can be mirrored)")
+            self.holds.publish([(block.block_id, block.block_hash, tokens, None)])
+        except KVLedgerError as exc:
+            self._detach(exc)
+        if self._verify:
+            self.verify()
+
+    def tokens_for(self, raw_hash) -> tuple[int, ...] | None:
+        """The tokens this pool's ledger published (or is about to publish) vLLM's hash
+        ``raw_hash`` with; None when it has no such block."""
+        if self.detached is not None or self.holds is None:
+            return None
+        return self.holds.tokens_for(raw_hash)
+
+    def _tokens_elsewhere(self, raw_hash) -> tuple[int, ...] | None:
+        for peer in list(getattr(type(self), "peers", ())):
+            if peer is not self:
+                tokens = peer.tokens_for(raw_hash)
+                if tokens is not None and len(tokens) == self.hash_block_size:
+                    return tokens
+        return None
 
     def _maybe_evict_cached_block(self, block) -> bool:
         # (vLLM's Mamba manager calls it directly, for a checkpoint block it overwrites)
@@ -460,7 +529,7 @@ class LedgerBlockPool(BlockPool):
                 raise InvariantViolation(1, f"block {p} is hashed in vLLM but not published in the ledger")
             if refs == 0 and holds.key_of(p) is not None and blk.block_hash is None:
                 raise InvariantViolation(1, f"block {p} is free in vLLM but cached in the ledger")
-        free = ledger.free_count + ledger.cached_count + holds.deferred_count
+        free = ledger.free_count + ledger.cached_count + holds.deferred_idle
         if free != self.get_num_free_blocks():
             raise InvariantViolation(1, f"vLLM has {self.get_num_free_blocks()} free blocks, the ledger {free} "
                                         f"free or cached pages (or kept for a waiting publish)")
