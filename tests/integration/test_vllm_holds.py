@@ -84,9 +84,9 @@ def test_marking_policies_release_without_splits_and_list_reuse():
 
 # --------------------------------------------------------------------------- named holds (vLLM requests)
 
-def named(policy="cross_tenant", **kw):
+def named(policy="cross_tenant", groups=None, **kw):
     ledger, h = holds(policy, **kw)
-    h.set_groups({0: "g0:full_attention:float16", 1: "g1:mamba:float32"}, {1})
+    h.set_groups(groups or {0: "g0:full_attention:float16", 1: "g1:mamba:float32"}, {1} if groups is None else ())
     return ledger, h
 
 
@@ -149,6 +149,7 @@ def test_a_state_groups_page_moving_to_attention_is_listed_and_a_fresh_state_rea
 def fenced(**kw):
     ledger, h = named(**kw)
     h.fenced = True
+    h.scheduling = True  # (the calls below are a schedule()'s: its steps complete when update_from_output says)
     withdrawn: list[int] = []
     h.withdraw = withdrawn.append
     return ledger, h, withdrawn
@@ -182,20 +183,44 @@ def test_a_state_block_waiting_for_its_step_is_hidden_and_an_attention_hit_is_a_
     assert len(ledger.holders_of(2)) == 2 and h.refs(2) == 2  # the pin became a share
 
 
-def test_under_async_scheduling_every_groups_waiting_block_is_hidden():
-    """Kills: an attention block visible to lookups while its writing step may still drop its writer
-    (async scheduling: the probe's mixed-precision trace read stale fp32 bytes as fp16 through such
-    a hit, at step 469 of 1,000)."""
+def test_outside_schedule_a_block_publishes_at_once_unless_a_step_is_in_flight():
+    """vLLM's tests work a scheduler's manager directly, with no schedule() to complete the step:
+    the open step is sealed and completed there and then (kills: a state block hidden for good, its
+    prefix hits lost); a step a schedule() sealed and not yet completed still holds the publish."""
     ledger, h, _ = fenced()
-    h.hide_all = True
+    h.scheduling = False
     h.allocate([1], ("m", 1), "whole")
+    h.publish([(1, b"s", toks(1), None)])
+    assert h.key_of(1) == b"s" and not h.hidden(1) and not h.waiting(1)
+    h.scheduling = True
     h.allocate([2], ("a", 0))
-    h.publish([(1, b"s", toks(1), None), (2, b"k", toks(2), None)])
-    assert h.hidden(1) and h.hidden(2)
+    h.take_clear_list()  # a schedule() sealed the step that writes block 2...
+    h.scheduling = False
+    h.publish([(2, b"k", toks(2), None)])  # ...which is in flight when someone hashes block 2
+    assert h.waiting(2) and h.key_of(2) is None
+
+
+def test_ahead_an_attention_block_written_whole_over_another_groups_bytes_is_hidden_until_its_step():
+    """Async scheduling: the writer may drop out of its step; a hit on a block committed "written
+    whole" over another group's bytes (its mark taken off without a clear) would read those bytes.
+    Kills: such a block visible while it waits (the probe's mixed-precision trace read fp32 bytes as
+    fp16); and hiding more than those (vLLM's async prefill dedup hits a fresh block at once)."""
+    ledger, h, _ = fenced(groups={0: "g0:full_attention:float16", 2: "g2:full_attention:float32"})
+    h.ahead = True
+    h.allocate([1], ("w", 2))  # group 2 writes block 1...
     step = ledger.open_step
     h.take_clear_list()
     h.complete(step)
-    assert not h.hidden(1) and not h.hidden(2) and h.key_of(2) == b"k"
+    h.release([1], [1], ("w", 2))  # ...and lets go: its fp32 bytes stay, marked
+    assert ledger.state.is_marked(1)
+    h.allocate([1], ("x", 0), "none")  # group 0 is to write it whole: no clear
+    h.allocate([2], ("x", 0), "none")  # a fresh block
+    h.publish([(1, b"a", toks(1), None), (2, b"b", toks(2), None)])
+    assert h.hidden(1) and not h.hidden(2)
+    step = ledger.open_step
+    h.take_clear_list()
+    h.complete(step)
+    assert not h.hidden(1) and h.key_of(1) == b"a"
 
 
 def test_a_writer_that_lets_go_before_its_step_completed_keeps_the_block_until_then():

@@ -62,7 +62,7 @@ def test_kvledgers_default_rule_leaves_no_stale_read_and_zeroes_at_most_half_of_
         if rule != "groups":
             continue
         base = table[(config, async_, "vllm")]
-        assert r["stale"] == 0 and r["unwritten"] == 0, (config, async_, r)
+        assert r["stale"] == 0 and r["unwritten"] == 0 and r["unwritten_kv"] == 0, (config, async_, r)
         assert r["zeroed_bytes"] <= 0.5 * base["zeroed_bytes"], (config, async_, r["zeroed_bytes"],
                                                                  base["zeroed_bytes"])
 
@@ -70,7 +70,8 @@ def test_kvledgers_default_rule_leaves_no_stale_read_and_zeroes_at_most_half_of_
 def test_vllms_rule_lets_stale_state_and_unwritten_hits_through(table):
     assert table[("align", False, "vllm")]["stale"] > 0  # fresh Mamba states on others' bytes (#56524)
     assert table[("none", False, "vllm")]["stale"] > 0
-    assert table[("align", True, "vllm")]["unwritten"] > 0  # a hit whose writing step was dropped (#56525)
+    assert table[("align", True, "vllm")]["unwritten"] > 0  # a state hit whose writing step was dropped (#56525)
+    assert table[("mixed-1000", True, "vllm")]["unwritten_kv"] > 0  # the same through an attention hit
 
 
 def test_the_sanitizer_names_the_first_stale_read(table):

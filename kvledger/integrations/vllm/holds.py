@@ -53,18 +53,20 @@ Steps. Pages are committed into the ledger's open step. Two ways a step ends:
                    completes; then it is published if its writer's request ran in
                    that step, else recorded ``PagesUnwritten`` and its hash withdrawn
                    from vLLM (``withdraw``). A state group's waiting block is hidden
-                   from vLLM's lookups (``hidden``). An attention group's is hidden
-                   too under async scheduling (``hide_all``): a request aborted
-                   after its step was scheduled can drop out of that step, so its
-                   blocks may never be written, and a hit taken meanwhile would
-                   read what the block held before (the probe's mixed-precision
-                   trace: stale fp32 bytes read as fp16). Under sync scheduling an
-                   attention group's waiting block is visible (vLLM's stream-order
-                   rule: a later request's attention reads it after the writing
-                   layers ran, and nothing drops out of a scheduled step): a hit
-                   on it is a pin until the publish, then a share. A writer that
-                   lets go of a waiting block keeps it in the ledger
-                   (``_deferred``) until its publish resolves.
+                   from vLLM's lookups (``hidden``). An attention group's is not
+                   (vLLM's stream-order rule: a later request's attention reads it
+                   after the writing layers ran): a hit on it is a pin until the
+                   publish, then a share. Under async scheduling (``ahead``) a
+                   request aborted after its step was scheduled can drop out of
+                   that step, so such a hit may read a block nobody wrote. That
+                   is harmless where the block was zeroed or holds its own
+                   group's bytes (finite values; vLLM's own rule), but not for a
+                   block committed "written whole" over another group's bytes
+                   (its mark taken off without a clear, ``_blind``): those are
+                   hidden too until their step completed (the probe's
+                   mixed-precision trace read fp32 bytes as fp16 through such a
+                   hit). A writer that lets go of a waiting block keeps it in the
+                   ledger (``_deferred``) until its publish resolves.
 
 Ledger block hashes are vLLM's ``BlockHashWithGroupId`` bytes. vLLM may cache
 two blocks under one hash (it never de-duplicates); the ledger's hashes are
@@ -148,7 +150,7 @@ class PageHolds:
         self._clear: list[int] = []  # clear lists sealed since take_clear_list
         self._k = ledger.geometry.page_tokens
         self.fenced = False
-        self.hide_all = False  # fenced under async scheduling: every group's waiting block is hidden
+        self.ahead = False  # fenced under async scheduling: a scheduled step may run without a request
         self.scheduling = False  # fenced: inside the scheduler's schedule() (its steps complete later)
         self._pending: dict[int, Pending] = {}  # page -> its publish, waiting for its step (fenced)
         self._pending_keys: dict[bytes, int] = {}  # ledger hash -> page, of the waiting publishes
@@ -157,6 +159,7 @@ class PageHolds:
         self._step_pages: dict[int, dict[int, list[int]]] = {}  # fenced: step -> named hold -> pages it committed
         self._gone: dict[int, Who] = {}  # fenced: finished named hold -> its name, while a step it wrote is open
         self._unconfirmed: dict[int, int] = {}  # page -> the step that is to write it whole (reads="none")
+        self._blind: set[int] = set()  # ahead: pages of _unconfirmed whose commit took a mark off (others' bytes)
         self.withdraw: Callable[[int], None] | None = None
         self.unwritten_pages = 0  # pages recorded PagesUnwritten (statistics)
         self.unwritten_reads = 0  # references taken on them while they waited (attention hits)
@@ -186,21 +189,13 @@ class PageHolds:
         tokens, at = self._tokens.get(page, ((), 0))
         return tokens[at : at + self._k] if tokens else None
 
-    def tokens_for(self, raw: bytes) -> tuple[int, ...] | None:
-        """The tokens of the block vLLM hashed ``raw`` (published, or waiting), or None."""
-        key = _key(bytes(raw))
-        page = self._page_of.get(key)
-        if page is None:
-            page = self._pending_keys.get(key)
-        return None if page is None else self.tokens_of(page)
-
     def waiting(self, page: int) -> bool:
         """vLLM hashed ``page`` and its publish waits for the step that writes it."""
         return page in self._pending
 
     def hidden(self, page: int) -> bool:
-        """A waiting state block (any waiting block under ``hide_all``): vLLM's lookups must not hit
-        it yet."""
+        """A waiting state block, or (``ahead``) a waiting block committed whole over another
+        group's bytes: vLLM's lookups must not hit it yet."""
         pend = self._pending.get(page)
         return pend is not None and pend.hidden
 
@@ -208,6 +203,13 @@ class PageHolds:
     def deferred_count(self) -> int:
         """Pages vLLM let go of that the ledger keeps while their publish waits."""
         return len(self._deferred)
+
+    @property
+    def pinned_unheld(self) -> int:
+        """Pages vLLM references only through pins (a reference it took on a cached block by itself):
+        cached in the ledger, not free in vLLM."""
+        refs, deferred = self._refs, self._deferred
+        return sum(1 for p, n in self._pins.items() if n > 0 and not refs.get(p) and p not in deferred)
 
     @property
     def deferred_idle(self) -> int:
@@ -260,11 +262,17 @@ class PageHolds:
         # a page a step not yet completed is to write whole: maybe it never will
         if self._unconfirmed and self.marking and not self._unconfirmed.keys().isdisjoint(pages):
             reads = "whole"
+        blind: list[int] = []
+        if reads == "none" and self.ahead and self.fenced and who is not None and self.marking:
+            marks = ledger.state.marks
+            blind = [p for p in pages if p in marks]
         ledger.allocate(h, step, pages=tuple(pages), tenant=self._tenant[h], reads=reads)
         if self.fenced and who is not None:
             self._step_pages.setdefault(step, {}).setdefault(h, []).extend(pages)
             if reads == "none":
                 self._unconfirmed.update(dict.fromkeys(pages, step))
+                if blind:
+                    self._blind.update(blind)
         hp = self._pages.get(h)
         if hp is None:
             self._pages[h] = list(pages)
@@ -572,7 +580,7 @@ class PageHolds:
             key = self._new_key(raw, page, {})
             who = self._who.get(h)
             pending[page] = Pending(h, key, tuple(tokens), parent, step,
-                                    self.hide_all or (who is not None and who[1] in self.state_groups))
+                                    (who is not None and who[1] in self.state_groups) or page in self._blind)
             keys[key] = page
 
     def complete(self, step: int, dropped: Iterable[str] = ()) -> None:
@@ -611,6 +619,8 @@ class PageHolds:
             self._gone = {h: w for h, w in self._gone.items() if h in live}
         if self._unconfirmed:
             self._unconfirmed = {p: s for p, s in self._unconfirmed.items() if s > step}
+            if self._blind:
+                self._blind.intersection_update(self._unconfirmed)
         self.ledger.complete_step(step, 0)
         if published:
             self._publish_runs(published)

@@ -22,8 +22,7 @@ tenant and says which groups hold recurrent states). Calls nobody names (vLLM's
 tests working the pool, the scheduler freeing copy-on-write endpoints) get holds of
 their own. ``drive()`` (the scheduler wrapper) turns the fence on: one ledger step
 per ``schedule()``, completed by ``completed()`` from ``update_from_output``; a state
-group's block vLLM hashes (any group's, under async scheduling) is hidden from
-``get_cached_block`` until then.
+group's block vLLM hashes is hidden from ``get_cached_block`` until then.
 
 The ledger checks each transition against its own rules and raises a
 ``KVLedgerError`` naming the page when vLLM's call sequence breaks one. vLLM's
@@ -194,11 +193,11 @@ class LedgerBlockPool(BlockPool):
             self.holds.set_groups({}, ())
 
     def drive(self, async_scheduling: bool = False) -> None:
-        """A vLLM ``Scheduler`` drives this pool: the fence is on (holds.py's "fenced"); with
-        ``async_scheduling`` every group's waiting block is hidden from lookups, not only a state's."""
+        """A vLLM ``Scheduler`` drives this pool: the fence is on (holds.py's "fenced");
+        ``async_scheduling``: a scheduled step may run without a request (holds.py's "ahead")."""
         if self.holds is not None:
             self.holds.fenced = True
-            self.holds.hide_all = async_scheduling
+            self.holds.ahead = async_scheduling
 
     # ------------------------------------------------------------------ the clear list and the fence
 
@@ -325,7 +324,7 @@ class LedgerBlockPool(BlockPool):
             hidden = self.holds.hidden
             for blk in blocks:
                 if hidden(blk.block_id):
-                    return None  # (a block whose writing step has not completed: not a hit yet)
+                    return None  # (a state block whose writing step has not completed: not a hit yet)
         return blocks
 
     def cache_full_blocks(self, request, blocks, num_cached_blocks: int, num_full_blocks: int, block_size: int,
@@ -419,7 +418,7 @@ class LedgerBlockPool(BlockPool):
         """vLLM's own hashing calls use it inside (mirrored by them); a caller outside is vLLM's
         simple CPU offload registering a block it copied from the GPU pool in this (CPU) pool's
         prefix cache: the block's first (primary) hash is published in the ledger, with the
-        tokens the GPU pool's ledger published that hash with (``tokens_for``)."""
+        tokens the GPU pool's ledger published that block with (``tokens_for``)."""
         primary = block.block_hash is None
         super()._insert_block_hash(block_hash_with_group_id, block, num_tokens)
         if self._hashing or not primary or self.detached is not None or block.block_hash is None:
@@ -440,11 +439,16 @@ class LedgerBlockPool(BlockPool):
             self.verify()
 
     def tokens_for(self, raw_hash) -> tuple[int, ...] | None:
-        """The tokens this pool's ledger published (or is about to publish) vLLM's hash
-        ``raw_hash`` with; None when it has no such block."""
+        """The tokens this pool's ledger published (or is about to publish) the block vLLM caches
+        under ``raw_hash`` with (found through vLLM's own hash map, so a block whose ledger hash
+        differs from vLLM's, a second block under one hash, is found too); None when this pool
+        caches no such block or does not record."""
         if self.detached is not None or self.holds is None:
             return None
-        return self.holds.tokens_for(raw_hash)
+        block = self.cached_block_hash_to_block.get_one_block(raw_hash)
+        if block is None or not self._mine(block):
+            return None
+        return self.holds.tokens_of(block.block_id)
 
     def _tokens_elsewhere(self, raw_hash) -> tuple[int, ...] | None:
         for peer in list(getattr(type(self), "peers", ())):
@@ -529,10 +533,20 @@ class LedgerBlockPool(BlockPool):
                 raise InvariantViolation(1, f"block {p} is hashed in vLLM but not published in the ledger")
             if refs == 0 and holds.key_of(p) is not None and blk.block_hash is None:
                 raise InvariantViolation(1, f"block {p} is free in vLLM but cached in the ledger")
-        free = ledger.free_count + ledger.cached_count + holds.deferred_idle
+        # (vLLM's free blocks: the ledger's free and cached pages, and those kept for a waiting publish,
+        # less the cached ones vLLM took a reference on by itself)
+        free = ledger.free_count + ledger.cached_count + holds.deferred_idle - holds.pinned_unheld
         if free != self.get_num_free_blocks():
+            odd = [b.block_id for b in self.blocks if not b.is_null
+                   and (b.ref_cnt == 0) != (holds.refs(b.block_id) == 0
+                                            and (ledger.holder_of(b.block_id) == "free"
+                                                 or ledger.holder_of(b.block_id).startswith("cached(")
+                                                 or holds.waiting(b.block_id)))]
+            named = ", ".join(f"block {p}: vLLM ref_cnt {self.blocks[p].ref_cnt}, ledger {ledger.holder_of(p)} "
+                              f"(holds {list(holds.holds_of(p))}, {holds.refs(p)} reference(s))" for p in odd[:3])
             raise InvariantViolation(1, f"vLLM has {self.get_num_free_blocks()} free blocks, the ledger {free} "
-                                        f"free or cached pages (or kept for a waiting publish)")
+                                        f"free or cached pages (or kept for a waiting publish)"
+                                        + (f"; {named}" if named else ""))
 
     # ------------------------------------------------------------------ internals
 

@@ -1,12 +1,14 @@
 """``python -m kvledger.integrations.vllm.probe``: the table, per rule, config and scheduling mode.
 
 Run from the folder that holds vLLM's ``tests/`` (the conformance work folder), with the
-conformance environment's python; ``scripts/vllm-conformance --probe`` does both. Prints,
-per run: stale reads, unwritten-state hits, masked same-group reads, emulator errors
+conformance environment's python. Prints, per run: stale reads, unwritten-state hits,
+unwritten KV hits (an attention hit on a block whose writer dropped out of its step: it
+reads zeros where the rule zeroed the block, else what the block held, which counts as
+stale when another group or precision wrote it), masked same-group reads, emulator errors
 (WRONG: 0 in a sound run), blocks and bytes zeroed and the bytes against vLLM's rule on
 the same config and mode; then the sanitizer's first stale read, named. Exit status 1 when
-kvledger's default rule shows a stale read, an unwritten hit, a WRONG, or zeroes more than
-half of vLLM's bytes.
+kvledger's default rule shows a stale read, an unwritten-state hit, a WRONG, or zeroes more
+than half of vLLM's bytes.
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _table(rows: list) -> int:
     base = {(s.config, s.async_scheduling): s.zeroed_bytes for s, _ in rows if s.rule == "vllm"}
-    head = (f"{'config':7s}{'sched':6s}{'rule':11s}{'stale':>8s}{'unwritten':>10s}{'masked same':>12s}"
-            f"{'wrong':>6s}{'blocks zeroed':>14s}{'MiB zeroed':>11s}{'vs vLLM':>9s}")
+    head = (f"{'config':7s}{'sched':6s}{'rule':11s}{'stale':>8s}{'unwritten':>10s}{'unwritten KV':>13s}"
+            f"{'masked same':>12s}{'wrong':>6s}{'blocks zeroed':>14s}{'MiB zeroed':>11s}{'vs vLLM':>9s}")
     print(head)
     print("-" * len(head))
     status = 0
@@ -74,7 +76,8 @@ def _table(rows: list) -> int:
         b = base.get((s.config, s.async_scheduling))
         ratio = f"{s.zeroed_bytes / b:.2f}" if b else "-"
         print(f"{s.config:7s}{'async' if s.async_scheduling else 'sync':6s}{s.rule:11s}{s.stale:8d}{s.unwritten:10d}"
-              f"{s.masked_same:12d}{s.wrong:6d}{s.zeroed_blocks:14d}{s.zeroed_bytes / 2**20:11.1f}{ratio:>9s}")
+              f"{s.unwritten_kv:13d}{s.masked_same:12d}{s.wrong:6d}{s.zeroed_blocks:14d}"
+              f"{s.zeroed_bytes / 2**20:11.1f}{ratio:>9s}")
         if s.wrong:
             status = 1
         if s.rule == "groups" and (s.stale or s.unwritten or (b and s.zeroed_bytes > 0.5 * b)):

@@ -58,7 +58,8 @@ class ProbeStats:
     async_scheduling: bool
     steps: int
     stale: int
-    unwritten: int
+    unwritten: int  # state reads of a hit whose writing step did not run (issue 28's "unwritten")
+    unwritten_kv: int  # attention reads of such a hit: zeros under a zeroing rule, the old bytes otherwise
     masked_same: int
     wrong: int
     zeroed_blocks: int
@@ -154,11 +155,15 @@ class _Worker:
             end = r.computed + n
             sampled.append([_token(r.rid, end)] if end >= len(r.prompt) else [])
             r.computed = end
+        import dataclasses
+
         from vllm.v1.outputs import ModelRunnerOutput
 
-        return ModelRunnerOutput(req_ids=ran, req_id_to_index={rid: i for i, rid in enumerate(ran)},
-                                 sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
-                                 pooler_output=[])
+        index = {"req_id_to_index": {rid: i for i, rid in enumerate(ran)}}  # (vLLM 0.33's field; 0.34 has none)
+        if "req_id_to_index" not in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
+            index = {}
+        return ModelRunnerOutput(req_ids=ran, **index, sampled_token_ids=sampled, logprobs=None,
+                                 prompt_logprobs_dict={}, pooler_output=[])
 
     def _drop(self, r: _Req, n: int) -> None:
         """The request's share of this step never runs: what it would have written is dropped."""
@@ -320,7 +325,8 @@ def run_probe(utils: Any, config: str, rule: str, *, steps: int = 1000, async_sc
         if inst is not None:
             inst.uninstall()
     c = mem.counts
-    return ProbeStats(config, rule, async_scheduling, steps, c.stale, c.unwritten, c.masked_same, c.wrong,
+    return ProbeStats(config, rule, async_scheduling, steps, c.stale, c.unwritten, c.unwritten_kv, c.masked_same,
+                      c.wrong,
                       mem.zeroed_blocks, mem.zeroed_blocks * mem.page_bytes, c.state_reads, c.kv_block_reads,
                       stats["finished"], stats["aborted"], stats["hit_tokens"],
                       str(c.first) if isinstance(c.first, Finding) else None, events, log, c.wrong_examples)

@@ -7,12 +7,12 @@ the step. Zero bytes are zero; poison bytes (0x7F, TensorRT-LLM's fresh-page fil
 read as ``POISON``. A read looks at the ids in the bytes it takes in:
 
     attention read of block b by request R (group g, dtype d), token slot p:
-        id 0              unmasked: unwritten (a hit whose writing step did not run) or WRONG
+        id 0              unmasked: unwritten KV (a hit whose writing step did not run) or WRONG
                           masked (p past R's last token): fine
         POISON            STALE
         record of another group or precision        STALE (reinterpreted bytes: the seed's NaN)
         same group and precision, masked            masked same-group read (finite; counted apart)
-        same, unmasked, another content             unwritten (its write was dropped) or WRONG
+        same, unmasked, another content             unwritten KV (its write was dropped) or WRONG
     state read (a Mamba block's state bytes, expecting the state after n tokens, or zeros
     for a request with no state yet):
         another group, POISON                       STALE
@@ -54,7 +54,8 @@ class Finding:
 @dataclass
 class Counts:
     stale: int = 0
-    unwritten: int = 0
+    unwritten: int = 0  # state reads of a hit whose writing step did not run
+    unwritten_kv: int = 0  # attention reads of such a hit (what the block held: zeros, if it was zeroed)
     masked_same: int = 0
     wrong: int = 0
     state_reads: int = 0
@@ -210,7 +211,7 @@ class TaggedCache:
         if stale:
             self._stale(step, block, gid, reader, int(stale))
         c.masked_same += masked
-        c.unwritten += unwritten
+        c.unwritten_kv += unwritten
         c.wrong += wrong
 
     def read_state(self, gid: int, reader: str, step: int, block: int, expected: Any, dropped: set) -> None:
