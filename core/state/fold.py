@@ -40,7 +40,8 @@ if TYPE_CHECKING:
     from .state import LedgerState
 
 __all__ = [
-    "allocate_top", "cache_configured", "commit_pages", "complete", "release_pages", "release_request", "record",
+    "allocate_top", "cache_configured", "commit_pages", "complete", "pages_unwritten", "release_pages",
+    "release_request", "record",
     "reserve_top", "seal", "pages_committed", "pages_released", "pages_reserved", "request_gone",
     "reservation_returned",
     "restore_completed", "restore_started", "sanitizer_violation", "snapshot_aliased", "snapshot_released",
@@ -108,6 +109,18 @@ def _free_pages(st: LedgerState, pages, tenant: str | None, dirty) -> list[int] 
             if p in pend:
                 # Listed for a step that has not been sealed: nothing zeroed it yet.
                 del pend[p]
+                marks[p] = MARK_ALL
+                residue.pop(p, None)
+                marked.append(p)
+    ow = st.overwritten
+    if ow and not ow.keys().isdisjoint(pages):
+        marks, residue, open_step = st.marks, st.residue, st.open_step
+        marked = list(marked)
+        for p in pages:
+            s = ow.get(p)
+            if s is not None and s >= open_step:
+                # Committed to be written whole by a step that has not been sealed: nothing wrote it.
+                del ow[p]
                 marks[p] = MARK_ALL
                 residue.pop(p, None)
                 marked.append(p)
@@ -243,6 +256,10 @@ def commit_pages(st: LedgerState, rec: RequestRecord, step: int, pages: tuple, r
         for p in pages:
             m = marks.pop(p, 0)
             if m:
+                if reads == "none":  # written whole before it is read: the mark comes off, unlisted
+                    residue.pop(p, None)
+                    st.overwritten[p] = step
+                    continue
                 if m == MARK_TENANT and residue.pop(p) == own:
                     continue  # the committing tenant's own bytes, read under a mask
                 if p not in pend:
@@ -282,7 +299,8 @@ def release_request(st: LedgerState, request: int) -> tuple:
     if st.page_hash:  # (prefix caching in use: a shared page is hashed, so this covers them too)
         kv = _release_shares(st, rec)
     pages = reserved + kv if reserved else kv
-    if st.policy == "released_aliases" and not (st.pending and not st.pending.keys().isdisjoint(pages)):
+    if (st.policy == "released_aliases" and not (st.pending and not st.pending.keys().isdisjoint(pages))
+            and not st.overwritten):
         holder, free = st.holder, HOLDER_FREE  # (the usual case: _free_pages without marks, inline)
         for p in pages:
             holder[p] = free
@@ -343,9 +361,42 @@ def release_pages(st: LedgerState, rec: RequestRecord, pages: tuple) -> tuple:
 
 
 def record(st: LedgerState, e) -> tuple:
-    """A record-only event (``RequestLabelled``, ``PagesUnwritten``): the fold counts it, nothing more."""
+    """A record-only event (``RequestLabelled``): the fold counts it, nothing more."""
     st.seq += 1
     return _NO_EFFECTS
+
+
+def _back_in_kv(st: LedgerState, p: int, kv_of: dict[int, set[int]]) -> bool:
+    """Is page ``p`` in some request's KV pages (``kv_of``: request -> its KV pages, built once)?"""
+    r = st.holder[p]
+    if r < 0:
+        return False
+    kv = kv_of.get(r)
+    if kv is None:
+        kv = kv_of[r] = set(st.requests[r].kv)
+    return p in kv
+
+
+def pages_unwritten(st: LedgerState, e) -> tuple:
+    """The step ran without the request: pages a ``reads="none"`` commit of it took a mark off for
+    that step get it back when they are free or reserved (marked for everyone). A page another
+    request committed since is left to that commit (an engine that reuses a page before it
+    learns of a dropped share commits it reading whole). Returns ``PagesMarked``."""
+    ow = st.overwritten
+    marked: list[int] = []
+    if ow:
+        kv_of: dict[int, set[int]] = {}
+        holder = st.holder
+        for p in e.page_ids:
+            if ow.get(p) != e.step:
+                continue
+            del ow[p]
+            if holder[p] == HOLDER_FREE or (holder[p] >= 0 and not _back_in_kv(st, p, kv_of)):
+                st.marks[p] = MARK_ALL
+                st.residue.pop(p, None)
+                marked.append(p)
+    st.seq += 1
+    return _marked(marked)
 
 
 def _release_shares(st: LedgerState, rec: RequestRecord) -> list[int]:
@@ -471,9 +522,11 @@ def seal(st: LedgerState, step: int) -> StepPlan:
     in_flight.append(plan)
     if len(in_flight) > MAX_IN_FLIGHT:
         del in_flight[0]  # too old to abort: its restore records go too
+        oldest = in_flight[0].step
         if st.restored_since:
-            oldest = in_flight[0].step
             st.restored_since = {p: s for p, s in st.restored_since.items() if s > oldest}
+        if st.overwritten:
+            st.overwritten = {p: s for p, s in st.overwritten.items() if s >= oldest}
     st.seq += 1
     return plan
 
@@ -500,6 +553,9 @@ def complete(st: LedgerState, step: int, rank: int) -> None:
             elif st.restored_since:  # a restore matters only to a plan sealed before it: the oldest bounds them
                 oldest = in_flight[0].step
                 st.restored_since = {p: s for p, s in st.restored_since.items() if s > oldest}
+        if st.overwritten:  # (a step that ran everywhere wrote its pages: nothing can give their marks back)
+            done = st.completed_step
+            st.overwritten = {p: s for p, s in st.overwritten.items() if s > done}
     st.seq += 1
 
 
@@ -544,6 +600,20 @@ def step_aborted(st: LedgerState, e: StepAborted) -> tuple:
             marks[p] = MARK_ALL
             residue.pop(p, None)
         st.aborted_steps.add(plan.step)
+    if st.overwritten:  # pages a commit of an aborted step was to write whole: nothing wrote them
+        gone = {plan.step for plan in aborted}
+        for p in [q for q, s in st.overwritten.items() if s in gone]:
+            del st.overwritten[p]
+            if _back_in_kv(st, p, kv_of):
+                if p not in pend:
+                    pend[p] = step
+                    carry.append(p)
+            else:
+                if p not in seen:
+                    seen.add(p)
+                    marked.append(p)
+                marks[p] = MARK_ALL
+                residue.pop(p, None)
     if carry:
         listed = st.clear_lists.get(step)
         if listed:  # entries of a carried page there are stale (it was not pending): carried is its last listing

@@ -31,7 +31,8 @@ table and nothing else; an event type that is not in it is refused
     SanitizerViolation      step sealed                      -                     -          - (a record)
     PagesReleased           kv(r), r known                   leave r: others keep, policy     -
                                                              hashed cached, or free
-    PagesUnwritten          step sealed                      -                     -          - (a record)
+    PagesUnwritten          step sealed                      -                     back on    -
+                                                                                   overwrite
     RequestLabelled         -                                -                     -          - (a record)
 
 To add an event: its struct in ``core/events/events.py``, a precondition in
@@ -159,8 +160,9 @@ TRANSITIONS: dict[type, Transition] = {
         "→ cached(h); else → free", "as for a request's page going free under the policy", "—",
         pre.pages_released, fold.pages_released),
     PagesUnwritten: Transition(
-        "step sealed; pages valid", "—", "—", "— (a record: the step ran without the request)",
-        pre.pages_unwritten, fold.record),
+        "step sealed; pages valid", "—",
+        "a mark a reads=none commit of the step took off comes back (in KV: listed again; else set)", "—",
+        pre.pages_unwritten, fold.pages_unwritten),
     RequestLabelled: Transition(
         "— (it may come before r's first event)", "—", "—", "— (a record: the engine's name for r)",
         pre.request_labelled, fold.record),

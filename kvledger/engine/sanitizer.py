@@ -181,7 +181,7 @@ class SanitizerTracker(StepHook):
                 held = self._requests.get(event.request, {})
                 for p in pages:
                     held.pop(p, None)
-            elif t is PagesCommitted:
+            elif t is PagesCommitted and event.reads != "none":  # (written whole by the graph: poison there is fine)
                 self._committed.setdefault(event.step, []).extend(pages)
             elif t is SnapshotAliased:
                 self._snapshots.setdefault(event.snapshot, {}).update(dict.fromkeys(pages))

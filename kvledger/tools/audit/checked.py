@@ -65,7 +65,7 @@ class CheckedAudit:
     from a checkpoint, else after seq 0 (``CacheConfigured``).
     """
 
-    def __init__(self, st: LedgerState, rep: AuditReport, *, page: int | None, request: int | None,
+    def __init__(self, st: LedgerState, rep: AuditReport, *, page: int | None, request: int | str | None,
                  snapshot: int | None, check: bool, svg_pages: list[int], since: int) -> None:
         self.st, self.rep = st, rep
         self.subject = {"page": page, "request": request, "snapshot": snapshot}

@@ -129,6 +129,8 @@ def _note(p: int, ev, t, b: tuple, a: tuple, listed: bool, plan_step: int | None
         if a[1]:
             return "last alias released: still marked"
     if t is PagesCommitted:
+        if ev.reads == "none" and b[1]:
+            return f"written whole by step {ev.step} before any read: mark removed without a clear"
         whole = " (the step reads the whole page before writing it)" if ev.reads == "whole" else ""
         if listed:
             return f"marked: listed for step {ev.step}'s clear list" + whole
@@ -201,7 +203,7 @@ def project_state(st: LedgerState, p: int) -> LedgerState:
     ps.holder = [HOLDER_FREE] * n
     ps.alias_count = [0] * n
     ps.holder[p], ps.alias_count[p] = st.holder[p], st.alias_count[p]
-    for name in ("marks", "residue", "restore_targets", "pending", "restored_since"):
+    for name in ("marks", "residue", "restore_targets", "pending", "restored_since", "overwritten"):
         table = getattr(st, name)
         setattr(ps, name, {p: table[p]} if p in table else {})
     ps.free_stack = [p] if st.holder[p] == HOLDER_FREE else []
