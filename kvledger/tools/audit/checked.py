@@ -68,7 +68,9 @@ class CheckedAudit:
     def __init__(self, st: LedgerState, rep: AuditReport, *, page: int | None, request: int | str | None,
                  snapshot: int | None, check: bool, svg_pages: list[int], since: int) -> None:
         self.st, self.rep = st, rep
-        self.subject = {"page": page, "request": request, "snapshot": snapshot}
+        self.page = page  # the subject: a page, a request (an id or an engine's label) or a snapshot
+        self.request = request
+        self.snapshot = snapshot
         self.check = check
         self.svg_pages = svg_pages
         self.since = since
@@ -88,9 +90,9 @@ class CheckedAudit:
         self.svg = SvgTrack(st, self.svg_pages) if self.svg_pages else None
         self.faults = Faults(self.svg)
         self.model = ContentModel(st, self.faults) if self.check else None
-        self.views = Timelines(st, **self.subject)
+        self.views = Timelines(st, page=self.page, request=self.request, snapshot=self.snapshot)
         self.steps = StepTable(st)
-        page = self.subject["page"]
+        page = self.page
         self.wanted = ({page} if page is not None else set()) | set(self.svg_pages)
         self.started = True
         if self.svg is not None:
@@ -111,7 +113,7 @@ class CheckedAudit:
 
     def _page_start(self) -> None:
         """The page's window-start row (as in the fold of one page)."""
-        page = self.subject["page"]
+        page = self.page
         if not self.started_page and page is not None:
             self.started_page = True
             self.views.rows.append(start_row(self.st, page, self.since, self.views.names))
@@ -123,7 +125,7 @@ class CheckedAudit:
         want = [p for p in pages if p in self.wanted] if self.wanted else ()
         before = {p: page_view(st, p) for p in want}
         open_step = st.open_step
-        page = self.subject["page"]
+        page = self.page
         plan_step = plan_step_of(st, page, ev) if t is StepAborted and page is not None and page in before else None
         pre = model.pre(ev, t) if model is not None else None
         try:

@@ -56,7 +56,7 @@ class Timelines:
         # request labelled with it, each from its ``RequestLabelled`` on)
         self.request = request
         self.label = request if isinstance(request, str) else None
-        self.following: set[int] = set() if self.label is not None else {request} if request is not None else set()
+        self.following: set[int] = {request} if isinstance(request, int) else set()
         self.snapshot = snapshot
         self.rows: list[Row] = []
         self.follow: dict[int, int] = {}  # snapshot view: page marked by S's release -> release seq
