@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import array
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -22,19 +23,34 @@ import msgspec
 
 from ..core.errors import InvalidArgumentError
 from ..core.events import StepPlan
+from .bytes_backend import copy_bytes
 from .sanitize import Violation
 
-__all__ = ["NO_INPUTS", "RankContext", "RankOutcome", "RankTiming", "StepInputs", "StepJob", "StepReplies"]
+__all__ = ["NO_INPUTS", "RankContext", "RankOutcome", "RankTiming", "StepInputs", "StepJob", "StepReplies",
+           "copy_pair"]
+
+_BUFFERS = (bytearray, memoryview, array.array)
+
+
+def copy_pair(src: Any, dst: Any) -> None:
+    """One input copy on the host path: a byte buffer ``dst`` (bytearray, memoryview, array) gets
+    ``src``'s bytes (``bytes_backend.copy_bytes``: the same length, else ``ValueError``); anything
+    else is a tensor: ``dst.copy_(src, non_blocking=True)``. What it raises fails the rank's job."""
+    if isinstance(dst, _BUFFERS):
+        copy_bytes(src, dst)
+    else:
+        dst.copy_(src, non_blocking=True)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepInputs:
     """What one rank gets for one step.
 
-    ``copies``: ``(src, dst)`` tensor pairs, run as ``dst.copy_(src, non_blocking=True)``
-    on the model stream before the clears (host -> device staging, usually); on a CUDA
-    rank a plain pair (one dtype and shape, contiguous) is the same bytes copied by one
-    driver call (``cuda_rank.CudaRank.copy_all``). Keep a source unchanged until the step
+    ``copies``: ``(src, dst)`` pairs run before the clears (``copy_pair``): tensors as
+    ``dst.copy_(src, non_blocking=True)`` on the model stream (host -> device staging,
+    usually; on a CUDA rank a plain pair, one dtype and shape, contiguous, is the same bytes
+    copied by one driver call: ``cuda_rank.CudaRank.copy_all``), byte buffers (a bytearray,
+    a memoryview, an array: a ``bytes`` rank's) byte for byte. Keep a source unchanged until the step
     is done (``run_step`` returned, or raised).
     ``data``: anything; handed to the graph untouched.
 

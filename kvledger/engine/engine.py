@@ -33,7 +33,8 @@ class RankSpec:
     """One in-process rank.
 
     ``planes``: the rank's cache planes (torch tensors ``[num_pages, ...]``,
-    contiguous); none for a rank that holds no cache (its clear lists are still
+    contiguous, or byte buffers whose first dimension is the page's:
+    ``kvledger.executors.bytes_backend.byte_plane``); none for a rank that holds no cache (its clear lists are still
     validated). ``graph``: ``graph(ctx, step, inputs)``, sync or async, run after the
     clears; when every rank's planes are on the CPU and its graph is a plain function
     (or none), or when there is one rank, the ranks' jobs run inline in ``run_step``'s

@@ -25,7 +25,9 @@ The options of ``open_engine``:
     ranks            an int (that many ranks with no cache planes) or a sequence of RankSpec
     policy           the clear policy (default "released_aliases"; an existing log keeps its
                      own, and naming another raises ConfigurationError)
-    backend          the clear backend for ranks that name none: "torch", "cuda", "triton"
+    backend          the clear backend for ranks that name none: "bytes", "torch", "cuda",
+                     "triton", or a ready ClearBackend; None (the default): "bytes" for byte
+                     buffer planes, "torch" for tensors (executors.backend.default_backend)
     log              a path: the log is created (geometry required) or reopened and replayed
                      (geometry may be None); ledger calls run on the loop for a log that writes
                      in the background, in the engine's worker thread for one that fsyncs inline
@@ -99,7 +101,8 @@ from kvledger.core.events import CLEAR_POLICIES, Geometry
 from kvledger.core.ledger import EventObserver, Ledger
 from kvledger.core.state import MAX_IN_FLIGHT
 from kvledger.durable import DurableLedger
-from kvledger.executors.backend import ClearBackend, as_clear_backend, make_backend
+from kvledger.executors.backend import ClearBackend, as_clear_backend, make_backend, plane_device
+from kvledger.executors.backend import default_backend as default_backend_for
 from kvledger.executors.executor import RankExecutor
 from kvledger.logs import get_logger
 
@@ -120,7 +123,7 @@ async def open_engine(
     log: Any = None,
     ranks: Any = 1,
     policy: str | None = None,
-    backend: Any = "torch",
+    backend: Any = None,
     check: bool = False,
     record: bool = False,
     fsync: str | None = None,
@@ -237,9 +240,11 @@ def _build_executors(specs: list[RankSpec], num_pages: int, default_backend: Any
     out = []
     for rank, spec in enumerate(specs):
         planes = tuple(spec.planes)
-        device = planes[0].device if planes else None
+        device = plane_device(planes[0]) if planes else None
         stream = _model_stream(device, spec.stream)
         chosen = spec.backend if spec.backend is not None else default_backend
+        if chosen is None:
+            chosen = default_backend_for(planes)
         backend: ClearBackend | None
         if isinstance(chosen, str):
             backend = make_backend(chosen, planes, stream=stream) if planes else None

@@ -204,7 +204,7 @@ async def serve_remote_rank(
     rank: int,
     world_size: int,
     planes: Sequence[Any] = (),
-    backend: Any = "torch",
+    backend: Any = None,
     on_step: Callable[[int, Any, bytes], Any] | None = None,
     on_drop: Callable[[int, int, int], Any] | None = None,
     connect_timeout: float = 10.0,
@@ -215,9 +215,10 @@ async def serve_remote_rank(
     """Serve wire rank ``rank`` of an engine listening on ``host:port`` until it closes.
 
     Each LAUNCH clears the step's pages in ``planes`` through the clear backend
-    ``backend`` (a name for ``kvledger.executors.backend.make_backend`` or a ready
-    ``ClearBackend``), then calls ``on_step(step, clear_pages, payload)`` if given,
-    then sends COMPLETE (ok); an ABORT clears nothing (``on_drop(step, code,
+    ``backend`` (a name for ``kvledger.executors.backend.make_backend``, a ready
+    ``ClearBackend``, or None: ``bytes`` for byte buffer planes, ``torch`` for
+    tensors), then calls ``on_step(step, clear_pages, payload)`` if given, then
+    sends COMPLETE (ok); an ABORT clears nothing (``on_drop(step, code,
     culprit_rank)``). Returns the link's counters. ``key``: the job's key to prove
     (``engine.leader.key``; None: ``$KVLEDGER_WIRE_KEY``). Raises ``TimeoutError`` /
     ``OSError`` when the engine cannot be reached, ``ConfigurationError`` without a
@@ -231,11 +232,12 @@ async def serve_remote_rank(
     from kvledger.wire.rank import run_peer
     from kvledger.wire.transport import connect_tcp
 
-    from kvledger.executors.backend import ClearBackend, as_clear_backend, make_backend
+    from kvledger.executors.backend import ClearBackend, as_clear_backend, default_backend, make_backend
 
     clearer: ClearBackend | None
-    if isinstance(backend, str):
-        clearer = make_backend(backend, tuple(planes)) if planes else None
+    if backend is None or isinstance(backend, str):
+        planes = tuple(planes)
+        clearer = make_backend(backend or default_backend(planes), planes) if planes else None
     else:
         clearer = as_clear_backend(backend, geometry.num_pages) if backend is not None else None
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvledger.core.errors import ConfigurationError, InvalidArgumentError, StepFailedError, WireProtocolError
+from kvledger.executors.backend import page_bytes_of
 
 from .counts import EventCounts
 
@@ -80,8 +81,8 @@ def _rank(rank: Any) -> str:
 
 
 def _page_bytes_of(planes: Sequence[Any]) -> int:
-    """Bytes one page takes across a rank's planes (``[num_pages, ...]`` tensors)."""
-    return sum(p.numel() // p.shape[0] * p.element_size() for p in planes if p.shape[0])
+    """Bytes one page takes across a rank's planes (``[num_pages, ...]`` tensors or byte buffers)."""
+    return sum(map(page_bytes_of, planes))
 
 
 class LedgerMetrics:

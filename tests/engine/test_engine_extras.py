@@ -21,9 +21,9 @@ import time
 import anyio
 import pytest
 
-torch = pytest.importorskip("torch")
+from support.planes import filled_planes
 
-from kvledger import (  # noqa: E402
+from kvledger import (
     ConfigurationError,
     EngineClosedError,
     Geometry,
@@ -32,10 +32,10 @@ from kvledger import (  # noqa: E402
     SanitizerError,
     StepFailedError,
 )
-from kvledger.core.log.files import default_layer  # noqa: E402
-from kvledger.durable import DurableLedger, chain_observers, open_ledger  # noqa: E402
-from kvledger.engine import RankSpec, open_engine  # noqa: E402
-from kvledger.executors.torch_backend import TorchClearBackend  # noqa: E402
+from kvledger.core.log.files import default_layer
+from kvledger.durable import DurableLedger, chain_observers, open_ledger
+from kvledger.engine import RankSpec, open_engine
+from kvledger.executors.bytes_backend import BytesClearBackend
 
 G = Geometry(num_pages=32, page_tokens=4)
 
@@ -47,7 +47,7 @@ def durable(engine) -> DurableLedger:
 
 
 def planes():
-    return [torch.full((G.num_pages, 8), 7, dtype=torch.uint8), torch.ones((G.num_pages, 2, 3), dtype=torch.bfloat16)]
+    return filled_planes(G.num_pages, [8, 12], 7)
 
 
 # ---------------------------------------------------------------------- observers
@@ -104,7 +104,7 @@ async def test_the_ledger_gets_exactly_the_observers_it_needs(tmp_path):
 # ---------------------------------------------------------------------- metrics
 
 
-class NoClear(TorchClearBackend):
+class NoClear(BytesClearBackend):
     def clear(self, page_ids):
         pass
 

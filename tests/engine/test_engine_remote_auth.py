@@ -30,15 +30,15 @@ import time
 import anyio
 import pytest
 
-torch = pytest.importorskip("torch")
+from support.planes import filled_planes
 
-from kvledger import Geometry, StepFailedError  # noqa: E402
-from kvledger.core.events import StepCompleted  # noqa: E402
-from kvledger.engine import RankSpec, RemoteRanks, open_engine  # noqa: E402
-from kvledger.wire import codec  # noqa: E402
-from kvledger.wire.decoder import FrameDecoder  # noqa: E402
-from kvledger.wire.rank import run_peer  # noqa: E402
-from kvledger.wire.transport import connect_tcp  # noqa: E402
+from kvledger import Geometry, StepFailedError
+from kvledger.core.events import StepCompleted
+from kvledger.engine import RankSpec, RemoteRanks, open_engine
+from kvledger.wire import codec
+from kvledger.wire.decoder import FrameDecoder
+from kvledger.wire.rank import run_peer
+from kvledger.wire.transport import connect_tcp
 
 G = Geometry(num_pages=32, page_tokens=4)
 KEY_ENV = "KVLEDGER_WIRE_KEY"  # (kvledger.wire.auth.KEY_ENV)
@@ -56,7 +56,7 @@ def _held_fds() -> int:
 
 
 def _planes():
-    return [torch.zeros((G.num_pages, 4, 8), dtype=torch.uint8)]
+    return filled_planes(G.num_pages, [32], 0)
 
 
 async def _impostor(host: str, port: int, rank: int, world: int, log: dict) -> None:

@@ -43,6 +43,7 @@ from typing import Any
 
 import anyio
 import pytest
+from support.engine import last_abort
 
 from kvledger import EngineClosedError, Geometry, KVLedgerError, StepFailedError, replay
 from kvledger.core.events import StepAborted, StepCompleted, StepSealed
@@ -51,16 +52,6 @@ from kvledger.engine import RankSpec, open_engine
 from kvledger.engine.access import LedgerAccess
 
 durable = pytest.importorskip("kvledger.durable")
-
-def _last_abort(events):
-    """The last StepAborted, provided nothing but completions of the ranks that ran follows it
-    (a failed step is aborted first, then the ranks that did run their part are recorded)."""
-    i = max((i for i, e in enumerate(events) if type(e) is StepAborted), default=None)
-    if i is None:
-        return None
-    assert all(type(e) is StepCompleted for e in events[i + 1:]), events[i + 1:]
-    return events[i]
-
 
 G = Geometry(num_pages=32, page_tokens=4)
 HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
@@ -338,7 +329,7 @@ def test_leaving_while_a_graph_sleeps(tmp_path, leave):
     if leave == "return":
         assert [type(e) for e in events[-2:]] == [StepSealed, StepCompleted]
     else:
-        assert _last_abort(events) == StepAborted(step=0, reason="engine closed")
+        assert last_abort(events) == StepAborted(step=0, reason="engine closed")
 
 
 @pytest.mark.parametrize("background", [False, True])

@@ -15,7 +15,7 @@ import contextlib
 
 import anyio
 import pytest
-torch = pytest.importorskip("torch")  # (the ranks clear real torch planes)
+from support.planes import filled_planes, pages_are_zero, pages_hold_rows
 
 from kvledger import Geometry, InvalidArgumentError, Ledger, WireProtocolError
 from kvledger.core.events.events import StepAborted, StepCompleted
@@ -162,7 +162,7 @@ async def test_served_ranks_clear_their_planes_and_the_audit_sees_each_rank_over
     """Real processes are in examples/tp_ranks.py; here two ``serve_remote_rank`` tasks over
     loopback TCP clear their own planes, and a log that leaves a remote rank's completion out
     (what layout 7 did) is what the audit reports."""
-    planes = {r: [torch.full((G.num_pages, 8), 0x7F, dtype=torch.uint8)] for r in (1, 2)}
+    planes = {r: filled_planes(G.num_pages, [8], 0x7F) for r in (1, 2)}
     path = tmp_path / "remote.kvl"
     remote = RemoteRanks(world_size=3, complete_timeout=2.0)
     led = open_ledger(path, G)
@@ -186,8 +186,9 @@ async def test_served_ranks_clear_their_planes_and_the_audit_sees_each_rank_over
                 cleared += plan.clear_list
         tg.cancel_scope.cancel()
     led.close()
-    assert cleared and all(int(planes[r][0][cleared].sum()) == 0 for r in (1, 2))
-    assert all(int(planes[r][0].sum()) > 0 for r in (1, 2))  # pages never listed keep their bytes
+    assert cleared and all(pages_are_zero(planes[r], cleared) for r in (1, 2))
+    kept = set(range(G.num_pages)).difference(cleared)
+    assert kept and all(pages_hold_rows(planes[r], kept) for r in (1, 2))  # pages never listed keep their bytes
     rep = audit_log(path, check=True)
     (fault,) = rep.faults
     assert fault.kind == "step_never_completed" and "rank 1 never completed steps [2]" in fault.detail

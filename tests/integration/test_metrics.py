@@ -5,7 +5,7 @@ events' effects and the holder gauges against ``holder_codes()`` (the O(num_page
 truth); real engines (local and with a peer over loopback TCP), a real durable log and
 the wire's decision rule check the hooks. Everything goes through
 the text exposition a scraper sees (``test_metrics_http.py`` serves it over HTTP and
-runs the demo). Budget: about 8 s (torch's import most).
+runs the demo). Budget: about a second (the engines run on byte planes: no torch).
 """
 
 from __future__ import annotations
@@ -296,12 +296,12 @@ async def test_an_engine_counts_prefix_lookups_beside_the_hits():
 
 @pytest.mark.asyncio
 async def test_step_hooks_count_what_the_engine_and_its_backends_did():
-    torch = pytest.importorskip("torch")
+    from support.planes import filled_planes
+
     from kvledger import StepFailedError
     from kvledger.engine import RankSpec, open_engine
 
-    planes = [[torch.full((G.num_pages, 8), 7, dtype=torch.uint8),
-               torch.ones((G.num_pages, 2, 3), dtype=torch.bfloat16)] for _ in range(2)]  # 8 + 12 bytes a page
+    planes = [filled_planes(G.num_pages, [8, 12], 7) for _ in range(2)]  # 8 + 12 bytes a page
     fail_at = {3}
 
     def graph(ctx, step, inputs):
@@ -439,8 +439,8 @@ def test_wire_decisions_round_trips_and_abort_codes_from_the_leaders_rule():
 
 @pytest.mark.asyncio
 async def test_engine_with_a_remote_peer_serves_the_leaders_link_counters():
-    torch = pytest.importorskip("torch")
     import anyio
+    from support.planes import filled_planes
 
     from kvledger import StepFailedError
     from kvledger.engine import RankSpec, RemoteRanks, open_engine
@@ -448,7 +448,7 @@ async def test_engine_with_a_remote_peer_serves_the_leaders_link_counters():
     from kvledger.wire.transport import connect_tcp
 
     reg, m = fresh()
-    planes = [torch.zeros((G.num_pages, 4), dtype=torch.uint8)]
+    planes = filled_planes(G.num_pages, [4], 0)
     async with open_engine(G, ranks=[RankSpec(planes=planes)], remote=RemoteRanks(world_size=2, timeout=2.0)) as engine:
         m.track_engine(engine)
         with pytest.raises(StepFailedError) as info:  # no peer yet: PEER_LOST, over the wire

@@ -3,7 +3,7 @@
 and R13 on them.
 
     Sim: Leader rule + Completions + one LeaderLink per peer  <== frame queues ==>  PeerLinks
-         every RunStep clears real torch planes on that rank (the torch clear backend),
+         every RunStep clears real byte planes on that rank (the bytes clear backend),
          then the peer reports COMPLETE (or holds it back, fails, or dies first)
 
 Printed figures: R11 frames per class, READY / REJECT answers counted at the peer
@@ -18,8 +18,8 @@ import random
 from collections import deque
 
 import pytest
-torch = pytest.importorskip("torch")  # (the ranks clear real torch planes)
 from support import HEAVY
+from support.planes import fill_pages, filled_planes, pages_are_zero, plane_bytes
 from support.wirekeys import challenge, joined_peer, leader_link, peer_link, prove, welcome
 
 from kvledger import (
@@ -118,9 +118,9 @@ class Sim:
             self.planes = {}
             self.backends = {}
             for r in range(world_size):
-                p = torch.full((geometry.num_pages, 8 * (r + 1)), 0xAB, dtype=torch.uint8)
+                (p,) = filled_planes(geometry.num_pages, [8 * (r + 1)], 0xAB)
                 self.planes[r] = p
-                self.backends[r] = make_backend("torch", [p])
+                self.backends[r] = make_backend("bytes", [p])
 
     # -- plumbing
     def flush_peer(self, r):
@@ -325,7 +325,7 @@ def clear_list(rng, num_pages=64, n=None):
 def test_pair_launches_and_clears_on_every_rank():
     sim = Sim(4, planes=True)
     sim.connect()
-    before = {r: p.clone() for r, p in sim.planes.items()}
+    before = {r: plane_bytes(p) for r, p in sim.planes.items()}
     sim.begin(0, [9, 3, 5], b"step-0")
     sim.run_fifo()
     d = sim.decisions[0]
@@ -333,9 +333,11 @@ def test_pair_launches_and_clears_on_every_rank():
     for r in range(4):
         assert sim.ran[r] == [(0, (3, 5, 9), b"step-0")]
         p = sim.planes[r]
-        assert int(p[[3, 5, 9]].sum()) == 0
-        keep = [i for i in range(64) if i not in (3, 5, 9)]
-        assert torch.equal(p[keep], before[r][keep])
+        assert pages_are_zero([p], [3, 5, 9])
+        width = 8 * (r + 1)
+        for i in range(64):  # the others keep their bytes
+            if i not in (3, 5, 9):
+                assert plane_bytes(p)[i * width:(i + 1) * width] == before[r][i * width:(i + 1) * width]
     assert [type(v) for _, v in sim.votes] == [Ready] * 3
     assert sim.plink[1].statistics()["launched"] == 1
 
@@ -991,7 +993,7 @@ def _r11_class(cls: str, n: int, seed: int) -> dict:
         if sim is None or sim.lerr or sim.perr or sim.lclosed:
             sim = Sim(4, planes=True, sanitize=cls != "no_sanitizer")
             sim.connect()
-            snap = {r: p.clone() for r, p in sim.planes.items()}
+            snap = {r: plane_bytes(p) for r, p in sim.planes.items()}
         step = sim.rule.next_step
         ids = clear_list(rng, n=rng.randint(1, 12))
         payload = rng.randbytes(rng.randrange(8))
@@ -1022,7 +1024,7 @@ def _r11_class(cls: str, n: int, seed: int) -> dict:
         assert not sim.decisions[step].launch
         for r in range(4):  # nothing cleared or run anywhere for that step
             c["cleared"] += any(s == step for s, _, _ in sim.ran[r])
-            assert torch.equal(sim.planes[r], snap[r])
+            assert plane_bytes(sim.planes[r]) == snap[r]
         for r in sim.peers:
             if r not in sim.perr:
                 assert step in sim.dropped[r]
@@ -1030,7 +1032,7 @@ def _r11_class(cls: str, n: int, seed: int) -> dict:
             if sim.lerr or sim.perr or sim.lclosed:
                 sim = Sim(4, planes=True, sanitize=cls != "no_sanitizer")
                 sim.connect()
-                snap = {r: p.clone() for r, p in sim.planes.items()}
+                snap = {r: plane_bytes(p) for r, p in sim.planes.items()}
             c["controls"] += 1
             c["control_ready"] += _r11_control(sim, rng)
     return c
@@ -1046,8 +1048,8 @@ def _r11_control(sim, rng) -> int:
     sim.run_fifo(rng=rng)
     assert sim.decisions[s2].launch
     for r in range(4):
-        assert int(sim.planes[r][sorted(good_ids)].sum()) == 0
-        sim.planes[r].fill_(0xAB)  # back to the snapshot the bad frames are compared with
+        assert pages_are_zero([sim.planes[r]], good_ids)
+        fill_pages(sim.planes[r], range(sim.planes[r].shape[0]), 0xAB)  # back to the bad frames' snapshot
     return sum(any(type(a) is Ready for a in _answers_at_the_peer(sim, r, sent[r], False)) for r in sim.peers)
 
 
