@@ -201,7 +201,7 @@ def specs_for(all_planes, make_backend):
     return [RankSpec(planes=p, graph=kv_graph, backend=make_backend(rank, p)) for rank, p in enumerate(all_planes)]
 
 
-async def reference(seed, policy, steps, tenants=False):
+async def reference_run(seed, policy, steps, tenants=False):
     """The same session with clears working and the sanitizer off: each step's clear list."""
     all_planes = [rank_planes(), rank_planes()]
     work = Workload(seed, all_planes, tenants)
@@ -246,7 +246,7 @@ async def test_with_clears_working_the_sanitizer_finds_nothing_under_pressure(po
 @pytest.mark.asyncio
 @pytest.mark.parametrize("policy", ["released_aliases", "all_reused"])
 async def test_with_clears_skipped_the_first_bad_page_is_named_at_the_first_step_that_reads_it(policy):
-    ref = await reference(5, policy, 60)
+    ref = await reference_run(5, policy, 60)
     bad_step = next(i for i, (clear, _) in enumerate(ref) if clear)
     clear_list, holder = ref[bad_step]
 
@@ -409,7 +409,7 @@ async def test_on_the_gpu_the_sanitizer_finds_nothing_when_clears_work(backend):
 @requires_cuda
 @pytest.mark.asyncio
 async def test_on_the_gpu_a_skipped_clear_is_named_at_the_first_step_that_reads_it():
-    ref = await reference(5, "released_aliases", 60)
+    ref = await reference_run(5, "released_aliases", 60)
     bad_step = next(i for i, (clear, _) in enumerate(ref) if clear)
     all_planes = [cuda_rank_planes(), cuda_rank_planes()]
     work = Workload(5, all_planes)

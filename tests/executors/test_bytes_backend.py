@@ -12,6 +12,7 @@ import sys
 
 import pytest
 from hypothesis import given, strategies as st
+from support.planes import page
 
 from kvledger import ConfigurationError, DuplicatePageError, InvalidArgumentError, PageOutOfRangeError
 from kvledger.executors import bytes_backend
@@ -24,7 +25,7 @@ NUM_PAGES = 32
 WIDTHS = (64, 30, 7)  # bytes a page, per plane: a multiple of 8, an even width, an odd one
 
 
-def filled_planes(seed: int = 0, num_pages: int = NUM_PAGES, widths=WIDTHS) -> list[memoryview]:
+def random_byte_planes(seed: int = 0, num_pages: int = NUM_PAGES, widths=WIDTHS) -> list[memoryview]:
     """Planes of different page widths, every byte non-zero."""
     rng = random.Random(seed)
     out = []
@@ -35,17 +36,11 @@ def filled_planes(seed: int = 0, num_pages: int = NUM_PAGES, widths=WIDTHS) -> l
     return out
 
 
-def page(plane, p: int) -> bytes:
-    flat = flat_bytes(plane)
-    pb = flat.nbytes // memoryview(plane).shape[0]
-    return flat[p * pb:(p + 1) * pb].tobytes()
-
-
 def snapshot(planes) -> list[bytes]:
     return [flat_bytes(p).tobytes() for p in planes]
 
 
-def assert_cleared_exactly(planes, before: list[bytes], listed) -> None:
+def assert_zeroed_exactly(planes, before: list[bytes], listed) -> None:
     listed = set(listed)
     for plane, old in zip(planes, before, strict=True):
         n = memoryview(plane).shape[0]
@@ -60,7 +55,7 @@ def assert_cleared_exactly(planes, before: list[bytes], listed) -> None:
 
 @pytest.mark.parametrize("kind", ["adjacent", "scattered", "single", "all"])
 def test_clears_exactly_the_listed_pages(kind):
-    planes = filled_planes()
+    planes = random_byte_planes()
     before = snapshot(planes)
     ids = {
         "adjacent": [5, 6, 7, 8, 20, 21],
@@ -72,25 +67,25 @@ def test_clears_exactly_the_listed_pages(kind):
     assert isinstance(backend, ClearBackend) and backend.num_pages == NUM_PAGES
     assert backend.plane_page_bytes == WIDTHS
     backend.clear(ids)
-    assert_cleared_exactly(planes, before, ids)
+    assert_zeroed_exactly(planes, before, ids)
     assert backend.statistics() == {"calls": 1, "pages": len(ids), "bytes": len(ids) * sum(WIDTHS)}
 
 
 @given(st.sets(st.integers(0, NUM_PAGES - 1), max_size=NUM_PAGES))
 def test_clear_property(ids):
-    planes = filled_planes(seed=len(ids))
+    planes = random_byte_planes(seed=len(ids))
     before = snapshot(planes)
     ids = list(ids)
     random.Random(len(ids)).shuffle(ids)
     BytesClearBackend(planes).clear(ids)
-    assert_cleared_exactly(planes, before, ids)
+    assert_zeroed_exactly(planes, before, ids)
 
 
 def test_runs_longer_than_the_chunk_clear_and_poison_exactly():
     # pages of 48 B, 160 KiB (two adjacent pass the chunk) and 300 KiB (one does)
     widths = (48, 160 * 1024, 300 * 1024)
     assert max(widths) > bytes_backend._CHUNK
-    planes = filled_planes(seed=3, num_pages=8, widths=widths)
+    planes = random_byte_planes(seed=3, num_pages=8, widths=widths)
     backend = BytesClearBackend(planes)
     for ids in ([2, 3], [7], [0, 1, 2, 5]):
         backend.poison(ids)
@@ -98,7 +93,7 @@ def test_runs_longer_than_the_chunk_clear_and_poison_exactly():
             assert all(page(plane, p) == b"\xff" * w for p in ids)
         before = snapshot(planes)
         backend.clear_checked(tuple(ids))
-        assert_cleared_exactly(planes, before, ids)
+        assert_zeroed_exactly(planes, before, ids)
 
 
 def test_planes_of_other_buffer_kinds():
@@ -121,7 +116,7 @@ def test_planes_of_other_buffer_kinds():
     ([True], InvalidArgumentError),
 ])
 def test_bad_ids_raise_before_touching_any_plane(bad, error):
-    planes = filled_planes()
+    planes = random_byte_planes()
     before = snapshot(planes)
     backend = BytesClearBackend(planes)
     for call in (backend.clear, backend.poison):
@@ -170,7 +165,7 @@ def test_byte_plane_shape_and_fill():
 
 
 def test_poison_then_verify_names_each_violation():
-    planes = filled_planes()
+    planes = random_byte_planes()
     backend = BytesClearBackend(planes)
     backend.poison([1, 2, 3])
     backend.clear([2])
@@ -218,7 +213,7 @@ def test_verify_agrees_with_the_torch_verifier():
     torch = pytest.importorskip("torch")  # (the reference itself is torch's)
     from kvledger.executors.sanitize import TorchVerifier
 
-    planes = filled_planes(seed=11)
+    planes = random_byte_planes(seed=11)
     tensors = [torch.frombuffer(bytearray(flat_bytes(p)), dtype=torch.uint8).reshape(NUM_PAGES, -1)
                for p in planes]
     backend = BytesClearBackend(planes)

@@ -10,43 +10,25 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from support.gpu import as_bytes, random_planes, reference_violations  # noqa: E402
+
 from kvledger import PageOutOfRangeError  # noqa: E402
-from kvledger.executors.sanitize import NOT_ZERO, POISON, SanitizerCheck, TorchVerifier, Violation  # noqa: E402
+from kvledger.executors.sanitize import POISON, SanitizerCheck, TorchVerifier, Violation  # noqa: E402
 from kvledger.executors.torch_backend import TorchClearBackend  # noqa: E402
 
 NUM_PAGES = 24
 # page bytes: 64 (8-byte words), 30 (a cut last group), 7 (one short group), 16 (int16 rows)
-SPECS = [((NUM_PAGES, 4, 16), torch.float8_e4m3fn), ((NUM_PAGES, 15), torch.bfloat16),
-         ((NUM_PAGES, 7), torch.uint8), ((NUM_PAGES, 8), torch.int16)]
+SPECS = [(torch.float8_e4m3fn, (4, 16)), (torch.bfloat16, (15,)), (torch.uint8, (7,)), (torch.int16, (8,))]
 
 
-def random_planes(rng: random.Random):
+def planes_of(rng: random.Random) -> list:
+    """CPU planes of ``SPECS`` holding random bytes, never 0xFF (no poison to start with)."""
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
-    out = []
-    for shape, dtype in SPECS:
-        nbytes = torch.empty(shape, dtype=dtype).numel() * torch.empty((), dtype=dtype).element_size()
-        raw = torch.randint(0, 255, (nbytes,), generator=g, dtype=torch.int32).to(torch.uint8)  # never 0xFF
-        out.append(raw.view(dtype).reshape(shape).clone())
-    return out
+    return random_planes(SPECS, NUM_PAGES, lo=0, hi=255, generator=g, device="cpu")
 
 
 def rows(plane, p):
-    return plane[p].reshape(-1).view(torch.uint8)
-
-
-def reference(planes, cleared, committed):
-    """Plain per-page loop: the definition in kvledger.executors.sanitize, spelled out."""
-    found = []
-    for k, plane in enumerate(planes):
-        for p in cleared:
-            if bool(rows(plane, p).ne(0).any()):
-                found.append(Violation(plane=k, page=p, kind=NOT_ZERO))
-        for p in committed:
-            b = rows(plane, p).tolist()
-            groups = [b[i:i + 8] for i in range(0, len(b), 8)]
-            if any(all(x == 255 for x in grp) for grp in groups):
-                found.append(Violation(plane=k, page=p, kind=POISON))
-    return tuple(sorted(found))
+    return as_bytes(plane)[p]
 
 
 def plant(planes, rng):
@@ -70,20 +52,20 @@ def plant(planes, rng):
 @pytest.mark.parametrize("seed", range(12))
 def test_check_matches_the_reference_on_random_data(seed):
     rng = random.Random(seed)
-    planes = random_planes(rng)
+    planes = planes_of(rng)
     plant(planes, rng)
     cleared = rng.sample(range(NUM_PAGES), rng.randrange(0, NUM_PAGES))
     committed = rng.sample(range(NUM_PAGES), rng.randrange(0, NUM_PAGES))
     backend = TorchClearBackend(planes)
     got = backend.verify(cleared, committed)
-    assert got == reference(planes, cleared, committed)
+    assert got == reference_violations(planes, cleared, committed)
     check = backend.start_verify(cleared, committed)
     assert check.query() and check.result() == got and check.total == len(got)
 
 
 def test_poison_fills_every_plane_of_exactly_the_listed_pages():
     rng = random.Random(3)
-    planes = random_planes(rng)
+    planes = planes_of(rng)
     before = [p.clone() for p in planes]
     backend = TorchClearBackend(planes)
     listed = [5, 6, 7, 19, 0]
@@ -103,14 +85,14 @@ def test_poison_fills_every_plane_of_exactly_the_listed_pages():
 
 
 def test_the_index_strategy_poisons_too():
-    planes = random_planes(random.Random(4))
+    planes = planes_of(random.Random(4))
     backend = TorchClearBackend(planes, strategy="index")
     backend.poison([1, 9, 17])
     assert {v.page for v in backend.verify([], [1, 9, 17])} == {1, 9, 17}
 
 
 def test_a_check_with_nothing_listed_is_done_and_empty():
-    planes = random_planes(random.Random(2))
+    planes = planes_of(random.Random(2))
     check = TorchVerifier(planes).start([], [])
     assert check.query() and check.result() == ()
     assert SanitizerCheck.done([Violation(plane=1, page=2, kind=POISON)]).result()[0].page == 2
