@@ -60,6 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import print_table, timed_segments  # noqa: E402
 
 from kvledger import Geometry, Ledger  # noqa: E402
+from kvledger.engine import ExtraOptions, LogOptions  # noqa: E402
 
 SIZES = (1, 32, 256)
 NUM_PAGES = 4096
@@ -249,8 +250,8 @@ class _Setup:
         return os.path.join(self.tmp, f"b{self.counter}.kvlog")
 
     def durable(self, background: bool) -> Any:
-        return self.open_ledger(self.path(), self.geometry, fsync="per_step", background=background,
-                                logger=self.quiet)
+        return self.open_ledger(self.path(), self.geometry, logger=self.quiet,
+                                log_options=LogOptions(fsync="per_step", background=background))
 
     def engine_kwargs(self, log: str | None, *, planes: bool = False, sanitize: bool = False) -> dict:
         kw: dict[str, Any] = {"geometry": self.geometry, "ranks": 2}
@@ -261,9 +262,10 @@ class _Setup:
 
             kw["ranks"] = [RankSpec(planes=[torch.ones((NUM_PAGES, 64), dtype=torch.uint8) for _ in range(2)])
                            for _ in range(2)]
-            kw["sanitize"] = sanitize
+            kw["extras"] = ExtraOptions(sanitize=sanitize)
         if log is not None:
-            kw.update(log=self.path(), logger=self.quiet, fsync="per_step", background=log == "background")
+            kw.update(log=self.path(), logger=self.quiet,
+                      log_options=LogOptions(fsync="per_step", background=log == "background"))
         return kw
 
 

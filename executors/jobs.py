@@ -15,7 +15,7 @@ from __future__ import annotations
 import array
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Protocol, cast
 
 import anyio
 import anyio.lowlevel
@@ -23,6 +23,7 @@ import msgspec
 
 from ..core.errors import InvalidArgumentError
 from ..core.events import StepPlan
+from .backend import ClearBackend
 from .bytes_backend import copy_bytes
 from .sanitize import Violation
 
@@ -32,14 +33,20 @@ __all__ = ["NO_INPUTS", "RankContext", "RankOutcome", "RankTiming", "StepInputs"
 _BUFFERS = (bytearray, memoryview, array.array)
 
 
-def copy_pair(src: Any, dst: Any) -> None:
+class _Tensor(Protocol):
+    """A tensor as an input copy uses it (``torch.Tensor``)."""
+
+    def copy_(self, src: object, non_blocking: bool = False) -> object: ...
+
+
+def copy_pair(src: object, dst: object) -> None:
     """One input copy on the host path: a byte buffer ``dst`` (bytearray, memoryview, array) gets
     ``src``'s bytes (``bytes_backend.copy_bytes``: the same length, else ``ValueError``); anything
     else is a tensor: ``dst.copy_(src, non_blocking=True)``. What it raises fails the rank's job."""
     if isinstance(dst, _BUFFERS):
         copy_bytes(src, dst)
     else:
-        dst.copy_(src, non_blocking=True)
+        cast(_Tensor, dst).copy_(src, non_blocking=True)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -57,8 +64,8 @@ class StepInputs:
     Raises ``InvalidArgumentError`` when ``copies`` is not a sequence of pairs.
     """
 
-    copies: Sequence[tuple[Any, Any]] = ()
-    data: Any = None
+    copies: Sequence[tuple[object, object]] = ()
+    data: object = None
 
     def __post_init__(self) -> None:
         copies = self.copies
@@ -85,10 +92,10 @@ class RankContext:
 
     rank: int
     world_size: int
-    device: Any
-    stream: Any
-    planes: tuple[Any, ...]
-    backend: Any
+    device: object
+    stream: object
+    planes: tuple[object, ...]
+    backend: ClearBackend | None
 
 
 class RankTiming(msgspec.Struct, frozen=True, kw_only=True, gc=False):

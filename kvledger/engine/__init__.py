@@ -41,7 +41,8 @@ Waiting for the disk is opt-in, never on the step path:
                                    writer thread gets there shortly after the seal of its
                                    step (a log that fsyncs inline: only a seal or a flush does)
 
-Optional parts (``opening.py`` lists every option):
+Optional parts, ``open_engine(..., extras=ExtraOptions(...))`` (``opening.py`` lists every
+option, and its groups: log_options=LogOptions, steps=StepOptions, extras=ExtraOptions):
 
     sanitize=True      debug mode: poison -> clear -> check on every local rank; a violation
                        is recorded and raises SanitizerError with the page's lifecycle
@@ -87,7 +88,7 @@ What a failure leaves behind:
   (``SanitizerViolation``), then ``StepAborted``, then the completions of the
   ranks that ran; ``run_step`` raises ``SanitizerError`` (its ``__cause__`` the
   ``StepFailedError``), and the step's clear list is carried into the next step;
-* with steps in flight together (``open_engine(..., depth=2)`` or more: a
+* with steps in flight together (``steps=StepOptions(depth=2)`` or more: a
   scheduler task seals step k+1 while step k has not run or still runs; the
   ranks run the steps one after the other, in step order), a failure of step k
   aborts k and every later sealed step with one ``StepAborted(k)``, recorded
@@ -116,6 +117,7 @@ The rooms:
 
     engine.py    Engine: the ledger's commands, awaited, run_step's entry, the lifecycle seams; RankSpec
     opening.py   open_engine: the ledger, the strategies, the hooks, the wire leader; the options
+    options.py   StepOptions, ExtraOptions: open_engine's option groups (LogOptions: kvledger.options)
     access.py    LedgerAccess: the one path to the ledger (loop or worker thread; open/closing/closed)
     steps.py     StepRunner (seal, run a sealed step, record); OneStep / InFlight: the order of steps
     ranks.py     RankStrategy: InlineRanks, DispatchedRanks (how a step reaches the local ranks)
@@ -131,19 +133,24 @@ The rooms:
 """
 
 from kvledger.executors.executor import RankContext, RankTiming, StepInputs
+from kvledger.options import LogOptions
 
 from .engine import Engine, RankSpec
 from .opening import open_engine
+from .options import ExtraOptions, StepOptions
 from .remote import RemoteRanks, serve_remote_rank
 from .steps import StepResult
 
 __all__ = [
     "Engine",
+    "ExtraOptions",
+    "LogOptions",
     "RankContext",
     "RankSpec",
     "RankTiming",
     "RemoteRanks",
     "StepInputs",
+    "StepOptions",
     "StepResult",
     "open_engine",
     "serve_remote_rank",

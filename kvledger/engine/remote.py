@@ -51,14 +51,19 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
 
 from kvledger.core.errors import InvalidArgumentError, WireProtocolError
-from kvledger.logs import get_logger
+from kvledger.core.events import Geometry
+from kvledger.logs import Logger, get_logger
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvledger.executors.backend import ClearBackend
+    from kvledger.wire.rank import WireLeader
 
 __all__ = ["RemoteRanks", "RemoteOutcome", "collect_remote", "engine_rank", "serve_remote_rank"]
 
@@ -164,7 +169,7 @@ class RemoteOutcome(msgspec.Struct, frozen=True, kw_only=True):
         return f"rank {rank} did not complete the step over the wire: code {int(err.code)}: {err.detail}"
 
 
-async def collect_remote(leader: Any, remote: RemoteRanks, step: int, *, local_ranks: int) -> RemoteOutcome:
+async def collect_remote(leader: WireLeader, remote: RemoteRanks, step: int, *, local_ranks: int) -> RemoteOutcome:
     """Wait (up to ``remote.complete_timeout`` s) for the COMPLETEs of launched ``step`` from
     every peer it went to, and return them in engine ranks (``RemoteOutcome``).
 
@@ -192,26 +197,26 @@ async def collect_remote(leader: Any, remote: RemoteRanks, step: int, *, local_r
     )
 
 
-def _first(item: tuple[int, Any]) -> int:
+def _first(item: tuple[int, object]) -> int:
     return item[0]
 
 
 async def serve_remote_rank(
     host: str,
     port: int,
-    geometry: Any,
+    geometry: Geometry,
     *,
     rank: int,
     world_size: int,
-    planes: Sequence[Any] = (),
-    backend: Any = None,
-    on_step: Callable[[int, Any, bytes], Any] | None = None,
-    on_drop: Callable[[int, int, int], Any] | None = None,
+    planes: Sequence[object] = (),
+    backend: str | ClearBackend | None = None,
+    on_step: Callable[[int, Sequence[int], bytes], object] | None = None,
+    on_drop: Callable[[int, int, int], Awaitable[None] | None] | None = None,
     connect_timeout: float = 10.0,
     hello_timeout: float = 10.0,
-    logger: Any = None,
+    logger: Logger | None = None,
     key: bytes | None = None,
-) -> dict:
+) -> dict[str, int]:
     """Serve wire rank ``rank`` of an engine listening on ``host:port`` until it closes.
 
     Each LAUNCH clears the step's pages in ``planes`` through the clear backend
@@ -232,7 +237,7 @@ async def serve_remote_rank(
     from kvledger.wire.rank import run_peer
     from kvledger.wire.transport import connect_tcp
 
-    from kvledger.executors.backend import ClearBackend, as_clear_backend, default_backend, make_backend
+    from kvledger.executors.backend import as_clear_backend, default_backend, make_backend
 
     clearer: ClearBackend | None
     if backend is None or isinstance(backend, str):
@@ -241,7 +246,7 @@ async def serve_remote_rank(
     else:
         clearer = as_clear_backend(backend, geometry.num_pages) if backend is not None else None
 
-    async def on_launch(step: int, clear_pages: Any, payload: bytes) -> None:
+    async def on_launch(step: int, clear_pages: Sequence[int], payload: bytes) -> None:
         if clearer is not None and len(clear_pages):
             clearer.clear(clear_pages)
         if on_step is not None:

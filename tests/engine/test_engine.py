@@ -11,6 +11,7 @@ from support.engine import assert_consistent, last_abort, released_then_committe
 from support.planes import filled_planes, make_planes, page, page_is_zero
 
 import kvledger
+from kvledger.engine import LogOptions, StepOptions
 from kvledger import (
     ConfigurationError,
     EngineClosedError,
@@ -285,7 +286,7 @@ async def test_a_rank_cancellation_cannot_reach_does_not_hang_a_failed_step():
             raise RuntimeError("rank 1 lost its device")
 
     async with open_engine(G, ranks=[RankSpec(graph=graph), RankSpec(graph=graph)], record=True,
-                           drain_timeout_s=0.2) as engine:
+                           steps=StepOptions(drain_timeout_s=0.2)) as engine:
         with pytest.raises(StepFailedError) as info:
             with anyio.fail_after(10):
                 await engine.run_step(0)
@@ -379,7 +380,8 @@ async def test_with_a_log_every_ledger_call_runs_in_a_worker_thread(tmp_path):
 
     loop_thread = threading.get_ident()
     specs = [RankSpec(planes=p, graph=graph) for p in planes]
-    async with open_engine(G, log=path, ranks=specs, fsync="per_step", background=False) as engine:  # fsync inline
+    async with open_engine(G, log=path, ranks=specs,
+                           log_options=LogOptions(fsync="per_step", background=False)) as engine:  # fsync inline
         assert await engine.call(lambda ledger: threading.get_ident()) != loop_thread
         rows = await released_then_committed(engine, planes)
         with anyio.move_on_after(0.05) as scope:
@@ -427,7 +429,7 @@ async def test_inline_ranks_run_in_the_callers_task_without_a_task_switch():
     async with anyio.create_task_group() as tg:
         tg.start_soon(ticker)
         async with open_engine(G, ranks=[RankSpec(planes=make_planes(G.num_pages), graph=plain)] * 2, record=True,
-                               yield_every_s=0) as engine:
+                               steps=StepOptions(yield_every_s=0)) as engine:
             await anyio.sleep(0)
             for step in range(3):
                 before = ticks
@@ -479,8 +481,8 @@ async def test_a_background_log_takes_the_commands_on_the_loop(tmp_path):
     path = tmp_path / "background.kvlog"
     loop_thread = threading.get_ident()
     planes = [make_planes(G.num_pages), make_planes(G.num_pages)]
-    async with open_engine(G, log=path, ranks=[RankSpec(planes=p) for p in planes], fsync="per_step",
-                           background=True) as engine:
+    async with open_engine(G, log=path, ranks=[RankSpec(planes=p) for p in planes],
+                           log_options=LogOptions(fsync="per_step", background=True)) as engine:
         assert engine.ledger.log.background
         assert await engine.call(lambda ledger: threading.get_ident()) == loop_thread
         rows = await released_then_committed(engine, planes)
@@ -507,7 +509,8 @@ async def test_a_log_that_may_block_sends_the_calls_to_the_worker_thread(tmp_pat
     blocking = {"on": False}
     monkeypatch.setattr(EventLog, "may_block", property(lambda log: blocking["on"]), raising=False)
     loop_thread = threading.get_ident()
-    async with open_engine(G, log=tmp_path / "lag.kvlog", ranks=1, fsync="per_step", background=True) as engine:
+    async with open_engine(G, log=tmp_path / "lag.kvlog", ranks=1,
+                           log_options=LogOptions(fsync="per_step", background=True)) as engine:
         where = lambda ledger: threading.get_ident()  # noqa: E731
         assert await engine.call(where) == loop_thread
         blocking["on"] = True

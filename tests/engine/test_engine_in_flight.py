@@ -22,6 +22,7 @@ from support.engine import assert_consistent, released_then_committed, step_even
 from support.planes import filled_planes, page_is_zero, write_rows
 
 from kvledger import ConfigurationError, Geometry, InvalidArgumentError, StepFailedError
+from kvledger.engine import LogOptions, StepOptions
 from kvledger.engine import RankSpec, RemoteRanks, open_engine
 
 G = Geometry(num_pages=16, page_tokens=4)
@@ -42,7 +43,8 @@ async def test_two_steps_in_flight_run_in_step_order_and_both_complete():
     planes = [filled_planes(G.num_pages, [32, 32], 0x11), filled_planes(G.num_pages, [32, 32], 0x11)]
     specs = [RankSpec(planes=p, graph=recording_graph(ran)) for p in planes]
     results = {}
-    async with open_engine(G, ranks=specs, record=True, check=True, depth=2, yield_every_s=0) as engine:
+    async with open_engine(G, ranks=specs, record=True, check=True,
+                           steps=StepOptions(depth=2, yield_every_s=0)) as engine:
         rows0 = await released_then_committed(engine, planes, snapshot=7, request=1, n=2, step=0)
         rows1 = await released_then_committed(engine, planes, snapshot=8, request=2, n=3, step=1)
 
@@ -70,8 +72,9 @@ async def test_a_failed_step_aborts_the_later_sealed_step_which_runs_nothing(log
     planes = [filled_planes(G.num_pages, [32, 32], 0x11), filled_planes(G.num_pages, [32, 32], 0x11)]
     specs = [RankSpec(planes=p, graph=recording_graph(ran, fail_at=(0, 1))) for p in planes]
     errors: dict = {}
-    opts = {"record": True} if log == "memory" else {"log": tmp_path / "l.kvlog", "background": False}
-    async with open_engine(G, ranks=specs, check=True, depth=2, yield_every_s=0, **opts) as engine:
+    opts = {"record": True} if log == "memory" else \
+        {"log": tmp_path / "l.kvlog", "log_options": LogOptions(background=False)}
+    async with open_engine(G, ranks=specs, check=True, steps=StepOptions(depth=2, yield_every_s=0), **opts) as engine:
         rows0 = await released_then_committed(engine, planes, snapshot=7, request=1, n=2, step=0)
         rows1 = await released_then_committed(engine, planes, snapshot=8, request=2, n=3, step=1)
 
@@ -114,7 +117,7 @@ async def test_a_page_freed_in_step_k_and_committed_in_step_k1_is_cleared_after_
         seen[step] = [bool(page_is_zero(plane, p)) for plane in ctx.planes for p in seen["rows"]]
 
     async with open_engine(G, ranks=[RankSpec(planes=p, graph=graph) for p in planes], record=True, check=True,
-                           depth=2, yield_every_s=0) as engine:
+                           steps=StepOptions(depth=2, yield_every_s=0)) as engine:
         rows = seen["rows"] = await engine.alias_snapshot(7, 3)
         write_rows(planes[0], rows)
         await engine.reserve(1, 1)
@@ -152,7 +155,8 @@ async def test_a_sealed_step_cancelled_before_it_ran_is_aborted_and_the_earlier_
     ran: list = []
     planes = [filled_planes(G.num_pages, [32, 32], 0x11), filled_planes(G.num_pages, [32, 32], 0x11)]
     specs = [RankSpec(planes=p, graph=recording_graph(ran)) for p in planes]
-    async with open_engine(G, ranks=specs, record=True, check=True, depth=2, yield_every_s=0) as engine:
+    async with open_engine(G, ranks=specs, record=True, check=True,
+                           steps=StepOptions(depth=2, yield_every_s=0)) as engine:
         await released_then_committed(engine, planes, snapshot=7, request=1, n=2, step=0)
         rows1 = await released_then_committed(engine, planes, snapshot=8, request=2, n=3, step=1)
         scope = anyio.CancelScope()
@@ -183,8 +187,8 @@ async def test_a_sealed_step_cancelled_before_it_ran_is_aborted_and_the_earlier_
 @pytest.mark.asyncio
 async def test_depth_bounds_the_steps_sealed_at_once():
     planes = [filled_planes(G.num_pages, [32, 32], 0x11)]
-    async with open_engine(G, ranks=[RankSpec(planes=p) for p in planes], record=True, depth=2,
-                           yield_every_s=0) as engine:
+    async with open_engine(G, ranks=[RankSpec(planes=p) for p in planes], record=True,
+                           steps=StepOptions(depth=2, yield_every_s=0)) as engine:
         sealed_while_first_waits: list = []
 
         async def run(k):
@@ -204,12 +208,12 @@ async def test_depth_bounds_the_steps_sealed_at_once():
 @pytest.mark.parametrize("depth", [0, 17, "2", 1.0, True])
 async def test_bad_depth_opens_nothing(depth):
     with pytest.raises(InvalidArgumentError, match="depth"):
-        async with open_engine(G, ranks=1, depth=depth):
+        async with open_engine(G, ranks=1, steps=StepOptions(depth=depth)):
             pass
 
 
 @pytest.mark.asyncio
 async def test_depth_with_remote_ranks_is_refused():
     with pytest.raises(ConfigurationError, match="depth"):
-        async with open_engine(G, ranks=1, depth=2, remote=RemoteRanks(world_size=2, listen=None)):
+        async with open_engine(G, ranks=1, remote=RemoteRanks(world_size=2, listen=None), steps=StepOptions(depth=2)):
             pass

@@ -32,6 +32,7 @@ pytestmark = [
 from support.engine import assert_consistent, released_then_committed, step_events  # noqa: E402
 
 from kvledger import Geometry  # noqa: E402
+from kvledger.engine import StepOptions  # noqa: E402
 from kvledger.engine import RankSpec, StepInputs, open_engine  # noqa: E402
 
 G = Geometry(num_pages=64, page_tokens=4)
@@ -94,7 +95,7 @@ async def test_a_lone_cuda_rank_runs_in_the_callers_task_on_its_stream(backend, 
 
     before = torch.cuda.current_stream()
     spec = RankSpec(planes=planes, graph=graph, stream=stream, backend=backend)
-    async with open_engine(G, ranks=[spec], record=True, check=True, timings=timings) as engine:
+    async with open_engine(G, ranks=[spec], record=True, check=True, steps=StepOptions(timings=timings)) as engine:
         for step in range(3):
             seen["rows"] = await listed(engine, 10 + step, 1 + step, step)
             result = await engine.run_step(step, StepInputs(copies=[(host, dev)]))
@@ -248,7 +249,7 @@ async def test_cuda_ranks_clear_on_their_model_streams_without_blocking_the_loop
             await anyio.sleep(0)
 
     specs = [RankSpec(planes=p, graph=graph, stream=s) for p, s in zip(planes, streams, strict=True)]
-    async with open_engine(G, ranks=specs, record=True, timings=True) as engine:
+    async with open_engine(G, ranks=specs, record=True, steps=StepOptions(timings=True)) as engine:
         seen = await released_then_committed(engine, [])
         for rank_planes in planes:
             for plane in rank_planes:
@@ -294,7 +295,8 @@ async def test_on_the_gpu_a_page_freed_in_k_and_committed_in_k1_is_zeroed_after_
         reads[step] = torch.stack([plane.index_select(0, reads["idx"]) for plane in ctx.planes])
 
     spec = RankSpec(planes=planes, graph=graph, stream=stream, backend=backend)
-    async with open_engine(G, ranks=[spec], record=True, check=True, depth=2, yield_every_s=0) as engine:
+    async with open_engine(G, ranks=[spec], record=True, check=True,
+                           steps=StepOptions(depth=2, yield_every_s=0)) as engine:
         rows = reads["rows"] = await engine.alias_snapshot(7, 3)
         reads["idx"] = torch.tensor(rows, dtype=torch.int64, device="cuda")
         with torch.cuda.stream(stream):  # the graph's kernels loaded before the steps (a first launch

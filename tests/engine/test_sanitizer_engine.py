@@ -31,6 +31,7 @@ from kvledger import (
     check_invariants,
     replay,
 )
+from kvledger.engine import ExtraOptions
 from kvledger.core.events import SanitizerViolation, StepAborted, StepCompleted
 from kvledger.engine import RankSpec, StepInputs, open_engine
 from kvledger.executors.backend import ClearBackendBase, default_backend, make_backend
@@ -226,8 +227,8 @@ async def test_with_clears_working_the_sanitizer_finds_nothing_under_pressure(po
 
     work = Workload(11, all_planes, tenants=policy == "cross_tenant")
     cleared = 0
-    async with open_engine(G, ranks=specs_for(all_planes, make), policy=policy, sanitize=True,
-                           record=True, check=True) as engine:
+    async with open_engine(G, ranks=specs_for(all_planes, make), policy=policy, record=True, check=True,
+                           extras=ExtraOptions(sanitize=True)) as engine:
         assert engine.sanitize
         for step in range(60):
             result = await work.step(engine, step)
@@ -253,8 +254,8 @@ async def test_with_clears_skipped_the_first_bad_page_is_named_at_the_first_step
     async def broken_run():
         all_planes = [rank_planes(), rank_planes()]
         work = Workload(5, all_planes)
-        async with open_engine(G, ranks=specs_for(all_planes, lambda r, p: NoClear(p)), policy=policy,
-                               sanitize=True, record=True) as engine:
+        async with open_engine(G, ranks=specs_for(all_planes, lambda r, p: NoClear(p)), policy=policy, record=True,
+                               extras=ExtraOptions(sanitize=True)) as engine:
             for step in range(bad_step):
                 await work.step(engine, step)  # nothing listed, nothing to miss: these pass
             with pytest.raises(SanitizerError) as info:
@@ -298,7 +299,8 @@ async def test_a_backend_that_skips_one_plane_on_one_rank_is_named_exactly(bad_r
         return SkipsPlane(planes, skip) if rank == bad_rank else Counting(planes)
 
     work = Workload(3, all_planes)
-    async with open_engine(G, ranks=specs_for(all_planes, make), sanitize=True, record=True) as engine:
+    async with open_engine(G, ranks=specs_for(all_planes, make), record=True,
+                           extras=ExtraOptions(sanitize=True)) as engine:
         with pytest.raises(SanitizerError) as info:
             for step in range(60):
                 await work.step(engine, step)
@@ -318,7 +320,7 @@ async def test_a_backend_that_skips_one_plane_on_one_rank_is_named_exactly(bad_r
 @pytest.mark.asyncio
 async def test_poison_goes_to_marked_pages_never_to_restored_or_restoring_ones():
     planes = rank_planes()
-    async with open_engine(G, ranks=[RankSpec(planes=planes)], sanitize=True) as engine:
+    async with open_engine(G, ranks=[RankSpec(planes=planes)], extras=ExtraOptions(sanitize=True)) as engine:
         a = await engine.alias_snapshot(1, 2)  # released, then reserved again: poisoned all the same
         b = await engine.alias_snapshot(2, 1)  # released into a request that a restore rewrites
         c = await engine.alias_snapshot(3, 1)  # released while its restore still writes
@@ -376,7 +378,8 @@ async def test_sanitize_needs_backends_that_poison_and_check():
             pass
 
     with pytest.raises(ConfigurationError, match="poison"):
-        async with open_engine(G, ranks=[RankSpec(planes=rank_planes(), backend=ClearOnly())], sanitize=True):
+        async with open_engine(G, ranks=[RankSpec(planes=rank_planes(), backend=ClearOnly())],
+                               extras=ExtraOptions(sanitize=True)):
             pass
 
 
@@ -397,8 +400,8 @@ async def test_on_the_gpu_the_sanitizer_finds_nothing_when_clears_work(backend):
     all_planes = [cuda_rank_planes(), cuda_rank_planes()]
     work = Workload(11, all_planes)
     cleared = 0
-    async with open_engine(G, ranks=specs_for(all_planes, lambda r, p: backend), sanitize=True,
-                           record=True, check=True) as engine:
+    async with open_engine(G, ranks=specs_for(all_planes, lambda r, p: backend), record=True, check=True,
+                           extras=ExtraOptions(sanitize=True)) as engine:
         for step in range(40):
             cleared += len((await work.step(engine, step)).clear_list)
         events = recorded(engine)
@@ -413,8 +416,8 @@ async def test_on_the_gpu_a_skipped_clear_is_named_at_the_first_step_that_reads_
     bad_step = next(i for i, (clear, _) in enumerate(ref) if clear)
     all_planes = [cuda_rank_planes(), cuda_rank_planes()]
     work = Workload(5, all_planes)
-    async with open_engine(G, ranks=specs_for(all_planes, lambda r, p: NoClear(p)), sanitize=True,
-                           record=True) as engine:
+    async with open_engine(G, ranks=specs_for(all_planes, lambda r, p: NoClear(p)), record=True,
+                           extras=ExtraOptions(sanitize=True)) as engine:
         for step in range(bad_step):
             await work.step(engine, step)
         with pytest.raises(SanitizerError) as info:

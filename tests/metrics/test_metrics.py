@@ -21,6 +21,7 @@ prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from kvledger import ConfigurationError, Geometry, InvalidArgumentError, KVLedgerError, Ledger  # noqa: E402
+from kvledger.engine import ExtraOptions, LogOptions  # noqa: E402
 from kvledger.core.events import EVENT_TYPES, BlocksRemoved, BlocksStored, ClearPages, PagesMarked  # noqa: E402
 from kvledger.core.events import PagesShared, StepAborted, StepPlan  # noqa: E402
 from kvledger.core.state import LedgerState  # noqa: E402
@@ -272,7 +273,7 @@ async def test_an_engine_counts_prefix_lookups_beside_the_hits():
     from kvledger.engine import open_engine
 
     reg, m = fresh()
-    async with open_engine(G, metrics=m) as engine:
+    async with open_engine(G, extras=ExtraOptions(metrics=m)) as engine:
         await engine.reserve(1, 2)
         await engine.commit(1, 0, 2)
         await engine.run_step(0)
@@ -368,7 +369,8 @@ def test_log_statistics_lag_and_timed_writes_and_fsyncs(tmp_path, background):
 
     reg, m = fresh()
     assert not any(k[0].startswith("kvledger_log_fsync") for k in scrape(reg))  # not timed: absent
-    with open_ledger(tmp_path / "x.kvlog", G, layer=m.timed_layer(), background=background) as led:
+    with open_ledger(tmp_path / "x.kvlog", G,
+                     log_options=LogOptions(layer=m.timed_layer(), background=background)) as led:
         m.track_ledger(led)
         m.track_log(led.log)
         for step in range(6):
@@ -397,7 +399,8 @@ def test_a_timed_fsync_that_fails_is_timed_and_reaches_the_log_unchanged(tmp_pat
 
     reg, m = fresh()
     faults = FaultInjector(fail_sync=3)
-    led = open_ledger(tmp_path / "x.kvlog", G, layer=m.timed_layer(faults), fsync="per_step")  # inline: the seal raises
+    led = open_ledger(tmp_path / "x.kvlog", G,
+                      log_options=LogOptions(layer=m.timed_layer(faults), fsync="per_step"))  # inline: the seal raises
     with pytest.raises(LogIOError, match="fsync"):
         for step in range(4):
             led.reserve(step, 1)
