@@ -26,7 +26,7 @@ Per step. One step of the workload, for N requests (N = 1, 32, 256):
 
 Sanitize mode. The same step with 2 ranks holding CPU planes (torch backend, two
 planes of 64 bytes a page, inline): ``planes`` (sanitize off) against ``planes,
-sanitize`` (``open_engine(..., sanitize=True)``: the ledger observer that tracks
+sanitize`` (``ExtraOptions(sanitize=True)``: the ledger observer that tracks
 marks, commits and page histories; each rank poisons the marked pages, clears, and
 checks the clear list and the committed pages before the graph). ``overhead`` =
 sanitize - off, in us per step.
@@ -391,7 +391,7 @@ def run(quick: bool) -> dict:
     if sanitize_rows:
         print_table(
             "sanitize mode per step (2 in-process CPU ranks, 2 planes x 64 B a page, torch backend): "
-            "planes = sanitize off, sanitize = open_engine(..., sanitize=True)",
+            "planes = sanitize off, sanitize = open_engine(..., extras=ExtraOptions(sanitize=True))",
             ["step", "planes", "sanitize", "overhead", "ratio"],
             sanitize_rows,
         )

@@ -5,9 +5,9 @@ requests of 1-64 pages growing in chunks of 1-16, lifo and random finish order,
 snapshots aliased, reused and released) is run four ways in the same process:
 
 * baseline A, the in-memory fold: a plain ``Ledger`` running the trace's commands;
-* append, inline: ``open_ledger(fsync="per_step")``, the same commands; every
+* append, inline: ``LogOptions(fsync="per_step")``, the same commands; every
   ``seal_step`` writes its step's record and fsyncs before it returns;
-* append, background: ``open_ledger(fsync="per_step", background=True)``: the
+* append, background: ``LogOptions(fsync="per_step", background=True)``: the
   seal hands the step's record to a writer thread that writes and fsyncs
   (grouping steps sealed meanwhile into one fsync); the clock stops only when
   everything is durable (``sync()``);

@@ -8,6 +8,7 @@
                        input copies -> clears -> the step graph; one answer per plan
     torch_backend.py   the torch backend: any torch device, the CPU by default
     cuda_backend.py    the cuda backend: cuMemsetD8Async per run of adjacent pages
+    cuda_planes.py     what the CUDA backends share: planes described once, a stream's handle
     triton_backend.py  the triton backend: one kernel launch for all pages and planes,
                        capturable in a CUDA graph
     cuda_driver.py     the one adapter to the CUDA driver API (checks every result)

@@ -9,7 +9,7 @@
                            one rank, or every rank inline-able (CPU planes, a plain-function
                            graph)                               InlineRanks
                            otherwise                            DispatchedRanks
-                           remote=RemoteRanks(...)              WireRanks around either, on a
+                           remote=RemoteOptions(...)              WireRanks around either, on a
                                                                 wire leader opened here
                         and the order of steps: depth 1 OneStep, depth > 1 InFlight (steps.py)
                      ─► Engine(...) ─► metrics.track_engine(engine) ─► task group: the
@@ -36,7 +36,7 @@ The options of ``open_engine``, on their own or in a group:
     logger           a structlog logger (kvledger.logs.Logger) for the engine's (the durable
                      log's, the wire leader's) events; default kvledger.logs.get_logger under
                      "kvledger.engine" ("kvledger" for the log, "kvledger.wire" for the leader)
-    remote           a RemoteRanks (remote.py): the engine becomes the wire leader of
+    remote           a RemoteOptions (remote.py): the engine becomes the wire leader of
                      remote.world_size - 1 peers, listening on remote.listen
                      (engine.remote_address); a peer counts once it proved the job's key
                      (remote.key, else $KVLEDGER_WIRE_KEY, else a fresh one:
@@ -120,7 +120,7 @@ from .engine import Engine, RankSpec
 from .extras import Extras
 from .options import ExtraOptions, StepOptions
 from .ranks import DispatchedRanks, InlineRanks, RankStrategy, runs_inline
-from .remote import RemoteRanks
+from .remote import RemoteOptions
 from .remote_steps import WireRanks
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -145,7 +145,7 @@ def open_engine(
     ranks: int | RankSpec | Sequence[RankSpec] = 1,
     policy: str | None = None,
     backend: str | ClearBackend | None = None,
-    remote: RemoteRanks | None = None,
+    remote: RemoteOptions | None = None,
     check: bool = False,
     record: bool = False,
     logger: Logger | None = None,
@@ -186,7 +186,7 @@ def open_engine(
 @contextlib.asynccontextmanager
 async def _open(geometry: Geometry | None, log: str | os.PathLike[str] | None,
                 ranks: int | RankSpec | Sequence[RankSpec], policy: str | None, backend: str | ClearBackend | None,
-                remote: RemoteRanks | None, check: bool, record: bool, logger: Logger | None,
+                remote: RemoteOptions | None, check: bool, record: bool, logger: Logger | None,
                 log_options: LogOptions, steps: StepOptions, extras: ExtraOptions) -> AsyncIterator[Engine]:
     """``open_engine``'s body, its options grouped (see there)."""
     specs = _rank_specs(ranks)
@@ -234,8 +234,8 @@ async def _close(engine: Engine | None, ledger: Ledger) -> None:
 
 
 def _check_options(remote: object, policy: str | None, steps: StepOptions) -> None:
-    if remote is not None and not isinstance(remote, RemoteRanks):
-        raise InvalidArgumentError(f"remote must be a RemoteRanks or None, got {type(remote).__name__}")
+    if remote is not None and not isinstance(remote, RemoteOptions):
+        raise InvalidArgumentError(f"remote must be a RemoteOptions or None, got {type(remote).__name__}")
     if policy is not None and policy not in CLEAR_POLICIES:
         raise ConfigurationError(f"unknown clear policy {policy!r}; one of {CLEAR_POLICIES}")
     if steps.depth > 1 and remote is not None:
@@ -392,7 +392,7 @@ class _Opening:
 
 
 @contextlib.asynccontextmanager
-async def _wire(ledger: Ledger, local: RankStrategy, remote: RemoteRanks | None, extras: Extras,
+async def _wire(ledger: Ledger, local: RankStrategy, remote: RemoteOptions | None, extras: Extras,
                 logger: Logger | None) -> AsyncIterator[tuple[RankStrategy, WireLeader | None, tuple[str, int] | None]]:
     """The ranks' strategy: ``local``, or, with remote ranks, the wire leader's around it
     (``WireRanks``), listening on ``remote.listen``; yields (strategy, leader, address). On

@@ -28,7 +28,7 @@ from kvledger.logs import Logger, get_logger
 
 from .ranks import RankStrategy
 from .records import SealedStep
-from .remote import RemoteRanks, collect_remote
+from .remote import RemoteOptions, collect_remote
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvledger.wire.protocol import Decision
@@ -43,7 +43,7 @@ class WireRanks:
 
     may_yield = always_yields = True
 
-    def __init__(self, local: RankStrategy, leader: WireLeader, remote: RemoteRanks,
+    def __init__(self, local: RankStrategy, leader: WireLeader, remote: RemoteOptions,
                  decided: Sequence[Callable[[Decision, float], None]] = (), logger: Logger | None = None) -> None:
         self.local = local
         self.leader = leader

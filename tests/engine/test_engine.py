@@ -47,7 +47,7 @@ async def test_order_input_copies_then_clears_then_graph():
         assert page_is_zero(ctx.planes[0], seen["listed"][0])
         seen["graph"] = (ctx.rank, step, inputs.data)
 
-    async with kvledger.open(G, ranks=[RankSpec(planes=planes, graph=graph)], record=True, check=True) as engine:
+    async with kvledger.open_engine(G, ranks=[RankSpec(planes=planes, graph=graph)], record=True, check=True) as engine:
         seen["listed"] = await released_then_committed(engine, [planes])
         junk = b"\x33" * 32
         inputs = StepInputs(

@@ -180,14 +180,14 @@ async def test_an_engine_with_metrics_on_a_durable_log_exports_its_figures(tmp_p
 async def test_metrics_time_the_wire_handshake_of_an_engine_with_a_peer():
     prometheus_client = pytest.importorskip("prometheus_client")
 
-    from kvledger.engine import RemoteRanks
+    from kvledger.engine import RemoteOptions
     from kvledger.metrics import LedgerMetrics
     from kvledger.wire import memory_pipe
     from kvledger.wire.rank import run_peer
 
     reg = prometheus_client.CollectorRegistry()
     metrics = LedgerMetrics(reg)
-    async with open_engine(G, remote=RemoteRanks(world_size=2, listen=None, timeout=2.0),
+    async with open_engine(G, remote=RemoteOptions(world_size=2, listen=None, timeout=2.0),
                            extras=ExtraOptions(metrics=metrics)) as engine:
         with pytest.raises(StepFailedError):
             await engine.run_step(0)  # no peer yet: the leader aborts the step

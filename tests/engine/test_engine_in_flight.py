@@ -23,7 +23,7 @@ from support.planes import filled_planes, page_is_zero, write_rows
 
 from kvledger import ConfigurationError, Geometry, InvalidArgumentError, StepFailedError
 from kvledger.engine import LogOptions, StepOptions
-from kvledger.engine import RankSpec, RemoteRanks, open_engine
+from kvledger.engine import RankSpec, RemoteOptions, open_engine
 
 G = Geometry(num_pages=16, page_tokens=4)
 
@@ -215,5 +215,5 @@ async def test_bad_depth_opens_nothing(depth):
 @pytest.mark.asyncio
 async def test_depth_with_remote_ranks_is_refused():
     with pytest.raises(ConfigurationError, match="depth"):
-        async with open_engine(G, ranks=1, remote=RemoteRanks(world_size=2, listen=None), steps=StepOptions(depth=2)):
+        async with open_engine(G, ranks=1, remote=RemoteOptions(world_size=2, listen=None), steps=StepOptions(depth=2)):
             pass

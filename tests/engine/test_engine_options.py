@@ -17,7 +17,7 @@ import pytest
 
 from kvledger import ConfigurationError, Geometry, InvalidArgumentError
 from kvledger.durable import open_ledger
-from kvledger.engine import ExtraOptions, LogOptions, RemoteRanks, StepOptions, open_engine
+from kvledger.engine import ExtraOptions, LogOptions, RemoteOptions, StepOptions, open_engine
 
 G = Geometry(num_pages=16, page_tokens=4)
 
@@ -118,5 +118,15 @@ def test_groups_are_frozen_and_observers_a_tuple():
 @pytest.mark.asyncio
 async def test_depth_with_remote_ranks_is_still_refused():
     with pytest.raises(ConfigurationError, match="local ranks only"):
-        async with open_engine(G, remote=RemoteRanks(world_size=2, listen=None), steps=StepOptions(depth=2)):
+        async with open_engine(G, remote=RemoteOptions(world_size=2, listen=None), steps=StepOptions(depth=2)):
             pass
+
+
+def test_remote_ranks_is_remote_options_under_its_old_name_with_a_warning():
+    import kvledger.engine as engine_pkg
+    from kvledger.engine import remote
+
+    for where in (engine_pkg, remote):
+        with pytest.warns(DeprecationWarning, match="RemoteOptions") as record:
+            old = where.RemoteRanks
+        assert old is RemoteOptions and record[0].filename == __file__

@@ -21,7 +21,7 @@ from support.planes import page_is_zero, pages_are_zero, pages_hold_rows, write_
 
 from kvledger import Geometry, HandshakeRefused, StepFailedError
 from kvledger.core.events import StepCompleted, StepSealed
-from kvledger.engine import RankSpec, RemoteRanks, open_engine, serve_remote_rank
+from kvledger.engine import RankSpec, RemoteOptions, open_engine, serve_remote_rank
 from kvledger.executors.backend import make_backend
 from kvledger.wire.codec import RejectCode
 from kvledger.wire.rank import run_peer
@@ -82,8 +82,8 @@ class Peer:
         self.dropped: list[int] = []
         self.stream = None
 
-    def on_launch(self, step, clear_pages, payload):
-        self.backend.clear(clear_pages)
+    def on_launch(self, step, clear_list, payload):
+        self.backend.clear(clear_list)
         self.launched.append(step)
 
     def on_drop(self, step, code, rank):
@@ -101,7 +101,7 @@ class Peer:
 async def test_remote_peers_over_tcp_clear_the_same_pages():
     local = kv_planes(G.num_pages)
     peers = {r: Peer(r) for r in (1, 2)}
-    remote = RemoteRanks(world_size=WORLD, listen=("127.0.0.1", 0), timeout=2.0)
+    remote = RemoteOptions(world_size=WORLD, listen=("127.0.0.1", 0), timeout=2.0)
     async with (
         anyio.create_task_group() as tg,
         open_engine(G, ranks=[RankSpec(planes=local)], remote=remote, record=True, check=True) as engine,
@@ -151,7 +151,7 @@ async def test_two_dispatched_local_ranks_and_two_peers_complete_every_step():
     async def graph(ctx, step, inputs):
         ran.append((step, ctx.rank))
 
-    remote = RemoteRanks(world_size=WORLD, listen=("127.0.0.1", 0), timeout=2.0)
+    remote = RemoteOptions(world_size=WORLD, listen=("127.0.0.1", 0), timeout=2.0)
     async with (
         anyio.create_task_group() as tg,
         open_engine(G, ranks=[RankSpec(planes=p, graph=graph) for p in locals_], remote=remote,
@@ -180,7 +180,7 @@ async def test_two_dispatched_local_ranks_and_two_peers_complete_every_step():
 async def test_silent_peer_aborts_the_step_nothing_cleared_next_step_carries_it():
     local = kv_planes(G.num_pages)
     peers = {r: Peer(r) for r in (1, 2)}
-    remote = RemoteRanks(world_size=WORLD, timeout=TIMEOUT)
+    remote = RemoteOptions(world_size=WORLD, timeout=TIMEOUT)
     async with (
         anyio.create_task_group() as tg,
         open_engine(G, ranks=[RankSpec(planes=local)], remote=remote, record=True) as engine,
@@ -230,7 +230,7 @@ async def test_silent_peer_aborts_the_step_nothing_cleared_next_step_carries_it(
 async def test_peer_refused_at_hello_aborts_until_the_right_peer_joins():
     local = kv_planes(G.num_pages)
     good, wrong = Peer(1), Peer(2)
-    remote = RemoteRanks(world_size=WORLD, timeout=TIMEOUT)
+    remote = RemoteOptions(world_size=WORLD, timeout=TIMEOUT)
     refused = {}
     async with (
         anyio.create_task_group() as tg,
@@ -286,7 +286,7 @@ async def test_with_a_log_a_cancelled_handshake_is_recorded_and_a_reopened_engin
     async with (
         anyio.create_task_group() as tg,
         open_engine(G, log=path, ranks=[RankSpec(planes=local)],
-                    remote=RemoteRanks(world_size=WORLD, timeout=5.0)) as engine,
+                    remote=RemoteOptions(world_size=WORLD, timeout=5.0)) as engine,
     ):
         host, port = engine.remote_address
         for peer in peers.values():
@@ -314,7 +314,7 @@ async def test_with_a_log_a_cancelled_handshake_is_recorded_and_a_reopened_engin
     async with (
         anyio.create_task_group() as tg,
         open_engine(None, log=path, ranks=[RankSpec(planes=local)],
-                    remote=RemoteRanks(world_size=WORLD, timeout=2.0)) as engine,
+                    remote=RemoteOptions(world_size=WORLD, timeout=2.0)) as engine,
     ):
         host, port = engine.remote_address
         for peer in again.values():
@@ -337,7 +337,7 @@ async def test_steps_cancelled_at_any_point_keep_the_wire_in_step_with_the_ledge
     async with (
         anyio.create_task_group() as tg,
         open_engine(G, log=tmp_path / "sweep.kvlog", ranks=[RankSpec(planes=local)],
-                    remote=RemoteRanks(world_size=WORLD, timeout=2.0)) as engine,
+                    remote=RemoteOptions(world_size=WORLD, timeout=2.0)) as engine,
     ):
         host, port = engine.remote_address
         for peer in peers.values():
@@ -373,10 +373,10 @@ class FailingPeer(Peer):
         super().__init__(rank)
         self.fail_at = fail_at
 
-    def on_launch(self, step, clear_pages, payload):
+    def on_launch(self, step, clear_list, payload):
         if step == self.fail_at:
             raise RuntimeError(f"peer {self.rank} broke in step {step}")
-        super().on_launch(step, clear_pages, payload)
+        super().on_launch(step, clear_list, payload)
 
     async def run(self, host, port, geometry=G, key=None):
         with pytest.raises(RuntimeError, match="broke in step"):  # run_peer re-raises after COMPLETE
@@ -387,7 +387,7 @@ class FailingPeer(Peer):
 async def test_a_peer_that_fails_after_its_launch_fails_the_step_and_the_others_completions_follow_the_abort():
     local = kv_planes(G.num_pages)
     peers = {1: Peer(1), 2: FailingPeer(2, fail_at=1)}
-    remote = RemoteRanks(world_size=WORLD, timeout=TIMEOUT)
+    remote = RemoteOptions(world_size=WORLD, timeout=TIMEOUT)
     async with (
         anyio.create_task_group() as tg,
         open_engine(G, ranks=[RankSpec(planes=local)], remote=remote, record=True) as engine,

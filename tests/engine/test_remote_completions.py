@@ -20,7 +20,7 @@ from support.planes import filled_planes, pages_are_zero, pages_hold_rows
 from kvledger import Geometry, InvalidArgumentError, Ledger, WireProtocolError
 from kvledger.core.events.events import StepAborted, StepCompleted
 from kvledger.durable import open_ledger
-from kvledger.engine.remote import RemoteOutcome, RemoteRanks, collect_remote, engine_rank, serve_remote_rank
+from kvledger.engine.remote import RemoteOutcome, RemoteOptions, collect_remote, engine_rank, serve_remote_rank
 from kvledger.tools.audit import audit_log
 from kvledger.wire import RejectCode, memory_pipe, open_leader, run_peer
 
@@ -77,7 +77,7 @@ async def test_every_rank_recorded_from_its_own_complete_then_a_failed_and_a_sil
         if step == 1:
             await stuck.wait()  # never set: rank 3 never finishes step 1
 
-    remote = RemoteRanks(world_size=4, listen=None, complete_timeout=0.3)
+    remote = RemoteOptions(world_size=4, listen=None, complete_timeout=0.3)
     outcomes = []
     async with anyio.create_task_group() as tg:
         async with open_leader(G, world_size=4, close_grace=0.1) as leader:
@@ -122,7 +122,7 @@ async def test_a_lost_peer_is_named_at_once_and_wire_ranks_follow_the_local_rank
             await run_peer(stream, G, rank=2, world_size=3, key=leader.key, on_launch=dies, hello_timeout=2)
 
     ledger = Ledger(G)
-    remote = RemoteRanks(world_size=3, listen=None, complete_timeout=10.0)
+    remote = RemoteOptions(world_size=3, listen=None, complete_timeout=10.0)
     async with anyio.create_task_group() as tg:
         async with open_leader(G, world_size=3, close_grace=0.1) as leader:
             await _group(tg, leader, {1: lambda *a: None}, 3, wait=False)
@@ -153,7 +153,7 @@ def test_rank_numbering_and_options_are_checked():
             engine_rank(*bad)
     for bad in (0, -1.0, "1"):
         with pytest.raises(InvalidArgumentError, match="complete_timeout"):
-            RemoteRanks(world_size=2, complete_timeout=bad)
+            RemoteOptions(world_size=2, complete_timeout=bad)
     assert RemoteOutcome(step=3).ok and RemoteOutcome(step=3).reason() is None
 
 
@@ -164,7 +164,7 @@ async def test_served_ranks_clear_their_planes_and_the_audit_sees_each_rank_over
     (what layout 7 did) is what the audit reports."""
     planes = {r: filled_planes(G.num_pages, [8], 0x7F) for r in (1, 2)}
     path = tmp_path / "remote.kvl"
-    remote = RemoteRanks(world_size=3, complete_timeout=2.0)
+    remote = RemoteOptions(world_size=3, complete_timeout=2.0)
     led = open_ledger(path, G)
     async with anyio.create_task_group() as tg:
         async with open_leader(G, world_size=3, close_grace=0.2) as leader:

@@ -1,4 +1,5 @@
-"""The examples the README points at run as a user would run them, and say what they claim."""
+"""The examples the README points at run as a user would run them, and say what they claim; one
+that needs an optional dependency exits 2 with the install command where it is missing."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,3 +32,39 @@ def test_prefix_cache_example_shares_prefixes_and_evicts_under_pressure():
 def test_kv_pressure_example_lists_released_rows():
     text = _run("examples/kv_pressure.py", "--steps", "12")
     assert re.search(r"^\s*\d+\s+\d+\s+\d+\s+\d+\s+\[\d", text, re.M), text
+
+
+# An example that needs an optional dependency says so and exits 2 where it is missing (the
+# dependency blocked in a child interpreter, as if it were not installed): the one-line install
+# command, never a bare ModuleNotFoundError.
+_BLOCKED = r"""
+import importlib.abc, runpy, sys
+blocked = sys.argv[1].split(",")
+class Missing(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in blocked:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Missing())
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("example, missing, install", [
+    ("examples/async_engine.py", "torch", "pip install 'kvledger[torch]'"),
+    ("examples/tp_ranks.py", "torch", "pip install 'kvledger[torch]'"),
+])
+def test_an_example_without_its_optional_dependency_exits_2_naming_the_install(example, missing, install):
+    out = subprocess.run([sys.executable, "-c", _BLOCKED, missing, example], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert install in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_the_examples_that_need_nothing_optional_run_without_torch_or_pyzmq():
+    plain = (("examples/kv_pressure.py", ["--steps", "3"]), ("examples/prefix_cache.py", ["--pages", "24"]))
+    for example, args in plain:
+        out = subprocess.run([sys.executable, "-c", _BLOCKED, "torch,triton,zmq", example, *args], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr

@@ -446,13 +446,14 @@ async def test_engine_with_a_remote_peer_serves_the_leaders_link_counters():
     from support.planes import filled_planes
 
     from kvledger import StepFailedError
-    from kvledger.engine import RankSpec, RemoteRanks, open_engine
+    from kvledger.engine import RankSpec, RemoteOptions, open_engine
     from kvledger.wire.rank import run_peer
     from kvledger.wire.transport import connect_tcp
 
     reg, m = fresh()
     planes = filled_planes(G.num_pages, [4], 0)
-    async with open_engine(G, ranks=[RankSpec(planes=planes)], remote=RemoteRanks(world_size=2, timeout=2.0)) as engine:
+    remote = RemoteOptions(world_size=2, timeout=2.0)
+    async with open_engine(G, ranks=[RankSpec(planes=planes)], remote=remote) as engine:
         m.track_engine(engine)
         with pytest.raises(StepFailedError) as info:  # no peer yet: PEER_LOST, over the wire
             await engine.run_step(0)

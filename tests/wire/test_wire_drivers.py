@@ -58,10 +58,10 @@ class Rank:
         self.dropped: list[tuple[int, float]] = []
         self.digest = hashlib.blake2b(digest_size=16)
 
-    def on_launch(self, step, clear_pages, payload):
-        self.backend.clear(clear_pages)
+    def on_launch(self, step, clear_list, payload):
+        self.backend.clear(clear_list)
         self.ran.append(step)
-        self.digest.update(struct.pack("<Q", step) + bytes(memoryview(clear_pages).cast("B")))
+        self.digest.update(struct.pack("<Q", step) + bytes(memoryview(clear_list).cast("B")))
 
     def on_drop(self, step, code, rank):
         self.dropped.append((step, anyio.current_time()))
