@@ -68,9 +68,7 @@ class CheckedAudit:
     def __init__(self, st: LedgerState, rep: AuditReport, *, page: int | None, request: int | str | None,
                  snapshot: int | None, check: bool, svg_pages: list[int], since: int) -> None:
         self.st, self.rep = st, rep
-        self.page = page  # the subject: a page, a request (an id or an engine's label) or a snapshot
-        self.request = request
-        self.snapshot = snapshot
+        self.page, self.request, self.snapshot = page, request, snapshot  # the timeline asked for
         self.check = check
         self.svg_pages = svg_pages
         self.since = since
