@@ -63,4 +63,3 @@ def test_prefix_cache_example_shares_prefixes_and_evicts_under_pressure():
 def test_kv_pressure_example_lists_released_rows():
     text = _run("examples/kv_pressure.py", "--steps", "12")
     assert re.search(r"^\s*\d+\s+\d+\s+\d+\s+\d+\s+\[\d", text, re.M), text
-
