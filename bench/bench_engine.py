@@ -26,7 +26,7 @@ Per step. One step of the workload, for N requests (N = 1, 32, 256):
 
 Sanitize mode. The same step with 2 ranks holding CPU planes (torch backend, two
 planes of 64 bytes a page, inline): ``planes`` (sanitize off) against ``planes,
-sanitize`` (``open_engine(..., sanitize=True)``: the ledger observer that tracks
+sanitize`` (``ExtraOptions(sanitize=True)``: the ledger observer that tracks
 marks, commits and page histories; each rank poisons the marked pages, clears, and
 checks the clear list and the committed pages before the graph). ``overhead`` =
 sanitize - off, in us per step.
@@ -60,6 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import print_table, timed_segments  # noqa: E402
 
 from kvledger import Geometry, Ledger  # noqa: E402
+from kvledger.engine import ExtraOptions, LogOptions  # noqa: E402
 
 SIZES = (1, 32, 256)
 NUM_PAGES = 4096
@@ -249,8 +250,8 @@ class _Setup:
         return os.path.join(self.tmp, f"b{self.counter}.kvlog")
 
     def durable(self, background: bool) -> Any:
-        return self.open_ledger(self.path(), self.geometry, fsync="per_step", background=background,
-                                logger=self.quiet)
+        return self.open_ledger(self.path(), self.geometry, logger=self.quiet,
+                                log_options=LogOptions(fsync="per_step", background=background))
 
     def engine_kwargs(self, log: str | None, *, planes: bool = False, sanitize: bool = False) -> dict:
         kw: dict[str, Any] = {"geometry": self.geometry, "ranks": 2}
@@ -261,9 +262,10 @@ class _Setup:
 
             kw["ranks"] = [RankSpec(planes=[torch.ones((NUM_PAGES, 64), dtype=torch.uint8) for _ in range(2)])
                            for _ in range(2)]
-            kw["sanitize"] = sanitize
+            kw["extras"] = ExtraOptions(sanitize=sanitize)
         if log is not None:
-            kw.update(log=self.path(), logger=self.quiet, fsync="per_step", background=log == "background")
+            kw.update(log=self.path(), logger=self.quiet,
+                      log_options=LogOptions(fsync="per_step", background=log == "background"))
         return kw
 
 
@@ -389,7 +391,7 @@ def run(quick: bool) -> dict:
     if sanitize_rows:
         print_table(
             "sanitize mode per step (2 in-process CPU ranks, 2 planes x 64 B a page, torch backend): "
-            "planes = sanitize off, sanitize = open_engine(..., sanitize=True)",
+            "planes = sanitize off, sanitize = open_engine(..., extras=ExtraOptions(sanitize=True))",
             ["step", "planes", "sanitize", "overhead", "ratio"],
             sanitize_rows,
         )

@@ -5,9 +5,9 @@ requests of 1-64 pages growing in chunks of 1-16, lifo and random finish order,
 snapshots aliased, reused and released) is run four ways in the same process:
 
 * baseline A, the in-memory fold: a plain ``Ledger`` running the trace's commands;
-* append, inline: ``open_ledger(fsync="per_step")``, the same commands; every
+* append, inline: ``LogOptions(fsync="per_step")``, the same commands; every
   ``seal_step`` writes its step's record and fsyncs before it returns;
-* append, background: ``open_ledger(fsync="per_step", background=True)``: the
+* append, background: ``LogOptions(fsync="per_step", background=True)``: the
   seal hands the step's record to a writer thread that writes and fsyncs
   (grouping steps sealed meanwhile into one fsync); the clock stops only when
   everything is durable (``sync()``);
@@ -53,6 +53,7 @@ from _common import fmt_count, fmt_rate, interleaved, interleaved_segments, prin
 
 import bench_fold  # noqa: E402
 from kvledger import Geometry, Ledger, replay  # noqa: E402
+from kvledger.options import LogOptions  # noqa: E402
 from kvledger.durable import open_ledger  # noqa: E402
 from kvledger.core.log import open_view  # noqa: E402
 from kvledger.core.log.fold import rebuild_state  # noqa: E402
@@ -133,7 +134,7 @@ def _append_side(segments: list, run: _Run, background: bool):
         path = run.path("bg" if background else "inline")
         # background: the defaults (writer thread, group commit); inline: fsync="per_step" (opt-in)
         led = open_ledger(path, GEOMETRY, logger=QUIET) if background else \
-            open_ledger(path, GEOMETRY, fsync="per_step", logger=QUIET)
+            open_ledger(path, GEOMETRY, logger=QUIET, log_options=LogOptions(fsync="per_step"))
         calls = bench_fold.ledger_calls(led)
 
         def segment(i: int) -> None:
@@ -313,7 +314,7 @@ def _scaling_side(ops_segments: list, run: _Run, num_pages: int, every):
     def build():
         path = run.path(f"pages{num_pages}")
         g = Geometry(num_pages=num_pages, page_tokens=bench_fold.PAGE_TOKENS)
-        led = open_ledger(path, g, checkpoint_every=every, logger=QUIET)
+        led = open_ledger(path, g, logger=QUIET, log_options=LogOptions(checkpoint_every=every))
         calls = bench_fold.ledger_calls(led)
 
         def segment(i: int) -> None:

@@ -44,6 +44,7 @@ from _common import fmt_count, fmt_rate, print_table, time_call  # noqa: E402
 
 import bench_fold  # noqa: E402
 from kvledger import Geometry, OutOfPagesError  # noqa: E402
+from kvledger.options import LogOptions  # noqa: E402
 from kvledger.core.log import open_view  # noqa: E402
 from kvledger.core.log.fold import rebuild_state  # noqa: E402
 from kvledger.durable import open_ledger  # noqa: E402
@@ -136,7 +137,7 @@ def write_log(path: str, target: int) -> dict:
     state = {"growing": [], "done": [], "need": {}, "snaps": [], "next_r": 0, "next_s": 0}
     g = Geometry(num_pages=LARGE, page_tokens=bench_fold.PAGE_TOKENS)
     t0, c0 = time.perf_counter(), time.thread_time()
-    with open_ledger(path, g, segment_bytes=64 << 20, logger=QUIET) as led:
+    with open_ledger(path, g, logger=QUIET, log_options=LogOptions(segment_bytes=64 << 20)) as led:
         while led.seq < target:
             _serve(led, rng, 200, state)
         events, digest = led.seq, led.digest()

@@ -4,7 +4,7 @@ Part 1, codec (one process, no I/O), for clear lists of 16, 1,024 and 16,384 ids
 
     encode     encode_prepare(step, ids) with the ids sorted (what the leader sends)
     decode     FrameDecoder.feed + next_frame (checksum included)
-    validate   page_ids_problem(frame.clear_pages, num_pages): every id < num_pages,
+    validate   page_ids_problem(frame.clear_list, num_pages): every id < num_pages,
                no duplicates (the peer's check before READY)
     baseline   the plain check on the same ids as a list: max(ids) < n and
                len(set(ids)) == len(ids)    ratio = baseline / validate
@@ -83,7 +83,7 @@ def _codec(quick: bool) -> tuple[dict, list]:
         as_list = list(ids)
         data = encode_prepare(7, ids)
         frame = decode(data)
-        assert page_ids_problem(frame.clear_pages, NUM_PAGES) is None
+        assert page_ids_problem(frame.clear_list, NUM_PAGES) is None
 
         def enc(ids=ids):
             encode_prepare(7, ids)
@@ -93,7 +93,7 @@ def _codec(quick: bool) -> tuple[dict, list]:
             d.feed(data)
             d.next_frame()
 
-        pages = frame.clear_pages
+        pages = frame.clear_list
 
         def val(pages=pages):
             if page_ids_problem(pages, NUM_PAGES) is not None:
@@ -105,7 +105,7 @@ def _codec(quick: bool) -> tuple[dict, list]:
 
         shuffled = list(ids)
         rng.shuffle(shuffled)
-        unsorted = decode(encode_prepare(7, shuffled)).clear_pages
+        unsorted = decode(encode_prepare(7, shuffled)).clear_list
 
         def val_unsorted(unsorted=unsorted):
             page_ids_problem(unsorted, NUM_PAGES)

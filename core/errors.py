@@ -10,7 +10,6 @@ command leaves state, log and effects exactly as they were.
      ├── UnknownRequestError        request id not known to the ledger
      ├── UnknownSnapshotError       snapshot id not live
      ├── UnknownBlockHashError      a block hash that no page holds
-     ├── DuplicateIdError           an id that must be new is in use
      ├── TenantMismatchError        a request's tenant cannot change
      ├── CrossTenantShareError      sharing a page across tenants under an isolating policy
      ├── PageError                  (a page-level precondition failed)
@@ -54,7 +53,6 @@ __all__ = [
     "UnknownRequestError",
     "UnknownSnapshotError",
     "UnknownBlockHashError",
-    "DuplicateIdError",
     "TenantMismatchError",
     "CrossTenantShareError",
     "PageError",
@@ -125,13 +123,6 @@ class UnknownBlockHashError(KVLedgerError, LookupError):
     def __init__(self, block_hash, detail: str = "") -> None:
         self.block_hash = block_hash
         super().__init__(f"no page holds block hash {block_hash!r}" + (f": {detail}" if detail else ""))
-
-
-class DuplicateIdError(KVLedgerError):
-    def __init__(self, what: str, ident: int) -> None:
-        self.what = what
-        self.ident = ident
-        super().__init__(f"{what} {ident} already exists")
 
 
 class TenantMismatchError(KVLedgerError):

@@ -12,6 +12,9 @@ carried into the next step, where every rank zeroes it.
 
     python examples/async_engine.py [--steps 8] [--pages 48] [--log new.kvlog]
 
+It needs torch (the ranks' planes and graphs are torch's); without it, it exits 2 naming
+the install command (``pip install 'kvledger[torch]'``).
+
 With ``--log`` the ledger is durable: every ledger call runs in a worker thread and
 the log can be replayed and audited afterwards.
 """
@@ -21,10 +24,16 @@ from __future__ import annotations
 import argparse
 import logging
 import random
+import sys
 
 import anyio
-import torch
-import torch.nn.functional as F
+
+try:
+    import torch
+    import torch.nn.functional as F
+except ModuleNotFoundError:
+    print("async_engine.py needs torch, which is not installed here: pip install 'kvledger[torch]'", file=sys.stderr)
+    raise SystemExit(2) from None
 
 import kvledger
 from kvledger import StepFailedError

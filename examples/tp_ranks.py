@@ -1,6 +1,7 @@
 """Tensor-parallel ranks in separate processes, over the layout-9 wire.
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 examples/tp_ranks.py --steps 40
+    (it needs torch: without it, it exits 2 naming ``pip install 'kvledger[torch]'``)
     (torchrun --standalone --nproc-per-node 4 ..., same thing; --standalone picks a free
     rendezvous port; multi-host: torchrun's usual --nnodes/--rdzv-endpoint, and --host
     set to an address of rank 0 the other hosts can reach)
@@ -107,10 +108,10 @@ class RankState:
         self.pages_cleared = 0
         self.nan_pages: list[tuple[int, int]] = []
 
-    def on_launch(self, step: int, clear_pages, payload: bytes) -> None:
+    def on_launch(self, step: int, clear_list, payload: bytes) -> None:
         torch = self.torch
         p = self.decoder.decode(payload)
-        ids = sorted(clear_pages)
+        ids = sorted(clear_list)
         for b in self.bytes:  # 1. input copies: snapshot rows land in their pages
             if p.rows:
                 b[list(p.rows)] = NAN
@@ -323,8 +324,13 @@ def main() -> int:
         wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
     )
-    import torch
-    import torch.distributed as dist
+    try:
+        import torch
+        import torch.distributed as dist
+    except ModuleNotFoundError:
+        print("tp_ranks.py needs torch (torch.distributed's rendezvous, the ranks' planes), which is not "
+              "installed here: pip install 'kvledger[torch]'", file=sys.stderr)
+        raise SystemExit(2) from None
 
     # Rendezvous through torch.distributed's store (torchrun's env://): no discovery of our own.
     store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(seconds=args.join_timeout)))

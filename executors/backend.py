@@ -7,16 +7,21 @@
                                           plane, on the backend's stream
 
 A backend is built once per rank from that rank's planes (torch tensors shaped
-``[num_pages, ...]``, contiguous, any dtype; planes may differ in bytes per page)
-and the rank's model stream. The registry below names the implementations; it maps
+``[num_pages, ...]``, contiguous, any dtype, or plain byte buffers whose first
+dimension is the page's; planes may differ in bytes per page) and the rank's
+model stream. The registry below names the implementations; it maps
 names to ``"module:Class"`` strings (modules of this package) and imports nothing
 until a backend is made, so importing this module never pulls in torch, triton or
 CUDA.
 
     name     class                               where it runs
+    bytes    bytes_backend:BytesClearBackend     byte buffers on the host (no torch)
     torch    torch_backend:TorchClearBackend     any torch device (CPU default)
     cuda     cuda_backend:CudaClearBackend       cuMemsetD8Async per run of pages
     triton   triton_backend:TritonClearBackend   one launch for all planes
+
+``default_backend(planes)`` is the name a rank gets when it names none: ``bytes`` for
+buffer planes (a bytearray, a memoryview), ``torch`` for anything else.
 
 Page ids are checked by ``kvledger.core.checks.page_ids``, the one implementation.
 """
@@ -25,13 +30,10 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ..core.errors import BackendUnavailableError, ConfigurationError
 from .sanitize import SanitizerCheck
-
-if TYPE_CHECKING:  # pragma: no cover
-    import torch
 
 __all__ = [
     "BACKENDS",
@@ -40,7 +42,11 @@ __all__ = [
     "as_clear_backend",
     "backend_class",
     "coalesce_runs",
+    "default_backend",
+    "is_buffer",
     "make_backend",
+    "page_bytes_of",
+    "plane_device",
 ]
 
 
@@ -160,12 +166,34 @@ def as_clear_backend(backend: object, num_pages: int) -> ClearBackend:
 
 
 _REGISTRY: dict[str, str] = {
+    "bytes": "bytes_backend:BytesClearBackend",
     "torch": "torch_backend:TorchClearBackend",
     "cuda": "cuda_backend:CudaClearBackend",
     "triton": "triton_backend:TritonClearBackend",
 }
 
 BACKENDS: tuple[str, ...] = tuple(_REGISTRY)
+
+
+def is_buffer(plane: object) -> bool:
+    """Whether ``plane`` exports the buffer protocol (a bytearray, a memoryview, an array): a
+    plane for the ``bytes`` backend, never a torch tensor (which does not). Imports nothing."""
+    try:
+        memoryview(plane)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
+
+
+def default_backend(planes: Sequence[object]) -> str:
+    """The backend a rank with ``planes`` gets when it names none: ``"bytes"`` when its first
+    plane is a byte buffer (the buffer protocol), else ``"torch"``."""
+    return "bytes" if planes and is_buffer(planes[0]) else "torch"
+
+
+def plane_device(plane: Any) -> Any:
+    """Where a plane lives: ``None`` for a byte buffer (the host), else its ``device`` (a tensor's)."""
+    return None if is_buffer(plane) else plane.device
 
 def backend_class(name: str) -> type:
     """Import and return the class registered as ``name``.
@@ -187,7 +215,17 @@ def backend_class(name: str) -> type:
     return cls
 
 
-def make_backend(name: str, planes: Sequence[torch.Tensor], *, stream: Any = None) -> ClearBackend:
+def page_bytes_of(plane: Any) -> int:
+    """Bytes one page of ``plane`` takes (0 for a plane without pages): a byte buffer's bytes over
+    its first dimension, a tensor's elements a page times their size."""
+    if is_buffer(plane):
+        mv = memoryview(plane)
+        return mv.nbytes // mv.shape[0] if mv.shape and mv.shape[0] else 0
+    n = plane.shape[0]
+    return plane.numel() // n * plane.element_size() if n else 0
+
+
+def make_backend(name: str, planes: Sequence[Any], *, stream: Any = None) -> ClearBackend:
     """Build the backend registered as ``name`` over ``planes`` (``Cls(planes, stream=stream)``).
 
     Raises what ``backend_class`` raises, and ``ConfigurationError`` from the backend

@@ -3,6 +3,7 @@
     engine ──(bounded stream of jobs)──► RankExecutor.serve  (one task per rank)
                                              │ for each job, on the model stream:
                                              │   1. input copies   dst.copy_(src, non_blocking=True)
+                                             │                     (byte buffers: their bytes)
                                              │                     (CUDA: a driver copy where it can:
                                              │                     ``cuda_rank.CudaRank.copy_all``)
                                              │   2. clears         backend.clear_checked(plan.clear_list)
@@ -49,7 +50,7 @@ from ..core import checks
 from ..core.errors import ConfigurationError, InvariantViolation
 from .backend import ClearBackend, as_clear_backend
 from .cuda_rank import CudaRank
-from .jobs import NO_INPUTS, RankContext, RankOutcome, RankTiming, StepInputs, StepJob, StepReplies
+from .jobs import NO_INPUTS, RankContext, RankOutcome, RankTiming, StepInputs, StepJob, StepReplies, copy_pair
 from .sanitize import Violation
 
 __all__ = [
@@ -230,7 +231,7 @@ class RankExecutor:
         """The plan on the host (CPU planes, or none): copies, [poison], clear, [check], graph."""
         plan, inputs = job.plan, job.inputs
         for src, dst in inputs.copies:
-            dst.copy_(src, non_blocking=True)
+            copy_pair(src, dst)
         perf = time.perf_counter
         t1 = perf()
         backend = self.backend

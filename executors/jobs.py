@@ -12,9 +12,10 @@
 
 from __future__ import annotations
 
+import array
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Protocol, cast
 
 import anyio
 import anyio.lowlevel
@@ -22,27 +23,49 @@ import msgspec
 
 from ..core.errors import InvalidArgumentError
 from ..core.events import StepPlan
+from .backend import ClearBackend
+from .bytes_backend import copy_bytes
 from .sanitize import Violation
 
-__all__ = ["NO_INPUTS", "RankContext", "RankOutcome", "RankTiming", "StepInputs", "StepJob", "StepReplies"]
+__all__ = ["NO_INPUTS", "RankContext", "RankOutcome", "RankTiming", "StepInputs", "StepJob", "StepReplies",
+           "copy_pair"]
+
+_BUFFERS = (bytearray, memoryview, array.array)
+
+
+class _Tensor(Protocol):
+    """A tensor as an input copy uses it (``torch.Tensor``)."""
+
+    def copy_(self, src: object, non_blocking: bool = False) -> object: ...
+
+
+def copy_pair(src: object, dst: object) -> None:
+    """One input copy on the host path: a byte buffer ``dst`` (bytearray, memoryview, array) gets
+    ``src``'s bytes (``bytes_backend.copy_bytes``: the same length, else ``ValueError``); anything
+    else is a tensor: ``dst.copy_(src, non_blocking=True)``. What it raises fails the rank's job."""
+    if isinstance(dst, _BUFFERS):
+        copy_bytes(src, dst)
+    else:
+        cast(_Tensor, dst).copy_(src, non_blocking=True)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepInputs:
     """What one rank gets for one step.
 
-    ``copies``: ``(src, dst)`` tensor pairs, run as ``dst.copy_(src, non_blocking=True)``
-    on the model stream before the clears (host -> device staging, usually); on a CUDA
-    rank a plain pair (one dtype and shape, contiguous) is the same bytes copied by one
-    driver call (``cuda_rank.CudaRank.copy_all``). Keep a source unchanged until the step
+    ``copies``: ``(src, dst)`` pairs run before the clears (``copy_pair``): tensors as
+    ``dst.copy_(src, non_blocking=True)`` on the model stream (host -> device staging,
+    usually; on a CUDA rank a plain pair, one dtype and shape, contiguous, is the same bytes
+    copied by one driver call: ``cuda_rank.CudaRank.copy_all``), byte buffers (a bytearray,
+    a memoryview, an array: a ``bytes`` rank's) byte for byte. Keep a source unchanged until the step
     is done (``run_step`` returned, or raised).
     ``data``: anything; handed to the graph untouched.
 
     Raises ``InvalidArgumentError`` when ``copies`` is not a sequence of pairs.
     """
 
-    copies: Sequence[tuple[Any, Any]] = ()
-    data: Any = None
+    copies: Sequence[tuple[object, object]] = ()
+    data: object = None
 
     def __post_init__(self) -> None:
         copies = self.copies
@@ -69,10 +92,10 @@ class RankContext:
 
     rank: int
     world_size: int
-    device: Any
-    stream: Any
-    planes: tuple[Any, ...]
-    backend: Any
+    device: object
+    stream: object
+    planes: tuple[object, ...]
+    backend: ClearBackend | None
 
 
 class RankTiming(msgspec.Struct, frozen=True, kw_only=True, gc=False):

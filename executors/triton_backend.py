@@ -56,7 +56,7 @@ from ..core import checks
 from ..core.errors import ConfigurationError, CudaDriverError
 from . import cuda_driver
 from .backend import ClearBackendBase
-from .cuda_backend import describe_planes, stream_handle
+from .cuda_planes import describe_planes, stream_handle
 from .page_lists import ListRing, ListSlot, packer
 from .sanitize import SanitizerCheck, Violation
 from .triton_kernels import (

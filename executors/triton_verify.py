@@ -27,7 +27,7 @@ import torch
 
 from ..core import checks
 from . import cuda_driver
-from .cuda_backend import describe_planes
+from .cuda_planes import describe_planes
 from .page_lists import ListRing
 from .sanitize import SanitizerCheck, decode_triples
 from .triton_kernels import VERIFY_BLOCK, verify_pages_kernel

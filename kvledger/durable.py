@@ -46,17 +46,13 @@ from kvledger.core.errors import (
 )
 from kvledger.core.events.events import CLEAR_POLICIES, ClearPages, Geometry, StepSealed
 from kvledger.core.ledger import EventObserver, Ledger
-from kvledger.core.log import (
-    DEFAULT_MAX_LAG_BYTES,
-    DEFAULT_MAX_PAGES,
-    EventLog,
-    LogView,
-)
+from kvledger.core.log import EventLog, LogView
 from kvledger.core.log.files import default_layer
 from kvledger.core.log.fold import rebuild_state, without_gc
 from kvledger.core.log.segments import unfinished_directory
 from kvledger.core.state import LedgerState
-from kvledger.logs import get_logger
+from kvledger.logs import Logger, get_logger
+from kvledger.options import LOG_FIELDS, LogOptions, log_options_of, split_flat
 
 __all__ = ["DurableLedger", "Recovery", "auto_checkpoint_every", "chain_observers", "open_ledger"]
 
@@ -278,13 +274,16 @@ class DurableLedger(Ledger):
         self.close()
 
 
-def open_ledger(path, geometry: Geometry | None = None, *, policy: str | None = None, fsync: str = "background",
-                checkpoint_every: int | str | None = "auto", check: bool = False, background: bool | None = None,
-                layer=None, logger=None, max_pages: int = DEFAULT_MAX_PAGES,
-                max_lag_bytes: int = DEFAULT_MAX_LAG_BYTES, segment_bytes: int | None = None,
-                retain_bytes: int | None = None, retain_segments: int | None = None,
-                observer: EventObserver | None = None) -> DurableLedger:
+def open_ledger(path: str | os.PathLike[str], geometry: Geometry | None = None, *, policy: str | None = None,
+                check: bool = False, logger: Logger | None = None, observer: EventObserver | None = None,
+                log_options: LogOptions | None = None, **flat: object) -> DurableLedger:
     """Open the durable ledger at ``path``, creating the log if it does not exist.
+
+    ``log_options``: how the log writes (``kvledger.options.LogOptions``: fsync,
+    checkpoint_every, max_lag_bytes, max_pages, segment_bytes, retain_bytes /
+    retain_segments, layer, background). Those as flat keywords
+    (``open_ledger(path, g, fsync="per_step")``) still work for one release, with a
+    ``DeprecationWarning``.
 
     Creating needs ``geometry``; ``policy`` defaults to ``"released_aliases"``.
     An existing log keeps its own geometry and policy (giving different ones
@@ -316,16 +315,17 @@ def open_ledger(path, geometry: Geometry | None = None, *, policy: str | None = 
     observer that is not callable (nothing opened).
     """
     t0 = time.perf_counter()
-    lay = layer if layer is not None else default_layer
+    split_flat("open_ledger", flat, dict.fromkeys(LOG_FIELDS, "log_options"))  # (TypeError: not an option)
+    lo = log_options_of("open_ledger", log_options, flat)
+    lay = lo.layer if lo.layer is not None else default_layer
     path = os.fspath(path)
     _check_open_arguments(geometry, policy, observer)
-    opts = {"fsync": fsync, "background": background, "layer": lay, "max_pages": max_pages,
-            "max_lag_bytes": max_lag_bytes, "segment_bytes": segment_bytes, "retain_bytes": retain_bytes,
-            "retain_segments": retain_segments}
-    led_opts = {"check": check, "checkpoint_every": checkpoint_every,
+    opts = {"fsync": lo.fsync, "background": lo.background, "layer": lay, "max_pages": lo.max_pages,
+            "max_lag_bytes": lo.max_lag_bytes, "segment_bytes": lo.segment_bytes, "retain_bytes": lo.retain_bytes,
+            "retain_segments": lo.retain_segments}
+    led_opts = {"check": check, "checkpoint_every": lo.checkpoint_every,
                 "logger": logger if logger is not None else get_logger("kvledger"), "observer": observer}
-    unfinished = lay.exists(path) and getattr(lay, "isdir", None) is not None and lay.isdir(path) \
-        and unfinished_directory(lay, path)  # (a crash while the directory was created)
+    unfinished = lay.exists(path) and lay.isdir(path) and unfinished_directory(lay, path)  # (an interrupted create)
     if not lay.exists(path) or unfinished:
         if geometry is None:
             why = "holds only what an interrupted create left" if unfinished else "does not exist"

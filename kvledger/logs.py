@@ -19,17 +19,18 @@ stderr through Python's last-resort handler. An application configures the
 
 ``core/`` never logs; the runtime (engine, durable ledger, remote ranks) and
 the tools call ``get_logger``. Code that takes a ``logger=`` argument accepts
-any structlog bound logger instead (tests pass quiet or capturing ones).
+any structlog bound logger instead (tests pass quiet or capturing ones): what
+it calls on one is ``Logger``, a protocol.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
-__all__ = ["get_logger"]
+__all__ = ["Logger", "get_logger"]
 
 
 class _EventDict(dict):
@@ -56,6 +57,19 @@ def _to_record(logger: logging.Logger, method_name: str, event_dict: dict) -> tu
 
 
 _PROCESSORS: list[Any] = [structlog.stdlib.filter_by_level, _to_record]
+
+
+class Logger(Protocol):
+    """What kvledger calls on a ``logger=`` it is given (a structlog bound logger is one):
+    an event name and its fields, at one of four levels."""
+
+    def debug(self, event: str, **fields: object) -> object: ...
+
+    def info(self, event: str, **fields: object) -> object: ...
+
+    def warning(self, event: str, **fields: object) -> object: ...
+
+    def error(self, event: str, **fields: object) -> object: ...
 
 
 def get_logger(name: str = "kvledger") -> structlog.stdlib.BoundLogger:

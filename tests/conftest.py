@@ -70,6 +70,16 @@ def disk_tmp_path() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture
+def needs_cuda() -> None:
+    """Skip unless torch sees a CUDA device (``support.gpu.REQUIRES_CUDA`` asks for it): the
+    test is set up, never failed, where there is none, and torch is imported only here."""
+    from support.gpu import cuda_available
+
+    if not cuda_available():
+        pytest.skip("needs a CUDA device")
+
+
 class _Groups:
     """On the xdist controller: tells each worker to honour ``xdist_group`` (a worker parses only
     the command line, so ``--dist loadgroup`` set here would not reach it)."""

@@ -311,7 +311,7 @@ def _enc_auth(f: Auth) -> bytes:
 
 
 def _enc_prepare(f: Prepare) -> bytes:
-    return encode_prepare(f.step, f.clear_pages, f.payload, sanitize=f.sanitize)
+    return encode_prepare(f.step, f.clear_list, f.payload, sanitize=f.sanitize)
 
 
 def _enc_ready(f: Ready) -> bytes:

@@ -6,7 +6,7 @@ and the encoders). Here:
     feed(bytes) ──► FrameDecoder ──► next_frame() ─► Frame | None (need more bytes)
                                                    └ FrameError (RejectCode, detail)
     decode(bytes) ─► exactly one Frame
-    page_ids_problem(clear_pages, num_pages) ─► None | (RejectCode, REJECT detail)
+    page_ids_problem(clear_list, num_pages) ─► None | (RejectCode, REJECT detail)
 
 The decoder (``FrameDecoder``) is incremental: ``feed`` bytes as they come,
 ``next_frame`` returns a frame or ``None`` (need more bytes). Anything that is
@@ -85,7 +85,7 @@ def page_ids_problem(raw: bytes | bytearray | memoryview, num_pages: int) -> tup
 
     Otherwise ``(RejectCode, detail)``: PAGE_OUT_OF_RANGE or DUPLICATE_PAGE and a
     REJECT detail naming the offending ids. ``raw`` is the little-endian u32
-    bytes (any bytes-like) or a decoded ``Prepare.clear_pages`` (a ``memoryview``
+    bytes (any bytes-like) or a decoded ``Prepare.clear_list`` (a ``memoryview``
     of format ``'I'``). The check itself is ``core.checks.u32_page_ids_problem``
     (no Python int per id on the ascending path). Pure.
     """
@@ -166,7 +166,7 @@ def _dec_prepare(step: int, body: bytes, layout: int, flags: int, crc: int) -> P
         )
     end = 8 + 4 * n
     ids = checks.u32_ids(memoryview(body)[8:end])
-    return Prepare(step=step, clear_pages=ids, payload=body[end:], checksum=crc)
+    return Prepare(step=step, clear_list=ids, payload=body[end:], checksum=crc)
 
 
 def _dec_prepare_sanitize(step: int, body: bytes, crc: int) -> Prepare:
@@ -184,7 +184,7 @@ def _dec_prepare_sanitize(step: int, body: bytes, crc: int) -> Prepare:
     b = a + 4 * npoison
     c = b + 4 * ncommitted
     lists = Sanitize(poison_pages=checks.u32_ids(view[a:b]), committed_pages=checks.u32_ids(view[b:c]))
-    return Prepare(step=step, clear_pages=checks.u32_ids(view[16:a]), payload=body[c:], checksum=crc, sanitize=lists)
+    return Prepare(step=step, clear_list=checks.u32_ids(view[16:a]), payload=body[c:], checksum=crc, sanitize=lists)
 
 
 def _detail(step: int, kind: int, body: bytes, start: int) -> str:

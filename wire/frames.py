@@ -142,7 +142,7 @@ class Sanitize(_Frame, frozen=True):
     ``poison_pages``: pages to fill with 0xFF before the clear; ``committed_pages``:
     pages committed this step, which must hold no poison after it. Each list holds
     distinct u32 page ids; decoded frames carry them as read-only memoryviews of
-    format ``'I'``, like ``Prepare.clear_pages``.
+    format ``'I'``, like ``Prepare.clear_list``.
     """
 
     poison_pages: Sequence[int] = ()
@@ -154,9 +154,9 @@ class Sanitize(_Frame, frozen=True):
 
 
 class Prepare(_Frame, frozen=True):
-    """The step plan: zero ``clear_pages`` (distinct u32 page ids), run with ``payload``.
+    """The step plan: zero ``clear_list`` (distinct u32 page ids), run with ``payload``.
 
-    Decoded frames carry ``clear_pages`` as a read-only ``memoryview`` of format
+    Decoded frames carry ``clear_list`` as a read-only ``memoryview`` of format
     ``'I'`` over the frame's bytes (``.tolist()`` for a list) and ``checksum``,
     the frame's CRC32 as received; the encoder takes any sequence of ints and
     ignores ``checksum``. ``sanitize`` is set for a sanitize-mode step (the
@@ -164,7 +164,7 @@ class Prepare(_Frame, frozen=True):
     """
 
     step: int
-    clear_pages: Sequence[int] = ()
+    clear_list: Sequence[int] = ()
     payload: bytes = b""
     checksum: int = 0
     sanitize: Sanitize | None = None
@@ -172,7 +172,7 @@ class Prepare(_Frame, frozen=True):
     def __repr__(self) -> str:
         extra = "" if self.sanitize is None else f", sanitize={self.sanitize!r}"
         return (
-            f"Prepare(step={self.step}, clear_pages={_ids_repr(self.clear_pages)}, "
+            f"Prepare(step={self.step}, clear_list={_ids_repr(self.clear_list)}, "
             f"payload={len(self.payload)} bytes, checksum={self.checksum:#x}{extra})"
         )
 

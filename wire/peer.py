@@ -102,7 +102,7 @@ class PeerLink(Link):
         send(link.data_to_send())
         link.receive_data(recv())
         while (ev := link.next_event()) is not NEED_DATA:
-            RunStep -> clear ev.clear_pages, run ev.step     DropStep -> nothing
+            RunStep -> clear ev.clear_list, run ev.step     DropStep -> nothing
         send(link.data_to_send())             # READY / REJECT answers
 
     READY and REJECT are answered by the link itself: validation is protocol, not
@@ -383,7 +383,7 @@ class PeerLink(Link):
             self.state = _P.READY
             self._stats["ready"] += 1
             self._send(self._answer)
-            self._events.append(Answered(step=s, ready=True, n_pages=len(f.clear_pages)))
+            self._events.append(Answered(step=s, ready=True, n_pages=len(f.clear_list)))
             return None
         code, detail = problem
         return self._reject_current(code, f"PREPARE step {s}: {detail}")
@@ -391,7 +391,7 @@ class PeerLink(Link):
     def _check_lists(self, f: Prepare) -> tuple[int, str] | None:
         """The first problem with the PREPARE's page lists (clear, then poison and committed), or None."""
         # a decoded PREPARE carries its ids as memoryviews of format 'I' over the frame
-        problem = page_ids_problem(cast(memoryview, f.clear_pages), self.num_pages)
+        problem = page_ids_problem(cast(memoryview, f.clear_list), self.num_pages)
         lists = f.sanitize
         if problem is not None or lists is None:
             return problem
@@ -437,7 +437,7 @@ class PeerLink(Link):
         self._running[f.step] = p.checksum
         if len(self._running) > self._memory:  # never completed: forgotten, oldest first
             del self._running[next(iter(self._running))]
-        self._events.append(RunStep(step=f.step, clear_pages=p.clear_pages, payload=p.payload, sanitize=p.sanitize))
+        self._events.append(RunStep(step=f.step, clear_list=p.clear_list, payload=p.payload, sanitize=p.sanitize))
         return self._advance(True)
 
     def _abort(self, f: Abort) -> None:

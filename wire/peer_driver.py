@@ -4,7 +4,7 @@
         HELLO, CHALLENGE, AUTH (the key proved both ways) ──► joined (hello_timeout)
               ──► for every frame from the leader:
             PREPARE  validated and answered READY / REJECT by the link itself
-            LAUNCH   on_launch(step, clear_pages, payload[, sanitize=lists]) ──► COMPLETE(ok)
+            LAUNCH   on_launch(step, clear_list, payload[, sanitize=lists]) ──► COMPLETE(ok)
                      (on_launch raised: COMPLETE(failed, detail), then the error propagates)
             ABORT    on_drop(step, code, culprit rank)      (nothing cleared, nothing run)
         end of stream ──► return the link's counters
@@ -35,7 +35,7 @@ from .protocol import NEED_DATA, Answered, ConnectionClosed, DropStep, Joined, R
 
 __all__ = ["run_peer", "peer_key", "OnLaunch", "OnDrop"]
 
-OnLaunch = Callable[..., None | Awaitable[None]]  # (step, clear_pages, payload[, *, sanitize])
+OnLaunch = Callable[..., None | Awaitable[None]]  # (step, clear_list, payload[, *, sanitize])
 OnDrop = Callable[[int, int, int], None | Awaitable[None]]
 
 # What a stream raises once it is closed or broken (the drivers treat it as the end). Shared with rank.py.
@@ -153,7 +153,7 @@ async def run_peer(
     ``ConfigurationError``) once the leader proved it (else REJECT BAD_AUTH), and
     waits up to ``hello_timeout`` s to be accepted (``TimeoutError``). Then every
     PREPARE is validated and answered READY or REJECT by the link, ``on_launch(step,
-    clear_pages, payload)`` runs for each LAUNCH (may be async; it clears the pages
+    clear_list, payload)`` runs for each LAUNCH (may be async; it clears the pages
     and runs the step) and is followed by a COMPLETE, and ``on_drop(step, code,
     rank)`` runs for each ABORT (nothing to clear). A PREPARE whose payload is
     over ``max_payload`` bytes is answered REJECT FRAME_TOO_LARGE (the step aborts).
@@ -201,9 +201,9 @@ async def _run_step(io: _PeerIO, ev: RunStep, on_launch: OnLaunch, log: Any) -> 
     link = io.link
     try:
         if ev.sanitize is None:
-            r = on_launch(ev.step, ev.clear_pages, ev.payload)
+            r = on_launch(ev.step, ev.clear_list, ev.payload)
         else:
-            r = on_launch(ev.step, ev.clear_pages, ev.payload, sanitize=ev.sanitize)
+            r = on_launch(ev.step, ev.clear_list, ev.payload, sanitize=ev.sanitize)
         if inspect.isawaitable(r):
             await r
     except Exception as exc:

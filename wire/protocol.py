@@ -148,7 +148,7 @@ class Answered(_Event, frozen=True):
 
 
 class RunStep(_Event, frozen=True):
-    """Peer: the leader launched ``step``. Clear ``clear_pages`` in every plane, then run it.
+    """Peer: the leader launched ``step``. Clear ``clear_list`` in every plane, then run it.
 
     ``sanitize``: a sanitize-mode step's poison and committed lists (poison, clear,
     check, then the graph); ``None`` for a plain step. Report the outcome with
@@ -156,16 +156,16 @@ class RunStep(_Event, frozen=True):
     """
 
     step: int
-    clear_pages: Sequence[int]
+    clear_list: Sequence[int]
     payload: bytes
     sanitize: Sanitize | None = None
 
     def __repr__(self) -> str:
-        ids = self.clear_pages
+        ids = self.clear_list
         head = ", ".join(str(p) for p in ids[:8]) + (", ..." if len(ids) > 8 else "")
         extra = "" if self.sanitize is None else f", sanitize={self.sanitize!r}"
         return (
-            f"RunStep(step={self.step}, clear_pages=[{head}] ({len(ids)} ids), "
+            f"RunStep(step={self.step}, clear_list=[{head}] ({len(ids)} ids), "
             f"payload={len(self.payload)} bytes{extra})"
         )
 

@@ -19,7 +19,7 @@ importable from here).
         d = await leader.run_step(plan, payload, timeout=0.5)
         d.launch: clear plan.clear_list locally,     run_peer(stream, geometry, rank=r, world_size=W,
                   run the step,                               key=leader.key, on_launch=clear_and_run)
-                  c = await leader.wait_completed(    on LAUNCH: on_launch(step, clear_pages, payload),
+                  c = await leader.wait_completed(    on LAUNCH: on_launch(step, clear_list, payload),
                           step, timeout=1.0)                     then COMPLETE(ok, or failed + why)
                   ledger.complete_step(step, r)      on ABORT:  on_drop(step, code, rank)  (nothing cleared)
                       for r in c.completed

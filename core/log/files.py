@@ -1,7 +1,7 @@
 """The real file layer under the event log (``OsFileLayer``) and what every layer offers.
 
-The log does all its I/O through a *layer* (``create``, ``open``, ``read``,
-``exists``, ``read_stamp``, ``write_stamp``) and the *handles* it returns
+The log does all its I/O through a *layer* (``FileLayer``: files, sync stamps and
+log directories) and the *handles* it returns
 (``write`` appends, ``sync``, ``truncate``, ``read``, ``close``). Swapping the
 layer is how the reliability tests crash the disk and fail writes without
 touching the log's code (``tests/support/simdisk.py``: ``SimulatedDisk``,
@@ -44,7 +44,7 @@ import errno as _errno
 import os
 import random
 import stat
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from ..errors import LogError, LogExistsError, LogLockedError
 
@@ -65,13 +65,30 @@ class FileHandle(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
 class FileLayer(Protocol):
+    """Everything the log asks of a file layer (every member; nothing is looked up by name).
+
+    Files: ``exists``, ``create`` (whole and durable, or not at all), ``open`` (for appending,
+    locked), ``read`` (a read-only buffer, no lock; release it with ``release_buffer``).
+    Sync stamps (``<path>.sync``): ``read_stamp`` (None: none), ``write_stamp`` (atomic and
+    durable), ``remove_stamp``. Log directories: ``isdir``, ``makedir``, ``listdir``,
+    ``size_of``, ``remove`` (durable). ``OsFileLayer`` is the real one; tests swap in a
+    simulated disk (``tests/support/simdisk.py``), metrics a timed one.
+    """
+
     def exists(self, path: str) -> bool: ...
     def create(self, path: str, data: bytes) -> FileHandle: ...
     def open(self, path: str) -> FileHandle: ...
     def read(self, path: str): ...  # read-only buffer, no lock
     def read_stamp(self, path: str) -> bytes | None: ...
     def write_stamp(self, path: str, data: bytes) -> None: ...
+    def remove_stamp(self, path: str) -> None: ...
+    def isdir(self, path: str) -> bool: ...
+    def makedir(self, path: str) -> None: ...
+    def listdir(self, path: str) -> list[str]: ...
+    def size_of(self, path: str) -> int: ...
+    def remove(self, path: str) -> None: ...
 
 
 def stamp_path(path: str) -> str:

@@ -93,7 +93,7 @@ def open_log(path, *, layer, repair: bool, loader, max_pages: int, segments: dic
     """
     layer = layer if layer is not None else default_layer
     path = os.fspath(path)
-    if getattr(layer, "isdir", None) is not None and layer.isdir(path):
+    if layer.isdir(path):
         return _open_directory(layer, path, repair, loader, max_pages, segments or {"segment_bytes": 64 << 20})
     try:
         handle = layer.open(path)

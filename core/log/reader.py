@@ -125,12 +125,9 @@ class _OneBuffer:
 
 
 def read_stamp(layer, path: str) -> bytes | None:
-    """The raw sync stamp of the log at ``path`` (None: none, or a layer without stamps)."""
-    reader = getattr(layer, "read_stamp", None)
-    if reader is None:
-        return None
+    """The raw sync stamp of the log at ``path`` (None: none, or unreadable)."""
     try:
-        return reader(path)
+        return layer.read_stamp(path)
     except (OSError, LogError):
         return None  # an unreadable stamp is no evidence either way
 
@@ -156,8 +153,7 @@ def open_view(path, *, layer=None, until: int | None = None, max_pages: int = DE
     """
     layer = layer if layer is not None else default_layer
     path = os.fspath(path)
-    isdir = getattr(layer, "isdir", None)
-    if isdir is not None and isdir(path):
+    if layer.isdir(path):
         return _open_directory(layer, path, None, until, max_pages, since)
     raw_stamp = read_stamp(layer, path)  # before the map: a stamp never claims more than the file then holds
     try:

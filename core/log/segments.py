@@ -79,12 +79,9 @@ def encode_head(log_id: bytes, segment: int, first_seq: int) -> bytes:
 
 def head(layer, directory: str, log_id: bytes) -> Head | None:
     """The directory's head, if it has one for log ``log_id`` (None: none, unreadable, another
-    log's, or a layer without stamps: no evidence either way)."""
-    reader = getattr(layer, "read_stamp", None)
-    if reader is None:
-        return None
+    log's: no evidence either way)."""
     try:
-        data = reader(os.path.join(directory, HEAD_NAME))
+        data = layer.read_stamp(os.path.join(directory, HEAD_NAME))
     except (OSError, LogError):
         return None
     if data is None or len(data) != _HEAD.size + 4 or data[:8] != _HEAD_MAGIC:
@@ -97,10 +94,8 @@ def head(layer, directory: str, log_id: bytes) -> Head | None:
 
 def write_head(layer, directory: str, header) -> None:
     """Say, durably and atomically, that the segment with ``header`` is the directory's newest
-    (a layer without stamps: nothing). Raises ``OSError``."""
-    writer = getattr(layer, "write_stamp", None)
-    if writer is not None:
-        writer(os.path.join(directory, HEAD_NAME), encode_head(header.log_id, header.segment, header.first_seq))
+    Raises ``OSError``."""
+    layer.write_stamp(os.path.join(directory, HEAD_NAME), encode_head(header.log_id, header.segment, header.first_seq))
 
 
 def segment_name(first_seq: int) -> str:
@@ -280,7 +275,7 @@ def scan_segments(layer, paths: list[str], *, until: int | None = None, max_page
     (one and its successor's header); the buffers keep the ``limit`` most recent
     (``SegmentBuffers``). The caller closes the buffers.
     """
-    raw_stamp = layer.read_stamp(paths[-1]) if stamps and hasattr(layer, "read_stamp") else None
+    raw_stamp = layer.read_stamp(paths[-1]) if stamps else None
     held = SegmentBuffers(layer, paths, limit)
     scans: list[Scan] = []
     loose: list = []  # mapped here and not yet handed to ``held``: released if anything raises

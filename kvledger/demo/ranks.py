@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import torch
@@ -203,13 +203,13 @@ def make_graph(ranks: list, world: int) -> Callable:
     if world == 1:
 
         def graph(ctx: Any, step: int, inputs: StepInputs) -> None:
-            _forward(ranks, inputs.data, ctx)
+            _forward(ranks, cast(StepWork, inputs.data), ctx)
 
         return graph
 
     async def graph_threaded(ctx: Any, step: int, inputs: StepInputs) -> None:
         # Each rank computes in its own thread; the all-reduce meets them per layer.
-        await anyio.to_thread.run_sync(_forward, ranks, inputs.data, ctx)
+        await anyio.to_thread.run_sync(_forward, ranks, cast(StepWork, inputs.data), ctx)
 
     return graph_threaded
 

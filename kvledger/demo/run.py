@@ -49,7 +49,7 @@ import torch
 
 from kvledger.core.errors import ConfigurationError, SanitizerError, StepFailedError
 from kvledger.core.events import Geometry
-from kvledger.engine import RankSpec, StepInputs, open_engine
+from kvledger.engine import RankSpec, StepInputs, StepOptions, open_engine
 from kvledger.executors.backend import backend_class
 
 from .bare import BareLoop
@@ -192,7 +192,7 @@ class _Serving:
         warm_up(self.ranks, self.mc, self.pt)
         # timings: the demo reports each phase's device time (and the graph's, for the overhead)
         async with open_engine(self.geometry, log=self.log_path, ranks=self.rank_specs, policy=self.config.policy,
-                               timings=True, **self.engine_options) as engine:
+                               steps=StepOptions(timings=True), **self.engine_options) as engine:
             self.engine = engine
             warm_kernels(engine, self.devices)
             if self.metrics is not None:  # --no-clear zeroes nothing: no bytes to count

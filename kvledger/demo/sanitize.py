@@ -1,6 +1,7 @@
 """``--sanitize``: the run under pressure in the engine's sanitizer mode (SPEC "The sanitizer").
 
-    open      engine_options(config, reference): ``{"sanitize": True}`` for the run under
+    open      engine_options(config, reference): ``{"extras": ExtraOptions(sanitize=True)}``
+              (``{"sanitize": True}`` for an engine of before the option groups) for the run under
               pressure (the reference never reuses a page: nothing is ever marked), or
               ``ConfigurationError`` when this kvledger's ``open_engine`` has no sanitizer
               (raised before any log exists)
@@ -32,7 +33,7 @@ import inspect
 from typing import Any
 
 from kvledger.core.errors import ConfigurationError
-from kvledger.engine import open_engine
+from kvledger.engine import ExtraOptions, open_engine
 
 from .workload import DemoConfig
 
@@ -40,8 +41,10 @@ __all__ = ["engine_options", "has_sanitizer"]
 
 
 def has_sanitizer() -> bool:
-    """Does this kvledger's ``open_engine`` take ``sanitize=``?"""
-    return "sanitize" in inspect.signature(open_engine).parameters
+    """Does this kvledger's ``open_engine`` have the sanitizer (``ExtraOptions.sanitize``, or the
+    ``sanitize=`` keyword of before the option groups)?"""
+    params = inspect.signature(open_engine).parameters
+    return "extras" in params or "sanitize" in params
 
 
 def engine_options(config: DemoConfig, reference: bool) -> dict[str, Any]:
@@ -53,5 +56,7 @@ def engine_options(config: DemoConfig, reference: bool) -> dict[str, Any]:
     if not has_sanitizer():
         raise ConfigurationError("--sanitize needs the engine's sanitizer: this kvledger's open_engine has no "
                                  "sanitize=True (run without --sanitize)")
+    if "extras" in inspect.signature(open_engine).parameters:
+        return {"extras": ExtraOptions(sanitize=True)}
     return {"sanitize": True}
 

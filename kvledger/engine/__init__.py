@@ -1,6 +1,6 @@
 """The embedded async engine: one object a serving loop holds (anyio).
 
-    async with kvledger.open(geometry, log=path, ranks=[RankSpec(planes=...), ...]) as engine:
+    async with kvledger.open_engine(geometry, log=path, ranks=[RankSpec(planes=...), ...]) as engine:
         pages = await engine.reserve(r, 3)
         await engine.commit(r, step, 3)              # marked pages join the step's clear list
         result = await engine.run_step(step, inputs) # seal -> every rank: copies, clears, graph
@@ -41,7 +41,8 @@ Waiting for the disk is opt-in, never on the step path:
                                    writer thread gets there shortly after the seal of its
                                    step (a log that fsyncs inline: only a seal or a flush does)
 
-Optional parts (``opening.py`` lists every option):
+Optional parts, ``open_engine(..., extras=ExtraOptions(...))`` (``opening.py`` lists every
+option, and its groups: log_options=LogOptions, steps=StepOptions, extras=ExtraOptions):
 
     sanitize=True      debug mode: poison -> clear -> check on every local rank; a violation
                        is recorded and raises SanitizerError with the page's lifecycle
@@ -87,7 +88,7 @@ What a failure leaves behind:
   (``SanitizerViolation``), then ``StepAborted``, then the completions of the
   ranks that ran; ``run_step`` raises ``SanitizerError`` (its ``__cause__`` the
   ``StepFailedError``), and the step's clear list is carried into the next step;
-* with steps in flight together (``open_engine(..., depth=2)`` or more: a
+* with steps in flight together (``steps=StepOptions(depth=2)`` or more: a
   scheduler task seals step k+1 while step k has not run or still runs; the
   ranks run the steps one after the other, in step order), a failure of step k
   aborts k and every later sealed step with one ``StepAborted(k)``, recorded
@@ -99,14 +100,14 @@ What a failure leaves behind:
   step k and committed in step k+1 is safe: each rank runs k's graph before
   k+1's clear (on a CUDA rank, both on its model stream).
 
-Remote ranks (``open_engine(..., remote=RemoteRanks(...))``, see ``remote.py``):
+Remote ranks (``open_engine(..., remote=RemoteOptions(...))``, see ``remote.py``):
 after sealing, ``run_step`` runs the wire's PREPARE/READY/LAUNCH handshake with
-every peer (the engine is the wire leader) under ``RemoteRanks.timeout``; only
+every peer (the engine is the wire leader) under ``RemoteOptions.timeout``; only
 on LAUNCH do the local ranks run. A REJECT, an expired deadline or a lost or
 missing peer aborts the step: ``StepFailedError`` names the rank (engine
 numbering), nothing is cleared or run anywhere, and the ledger records
 ``StepAborted`` exactly as for a failing local rank. After the local ranks ran,
-the engine waits (``RemoteRanks.complete_timeout``) for every peer's COMPLETE
+the engine waits (``RemoteOptions.complete_timeout``) for every peer's COMPLETE
 (``remote.collect_remote``) and records ``StepCompleted`` for each peer that ran
 the step; a peer that reports a failure, loses its link or stays silent fails
 the step like a local rank: ``StepAborted`` first, then the completions of the
@@ -116,6 +117,7 @@ The rooms:
 
     engine.py    Engine: the ledger's commands, awaited, run_step's entry, the lifecycle seams; RankSpec
     opening.py   open_engine: the ledger, the strategies, the hooks, the wire leader; the options
+    options.py   StepOptions, ExtraOptions: open_engine's option groups (LogOptions: kvledger.options)
     access.py    LedgerAccess: the one path to the ledger (loop or worker thread; open/closing/closed)
     steps.py     StepRunner (seal, run a sealed step, record); OneStep / InFlight: the order of steps
     ranks.py     RankStrategy: InlineRanks, DispatchedRanks (how a step reaches the local ranks)
@@ -125,26 +127,41 @@ The rooms:
     plugins.py   the typed seams: MetricsHooks, EventPublisher, StepHook and its two adapters
     extras.py    Extras: metrics, KV events, the sanitizer's tracker and the caller's observers, wired in
     sanitizer.py SanitizerTracker: each plan's poison and committed lists, page histories, SanitizerError
-    remote.py    RemoteRanks (the leader side's options), collect_remote, serve_remote_rank (a peer)
+    remote.py    RemoteOptions (the leader side's options), collect_remote, serve_remote_rank (a peer)
 
 ``import kvledger.engine`` does not import torch; a rank's planes bring it in.
 """
 
 from kvledger.executors.executor import RankContext, RankTiming, StepInputs
+from kvledger.options import LogOptions
 
 from .engine import Engine, RankSpec
 from .opening import open_engine
-from .remote import RemoteRanks, serve_remote_rank
+from .options import ExtraOptions, StepOptions
+from .remote import RemoteOptions, serve_remote_rank
 from .steps import StepResult
 
 __all__ = [
     "Engine",
+    "ExtraOptions",
+    "LogOptions",
     "RankContext",
     "RankSpec",
     "RankTiming",
-    "RemoteRanks",
+    "RemoteOptions",
     "StepInputs",
+    "StepOptions",
     "StepResult",
     "open_engine",
     "serve_remote_rank",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """Deprecated names, for one more release (each access warns): ``RemoteRanks``
+    (``RemoteOptions``)."""
+    if name == "RemoteRanks":
+        from .remote import remote_ranks_alias
+
+        return remote_ranks_alias()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

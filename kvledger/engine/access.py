@@ -24,13 +24,14 @@ of every other call:
   thread (closing may have begun while it waited): after ``close()`` nothing
   reaches the ledger, and nothing is written.
 
-The switch: ``ledger.log.background`` (True: the log writes and fsyncs in its own
-thread, appends never wait for the disk but under back-pressure). Such a log
-answers ``log.may_block`` (``EventLog.may_block``: True while its next append
+What the engine calls on its ledger is ``LedgerPort`` (a ``Ledger`` is one), and on
+a durable ledger's log ``LogPort`` (an ``EventLog`` is one): typed seams, nothing
+looked up by name. The switch: ``log.background`` (True: the log writes and fsyncs
+in its own thread, appends never wait for the disk but under back-pressure). Such
+a log answers ``log.may_block`` (``EventLog.may_block``: True while its next append
 could wait for the disk: back-pressure near ``max_lag_bytes``, a segment rotation
 due); while it does, calls go to the worker thread, and the loop keeps running
-while the append waits there. A log without that attribute is taken never to
-block an append.
+while the append waits there. No log (an in-memory ledger): every call on the loop.
 
 Raises ``EngineClosedError`` (chained to the recording failure when broken);
 what a call raises comes out as it was raised and changes nothing here, except
@@ -39,20 +40,67 @@ that a failed recording breaks the engine.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import asyncio
 import functools
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, Protocol
 
 import anyio
 import anyio.lowlevel
 
 from kvledger.core.errors import EngineClosedError
+from kvledger.core.events import Geometry, StepPlan
+from kvledger.core.state import LedgerState
 
-__all__ = ["YIELD_EVERY_S", "LedgerAccess", "loop_cancelled_check", "loop_checkpoint"]
+__all__ = ["YIELD_EVERY_S", "LedgerAccess", "LedgerPort", "LogPort", "loop_cancelled_check", "loop_checkpoint"]
+
+
+class LogPort(Protocol):
+    """What the engine asks of a durable ledger's log (``kvledger.core.log.EventLog``)."""
+
+    @property
+    def background(self) -> bool:
+        """Whether a writer thread writes and fsyncs (appends wait only under back-pressure)."""
+        ...
+
+    @property
+    def may_block(self) -> bool:
+        """Whether the next append could wait for the disk (back-pressure, a rotation due)."""
+        ...
+
+
+class LedgerPort(Protocol):
+    """What the engine calls on its ledger besides the commands it forwards (``Engine``): the
+    step records, the digest and what it reports (``kvledger.core.ledger.Ledger`` is one)."""
+
+    @property
+    def geometry(self) -> Geometry: ...
+
+    @property
+    def seq(self) -> int: ...
+
+    @property
+    def open_step(self) -> int: ...
+
+    @property
+    def free_count(self) -> int: ...
+
+    @property
+    def state(self) -> LedgerState:
+        """Read by the step recorder (the steps in flight), on the ledger's path."""
+        ...
+
+    def seal_step(self, step: int) -> StepPlan: ...
+
+    def complete_step(self, step: int, rank: int) -> None: ...
+
+    def abort_step(self, step: int, reason: str = "") -> None: ...
+
+    def record_violation(self, step: int, rank: int, plane: int, page_id: int,
+                         kind: Literal["not_zero", "poison"]) -> None: ...
+
+    def digest(self) -> str: ...
 
 YIELD_EVERY_S = 200e-6  # commands on the loop give it a turn at least this often by default (_command_point)
 
@@ -87,21 +135,23 @@ _OPEN, _CLOSING, _CLOSED = "open", "closing", "closed"
 
 
 class LedgerAccess:
-    """The engine's serialized path to ``ledger`` (see the module docstring).
+    """The engine's serialized path to ``ledger`` (see the module docstring); ``log``: a durable
+    ledger's log, None for one in memory; ``close``: what closes the ledger (a durable one's
+    ``close``), the last call on the path.
 
     ``direct`` is True while a command may call the ledger right here, with no
     check left to make (open, a ledger that cannot block, nothing in the worker
     thread): the engine's commands read it first and call the ledger in place.
     """
 
-    def __init__(self, ledger: Any) -> None:
+    def __init__(self, ledger: LedgerPort, log: LogPort | None = None,
+                 close: Callable[[], None] | None = None) -> None:
         self.ledger = ledger
-        log = getattr(ledger, "log", None)
+        self.log = log
+        self._close_ledger = close
         self.durable = log is not None
-        self.threaded = self.durable and not getattr(log, "background", False)  # every call in the thread
-        self._may_block: Callable[[], bool] | None = None
-        if self.durable and not self.threaded and hasattr(type(log), "may_block"):
-            self._may_block = functools.partial(getattr, log, "may_block")
+        self.threaded = log is not None and not log.background  # every call in the thread
+        self._may_block = log is not None and not self.threaded  # (asked of the log at each call)
         self._limiter = anyio.CapacityLimiter(1)
         self._state = _OPEN
         self._broken: BaseException | None = None
@@ -140,13 +190,13 @@ class LedgerAccess:
 
     def _refresh(self) -> None:
         self.is_open = self._state is _OPEN
-        self.direct = (self.is_open and not self.threaded and self._may_block is None and self._waiting == 0)
+        self.direct = (self.is_open and not self.threaded and not self._may_block and self._waiting == 0)
 
     def _here(self) -> bool:
         """Whether a call may run on the loop now (never while another is in the worker thread)."""
         if self.threaded or self._waiting:
             return False
-        return self._may_block is None or not self._may_block()
+        return not self._may_block or self.log is None or not self.log.may_block
 
     # ------------------------------------------------------------------ the calls
 
@@ -226,9 +276,9 @@ class LedgerAccess:
             if self._state is not _CLOSED:
                 self._state = _CLOSED
                 self._refresh()
-            if self.durable and not self._ledger_closed:
+            if self._close_ledger is not None and not self._ledger_closed:
                 self._ledger_closed = True
-                await self._in_thread(self.ledger.close, ())
+                await self._in_thread(self._close_ledger, ())
 
     async def _command_point(self) -> None:
         """A command's cancellation point on the loop: the loop gets a turn (a full checkpoint:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
-from typing import Any
+import types
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence, Sized
+from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -15,8 +18,9 @@ from kvledger.core.errors import ConfigurationError, InvalidArgumentError
 from kvledger.core.events import Geometry
 from kvledger.core.ledger import Ledger
 from kvledger.durable import DurableLedger
-from kvledger.executors.executor import NO_INPUTS, RankExecutor, StepInputs
-from kvledger.logs import get_logger
+from kvledger.executors.backend import ClearBackend
+from kvledger.executors.executor import NO_INPUTS, RankContext, RankExecutor, StepInputs
+from kvledger.logs import Logger, get_logger
 
 from .access import YIELD_EVERY_S, LedgerAccess
 from .plugins import EventPublisher, MetricsHooks, StepHook
@@ -25,7 +29,65 @@ from .recorder import StepRecorder
 from .records import StepResult
 from .steps import InFlight, OneStep, StepRunner
 
-__all__ = ["Engine", "RankSpec"]
+if TYPE_CHECKING:  # pragma: no cover
+    from kvledger.wire.rank import WireLeader
+
+__all__ = ["Engine", "Graph", "RankSpec", "StepInputsArg", "forward"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+Graph = Callable[[RankContext, int, StepInputs], object]
+"""A rank's step graph: ``graph(ctx, step, inputs)``, a plain function or ``async def`` (its
+result, awaited if awaitable, is dropped)."""
+StepInputsArg = StepInputs | Sequence[StepInputs | None] | Mapping[int, StepInputs | None] | None
+"""``run_step``'s ``inputs``: none, one for every rank, or one per rank (a sequence or a mapping)."""
+
+
+def forward(command: Callable[Concatenate[Ledger, P], R]) -> Callable[Concatenate[Engine, P], Awaitable[R]]:
+    """The engine's form of one of the ledger's commands: the same parameters, awaited, and the
+    same result or error (nothing changed on an error). Its body, for ``Ledger.reserve``::
+
+        async def reserve(self, request, n, *, tenant=None):
+            if self._access.fast():
+                return self._ledger.reserve(request, n, tenant=tenant)
+            return await self._access.call(self._ledger.reserve, request, n, tenant=tenant)
+
+    ``access.fast()``: the ledger may be called right here (open, cannot block, nothing in the
+    worker thread) and the loop had its turn lately: a plain call on the loop, no await in
+    between (it cannot interleave with another call). Else ``access.call``: the loop's turn when
+    it is due (a cancellation point), then the call, here or in the worker thread.
+
+    The body is generated from the command's signature (as ``dataclasses`` generates
+    ``__init__``): written out, each call costs what a hand-written one does, where a
+    ``*args, **kwargs`` forwarder costs about 0.2 us more a command (bench/bench_engine.py's
+    commands). Type checkers see the command's own parameters (``ParamSpec``)."""
+    name = command.__name__
+    params = list(inspect.signature(command).parameters.values())[1:]  # (without self)
+    defaults = {f"_d{k}": p.default for k, p in enumerate(params) if p.default is not p.empty}
+    heads, passes, keyword = [], [], False
+    for k, p in enumerate(params):
+        if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            raise TypeError(f"forward: Ledger.{name} has a parameter of kind {p.kind.description}")
+        if p.kind is p.KEYWORD_ONLY and not keyword:
+            heads.append("*")
+            keyword = True
+        heads.append(p.name if p.default is p.empty else f"{p.name}=_d{k}")
+        passes.append(f"{p.name}={p.name}" if keyword else p.name)
+    args = ", ".join(passes)
+    source = (f"async def {name}(self, {', '.join(heads)}):\n"
+              f"    if self._access.fast():\n"
+              f"        return self._ledger.{name}({args})\n"
+              f"    return await self._access.call(self._ledger.{name}{', ' if args else ''}{args})\n")
+    namespace: dict[str, object] = dict(defaults)
+    exec(compile(source, f"<kvledger.engine.forward {name}>", "exec"), namespace)  # noqa: S102
+    forwarded = namespace[name]
+    assert isinstance(forwarded, types.FunctionType)
+    functools.update_wrapper(forwarded, command)  # the name, the signature (__wrapped__), the docstring
+    forwarded.__qualname__ = f"Engine.{name}"
+    summary = (command.__doc__ or "").strip().split("\n\n")[0]
+    forwarded.__doc__ = f"``Ledger.{name}``, awaited (``Engine``'s commands): {summary}"
+    return forwarded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +95,9 @@ class RankSpec:
     """One in-process rank.
 
     ``planes``: the rank's cache planes (torch tensors ``[num_pages, ...]``,
-    contiguous); none for a rank that holds no cache (its clear lists are still
-    validated). ``graph``: ``graph(ctx, step, inputs)``, sync or async, run after the
+    contiguous, or byte buffers whose first dimension is the page's:
+    ``kvledger.executors.bytes_backend.byte_plane``); none for a rank that holds no
+    cache (its clear lists are still validated). ``graph``: ``graph(ctx, step, inputs)``, sync or async, run after the
     clears; when every rank's planes are on the CPU and its graph is a plain function
     (or none), or when there is one rank, the ranks' jobs run inline in ``run_step``'s
     task, rank after rank (a graph that awaits anything is declared ``async def``);
@@ -44,10 +107,10 @@ class RankSpec:
     takes the engine's ``backend``.
     """
 
-    planes: Sequence[Any] = ()
-    graph: Callable | None = None
-    stream: Any = None
-    backend: Any = None
+    planes: Sequence[object] = ()
+    graph: Graph | None = None
+    stream: object = None
+    backend: str | ClearBackend | None = None
 
 
 class Engine:
@@ -73,8 +136,8 @@ class Engine:
         *,
         depth: int = 1,
         hooks: Sequence[StepHook] = (),
-        logger: Any = None,
-        leader: Any = None,
+        logger: Logger | None = None,
+        leader: WireLeader | None = None,
         publisher: EventPublisher | None = None,
         metrics: MetricsHooks | None = None,
         sanitize: bool = False,
@@ -84,7 +147,9 @@ class Engine:
         self._ledger = ledger
         self._executors = tuple(executors)
         self.world_size = len(self._executors)
-        self._access = LedgerAccess(ledger)
+        durable = ledger if isinstance(ledger, DurableLedger) else None
+        self._access = LedgerAccess(ledger, durable.log if durable is not None else None,
+                                    durable.close if durable is not None else None)
         self.depth = depth
         self._ranks = ranks
         self._recorder = StepRecorder(self._access, hooks, logger if logger is not None
@@ -135,21 +200,22 @@ class Engine:
     @property
     def kv_events(self) -> EventPublisher | None:
         """The KV event publisher (``kvledger.kvevents.KVEventPublisher``) of ``open_engine(...,
-        kv_events=...)``, or None; ``kv_events.endpoint`` is the PUB endpoint as bound."""
+        extras=ExtraOptions(kv_events=...))``, or None; ``kv_events.endpoint`` is the PUB endpoint
+        as bound."""
         return self._kv_events
 
     @property
     def sanitize(self) -> bool:
-        """Whether the engine runs in sanitize mode (``open_engine(..., sanitize=True)``)."""
+        """Whether the engine runs in sanitize mode (``ExtraOptions(sanitize=True)``)."""
         return self._sanitize
 
     @property
-    def leader(self) -> Any:
+    def leader(self) -> WireLeader | None:
         """The wire leader (``kvledger.wire.WireLeader``) driving the remote ranks, or ``None``."""
         return self._leader
 
     @property
-    def remote_ranks(self) -> frozenset:
+    def remote_ranks(self) -> frozenset[int]:
         """Engine rank numbers of the remote peers whose links are live (empty without ``remote``)."""
         leader = self._leader
         if leader is None:
@@ -175,80 +241,20 @@ class Engine:
 
     # ------------------------------------------------------------------ commands
     #
-    # ``access.fast()``: the ledger may be called right here (open, cannot block, nothing in
-    # the worker thread) and the loop had its turn lately: a plain call on the loop, no await
-    # in between (it cannot interleave with another call). Else ``access.call``: the loop's
-    # turn when it is due (a cancellation point), then the call, here or in the worker thread.
+    # Each is the ledger's command of the same name, awaited, declared once (``forward``).
 
-    async def reserve(self, request: int, n: int, *, tenant: str | None = None) -> tuple[int, ...]:
-        """``Ledger.reserve``: ``n`` free pages for ``request``. ``OutOfPagesError`` under pressure."""
-        if self._access.fast():
-            return self._ledger.reserve(request, n, tenant=tenant)
-        return await self._access.call(self._ledger.reserve, request, n, tenant=tenant)
-
-    async def return_reservation(self, request: int, pages: Iterable[int] | None = None) -> tuple[int, ...]:
-        if self._access.fast():
-            return self._ledger.return_reservation(request, pages)
-        return await self._access.call(self._ledger.return_reservation, request, pages)
-
-    async def commit(
-        self, request: int, step: int, n: int | None = None, *, pages: Iterable[int] | None = None
-    ) -> tuple[int, ...]:
-        """``Ledger.commit``: returns the page ids that joined ``step``'s clear list."""
-        if self._access.fast():
-            return self._ledger.commit(request, step, n, pages=pages)
-        return await self._access.call(self._ledger.commit, request, step, n, pages=pages)
-
-    async def cancel(self, request: int) -> None:
-        if self._access.fast():
-            self._ledger.cancel(request)
-            return
-        await self._access.call(self._ledger.cancel, request)
-
-    async def finish(self, request: int) -> None:
-        if self._access.fast():
-            self._ledger.finish(request)
-            return
-        await self._access.call(self._ledger.finish, request)
-
-    async def alias_snapshot(
-        self, snapshot: int, n: int | None = None, *, pages: Iterable[int] | None = None
-    ) -> tuple[int, ...]:
-        if self._access.fast():
-            return self._ledger.alias_snapshot(snapshot, n, pages=pages)
-        return await self._access.call(self._ledger.alias_snapshot, snapshot, n, pages=pages)
-
-    async def release_snapshot(self, snapshot: int) -> None:
-        if self._access.fast():
-            self._ledger.release_snapshot(snapshot)
-            return
-        await self._access.call(self._ledger.release_snapshot, snapshot)
-
-    async def start_restore(
-        self, pages: Iterable[int], *, request: int | None = None, snapshot: int | None = None
-    ) -> None:
-        if self._access.fast():
-            self._ledger.start_restore(pages, request=request, snapshot=snapshot)
-            return
-        await self._access.call(self._ledger.start_restore, pages, request=request, snapshot=snapshot)
-
-    async def complete_restore(
-        self, pages: Iterable[int], *, request: int | None = None, snapshot: int | None = None
-    ) -> None:
-        if self._access.fast():
-            self._ledger.complete_restore(pages, request=request, snapshot=snapshot)
-            return
-        await self._access.call(self._ledger.complete_restore, pages, request=request, snapshot=snapshot)
-
-    async def publish(self, request: int, hashes: Sequence[int | bytes], token_ids: Sequence[int], *,
-                      start: int | None = None, parent_hash: int | bytes | None = None, lora_id: int | None = None,
-                      lora_name: str | None = None) -> tuple[int, ...]:
-        """``Ledger.publish``: full KV pages of ``request`` (written in a completed step) gain block
-        hashes; a KV event publisher sends them with the next batch."""
-        kw: dict[str, Any] = {"start": start, "parent_hash": parent_hash, "lora_id": lora_id, "lora_name": lora_name}
-        if self._access.fast():
-            return self._ledger.publish(request, hashes, token_ids, **kw)
-        return await self._access.call(self._ledger.publish, request, hashes, token_ids, **kw)
+    reserve = forward(Ledger.reserve)
+    return_reservation = forward(Ledger.return_reservation)
+    commit = forward(Ledger.commit)
+    cancel = forward(Ledger.cancel)
+    finish = forward(Ledger.finish)
+    alias_snapshot = forward(Ledger.alias_snapshot)
+    release_snapshot = forward(Ledger.release_snapshot)
+    start_restore = forward(Ledger.start_restore)
+    complete_restore = forward(Ledger.complete_restore)
+    publish = forward(Ledger.publish)
+    share = forward(Ledger.share)
+    evict = forward(Ledger.evict)
 
     async def lookup(self, hashes: Iterable[int | bytes], *, tenant: str | None = None) -> int:
         """``Ledger.lookup``: how many leading blocks of ``hashes`` are ready to ``share`` (the
@@ -264,25 +270,13 @@ class Engine:
             metrics.prefix_lookup(len(hashes), found)  # type: ignore[arg-type]
         return found
 
-    async def share(self, request: int, hashes: Sequence[int | bytes], *, tenant: str | None = None
-                    ) -> tuple[int, ...]:
-        """``Ledger.share``: the pages holding ``hashes`` join ``request``'s block table."""
-        if self._access.fast():
-            return self._ledger.share(request, hashes, tenant=tenant)
-        return await self._access.call(self._ledger.share, request, hashes, tenant=tenant)
-
-    async def evict(self, n: int | None = None, *, pages: Iterable[int] | None = None) -> tuple[int, ...]:
-        """``Ledger.evict``: cached pages go free (the ``n`` least recently used, the named ones, or all)."""
-        if self._access.fast():
-            return self._ledger.evict(n, pages=pages)
-        return await self._access.call(self._ledger.evict, n, pages=pages)
-
-    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn(ledger, *args)`` with exclusive access to the ledger, where its commands
+    async def call(self, fn: Callable[Concatenate[Ledger, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run ``fn(ledger, *args, **kwargs)`` with exclusive access to the ledger, where its commands
         run (on the loop, or in the worker thread for a log that fsyncs inline): several
         commands for one thread hop, or a consistent query. Do not seal, complete or abort
         steps here (``run_step`` does), nor wait for the disk (``flush`` does)."""
-        return await self._access.call(fn, self._ledger, *args)
+        result: R = await self._access.call(fn, self._ledger, *args, **kwargs)
+        return result
 
     async def digest(self) -> str:
         """The ledger state's digest (equal to a replay of its events / its log)."""
@@ -321,7 +315,7 @@ class Engine:
 
     # ------------------------------------------------------------------ steps
 
-    async def run_step(self, step: int, inputs: Any = None, *, payload: bytes = b"") -> StepResult:
+    async def run_step(self, step: int, inputs: StepInputsArg = None, *, payload: bytes = b"") -> StepResult:
         """Seal ``step`` and run its plan on every rank: input copies -> clears -> graph.
 
         ``inputs``: ``None``; one ``StepInputs`` for every rank; or one per rank (a
@@ -364,14 +358,14 @@ class Engine:
             access.check_open()
         return await self._order.run(step, per_rank, payload)
 
-    def _inputs_for_ranks(self, inputs: Any) -> list[StepInputs]:
+    def _inputs_for_ranks(self, inputs: object) -> list[StepInputs]:
         n = self.world_size
         if inputs is None:
             return self._no_inputs
         if isinstance(inputs, StepInputs):
             return [inputs] * n
         out = list(self._no_inputs)
-        items: Iterable[tuple[Any, Any]]
+        items: Iterable[tuple[object, object]]
         if isinstance(inputs, Mapping):
             items = inputs.items()
         elif isinstance(inputs, (list, tuple)):

@@ -9,7 +9,7 @@
                            one rank, or every rank inline-able (CPU planes, a plain-function
                            graph)                               InlineRanks
                            otherwise                            DispatchedRanks
-                           remote=RemoteRanks(...)              WireRanks around either, on a
+                           remote=RemoteOptions(...)              WireRanks around either, on a
                                                                 wire leader opened here
                         and the order of steps: depth 1 OneStep, depth > 1 InFlight (steps.py)
                      ─► Engine(...) ─► metrics.track_engine(engine) ─► task group: the
@@ -20,50 +20,35 @@
                         the log closed, the last call on the ledger's path; the publisher
                         stopped (it sends its last batch)
 
-The options of ``open_engine``:
+The options of ``open_engine``, on their own or in a group:
 
     ranks            an int (that many ranks with no cache planes) or a sequence of RankSpec
     policy           the clear policy (default "released_aliases"; an existing log keeps its
                      own, and naming another raises ConfigurationError)
-    backend          the clear backend for ranks that name none: "torch", "cuda", "triton"
+    backend          the clear backend for ranks that name none: "bytes", "torch", "cuda",
+                     "triton", or a ready ClearBackend; None (the default): "bytes" for byte
+                     buffer planes, "torch" for tensors (executors.backend.default_backend)
     log              a path: the log is created (geometry required) or reopened and replayed
                      (geometry may be None); ledger calls run on the loop for a log that writes
                      in the background, in the engine's worker thread for one that fsyncs inline
-    fsync, background   kvledger.durable.open_ledger's (None: its defaults)
-    log_options      other open_ledger options (max_lag_bytes, segment_bytes, retain_bytes,
-                     retain_segments, checkpoint_every, max_pages, layer)
     check            every invariant after every command (tests, debugging)
     record           keep the events in engine.ledger.events (in-memory ledgers only)
-    queue_size       bounds each rank's plan stream
-    drain_timeout_s  how long a failed or cancelled step waits for its other ranks to stop
-                     before recording the abort (a rank that has not answered by then is not
-                     recorded as completed; its late answer is dropped)
-    logger           a structlog logger for the engine's (the durable log's, the wire
-                     leader's) events; default kvledger.logs.get_logger under
+    logger           a structlog logger (kvledger.logs.Logger) for the engine's (the durable
+                     log's, the wire leader's) events; default kvledger.logs.get_logger under
                      "kvledger.engine" ("kvledger" for the log, "kvledger.wire" for the leader)
-    remote           a RemoteRanks (remote.py): the engine becomes the wire leader of
+    remote           a RemoteOptions (remote.py): the engine becomes the wire leader of
                      remote.world_size - 1 peers, listening on remote.listen
                      (engine.remote_address); a peer counts once it proved the job's key
                      (remote.key, else $KVLEDGER_WIRE_KEY, else a fresh one:
                      engine.leader.key); every step then needs all of them READY; on
                      exit the links are closed (peers see the end of the stream and return)
-    sanitize         debug mode (SPEC "The sanitizer", sanitizer.py): every local rank with
-                     planes runs copies -> poison -> clear -> check -> graph; a violation is
-                     recorded (SanitizerViolation), the step aborted, and run_step raises
-                     SanitizerError with the page's lifecycle. Its backends must poison and
-                     check (every kvledger backend does). Off: nothing of it runs
-    metrics          a kvledger.metrics.LedgerMetrics: its observer on the ledger,
-                     track_engine, step_completed / step_failed per step, wire_decision per
-                     remote handshake, sanitizer_violation; with a log, its timed file layer
-                     (unless log_options names a layer)
-    kv_events        a kvledger.kvevents.KVEventPublisher, or a ZMQ endpoint, vLLM's
-                     --kv-events-config JSON or a mapping of its fields to build one on
-                     (kvledger.kvevents.make_publisher; disabled there: none):
-                     started (if new) before the ledger opens, its observer on the ledger,
-                     flushed after each step's outcome is recorded, stopped at close
-    observers        more Ledger observers (seq, event, effects), called after the engine's
-                     own, in order; they must not raise
-    depth            steps in flight together (1 to MAX_IN_FLIGHT; default 1): up to depth
+
+    log_options=LogOptions(...)   how the log writes (kvledger.options: fsync, background,
+                     checkpoint_every, max_lag_bytes, max_pages, segment_bytes, retain_bytes,
+                     retain_segments, layer); unused without a log
+
+    steps=StepOptions(...)        how steps run (options.py):
+      depth          steps in flight together (1 to MAX_IN_FLIGHT; default 1): up to depth
                      run_step calls hold a sealed step at once, so the caller can issue step
                      k+1's commands and seal it while step k runs; the ranks run them one
                      after the other, in step order. A step that fails aborts itself and
@@ -71,16 +56,42 @@ The options of ``open_engine``:
                      step's completions; their clear lists all carry into the next step);
                      each later one runs nothing and raises StepFailedError naming the step
                      that failed. Local ranks only (with remote: ConfigurationError)
-    timings          CUDA ranks time every phase with CUDA events (RankTiming's copies_s,
+      queue_size     bounds each rank's plan stream
+      drain_timeout_s  how long a failed or cancelled step waits for its other ranks to stop
+                     before recording the abort (a rank that has not answered by then is not
+                     recorded as completed; its late answer is dropped)
+      timings        CUDA ranks time every phase with CUDA events (RankTiming's copies_s,
                      clear_s, graph_s, sanitize_s); default off: only the completion event is
                      recorded and those read 0.0 (total_s and clear_host_s are host times,
                      always there; CPU ranks always time their phases). On with metrics
                      or sanitize
-    yield_every_s    commands and steps run on the loop give it a turn (a full checkpoint:
+      yield_every_s  commands and steps run on the loop give it a turn (a full checkpoint:
                      deadlines fire, cancellations are delivered, other tasks run) at least
                      this often (default 200 us; 0: at every call, trio's rule, about 3 to 10
                      us a call on asyncio); run_step also refuses a caller already cancelled;
                      a call in the worker thread, or a step on dispatched ranks, always yields
+
+    extras=ExtraOptions(...)      what the engine wires in (options.py, extras.py):
+      sanitize       debug mode (SPEC "The sanitizer", sanitizer.py): every local rank with
+                     planes runs copies -> poison -> clear -> check -> graph; a violation is
+                     recorded (SanitizerViolation), the step aborted, and run_step raises
+                     SanitizerError with the page's lifecycle. Its backends must poison and
+                     check (every kvledger backend does). Off: nothing of it runs
+      metrics        a kvledger.metrics.LedgerMetrics: its observer on the ledger,
+                     track_engine, step_completed / step_failed per step, wire_decision per
+                     remote handshake, sanitizer_violation; with a log, its timed file layer
+                     (unless log_options names a layer)
+      kv_events      a kvledger.kvevents.KVEventPublisher, or a ZMQ endpoint, vLLM's
+                     --kv-events-config JSON or a mapping of its fields to build one on
+                     (kvledger.kvevents.make_publisher; disabled there: none):
+                     started (if new) before the ledger opens, its observer on the ledger,
+                     flushed after each step's outcome is recorded, stopped at close
+      observers      more Ledger observers (seq, event, effects), called after the engine's
+                     own, in order; they must not raise
+
+The flat keywords of earlier releases (fsync=, background=, depth=, queue_size=,
+drain_timeout_s=, timings=, yield_every_s=, sanitize=, metrics=, kv_events=, observers=,
+and log_options as a mapping) work for one more release, with a DeprecationWarning.
 """
 
 from __future__ import annotations
@@ -88,59 +99,69 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import anyio
 
 from kvledger.core.errors import ConfigurationError, InvalidArgumentError
 from kvledger.core.events import CLEAR_POLICIES, Geometry
 from kvledger.core.ledger import EventObserver, Ledger
-from kvledger.core.state import MAX_IN_FLIGHT
 from kvledger.durable import DurableLedger
-from kvledger.executors.backend import ClearBackend, as_clear_backend, make_backend
+from kvledger.executors.backend import ClearBackend, as_clear_backend, make_backend, plane_device
+from kvledger.executors.backend import default_backend as default_backend_for
 from kvledger.executors.executor import RankExecutor
-from kvledger.logs import get_logger
+from kvledger.logs import Logger, get_logger
+from kvledger.options import LogOptions, log_options_of, regroup, split_flat, warn_flat
 
-from .access import YIELD_EVERY_S
 from .engine import Engine, RankSpec
 from .extras import Extras
+from .options import ExtraOptions, StepOptions
 from .ranks import DispatchedRanks, InlineRanks, RankStrategy, runs_inline
-from .remote import RemoteRanks
+from .remote import RemoteOptions
 from .remote_steps import WireRanks
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvledger.wire.rank import WireLeader
 
 __all__ = ["open_engine"]
 
 
-@contextlib.asynccontextmanager
-async def open_engine(
+# The flat keywords of earlier releases, by the group that holds them now (kept for one release).
+_FLAT = {
+    "fsync": "log_options", "background": "log_options",
+    "depth": "steps", "queue_size": "steps", "drain_timeout_s": "steps", "timings": "steps", "yield_every_s": "steps",
+    "sanitize": "extras", "metrics": "extras", "kv_events": "extras", "observers": "extras",
+}
+_GROUPS: dict[str, type] = {"log_options": LogOptions, "steps": StepOptions, "extras": ExtraOptions}
+
+
+def open_engine(
     geometry: Geometry | None = None,
     *,
-    log: Any = None,
-    ranks: Any = 1,
+    log: str | os.PathLike[str] | None = None,
+    ranks: int | RankSpec | Sequence[RankSpec] = 1,
     policy: str | None = None,
-    backend: Any = "torch",
+    backend: str | ClearBackend | None = None,
+    remote: RemoteOptions | None = None,
     check: bool = False,
     record: bool = False,
-    fsync: str | None = None,
-    background: bool | None = None,
-    queue_size: int = 1,
-    drain_timeout_s: float = 10.0,
-    logger: Any = None,
-    remote: RemoteRanks | None = None,
-    sanitize: bool = False,
-    metrics: Any = None,
-    kv_events: Any = None,
-    observers: Sequence[EventObserver] = (),
-    log_options: Mapping[str, Any] | None = None,
-    depth: int = 1,
-    timings: bool = False,
-    yield_every_s: float = YIELD_EVERY_S,
-) -> AsyncIterator[Engine]:
+    logger: Logger | None = None,
+    log_options: LogOptions | None = None,
+    steps: StepOptions | None = None,
+    extras: ExtraOptions | None = None,
+    **flat: object,
+) -> contextlib.AbstractAsyncContextManager[Engine]:
     """Open the embedded engine: a ledger (durable when ``log`` is a path) and one
     executor per rank, in a task group that lives as long as the ``async with``.
-    The options are described in this module's docstring.
+    The options are described in this module's docstring; ``log_options``, ``steps`` and
+    ``extras`` are their groups (``LogOptions``, ``StepOptions``, ``ExtraOptions``).
+
+    The flat keywords of earlier releases (``depth=``, ``sanitize=``, ``fsync=``, ...; see
+    ``kvledger.options``) are folded into their groups with a ``DeprecationWarning``, here,
+    when it is called; an unknown keyword raises ``TypeError`` here too.
 
     Raises ``InvalidArgumentError`` / ``ConfigurationError`` for bad arguments or
     planes that do not fit the geometry (nothing opened), ``ConfigurationError`` for
@@ -151,29 +172,47 @@ async def open_engine(
     then the executors stop, the log is closed (``kvledger.engine`` says what
     callers see; nothing is written after it) and the KV event publisher stops.
     """
+    grouped = split_flat("open_engine", flat, _FLAT)
+    lo = log_options_of("open_engine", log_options, grouped.get("log_options", {}), stacklevel=None)
+    st = regroup("open_engine", "steps", StepOptions, steps, grouped.get("steps", {}), stacklevel=None)
+    ex = regroup("open_engine", "extras", ExtraOptions, extras, grouped.get("extras", {}), stacklevel=None)
+    if grouped:  # (after the groups were made: a refused call warns about nothing)
+        warn_flat("open_engine", {p: (_GROUPS[p], grouped[p]) for p in grouped}, stacklevel=3)
+    st = st if st is not None else StepOptions()
+    ex = ex if ex is not None else ExtraOptions()
+    return _open(geometry, log, ranks, policy, backend, remote, check, record, logger, lo, st, ex)
+
+
+@contextlib.asynccontextmanager
+async def _open(geometry: Geometry | None, log: str | os.PathLike[str] | None,
+                ranks: int | RankSpec | Sequence[RankSpec], policy: str | None, backend: str | ClearBackend | None,
+                remote: RemoteOptions | None, check: bool, record: bool, logger: Logger | None,
+                log_options: LogOptions, steps: StepOptions, extras: ExtraOptions) -> AsyncIterator[Engine]:
+    """``open_engine``'s body, its options grouped (see there)."""
     specs = _rank_specs(ranks)
-    _check_options(remote, policy, queue_size, depth, timings, yield_every_s)
-    extras = Extras(sanitize=sanitize, metrics=metrics, kv_events=kv_events, observers=observers)
-    extras.start()
+    _check_options(remote, policy, steps)
+    wired = Extras(extras)
+    wired.start()
     try:
-        ledger = await _open_ledger(geometry, log, policy, check, record, fsync, background, logger,
-                                    extras.observer, extras.log_options(log_options) if log is not None else None)
+        ledger = await _open_ledger(geometry, log, policy, check, record, logger, wired.observer,
+                                    wired.log_options(log_options))
         engine: Engine | None = None
         try:
-            executors = _build_executors(specs, ledger.geometry.num_pages, backend, sanitize,
-                                         timings or sanitize or extras.metrics is not None)
-            local = _local_ranks(executors, queue_size, drain_timeout_s)
-            async with _wire(ledger, local, remote, extras, logger) as (ranks, leader, address):
-                engine = Engine(ledger, executors, ranks, depth=depth, hooks=extras.hooks, logger=logger,
-                                leader=leader, publisher=extras.publisher, metrics=extras.metrics,
-                                sanitize=sanitize, remote_address=address, yield_every_s=float(yield_every_s))
-                extras.attach(engine)
+            executors = _build_executors(specs, ledger.geometry.num_pages, backend, extras.sanitize,
+                                         steps.timings or extras.sanitize or wired.metrics is not None)
+            local = _local_ranks(executors, steps.queue_size, steps.drain_timeout_s)
+            async with _wire(ledger, local, remote, wired, logger) as (strategy, leader, address):
+                engine = Engine(ledger, executors, strategy, depth=steps.depth, hooks=wired.hooks, logger=logger,
+                                leader=leader, publisher=wired.publisher, metrics=wired.metrics,
+                                sanitize=extras.sanitize, remote_address=address,
+                                yield_every_s=float(steps.yield_every_s))
+                wired.attach(engine)
                 async with _running(engine):
                     yield engine
         finally:
             await _close(engine, ledger)
     finally:
-        await extras.stop()
+        await wired.stop()
 
 
 def _local_ranks(executors: list[RankExecutor], queue_size: int, drain_timeout_s: float) -> RankStrategy:
@@ -194,35 +233,25 @@ async def _close(engine: Engine | None, ledger: Ledger) -> None:
             await anyio.to_thread.run_sync(ledger.close)
 
 
-def _check_options(remote: Any, policy: str | None, queue_size: Any, depth: Any, timings: Any,
-                   yield_every_s: Any) -> None:
-    if remote is not None and not isinstance(remote, RemoteRanks):
-        raise InvalidArgumentError(f"remote must be a RemoteRanks or None, got {type(remote).__name__}")
+def _check_options(remote: object, policy: str | None, steps: StepOptions) -> None:
+    if remote is not None and not isinstance(remote, RemoteOptions):
+        raise InvalidArgumentError(f"remote must be a RemoteOptions or None, got {type(remote).__name__}")
     if policy is not None and policy not in CLEAR_POLICIES:
         raise ConfigurationError(f"unknown clear policy {policy!r}; one of {CLEAR_POLICIES}")
-    if type(queue_size) is not int or queue_size < 1:
-        raise InvalidArgumentError(f"queue_size must be an int >= 1, got {queue_size!r}")
-    if type(depth) is not int or not 1 <= depth <= MAX_IN_FLIGHT:
-        raise InvalidArgumentError(f"depth must be an int from 1 to {MAX_IN_FLIGHT}, got {depth!r}")
-    if depth > 1 and remote is not None:
+    if steps.depth > 1 and remote is not None:
         raise ConfigurationError("steps in flight together (depth > 1) run on local ranks only, not with remote ranks")
-    if type(timings) is not bool:
-        raise InvalidArgumentError(f"timings must be True or False, got {timings!r}")
-    if type(yield_every_s) not in (int, float) or not 0 <= yield_every_s <= 1:
-        raise InvalidArgumentError(f"yield_every_s must be a number of seconds from 0 to 1, got {yield_every_s!r}")
 
 
-def _rank_specs(ranks: Any) -> list[RankSpec]:
+def _rank_specs(ranks: object) -> list[RankSpec]:
     if type(ranks) is int:
         if ranks < 1:
             raise InvalidArgumentError(f"ranks must be >= 1, got {ranks}")
         return [RankSpec() for _ in range(ranks)]
     if isinstance(ranks, RankSpec):
         return [ranks]
-    try:
-        specs = list(ranks)
-    except TypeError:
-        raise InvalidArgumentError(f"ranks must be an int or a sequence of RankSpec, got {ranks!r}") from None
+    if not isinstance(ranks, Iterable):
+        raise InvalidArgumentError(f"ranks must be an int or a sequence of RankSpec, got {ranks!r}")
+    specs = list(ranks)
     if not specs:
         raise InvalidArgumentError("ranks must name at least one rank")
     for i, s in enumerate(specs):
@@ -231,15 +260,17 @@ def _rank_specs(ranks: Any) -> list[RankSpec]:
     return specs
 
 
-def _build_executors(specs: list[RankSpec], num_pages: int, default_backend: Any,
+def _build_executors(specs: list[RankSpec], num_pages: int, default_backend: str | ClearBackend | None,
                      sanitize: bool = False, timings: bool = False) -> list[RankExecutor]:
     world = len(specs)
     out = []
     for rank, spec in enumerate(specs):
         planes = tuple(spec.planes)
-        device = planes[0].device if planes else None
+        device = plane_device(planes[0]) if planes else None
         stream = _model_stream(device, spec.stream)
         chosen = spec.backend if spec.backend is not None else default_backend
+        if chosen is None:
+            chosen = default_backend_for(planes)
         backend: ClearBackend | None
         if isinstance(chosen, str):
             backend = make_backend(chosen, planes, stream=stream) if planes else None
@@ -257,7 +288,7 @@ def _build_executors(specs: list[RankSpec], num_pages: int, default_backend: Any
     return out
 
 
-def _model_stream(device: Any, stream: Any) -> Any:
+def _model_stream(device: object, stream: object) -> object:
     """A rank's model stream, resolved once: the one given, or for CUDA planes the device's
     current stream now (what the executor takes by default), handed to the backend too, so
     that no clear looks the current stream up (a device lookup and a new stream object each)."""
@@ -265,11 +296,13 @@ def _model_stream(device: Any, stream: Any) -> Any:
         return stream
     import torch
 
+    assert isinstance(device, torch.device)  # (a CUDA plane's)
     return torch.cuda.current_stream(device)
 
 
-async def _open_ledger(geometry, log, policy, check, record, fsync, background, logger, observer,
-                       log_options) -> Ledger:
+async def _open_ledger(geometry: Geometry | None, log: str | os.PathLike[str] | None, policy: str | None,
+                       check: bool, record: bool, logger: Logger | None, observer: EventObserver | None,
+                       log_options: LogOptions) -> Ledger:
     """The ledger: in memory, or durable when ``log`` is a path (opened in a worker thread),
     with ``observer`` (the engine's composed one, or None). Cancelled while the log opens
     (asyncio's ``task.cancel()`` reaches through anyio's shield), the ledger the thread
@@ -280,16 +313,8 @@ async def _open_ledger(geometry, log, policy, check, record, fsync, background, 
         return Ledger(geometry, policy=policy or "released_aliases", check=check, record=record, observer=observer)
     from kvledger.durable import open_ledger
 
-    options: dict[str, Any] = dict(log_options or {})
-    clash = {"policy", "check", "logger", "fsync", "background", "observer", "path", "geometry"} & options.keys()
-    if clash:
-        raise InvalidArgumentError(f"log_options may not name {sorted(clash)}: they are open_engine's own options")
-    options.update(policy=policy, check=check, logger=logger, observer=observer)
-    if fsync is not None:
-        options["fsync"] = fsync
-    if background is not None:
-        options["background"] = background
-    opening = _Opening(functools.partial(open_ledger, log, geometry, **options))
+    opening = _Opening(functools.partial(open_ledger, log, geometry, policy=policy, check=check, logger=logger,
+                                         observer=observer, log_options=log_options))
     try:
         await anyio.to_thread.run_sync(opening.run)
     except BaseException:
@@ -367,8 +392,8 @@ class _Opening:
 
 
 @contextlib.asynccontextmanager
-async def _wire(ledger: Ledger, local: RankStrategy, remote: RemoteRanks | None, extras: Extras, logger: Any
-                ) -> AsyncIterator[tuple[RankStrategy, Any, tuple[str, int] | None]]:
+async def _wire(ledger: Ledger, local: RankStrategy, remote: RemoteOptions | None, extras: Extras,
+                logger: Logger | None) -> AsyncIterator[tuple[RankStrategy, WireLeader | None, tuple[str, int] | None]]:
     """The ranks' strategy: ``local``, or, with remote ranks, the wire leader's around it
     (``WireRanks``), listening on ``remote.listen``; yields (strategy, leader, address). On
     exit the leader's links close (peers see the end of the stream and return)."""

@@ -1,10 +1,10 @@
 """The engine's typed seams: what it calls on metrics, a KV event publisher, and step hooks.
 
-    MetricsHooks     what the engine calls on ``open_engine(..., metrics=...)``
+    MetricsHooks     what the engine calls on ``ExtraOptions(metrics=...)``
                      (kvledger.metrics.LedgerMetrics is one): observe, track_engine,
                      step_completed, step_failed, wire_decision, sanitizer_violation,
                      timed_layer, prefix_lookup
-    EventPublisher   what it calls on ``kv_events=`` (kvledger.kvevents.KVEventPublisher
+    EventPublisher   what it calls on ``ExtraOptions(kv_events=)`` (kvledger.kvevents.KVEventPublisher
                      is one): running, start, observe, flush, stop
     StepHook         one list of hooks the step runner calls, in order, for every step:
 

@@ -10,13 +10,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
-
+import anyio
 import msgspec
 
 from kvledger.core.errors import StepFailedError
 from kvledger.core.events import StepPlan
 from kvledger.executors.executor import RankTiming, StepInputs, StepJob, StepReplies
+from kvledger.executors.sanitize import Violation
 
 __all__ = ["SealedStep", "StepResult", "StepSettled", "jobs_for"]
 
@@ -58,7 +58,7 @@ class StepSettled:
     __slots__ = ("step", "result", "error", "violations")
 
     def __init__(self, step: int, result: StepResult | None = None, error: StepFailedError | None = None,
-                 violations: Sequence[tuple[int, Any]] = ()) -> None:
+                 violations: Sequence[tuple[int, Violation]] = ()) -> None:
         self.step = step
         self.result = result
         self.error = error
@@ -66,7 +66,7 @@ class StepSettled:
 
 
 def jobs_for(sealed: SealedStep, inputs: Sequence[StepInputs], reply: StepReplies,
-             scopes: Sequence[Any] | None = None) -> list[StepJob]:
+             scopes: Sequence[anyio.CancelScope] | None = None) -> list[StepJob]:
     """The one place a step's jobs are built: one ``StepJob`` per rank of ``inputs``, answering
     to ``reply``, each under its own cancel scope (``scopes``) or under its caller's (None),
     marked checked (a sealed plan's clear list: the backend may skip its id check)."""

@@ -3,7 +3,7 @@
     leader (the engine's process)                     peer (another task, process or host)
     ─────────────────────────────                     ────────────────────────────────────
     async with open_engine(g, ranks=[RankSpec(planes=p0)],
-                           remote=RemoteRanks(world_size=3, listen=("127.0.0.1", 0))) as engine:
+                           remote=RemoteOptions(world_size=3, listen=("127.0.0.1", 0))) as engine:
         host, port = engine.remote_address    ──►  await serve_remote_rank(host, port, g, rank=1,
         key = engine.leader.key               ──►          world_size=3, planes=p1, key=key)
         await engine.wait_remote(timeout=5)
@@ -13,7 +13,7 @@
                                              nothing cleared anywhere, StepAborted recorded
 
 Who may be a rank: a peer counts only once it proved the job's key
-(``kvledger.wire.auth``). ``RemoteRanks.key`` is that key; without one the
+(``kvledger.wire.auth``). ``RemoteOptions.key`` is that key; without one the
 engine takes ``$KVLEDGER_WIRE_KEY`` (hex) or makes a fresh key per job, which
 ``engine.leader.key`` hands to the peers (``serve_remote_rank(..., key=)``; a
 peer without ``key=`` reads ``$KVLEDGER_WIRE_KEY``; a rank in the engine's own
@@ -29,7 +29,7 @@ local ranks come first, so wire rank ``w`` is engine rank ``local_ranks - 1 + w`
 Remote completions (wire layout 8). A peer answers each LAUNCH with COMPLETE
 once its clears and graph are done, or failed (``run_peer`` sends it; the
 detail names the error). ``collect_remote`` waits for those frames, up to
-``RemoteRanks.complete_timeout``, and turns them into engine ranks: one that
+``RemoteOptions.complete_timeout``, and turns them into engine ranks: one that
 sent COMPLETE ok has run the step and is recorded ``StepCompleted`` like a local
 rank; one that failed, whose link was lost, or that stayed silent past the
 deadline is a failure naming that rank, and the step is recorded as aborted
@@ -51,21 +51,30 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+import warnings
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
 
 from kvledger.core.errors import InvalidArgumentError, WireProtocolError
-from kvledger.logs import get_logger
+from kvledger.core.events import Geometry
+from kvledger.logs import Logger, get_logger
 
-__all__ = ["RemoteRanks", "RemoteOutcome", "collect_remote", "engine_rank", "serve_remote_rank"]
+if TYPE_CHECKING:  # pragma: no cover
+    from kvledger.executors.backend import ClearBackend
+    from kvledger.wire.rank import WireLeader
+
+__all__ = ["RemoteOptions", "RemoteOutcome", "collect_remote", "engine_rank", "serve_remote_rank"]
 
 
 @dataclasses.dataclass(frozen=True)
-class RemoteRanks:
-    """Peers the engine drives through the wire (see the module docstring).
+class RemoteOptions:
+    """The options of the peers the engine drives through the wire (``open_engine(...,
+    remote=RemoteOptions(...))``; the module docstring). A record, frozen: the strategy that
+    runs a step over the wire is ``remote_steps.WireRanks``. (``RemoteRanks``, its name
+    before, is a deprecated alias for one more release.)
 
     ``world_size``: the wire group's size, the engine (rank 0) included, so
     ``world_size - 1`` peers; peers pass the same number to ``run_peer``.
@@ -98,33 +107,33 @@ class RemoteRanks:
 
     def __post_init__(self) -> None:
         if type(self.world_size) is not int or self.world_size < 2:
-            raise InvalidArgumentError("RemoteRanks.world_size must be an int >= 2 (the engine and a peer), "
+            raise InvalidArgumentError("RemoteOptions.world_size must be an int >= 2 (the engine and a peer), "
                                        f"got {self.world_size!r}")
         if not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
-            raise InvalidArgumentError("RemoteRanks.timeout must be a positive number of seconds, "
+            raise InvalidArgumentError("RemoteOptions.timeout must be a positive number of seconds, "
                                        f"got {self.timeout!r}")
         if not isinstance(self.complete_timeout, (int, float)) or not self.complete_timeout > 0:
-            raise InvalidArgumentError("RemoteRanks.complete_timeout must be a positive number of seconds, "
+            raise InvalidArgumentError("RemoteOptions.complete_timeout must be a positive number of seconds, "
                                        f"got {self.complete_timeout!r}")
         if not isinstance(self.close_grace, (int, float)) or self.close_grace < 0:
-            raise InvalidArgumentError(f"RemoteRanks.close_grace must be >= 0, got {self.close_grace!r}")
+            raise InvalidArgumentError(f"RemoteOptions.close_grace must be >= 0, got {self.close_grace!r}")
         if self.key is not None:
             from kvledger.wire.auth import check_key
 
-            check_key(self.key, "RemoteRanks.key")
+            check_key(self.key, "RemoteOptions.key")
         if not isinstance(self.handshake_timeout, (int, float)) or not self.handshake_timeout > 0:
-            raise InvalidArgumentError("RemoteRanks.handshake_timeout must be a positive number of seconds, "
+            raise InvalidArgumentError("RemoteOptions.handshake_timeout must be a positive number of seconds, "
                                        f"got {self.handshake_timeout!r}")
         if type(self.max_pending) is not int or self.max_pending < 1:
-            raise InvalidArgumentError(f"RemoteRanks.max_pending must be an int >= 1, got {self.max_pending!r}")
+            raise InvalidArgumentError(f"RemoteOptions.max_pending must be an int >= 1, got {self.max_pending!r}")
         if self.pinned is not None and not isinstance(self.pinned, Mapping):
-            raise InvalidArgumentError(f"RemoteRanks.pinned must be a mapping of rank to IP address, "
+            raise InvalidArgumentError(f"RemoteOptions.pinned must be a mapping of rank to IP address, "
                                        f"got {self.pinned!r}")
         if self.listen is not None:
             ok = isinstance(self.listen, tuple) and len(self.listen) == 2 and isinstance(self.listen[0], str) \
                 and type(self.listen[1]) is int and 0 <= self.listen[1] < 65536
             if not ok:
-                raise InvalidArgumentError(f"RemoteRanks.listen must be None or (host, port), got {self.listen!r}")
+                raise InvalidArgumentError(f"RemoteOptions.listen must be None or (host, port), got {self.listen!r}")
 
 
 def engine_rank(wire_rank: int, local_ranks: int) -> int:
@@ -164,7 +173,7 @@ class RemoteOutcome(msgspec.Struct, frozen=True, kw_only=True):
         return f"rank {rank} did not complete the step over the wire: code {int(err.code)}: {err.detail}"
 
 
-async def collect_remote(leader: Any, remote: RemoteRanks, step: int, *, local_ranks: int) -> RemoteOutcome:
+async def collect_remote(leader: WireLeader, remote: RemoteOptions, step: int, *, local_ranks: int) -> RemoteOutcome:
     """Wait (up to ``remote.complete_timeout`` s) for the COMPLETEs of launched ``step`` from
     every peer it went to, and return them in engine ranks (``RemoteOutcome``).
 
@@ -192,32 +201,33 @@ async def collect_remote(leader: Any, remote: RemoteRanks, step: int, *, local_r
     )
 
 
-def _first(item: tuple[int, Any]) -> int:
+def _first(item: tuple[int, object]) -> int:
     return item[0]
 
 
 async def serve_remote_rank(
     host: str,
     port: int,
-    geometry: Any,
+    geometry: Geometry,
     *,
     rank: int,
     world_size: int,
-    planes: Sequence[Any] = (),
-    backend: Any = "torch",
-    on_step: Callable[[int, Any, bytes], Any] | None = None,
-    on_drop: Callable[[int, int, int], Any] | None = None,
+    planes: Sequence[object] = (),
+    backend: str | ClearBackend | None = None,
+    on_step: Callable[[int, Sequence[int], bytes], object] | None = None,
+    on_drop: Callable[[int, int, int], Awaitable[None] | None] | None = None,
     connect_timeout: float = 10.0,
     hello_timeout: float = 10.0,
-    logger: Any = None,
+    logger: Logger | None = None,
     key: bytes | None = None,
-) -> dict:
+) -> dict[str, int]:
     """Serve wire rank ``rank`` of an engine listening on ``host:port`` until it closes.
 
     Each LAUNCH clears the step's pages in ``planes`` through the clear backend
-    ``backend`` (a name for ``kvledger.executors.backend.make_backend`` or a ready
-    ``ClearBackend``), then calls ``on_step(step, clear_pages, payload)`` if given,
-    then sends COMPLETE (ok); an ABORT clears nothing (``on_drop(step, code,
+    ``backend`` (a name for ``kvledger.executors.backend.make_backend``, a ready
+    ``ClearBackend``, or None: ``bytes`` for byte buffer planes, ``torch`` for
+    tensors), then calls ``on_step(step, clear_list, payload)`` if given, then
+    sends COMPLETE (ok); an ABORT clears nothing (``on_drop(step, code,
     culprit_rank)``). Returns the link's counters. ``key``: the job's key to prove
     (``engine.leader.key``; None: ``$KVLEDGER_WIRE_KEY``). Raises ``TimeoutError`` /
     ``OSError`` when the engine cannot be reached, ``ConfigurationError`` without a
@@ -231,19 +241,20 @@ async def serve_remote_rank(
     from kvledger.wire.rank import run_peer
     from kvledger.wire.transport import connect_tcp
 
-    from kvledger.executors.backend import ClearBackend, as_clear_backend, make_backend
+    from kvledger.executors.backend import as_clear_backend, default_backend, make_backend
 
     clearer: ClearBackend | None
-    if isinstance(backend, str):
-        clearer = make_backend(backend, tuple(planes)) if planes else None
+    if backend is None or isinstance(backend, str):
+        planes = tuple(planes)
+        clearer = make_backend(backend or default_backend(planes), planes) if planes else None
     else:
         clearer = as_clear_backend(backend, geometry.num_pages) if backend is not None else None
 
-    async def on_launch(step: int, clear_pages: Any, payload: bytes) -> None:
-        if clearer is not None and len(clear_pages):
-            clearer.clear(clear_pages)
+    async def on_launch(step: int, clear_list: Sequence[int], payload: bytes) -> None:
+        if clearer is not None and len(clear_list):
+            clearer.clear(clear_list)
         if on_step is not None:
-            r = on_step(step, clear_pages, payload)
+            r = on_step(step, clear_list, payload)
             if inspect.isawaitable(r):
                 await r
 
@@ -253,3 +264,19 @@ async def serve_remote_rank(
         stream, geometry, rank=rank, world_size=world_size, key=key, on_launch=on_launch, on_drop=on_drop,
         hello_timeout=hello_timeout, logger=logger if logger is not None else get_logger("kvledger.wire"),
     )
+
+
+def remote_ranks_alias(stacklevel: int = 3) -> type[RemoteOptions]:
+    """``RemoteRanks``, ``RemoteOptions``'s name before: the class, with a DeprecationWarning at the
+    user's line (``stacklevel`` counted from here). Kept for one more release."""
+    warnings.warn("kvledger.engine.RemoteRanks is deprecated: it is RemoteOptions (the options of the "
+                  "remote ranks; the strategy is WireRanks); the old name goes in the next release",
+                  DeprecationWarning, stacklevel=stacklevel)
+    return RemoteOptions
+
+
+def __getattr__(name: str) -> type[RemoteOptions]:
+    """Deprecated names, for one more release (each access warns): ``RemoteRanks``."""
+    if name == "RemoteRanks":
+        return remote_ranks_alias()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import anyio
 from anyio.abc import TaskGroup
@@ -24,10 +24,15 @@ from anyio.abc import TaskGroup
 from kvledger.core.errors import StepFailedError, WireProtocolError
 from kvledger.core.events import StepPlan
 from kvledger.executors.executor import RankOutcome, StepInputs, StepReplies
+from kvledger.logs import Logger, get_logger
 
 from .ranks import RankStrategy
 from .records import SealedStep
-from .remote import RemoteRanks, collect_remote
+from .remote import RemoteOptions, collect_remote
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvledger.wire.protocol import Decision
+    from kvledger.wire.rank import WireLeader
 
 __all__ = ["WireRanks"]
 
@@ -38,13 +43,13 @@ class WireRanks:
 
     may_yield = always_yields = True
 
-    def __init__(self, local: RankStrategy, leader: Any, remote: RemoteRanks,
-                 decided: Sequence[Callable[[Any, float], None]] = (), logger: Any = None) -> None:
+    def __init__(self, local: RankStrategy, leader: WireLeader, remote: RemoteOptions,
+                 decided: Sequence[Callable[[Decision, float], None]] = (), logger: Logger | None = None) -> None:
         self.local = local
         self.leader = leader
         self.remote = remote
         self._decided = tuple(decided)
-        self._log = logger
+        self._log: Logger = logger if logger is not None else get_logger("kvledger.engine")
         self.world_size = local.world_size + remote.world_size - 1
 
     async def start(self, tg: TaskGroup) -> None:

@@ -29,7 +29,7 @@ vLLM's behaviour, by default (``endpoints.py`` has the endpoint rules):
   full queue a "try later" instead of a silent drop, and ``ZMQ_MAXMSGSIZE`` (256 B)
   disconnects a requester that sends a bigger frame before it is buffered.
 
-Memory, per subscriber (the documented bound; tests/integration/test_kvevents_probes.py measures
+Memory, per subscriber (the documented bound; tests/kvevents/test_kvevents_probes.py measures
 it): ZMQ queues at most ``hwm`` batches for a SUB connection that stops reading
 (default 10,000; vLLM's 100,000 when its config says so), each three message
 headers, about 200 bytes: ~2 MiB per such subscriber (measured 1.7 MiB; 4.5 MiB at

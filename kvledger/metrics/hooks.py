@@ -5,7 +5,7 @@
     metrics.track_engine(engine)                   # state, log, executors, wire: read at scrape
     metrics.step_completed(result)                 # per step: StepResult
     metrics.step_failed(error)                     # per failed step: StepFailedError
-    open_ledger(path, g, layer=metrics.timed_layer())   # write and fsync seconds
+    open_ledger(path, g, log_options=LogOptions(layer=metrics.timed_layer()))   # write and fsync seconds
     metrics.wire_decision(decision, seconds)       # per remote step: the wire leader's Decision
     metrics.sanitizer_violation(rank, kind, plane_kind)
     metrics.prefix_lookup(asked, found)            # per lookup (Engine.lookup calls it)
@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvledger.core.errors import ConfigurationError, InvalidArgumentError, StepFailedError, WireProtocolError
+from kvledger.executors.backend import page_bytes_of
 
 from .counts import EventCounts
 
@@ -80,8 +81,8 @@ def _rank(rank: Any) -> str:
 
 
 def _page_bytes_of(planes: Sequence[Any]) -> int:
-    """Bytes one page takes across a rank's planes (``[num_pages, ...]`` tensors)."""
-    return sum(p.numel() // p.shape[0] * p.element_size() for p in planes if p.shape[0])
+    """Bytes one page takes across a rank's planes (``[num_pages, ...]`` tensors or byte buffers)."""
+    return sum(map(page_bytes_of, planes))
 
 
 class LedgerMetrics:
@@ -242,7 +243,7 @@ class LedgerMetrics:
     # ------------------------------------------------------------------ the log, the wire, the sanitizer
 
     def timed_layer(self, inner: Any = None) -> Any:
-        """A file layer for ``open_ledger(..., layer=...)`` that times every write and fsync
+        """A file layer for ``LogOptions(layer=...)`` that times every write and fsync
         of the log (``kvledger_log_write_seconds`` / ``kvledger_log_fsync_seconds``);
         ``inner`` is the layer it wraps (default: real files)."""
         from .layer import TimedFileLayer

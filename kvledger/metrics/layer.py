@@ -1,6 +1,6 @@
 """A file layer that times the event log's writes and fsyncs (``LedgerMetrics.timed_layer``).
 
-    open_ledger(path, g, layer=metrics.timed_layer())
+    open_ledger(path, g, log_options=LogOptions(layer=metrics.timed_layer()))
         EventLog ─► handle.write(records) ─► kvledger_log_write_seconds  (inline, or the writer thread)
                  ─► handle.sync()         ─► kvledger_log_fsync_seconds
 
@@ -15,17 +15,23 @@ unchanged (the log turns it into ``LogIOError``).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Protocol
 
-from kvledger.core.log.files import default_layer
+from kvledger.core.log.files import FileHandle, FileLayer, default_layer
 
 __all__ = ["TimedFileLayer"]
 
 
+class _Histogram(Protocol):
+    def observe(self, amount: float) -> None: ...
+
+
 class _TimedHandle:
+    """A handle whose ``write`` and ``sync`` are timed; every other member passes through."""
+
     __slots__ = ("path", "_inner", "_write_s", "_fsync_s")
 
-    def __init__(self, inner: Any, write_s: Any, fsync_s: Any) -> None:
+    def __init__(self, inner: FileHandle, write_s: _Histogram, fsync_s: _Histogram) -> None:
         self.path = inner.path
         self._inner = inner
         self._write_s = write_s
@@ -57,16 +63,14 @@ class _TimedHandle:
     def close(self) -> None:
         self._inner.close()
 
-    def __getattr__(self, name: str) -> Any:  # anything else the log asks of a handle: unchanged
-        return getattr(self._inner, name)
-
 
 class TimedFileLayer:
     """Wraps a file layer (``inner``, default: real files); the handles it opens observe
-    each ``write`` and ``sync`` in the two histograms. Nothing else changes."""
+    each ``write`` and ``sync`` in the two histograms. Every other member of the layer
+    (``FileLayer``: stamps, directories, removal) is the inner layer's, untimed."""
 
-    def __init__(self, write_s: Any, fsync_s: Any, inner: Any = None) -> None:
-        self.inner = inner if inner is not None else default_layer
+    def __init__(self, write_s: _Histogram, fsync_s: _Histogram, inner: FileLayer | None = None) -> None:
+        self.inner: FileLayer = inner if inner is not None else default_layer
         self._write_s = write_s
         self._fsync_s = fsync_s
 
@@ -82,5 +86,26 @@ class TimedFileLayer:
     def read(self, path: str) -> Any:
         return self.inner.read(path)
 
-    def __getattr__(self, name: str) -> Any:  # stamps, directories, removal: untimed, unchanged
-        return getattr(self.inner, name)
+    def read_stamp(self, path: str) -> bytes | None:
+        return self.inner.read_stamp(path)
+
+    def write_stamp(self, path: str, data: bytes) -> None:
+        self.inner.write_stamp(path, data)
+
+    def remove_stamp(self, path: str) -> None:
+        self.inner.remove_stamp(path)
+
+    def isdir(self, path: str) -> bool:
+        return self.inner.isdir(path)
+
+    def makedir(self, path: str) -> None:
+        self.inner.makedir(path)
+
+    def listdir(self, path: str) -> list[str]:
+        return self.inner.listdir(path)
+
+    def size_of(self, path: str) -> int:
+        return self.inner.size_of(path)
+
+    def remove(self, path: str) -> None:
+        self.inner.remove(path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kvledger import InvariantViolation, LedgerState, check_invariants
+from kvledger.options import LogOptions
 from kvledger.durable import open_ledger
 from support import QUIET
 from support.simdisk import SimulatedDisk
@@ -17,7 +18,7 @@ from support.workload import GEOMETRY, drive
 
 
 def _canonical() -> dict:
-    led = open_ledger("t", GEOMETRY, layer=SimulatedDisk(), policy="cross_tenant", logger=QUIET)
+    led = open_ledger("t", GEOMETRY, policy="cross_tenant", logger=QUIET, log_options=LogOptions(layer=SimulatedDisk()))
     drive(led, "inv-range", 12, ranks=2, tenants=3)
     assert led.state.requests, "the workload left no live request to edit"
     return led.state.canonical()

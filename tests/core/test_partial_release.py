@@ -31,6 +31,7 @@ from kvledger import (
     check_invariants,
     replay,
 )
+from kvledger.options import LogOptions
 from kvledger.core.events import PagesCommitted, PagesReleased, PagesUnwritten, RequestLabelled
 from kvledger.durable import open_ledger
 from kvledger.tools.replay import replay_log
@@ -279,7 +280,7 @@ def test_overwrite_records_live_in_checkpoints_and_leave_other_digests_unchanged
     L.allocate(1, 0, pages=(0,), tenant="g1")
     assert "overwritten" not in canonical(L.state)  # (every state without one digests as before)
     path = tmp_path / "x.kvlog"
-    with open_ledger(path, G, policy="cross_tenant", checkpoint_every=4) as D:
+    with open_ledger(path, G, policy="cross_tenant", log_options=LogOptions(checkpoint_every=4)) as D:
         D.allocate(1, 0, pages=(0,), tenant="g1")
         ran(D)
         D.finish(1)

@@ -1,6 +1,6 @@
 """R8: a hypothesis state machine over every ledger command, against a reference model.
 
-The reference model (``r8_model.Model``) is written from SPEC's event tables
+The reference model (``support.r8.model.Model``) is written from SPEC's event tables
 with plain dicts, lists and sets. It predicts every page's holder, mark,
 restoring flag and block hash, the cache's least-recently-used order, each
 commit's clear list and each step's plan (in order), the steps in flight (sealed
@@ -18,10 +18,10 @@ state has its own copy of the transition table (every command through
 ``_submit``: validate, apply); all must agree with each other (digests, events,
 errors) and with the model after every step, and ``check_invariants`` must pass.
 
-On top of the model, a second, semantic oracle (``r8_bytes.Bytes``) follows
+On top of the model, a second, semantic oracle (``support.r8.bytes_oracle.Bytes``) follows
 what every page physically holds and asserts RELIABILITY.md's promises at every
 sealed step (zero before first read, exactly once), undoing aborted steps.
-Invalid commands are tried too (``r8_invalid``): each must raise the error class
+Invalid commands are tried too (``support.r8.invalid``): each must raise the error class
 the model predicts and leave digest, seq and the recorded events unchanged.
 """
 
@@ -33,10 +33,10 @@ from collections import Counter
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from r8_bytes import Bytes
-from r8_invalid import invalid_commands
-from r8_model import MAX_IN_FLIGHT, Model
-from r8_prefix import PrefixRules
+from support.r8.bytes_oracle import Bytes
+from support.r8.invalid import invalid_commands
+from support.r8.model import MAX_IN_FLIGHT, Model
+from support.r8.prefix import PrefixRules
 
 from kvledger import (
     ConfigurationError,

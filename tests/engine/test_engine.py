@@ -7,11 +7,12 @@ import threading
 
 import anyio
 import pytest
+from support.engine import assert_consistent, last_abort, released_then_committed
+from support.planes import filled_planes, make_planes, page, page_is_zero
 
-torch = pytest.importorskip("torch")
-
-import kvledger  # noqa: E402
-from kvledger import (  # noqa: E402
+import kvledger
+from kvledger.engine import LogOptions, StepOptions
+from kvledger import (
     ConfigurationError,
     EngineClosedError,
     Geometry,
@@ -20,73 +21,25 @@ from kvledger import (  # noqa: E402
     PageOutOfRangeError,
     StepFailedError,
     StepOrderError,
-    check_invariants,
     replay,
 )
-from kvledger.core.events import StepAborted, StepCompleted, StepSealed  # noqa: E402
-from kvledger.engine import RankSpec, StepInputs, StepResult, open_engine  # noqa: E402
-from kvledger.executors.torch_backend import TorchClearBackend  # noqa: E402
-
-def _last_abort(events):
-    """The last StepAborted, provided nothing but completions of the ranks that ran follows it
-    (a failed step is aborted first, then the ranks that did run their part are recorded)."""
-    i = max((i for i, e in enumerate(events) if type(e) is StepAborted), default=None)
-    if i is None:
-        return None
-    assert all(type(e) is StepCompleted for e in events[i + 1:]), events[i + 1:]
-    return events[i]
-
+from kvledger.core.events import StepAborted, StepCompleted, StepSealed
+from kvledger.engine import RankSpec, StepInputs, StepResult, open_engine
+from kvledger.executors.bytes_backend import BytesClearBackend
 
 G = Geometry(num_pages=16, page_tokens=4)
-ROW = 0x7F  # an FP8 e4m3fn NaN byte, what released snapshot rows leave behind
-
-
-def make_planes():
-    """K and V planes of one rank: FP8 K, bf16 V; every byte non-zero to start with."""
-    k = torch.full((G.num_pages, 4, 8), 0x11, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    v = torch.full((G.num_pages, 4, 8), 1.5, dtype=torch.bfloat16)
-    return [k, v]
-
-
-def write_rows(planes, pages, byte=ROW):
-    """What a snapshot row does through its VMM alias: raw bytes into the pages."""
-    for plane in planes:
-        plane.view(torch.uint8)[list(pages)] = byte
-
-
-def page_is_zero(plane, p) -> bool:
-    return int(plane[p].reshape(-1).view(torch.uint8).count_nonzero()) == 0
-
-
-def assert_consistent(engine):
-    ledger = engine.ledger
-    check_invariants(ledger.state)
-    assert replay(ledger.events, check=True).digest() == ledger.digest()
-
-
-async def released_then_committed(engine, all_planes, *, snapshot=7, request=1, n=3, step=0):
-    """A snapshot writes row bytes into n pages and is released; a request commits them."""
-    rows = await engine.alias_snapshot(snapshot, n)
-    for planes in all_planes:
-        write_rows(planes, rows)
-    await engine.release_snapshot(snapshot)
-    pages = await engine.reserve(request, n)
-    assert sorted(pages) == sorted(rows)  # LIFO reuse hands the row pages out first
-    listed = await engine.commit(request, step, n)
-    assert sorted(listed) == sorted(rows)
-    return rows
 
 
 @pytest.mark.asyncio
 async def test_order_input_copies_then_clears_then_graph():
-    planes = make_planes()
-    host_tokens = torch.tensor([10, 11, 12, 13])
-    dev_tokens = torch.zeros(4, dtype=torch.int64)
+    planes = make_planes(G.num_pages)
+    host_tokens = bytes([10, 11, 12, 13])
+    dev_tokens = bytearray(4)
     seen = {}
 
     def graph(ctx, step, inputs):
         # runs third: the copied inputs are there, the listed pages are zero ...
-        assert torch.equal(dev_tokens, host_tokens)
+        assert dev_tokens == host_tokens
         for plane in ctx.planes:
             for p in seen["listed"]:
                 assert page_is_zero(plane, p), (step, p)
@@ -94,11 +47,11 @@ async def test_order_input_copies_then_clears_then_graph():
         assert page_is_zero(ctx.planes[0], seen["listed"][0])
         seen["graph"] = (ctx.rank, step, inputs.data)
 
-    async with kvledger.open(G, ranks=[RankSpec(planes=planes, graph=graph)], record=True, check=True) as engine:
+    async with kvledger.open_engine(G, ranks=[RankSpec(planes=planes, graph=graph)], record=True, check=True) as engine:
         seen["listed"] = await released_then_committed(engine, [planes])
-        junk = torch.full((4, 8), 0x33, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        junk = b"\x33" * 32
         inputs = StepInputs(
-            copies=[(host_tokens, dev_tokens), (junk, planes[0][seen["listed"][0]])], data="tokens"
+            copies=[(host_tokens, dev_tokens), (junk, page(planes[0], seen["listed"][0]))], data="tokens"
         )
         result = await engine.run_step(0, inputs)
         assert seen["graph"] == (0, 0, "tokens")
@@ -122,7 +75,7 @@ async def test_order_input_copies_then_clears_then_graph():
 
 @pytest.mark.asyncio
 async def test_two_ranks_in_process_each_clear_their_own_planes():
-    planes = [make_planes(), make_planes()]
+    planes = [make_planes(G.num_pages), make_planes(G.num_pages)]
     ran = []
 
     async def graph(ctx, step, inputs):  # async graphs are awaited
@@ -151,16 +104,16 @@ async def test_two_ranks_in_process_each_clear_their_own_planes():
 
 @pytest.mark.asyncio
 async def test_a_raising_rank_fails_the_step_and_nothing_is_completed_for_it():
-    planes = [make_planes(), make_planes()]
+    planes = [make_planes(G.num_pages), make_planes(G.num_pages)]
     async with open_engine(G, ranks=[RankSpec(planes=p) for p in planes], record=True) as engine:
         rows = await released_then_committed(engine, planes)
-        # rank 1's input copy is malformed (shapes differ): torch raises before its clears
-        bad = StepInputs(copies=[(torch.zeros(3), torch.zeros(4))])
+        # rank 1's input copy is malformed (lengths differ): it raises before its clears
+        bad = StepInputs(copies=[(bytes(3), bytearray(4))])
         with pytest.raises(StepFailedError) as info:
             await engine.run_step(0, [None, bad])
         err = info.value
         assert err.step == 0 and err.rank == 1 and "rank 1" in str(err)
-        assert isinstance(err.__cause__, RuntimeError)
+        assert isinstance(err.__cause__, ValueError)
         assert [r for r, _ in err.failures] == [1]
         events = engine.ledger.events
         assert StepCompleted(step=0, rank=1) not in events
@@ -188,7 +141,7 @@ async def test_a_raising_graph_and_a_raising_backend_name_their_rank():
         name = "refusing"
 
         def __init__(self, planes):
-            self.inner = TorchClearBackend(planes)
+            self.inner = BytesClearBackend(planes)
             self.num_pages = self.inner.num_pages
 
         def clear(self, page_ids):
@@ -197,7 +150,7 @@ async def test_a_raising_graph_and_a_raising_backend_name_their_rank():
     def boom(ctx, step, inputs):
         raise ValueError(f"graph exploded on rank {ctx.rank}")
 
-    planes = [make_planes(), make_planes(), make_planes()]
+    planes = [make_planes(G.num_pages), make_planes(G.num_pages), make_planes(G.num_pages)]
     specs = [
         RankSpec(planes=planes[0]),
         RankSpec(planes=planes[1], graph=boom),
@@ -216,7 +169,7 @@ async def test_a_raising_graph_and_a_raising_backend_name_their_rank():
 
 @pytest.mark.asyncio
 async def test_cancellation_mid_step_leaves_the_ledger_consistent():
-    planes = [make_planes(), make_planes()]
+    planes = [make_planes(G.num_pages), make_planes(G.num_pages)]
     hang = {"on": True}
     started = anyio.Event()
 
@@ -257,7 +210,7 @@ async def test_fail_after_at_the_call_site_raises_timeout_and_records_the_abort(
         with pytest.raises(TimeoutError):
             with anyio.fail_after(0.05):
                 await engine.run_step(0)
-        assert _last_abort(engine.ledger.events) == StepAborted(step=0, reason="cancelled")
+        assert last_abort(engine.ledger.events) == StepAborted(step=0, reason="cancelled")
         assert not [e for e in engine.ledger.events if type(e) is StepCompleted]
         assert_consistent(engine)
         await engine.run_step(1)
@@ -268,7 +221,7 @@ async def test_fail_after_at_the_call_site_raises_timeout_and_records_the_abort(
 async def test_a_deadline_before_the_seal_records_nothing_and_leaves_the_step_open():
     # run_step(1) waits for step 0 (one step at a time) and its deadline passes there:
     # step 1 is not sealed, nothing is recorded, and it runs later with its clear list.
-    planes = make_planes()
+    planes = make_planes(G.num_pages)
     release = anyio.Event()
     sealed_0 = anyio.Event()
 
@@ -333,13 +286,13 @@ async def test_a_rank_cancellation_cannot_reach_does_not_hang_a_failed_step():
             raise RuntimeError("rank 1 lost its device")
 
     async with open_engine(G, ranks=[RankSpec(graph=graph), RankSpec(graph=graph)], record=True,
-                           drain_timeout_s=0.2) as engine:
+                           steps=StepOptions(drain_timeout_s=0.2)) as engine:
         with pytest.raises(StepFailedError) as info:
             with anyio.fail_after(10):
                 await engine.run_step(0)
         assert info.value.rank == 1
         assert not [e for e in engine.ledger.events if type(e) is StepCompleted]
-        assert _last_abort(engine.ledger.events) is not None
+        assert last_abort(engine.ledger.events) is not None
         collective.set()  # rank 0 finishes its old plan; its late answer is dropped
         result = await engine.run_step(1)  # and the next plan runs on it
         assert [t.rank for t in result.ranks] == [0, 1]
@@ -386,7 +339,7 @@ async def test_bad_calls_change_nothing():
 @pytest.mark.asyncio
 async def test_open_refuses_bad_configuration():
     with pytest.raises(ConfigurationError, match="pages"):
-        async with open_engine(G, ranks=[RankSpec(planes=[torch.zeros(G.num_pages + 1, 4)])]):
+        async with open_engine(G, ranks=[RankSpec(planes=filled_planes(G.num_pages + 1, [4]))]):
             pass
     with pytest.raises(InvalidArgumentError):
         async with open_engine(G, ranks=0):
@@ -398,7 +351,7 @@ async def test_open_refuses_bad_configuration():
         async with open_engine(G, ranks=1, policy="sometimes"):
             pass
     with pytest.raises(ConfigurationError, match="unknown clear backend"):
-        async with open_engine(G, ranks=[RankSpec(planes=make_planes())], backend="opencl"):
+        async with open_engine(G, ranks=[RankSpec(planes=make_planes(G.num_pages))], backend="opencl"):
             pass
     with pytest.raises(InvalidArgumentError):
         async with open_engine(None):
@@ -418,7 +371,7 @@ async def test_with_a_log_every_ledger_call_runs_in_a_worker_thread(tmp_path):
     from kvledger.durable import open_ledger
 
     path = tmp_path / "engine.kvlog"
-    planes = [make_planes(), make_planes()]
+    planes = [make_planes(G.num_pages), make_planes(G.num_pages)]
     hang = {"on": True}
 
     async def graph(ctx, step, inputs):
@@ -427,7 +380,8 @@ async def test_with_a_log_every_ledger_call_runs_in_a_worker_thread(tmp_path):
 
     loop_thread = threading.get_ident()
     specs = [RankSpec(planes=p, graph=graph) for p in planes]
-    async with open_engine(G, log=path, ranks=specs, fsync="per_step", background=False) as engine:  # fsync inline
+    async with open_engine(G, log=path, ranks=specs,
+                           log_options=LogOptions(fsync="per_step", background=False)) as engine:  # fsync inline
         assert await engine.call(lambda ledger: threading.get_ident()) != loop_thread
         rows = await released_then_committed(engine, planes)
         with anyio.move_on_after(0.05) as scope:
@@ -474,8 +428,8 @@ async def test_inline_ranks_run_in_the_callers_task_without_a_task_switch():
     me = anyio.get_current_task().id
     async with anyio.create_task_group() as tg:
         tg.start_soon(ticker)
-        async with open_engine(G, ranks=[RankSpec(planes=make_planes(), graph=plain)] * 2, record=True,
-                               yield_every_s=0) as engine:
+        async with open_engine(G, ranks=[RankSpec(planes=make_planes(G.num_pages), graph=plain)] * 2, record=True,
+                               steps=StepOptions(yield_every_s=0)) as engine:
             await anyio.sleep(0)
             for step in range(3):
                 before = ticks
@@ -498,7 +452,7 @@ async def test_inline_a_failing_rank_stops_the_later_ranks_before_they_start():
         if step == 0 and ctx.rank == 1:
             raise ValueError("rank 1 failed")
 
-    planes = [make_planes() for _ in range(3)]
+    planes = [make_planes(G.num_pages) for _ in range(3)]
     async with open_engine(G, ranks=[RankSpec(planes=p, graph=graph) for p in planes], record=True) as engine:
         rows = await released_then_committed(engine, planes)
         with pytest.raises(StepFailedError) as info:
@@ -510,7 +464,7 @@ async def test_inline_a_failing_rank_stops_the_later_ranks_before_they_start():
         events = engine.ledger.events
         assert StepCompleted(step=0, rank=0) in events
         assert not {e.rank for e in events if type(e) is StepCompleted} & {1, 2}
-        assert "rank 1" in _last_abort(events).reason
+        assert "rank 1" in last_abort(events).reason
         result = await engine.run_step(1)  # the carried clear list, zeroed on every rank
         assert sorted(result.clear_list) == sorted(rows) and [t.rank for t in result.ranks] == [0, 1, 2]
         assert all(page_is_zero(plane, p) for rank_planes in planes for plane in rank_planes for p in rows)
@@ -526,9 +480,9 @@ async def test_a_background_log_takes_the_commands_on_the_loop(tmp_path):
 
     path = tmp_path / "background.kvlog"
     loop_thread = threading.get_ident()
-    planes = [make_planes(), make_planes()]
-    async with open_engine(G, log=path, ranks=[RankSpec(planes=p) for p in planes], fsync="per_step",
-                           background=True) as engine:
+    planes = [make_planes(G.num_pages), make_planes(G.num_pages)]
+    async with open_engine(G, log=path, ranks=[RankSpec(planes=p) for p in planes],
+                           log_options=LogOptions(fsync="per_step", background=True)) as engine:
         assert engine.ledger.log.background
         assert await engine.call(lambda ledger: threading.get_ident()) == loop_thread
         rows = await released_then_committed(engine, planes)
@@ -555,7 +509,8 @@ async def test_a_log_that_may_block_sends_the_calls_to_the_worker_thread(tmp_pat
     blocking = {"on": False}
     monkeypatch.setattr(EventLog, "may_block", property(lambda log: blocking["on"]), raising=False)
     loop_thread = threading.get_ident()
-    async with open_engine(G, log=tmp_path / "lag.kvlog", ranks=1, fsync="per_step", background=True) as engine:
+    async with open_engine(G, log=tmp_path / "lag.kvlog", ranks=1,
+                           log_options=LogOptions(fsync="per_step", background=True)) as engine:
         where = lambda ledger: threading.get_ident()  # noqa: E731
         assert await engine.call(where) == loop_thread
         blocking["on"] = True
@@ -566,46 +521,3 @@ async def test_a_log_that_may_block_sends_the_calls_to_the_worker_thread(tmp_pat
         blocking["on"] = False
         assert await engine.call(where) == loop_thread
         assert await engine.digest() == engine.ledger.digest()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.asyncio
-async def test_cuda_ranks_clear_on_their_model_streams_without_blocking_the_loop():
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    planes = [[t.cuda() for t in make_planes()] for _ in streams]
-    host = torch.arange(1 << 16, dtype=torch.float32).pin_memory()
-    bufs = [torch.zeros(1 << 16, device="cuda") for _ in streams]
-    sums = {}
-
-    def graph(ctx, step, inputs):
-        assert torch.cuda.current_stream() == ctx.stream
-        sums[ctx.rank] = (bufs[ctx.rank].sum(), [plane[seen[0]].float().abs().sum() for plane in ctx.planes])
-        torch.cuda._sleep(20_000_000)  # a long graph: completion is awaited, not synchronized
-
-    ticks = 0
-
-    async def ticker():
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await anyio.sleep(0)
-
-    specs = [RankSpec(planes=p, graph=graph, stream=s) for p, s in zip(planes, streams, strict=True)]
-    async with open_engine(G, ranks=specs, record=True, timings=True) as engine:
-        seen = await released_then_committed(engine, planes)
-        inputs = [StepInputs(copies=[(host, buf)]) for buf in bufs]
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(ticker)
-            result = await engine.run_step(0, inputs)
-            tg.cancel_scope.cancel()
-        assert ticks > 10
-        for rank in range(2):
-            total, page_sums = sums[rank]
-            assert float(total) == float(host.sum())
-            assert all(float(s) == 0.0 for s in page_sums)
-            for plane in planes[rank]:
-                assert all(page_is_zero(plane, p) for p in seen)
-            t = result.ranks[rank]
-            assert t.graph_s > 1e-3 and t.total_s >= t.graph_s
-        assert_consistent(engine)

@@ -26,6 +26,7 @@ import anyio
 import pytest
 
 from kvledger import Geometry
+from kvledger.engine import LogOptions, StepOptions
 from kvledger.engine import RankSpec, open_engine
 
 durable = pytest.importorskip("kvledger.durable")
@@ -50,7 +51,8 @@ async def _open_then_cancel(path, loops: int | None, delay: float | None, backgr
     reached = asyncio.Event()
 
     async def body() -> None:
-        async with open_engine(G, log=path, ranks=[RankSpec(), RankSpec()], background=background):
+        async with open_engine(G, log=path, ranks=[RankSpec(), RankSpec()],
+                               log_options=LogOptions(background=background)):
             reached.set()
             await asyncio.sleep(3600)
 
@@ -82,7 +84,8 @@ def test_a_cancelled_open_closes_what_it_opened(tmp_path, background):
         seen = {"trials": 0, "reached": 0}
         rng = random.Random(21)
         t0 = time.perf_counter()  # how long an open takes here, to spread the cancellations over it
-        async with open_engine(G, log=tmp_path / "t0.kvlog", ranks=[RankSpec(), RankSpec()], background=background):
+        async with open_engine(G, log=tmp_path / "t0.kvlog", ranks=[RankSpec(), RankSpec()],
+                               log_options=LogOptions(background=background)):
             took = time.perf_counter() - t0
         plan: list[tuple[int | None, float | None]] = [(n, None) for n in range(16)]
         plan += [(None, rng.uniform(0, 1.5 * took)) for _ in range(16)]
@@ -115,7 +118,7 @@ async def test_awaited_commands_and_steps_are_cancellation_points(yield_every_s)
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(ticker)
-        async with open_engine(G, ranks=2, record=True, yield_every_s=yield_every_s) as engine:
+        async with open_engine(G, ranks=2, record=True, steps=StepOptions(yield_every_s=yield_every_s)) as engine:
             steps = 0
             give_up = time.monotonic() + 5.0
             with anyio.move_on_after(0.2) as scope:

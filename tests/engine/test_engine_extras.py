@@ -21,9 +21,9 @@ import time
 import anyio
 import pytest
 
-torch = pytest.importorskip("torch")
+from support.planes import filled_planes
 
-from kvledger import (  # noqa: E402
+from kvledger import (
     ConfigurationError,
     EngineClosedError,
     Geometry,
@@ -32,10 +32,11 @@ from kvledger import (  # noqa: E402
     SanitizerError,
     StepFailedError,
 )
-from kvledger.core.log.files import default_layer  # noqa: E402
-from kvledger.durable import DurableLedger, chain_observers, open_ledger  # noqa: E402
-from kvledger.engine import RankSpec, open_engine  # noqa: E402
-from kvledger.executors.torch_backend import TorchClearBackend  # noqa: E402
+from kvledger.engine import ExtraOptions, LogOptions
+from kvledger.core.log.files import default_layer
+from kvledger.durable import DurableLedger, chain_observers, open_ledger
+from kvledger.engine import RankSpec, open_engine
+from kvledger.executors.bytes_backend import BytesClearBackend
 
 G = Geometry(num_pages=32, page_tokens=4)
 
@@ -47,7 +48,7 @@ def durable(engine) -> DurableLedger:
 
 
 def planes():
-    return [torch.full((G.num_pages, 8), 7, dtype=torch.uint8), torch.ones((G.num_pages, 2, 3), dtype=torch.bfloat16)]
+    return filled_planes(G.num_pages, [8, 12], 7)
 
 
 # ---------------------------------------------------------------------- observers
@@ -82,7 +83,7 @@ async def test_the_ledger_gets_exactly_the_observers_it_needs(tmp_path):
 
     async with open_engine(G) as engine:
         assert engine.ledger._observer is None
-    async with open_engine(G, observers=[mine]) as engine:
+    async with open_engine(G, extras=ExtraOptions(observers=[mine])) as engine:
         assert engine.ledger._observer is mine
         await engine.reserve(1, 2)
         assert seen == [0, 1]  # CacheConfigured, then the reservation
@@ -94,17 +95,17 @@ async def test_the_ledger_gets_exactly_the_observers_it_needs(tmp_path):
         open_ledger(tmp_path / "bad.kvlog", G, observer=3)  # type: ignore[arg-type]
     assert not (tmp_path / "bad.kvlog").exists()
     with pytest.raises(InvalidArgumentError):
-        async with open_engine(G, observers=[mine, 5]):  # type: ignore[list-item]
+        async with open_engine(G, extras=ExtraOptions(observers=[mine, 5])):  # type: ignore[list-item]
             pass
     with pytest.raises(InvalidArgumentError):
-        async with open_engine(G, metrics=object()):
+        async with open_engine(G, extras=ExtraOptions(metrics=object())):
             pass
 
 
 # ---------------------------------------------------------------------- metrics
 
 
-class NoClear(TorchClearBackend):
+class NoClear(BytesClearBackend):
     def clear(self, page_ids):
         pass
 
@@ -131,8 +132,8 @@ async def test_an_engine_with_metrics_on_a_durable_log_exports_its_figures(tmp_p
     reg = prometheus_client.CollectorRegistry()
     metrics = LedgerMetrics(reg)
     cleared = 0
-    async with open_engine(G, log=tmp_path / "m.kvlog", ranks=[RankSpec(planes=planes(), graph=graph)
-                                                             for _ in range(2)], metrics=metrics) as engine:
+    specs = [RankSpec(planes=planes(), graph=graph) for _ in range(2)]
+    async with open_engine(G, log=tmp_path / "m.kvlog", ranks=specs, extras=ExtraOptions(metrics=metrics)) as engine:
         for step in range(6):
             await engine.alias_snapshot(step, 2)
             await engine.release_snapshot(step)
@@ -157,7 +158,8 @@ async def test_an_engine_with_metrics_on_a_durable_log_exports_its_figures(tmp_p
     m2 = LedgerMetrics(reg2)
     p = planes()
     async with open_engine(G, log=tmp_path / "s.kvlog", ranks=[RankSpec(planes=p, backend=NoClear(p))],
-                           metrics=m2, sanitize=True, log_options={"layer": default_layer}) as engine:
+                           log_options=LogOptions(layer=default_layer),
+                           extras=ExtraOptions(metrics=m2, sanitize=True)) as engine:
         await engine.alias_snapshot(1, 2)
         await engine.release_snapshot(1)
         await engine.reserve(1, 2)
@@ -178,14 +180,15 @@ async def test_an_engine_with_metrics_on_a_durable_log_exports_its_figures(tmp_p
 async def test_metrics_time_the_wire_handshake_of_an_engine_with_a_peer():
     prometheus_client = pytest.importorskip("prometheus_client")
 
-    from kvledger.engine import RemoteRanks
+    from kvledger.engine import RemoteOptions
     from kvledger.metrics import LedgerMetrics
     from kvledger.wire import memory_pipe
     from kvledger.wire.rank import run_peer
 
     reg = prometheus_client.CollectorRegistry()
     metrics = LedgerMetrics(reg)
-    async with open_engine(G, remote=RemoteRanks(world_size=2, listen=None, timeout=2.0), metrics=metrics) as engine:
+    async with open_engine(G, remote=RemoteOptions(world_size=2, listen=None, timeout=2.0),
+                           extras=ExtraOptions(metrics=metrics)) as engine:
         with pytest.raises(StepFailedError):
             await engine.run_step(0)  # no peer yet: the leader aborts the step
         async with anyio.create_task_group() as tg:
@@ -260,8 +263,8 @@ async def test_under_back_pressure_commands_move_to_the_thread_and_the_loop_keep
             gaps.append(now - last)
             last = now
 
-    async with open_engine(G, log=tmp_path / "bp.kvlog", observers=[where],
-                           log_options={"max_lag_bytes": 1024, "layer": layer}) as engine:
+    async with open_engine(G, log=tmp_path / "bp.kvlog", log_options=LogOptions(max_lag_bytes=1024, layer=layer),
+                           extras=ExtraOptions(observers=[where])) as engine:
         log = durable(engine).log
         assert log.background and not log.may_block
         await engine.reserve(1, 1)
@@ -292,7 +295,7 @@ async def test_under_back_pressure_commands_move_to_the_thread_and_the_loop_keep
 @pytest.mark.asyncio
 async def test_wait_durable_waits_for_the_writer_thread_and_refuses_what_it_cannot_wait_for(tmp_path):
     layer = SlowSync(0.05)
-    async with open_engine(G, log=tmp_path / "w.kvlog", log_options={"layer": layer}) as engine:
+    async with open_engine(G, log=tmp_path / "w.kvlog", log_options=LogOptions(layer=layer)) as engine:
         layer.slow = True
         await engine.reserve(1, 1)
         await engine.commit(1, 0, 1)
@@ -311,7 +314,8 @@ async def test_wait_durable_waits_for_the_writer_thread_and_refuses_what_it_cann
     async with open_engine(G) as engine:
         with pytest.raises(ConfigurationError):
             await engine.wait_durable(0)
-    async with open_engine(G, log=tmp_path / "i.kvlog", fsync="per_step", background=False) as engine:
+    async with open_engine(G, log=tmp_path / "i.kvlog",
+                           log_options=LogOptions(fsync="per_step", background=False)) as engine:
         await engine.reserve(1, 1)  # not durable before the next seal or flush, which nothing waits for
         with pytest.raises(LogClosedError):
             await engine.wait_durable(engine.seq - 1)

@@ -18,73 +18,14 @@ from __future__ import annotations
 
 import anyio
 import pytest
+from support.engine import assert_consistent, released_then_committed, step_events
+from support.planes import filled_planes, page_is_zero, write_rows
 
-torch = pytest.importorskip("torch")
-
-from kvledger import (  # noqa: E402
-    ConfigurationError,
-    Geometry,
-    InvalidArgumentError,
-    StepFailedError,
-    check_invariants,
-    replay,
-)
-from kvledger.core.events import StepAborted, StepCompleted, StepSealed  # noqa: E402
-from kvledger.core.log import open_view  # noqa: E402
-from kvledger.engine import RankSpec, RemoteRanks, open_engine  # noqa: E402
+from kvledger import ConfigurationError, Geometry, InvalidArgumentError, StepFailedError
+from kvledger.engine import LogOptions, StepOptions
+from kvledger.engine import RankSpec, RemoteOptions, open_engine
 
 G = Geometry(num_pages=16, page_tokens=4)
-ROW = 0x7F  # the bytes a released snapshot leaves behind
-
-
-def planes_of_rank():
-    return [torch.full((G.num_pages, 4, 8), 0x11, dtype=torch.uint8) for _ in range(2)]
-
-
-def is_zero(plane, p) -> bool:
-    return int(plane[p].count_nonzero()) == 0
-
-
-def events_of(engine):
-    """The ledger's events: recorded in memory, or read back from its log."""
-    ledger = engine.ledger
-    if getattr(ledger, "log", None) is None:
-        return ledger.events
-    ledger.sync()
-    with open_view(ledger.log.path) as view:
-        return [e for _, e, _ in view.iter_events()]
-
-
-def step_events(engine):
-    """The step records in log order: ("sealed", k), ("aborted", k), ("completed", k, rank)."""
-    out = []
-    for e in events_of(engine):
-        t = type(e)
-        if t is StepSealed:
-            out.append(("sealed", e.step))
-        elif t is StepAborted:
-            out.append(("aborted", e.step))
-        elif t is StepCompleted:
-            out.append(("completed", e.step, e.rank))
-    return out
-
-
-def assert_consistent(engine):
-    check_invariants(engine.ledger.state)
-    assert replay(events_of(engine), check=True).digest() == engine.ledger.digest()
-
-
-async def listed_pages(engine, all_planes, *, snapshot, request, n, step):
-    """A snapshot writes ROW into n pages and is released; ``request`` commits them for ``step``."""
-    rows = await engine.alias_snapshot(snapshot, n)
-    for planes in all_planes:
-        for plane in planes:
-            plane[list(rows)] = ROW
-    await engine.release_snapshot(snapshot)
-    await engine.reserve(request, n)
-    listed = await engine.commit(request, step, n)
-    assert sorted(listed) == sorted(rows)
-    return rows
 
 
 def recording_graph(ran, fail_at=None):
@@ -99,12 +40,13 @@ def recording_graph(ran, fail_at=None):
 @pytest.mark.asyncio
 async def test_two_steps_in_flight_run_in_step_order_and_both_complete():
     ran: list = []
-    planes = [planes_of_rank(), planes_of_rank()]
+    planes = [filled_planes(G.num_pages, [32, 32], 0x11), filled_planes(G.num_pages, [32, 32], 0x11)]
     specs = [RankSpec(planes=p, graph=recording_graph(ran)) for p in planes]
     results = {}
-    async with open_engine(G, ranks=specs, record=True, check=True, depth=2, yield_every_s=0) as engine:
-        rows0 = await listed_pages(engine, planes, snapshot=7, request=1, n=2, step=0)
-        rows1 = await listed_pages(engine, planes, snapshot=8, request=2, n=3, step=1)
+    async with open_engine(G, ranks=specs, record=True, check=True,
+                           steps=StepOptions(depth=2, yield_every_s=0)) as engine:
+        rows0 = await released_then_committed(engine, planes, snapshot=7, request=1, n=2, step=0)
+        rows1 = await released_then_committed(engine, planes, snapshot=8, request=2, n=3, step=1)
 
         async def run(k):
             results[k] = await engine.run_step(k)
@@ -117,7 +59,7 @@ async def test_two_steps_in_flight_run_in_step_order_and_both_complete():
         assert ran == [(0, 0), (0, 1), (1, 0), (1, 1)]
         assert sorted(results[0].clear_list) == sorted(rows0)
         assert sorted(results[1].clear_list) == sorted(rows1)
-        assert all(is_zero(plane, p) for rp in planes for plane in rp for p in rows0 + rows1)
+        assert all(page_is_zero(plane, p) for rp in planes for plane in rp for p in rows0 + rows1)
         assert engine.ledger.state.in_flight == []
         assert_consistent(engine)
 
@@ -127,13 +69,14 @@ async def test_two_steps_in_flight_run_in_step_order_and_both_complete():
 async def test_a_failed_step_aborts_the_later_sealed_step_which_runs_nothing(log, tmp_path):
     """In memory, and with a log that fsyncs inline (every ledger call in the worker thread)."""
     ran: list = []
-    planes = [planes_of_rank(), planes_of_rank()]
+    planes = [filled_planes(G.num_pages, [32, 32], 0x11), filled_planes(G.num_pages, [32, 32], 0x11)]
     specs = [RankSpec(planes=p, graph=recording_graph(ran, fail_at=(0, 1))) for p in planes]
     errors: dict = {}
-    opts = {"record": True} if log == "memory" else {"log": tmp_path / "l.kvlog", "background": False}
-    async with open_engine(G, ranks=specs, check=True, depth=2, yield_every_s=0, **opts) as engine:
-        rows0 = await listed_pages(engine, planes, snapshot=7, request=1, n=2, step=0)
-        rows1 = await listed_pages(engine, planes, snapshot=8, request=2, n=3, step=1)
+    opts = {"record": True} if log == "memory" else \
+        {"log": tmp_path / "l.kvlog", "log_options": LogOptions(background=False)}
+    async with open_engine(G, ranks=specs, check=True, steps=StepOptions(depth=2, yield_every_s=0), **opts) as engine:
+        rows0 = await released_then_committed(engine, planes, snapshot=7, request=1, n=2, step=0)
+        rows1 = await released_then_committed(engine, planes, snapshot=8, request=2, n=3, step=1)
 
         async def run(k):
             with pytest.raises(StepFailedError) as info:
@@ -158,26 +101,25 @@ async def test_a_failed_step_aborts_the_later_sealed_step_which_runs_nothing(log
         result = await engine.run_step(2)
         assert list(result.clear_list) == [*errors[0].clear_list, *later.clear_list]
         assert sorted(result.clear_list) == sorted(rows0 + rows1)
-        assert all(is_zero(plane, p) for rp in planes for plane in rp for p in rows0 + rows1)
+        assert all(page_is_zero(plane, p) for rp in planes for plane in rp for p in rows0 + rows1)
         assert_consistent(engine)
 
 
 @pytest.mark.asyncio
 async def test_a_page_freed_in_step_k_and_committed_in_step_k1_is_cleared_after_step_ks_graph():
     seen: dict = {}
-    planes = [planes_of_rank()]
+    planes = [filled_planes(G.num_pages, [32, 32], 0x11)]
     gate = anyio.Event()
 
     async def graph(ctx, step, inputs):
         if step == 0:
             await gate.wait()  # step 0's graph still runs while step 1 is committed and sealed
-        seen[step] = [bool(is_zero(plane, p)) for plane in ctx.planes for p in seen["rows"]]
+        seen[step] = [bool(page_is_zero(plane, p)) for plane in ctx.planes for p in seen["rows"]]
 
     async with open_engine(G, ranks=[RankSpec(planes=p, graph=graph) for p in planes], record=True, check=True,
-                           depth=2, yield_every_s=0) as engine:
+                           steps=StepOptions(depth=2, yield_every_s=0)) as engine:
         rows = seen["rows"] = await engine.alias_snapshot(7, 3)
-        for plane in planes[0]:
-            plane[list(rows)] = ROW
+        write_rows(planes[0], rows)
         await engine.reserve(1, 1)
         await engine.commit(1, 0, 1)
 
@@ -211,11 +153,12 @@ async def test_a_page_freed_in_step_k_and_committed_in_step_k1_is_cleared_after_
 @pytest.mark.asyncio
 async def test_a_sealed_step_cancelled_before_it_ran_is_aborted_and_the_earlier_one_completes():
     ran: list = []
-    planes = [planes_of_rank(), planes_of_rank()]
+    planes = [filled_planes(G.num_pages, [32, 32], 0x11), filled_planes(G.num_pages, [32, 32], 0x11)]
     specs = [RankSpec(planes=p, graph=recording_graph(ran)) for p in planes]
-    async with open_engine(G, ranks=specs, record=True, check=True, depth=2, yield_every_s=0) as engine:
-        await listed_pages(engine, planes, snapshot=7, request=1, n=2, step=0)
-        rows1 = await listed_pages(engine, planes, snapshot=8, request=2, n=3, step=1)
+    async with open_engine(G, ranks=specs, record=True, check=True,
+                           steps=StepOptions(depth=2, yield_every_s=0)) as engine:
+        await released_then_committed(engine, planes, snapshot=7, request=1, n=2, step=0)
+        rows1 = await released_then_committed(engine, planes, snapshot=8, request=2, n=3, step=1)
         scope = anyio.CancelScope()
 
         async def second():
@@ -243,9 +186,9 @@ async def test_a_sealed_step_cancelled_before_it_ran_is_aborted_and_the_earlier_
 
 @pytest.mark.asyncio
 async def test_depth_bounds_the_steps_sealed_at_once():
-    planes = [planes_of_rank()]
-    async with open_engine(G, ranks=[RankSpec(planes=p) for p in planes], record=True, depth=2,
-                           yield_every_s=0) as engine:
+    planes = [filled_planes(G.num_pages, [32, 32], 0x11)]
+    async with open_engine(G, ranks=[RankSpec(planes=p) for p in planes], record=True,
+                           steps=StepOptions(depth=2, yield_every_s=0)) as engine:
         sealed_while_first_waits: list = []
 
         async def run(k):
@@ -265,67 +208,12 @@ async def test_depth_bounds_the_steps_sealed_at_once():
 @pytest.mark.parametrize("depth", [0, 17, "2", 1.0, True])
 async def test_bad_depth_opens_nothing(depth):
     with pytest.raises(InvalidArgumentError, match="depth"):
-        async with open_engine(G, ranks=1, depth=depth):
+        async with open_engine(G, ranks=1, steps=StepOptions(depth=depth)):
             pass
 
 
 @pytest.mark.asyncio
 async def test_depth_with_remote_ranks_is_refused():
     with pytest.raises(ConfigurationError, match="depth"):
-        async with open_engine(G, ranks=1, depth=2, remote=RemoteRanks(world_size=2, listen=None)):
+        async with open_engine(G, ranks=1, remote=RemoteOptions(world_size=2, listen=None), steps=StepOptions(depth=2)):
             pass
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.asyncio
-@pytest.mark.parametrize("backend", ["torch", "cuda", "triton"])
-async def test_on_the_gpu_a_page_freed_in_k_and_committed_in_k1_is_zeroed_after_ks_graph_read_it(backend):
-    """Step k's graph is slow and reads the snapshot's pages at its end; step k+1 lists them.
-    The clear runs on the same model stream after step k's graph, so k reads the snapshot's
-    bytes (never zeros) and k+1 reads zeros, whatever the host does meanwhile."""
-    if backend == "triton":
-        pytest.importorskip("triton")
-    if backend == "cuda":
-        pytest.importorskip("cuda.bindings.driver")
-    stream = torch.cuda.Stream()
-    planes = [torch.full((G.num_pages, 4, 8), 0x11, dtype=torch.uint8, device="cuda") for _ in range(2)]
-    reads: dict = {}
-
-    def graph(ctx, step, inputs):
-        assert torch.cuda.current_stream() == ctx.stream
-        if step == 0:
-            torch.cuda._sleep(50_000_000)  # long enough that step 1 is sealed and sent meanwhile
-        # on the stream, and without blocking the host (indexing with a list would copy it to the
-        # device and wait for the stream: no other task could run, step 1 could not be sealed
-        # while step 0 runs, and that overlap is what this test is about)
-        reads[step] = torch.stack([plane.index_select(0, reads["idx"]) for plane in ctx.planes])
-
-    spec = RankSpec(planes=planes, graph=graph, stream=stream, backend=backend)
-    async with open_engine(G, ranks=[spec], record=True, check=True, depth=2, yield_every_s=0) as engine:
-        rows = reads["rows"] = await engine.alias_snapshot(7, 3)
-        reads["idx"] = torch.tensor(rows, dtype=torch.int64, device="cuda")
-        with torch.cuda.stream(stream):  # the graph's kernels loaded before the steps (a first launch
-            torch.stack([plane.index_select(0, reads["idx"]) for plane in planes])  # may wait for the device)
-        stream.synchronize()
-        with torch.cuda.stream(stream):
-            for plane in planes:
-                plane[list(rows)] = ROW
-        await engine.reserve(1, 1)
-        await engine.commit(1, 0, 1)
-
-        async def scheduler():
-            await engine.release_snapshot(7)
-            await engine.reserve(2, 3)
-            assert sorted(await engine.commit(2, 1, 3)) == sorted(rows)
-            reads["result"] = await engine.run_step(1)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(engine.run_step, 0)
-            tg.start_soon(scheduler)
-        stream.synchronize()
-        assert bool((reads[0] == ROW).all()), "step 0's graph read zeros: the clear overtook it"
-        assert int(reads[1].count_nonzero()) == 0, "step 1's graph read stale bytes"
-        assert sorted(reads["result"].clear_list) == sorted(rows)
-        assert step_events(engine) == [("sealed", 0), ("sealed", 1), ("completed", 0, 0), ("completed", 1, 0)]
-        assert_consistent(engine)

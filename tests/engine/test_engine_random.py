@@ -11,17 +11,16 @@ Oracles, for every example:
 from __future__ import annotations
 
 import anyio
-import pytest
 from hypothesis import given, strategies as st
 
-torch = pytest.importorskip("torch")
+from support.engine import assert_consistent
+from support.planes import ROW, filled_planes, page, write_rows
 
-from kvledger import Geometry, OutOfPagesError, StepFailedError, check_invariants, replay  # noqa: E402
-from kvledger.core.events import StepCompleted  # noqa: E402
-from kvledger.engine import RankSpec, StepInputs, open_engine  # noqa: E402
+from kvledger import Geometry, OutOfPagesError, StepFailedError
+from kvledger.core.events import StepCompleted
+from kvledger.engine import RankSpec, StepInputs, open_engine
 
 G = Geometry(num_pages=12, page_tokens=4)
-ROW = 0x7F
 RANKS = 2
 
 command = st.tuples(
@@ -36,13 +35,6 @@ step_plan = st.tuples(
 )
 
 
-def rank_planes():
-    return [
-        torch.zeros((G.num_pages, 4, 2), dtype=torch.uint8).view(torch.float8_e4m3fn),
-        torch.zeros((G.num_pages, 5), dtype=torch.uint8),
-    ]
-
-
 async def apply_command(engine, planes, command, ident, step, snapshots, requests):
     """One random command on the engine (``ident``: a new snapshot or request id); out of
     pages changes nothing and is skipped."""
@@ -51,8 +43,7 @@ async def apply_command(engine, planes, command, ident, step, snapshots, request
         if op in ("alias", "churn"):
             pages = await engine.alias_snapshot(ident, n)
             for rp in planes:  # the row writes through its alias
-                for plane in rp:
-                    plane.view(torch.uint8)[list(pages)] = ROW
+                write_rows(rp, pages)
             if op == "churn":  # a short-lived snapshot: released at once
                 await engine.release_snapshot(ident)
             else:
@@ -75,7 +66,7 @@ async def apply_command(engine, planes, command, ident, step, snapshots, request
 
 
 async def session(steps):
-    planes = [rank_planes() for _ in range(RANKS)]
+    planes = [filled_planes(G.num_pages, [8, 5], 0) for _ in range(RANKS)]
     finished: set[tuple[int, int]] = set()
     current = {"outcome": "ok", "rank": 0, "scope": None}
     engine_box = {}
@@ -85,8 +76,7 @@ async def session(steps):
         for rec in state.requests.values():
             for p in rec.kv:
                 for plane in ctx.planes:
-                    raw = plane[p].reshape(-1).view(torch.uint8)
-                    assert not bool((raw == ROW).any()), f"rank {ctx.rank} step {step} read row bytes in page {p}"
+                    assert ROW not in page(plane, p), f"rank {ctx.rank} step {step} read row bytes in page {p}"
         if ctx.rank == current["rank"]:
             if current["outcome"] == "graph_fails":
                 raise RuntimeError("graph failed")
@@ -108,7 +98,7 @@ async def session(steps):
             current.update(outcome=outcome, rank=rank)
             inputs = None
             if outcome == "copy_fails":
-                bad = StepInputs(copies=[(torch.zeros(2), torch.zeros(3))])
+                bad = StepInputs(copies=[(bytes(2), bytearray(3))])
                 inputs = {rank: bad}
             with anyio.CancelScope() as scope:
                 current["scope"] = scope
@@ -118,11 +108,9 @@ async def session(steps):
                 except StepFailedError as err:
                     assert outcome in ("graph_fails", "copy_fails") and err.rank == rank and err.step == step
             assert scope.cancelled_caught == (outcome == "cancelled")
-        ledger = engine.ledger
-        recorded = {(e.step, e.rank) for e in ledger.events if type(e) is StepCompleted}
+        recorded = {(e.step, e.rank) for e in engine.ledger.events if type(e) is StepCompleted}
         assert recorded == finished
-        check_invariants(ledger.state)
-        assert replay(ledger.events, check=True).digest() == ledger.digest()
+        assert_consistent(engine)
 
 
 @given(st.lists(step_plan, min_size=1, max_size=10))

@@ -30,15 +30,15 @@ import time
 import anyio
 import pytest
 
-torch = pytest.importorskip("torch")
+from support.planes import filled_planes
 
-from kvledger import Geometry, StepFailedError  # noqa: E402
-from kvledger.core.events import StepCompleted  # noqa: E402
-from kvledger.engine import RankSpec, RemoteRanks, open_engine  # noqa: E402
-from kvledger.wire import codec  # noqa: E402
-from kvledger.wire.decoder import FrameDecoder  # noqa: E402
-from kvledger.wire.rank import run_peer  # noqa: E402
-from kvledger.wire.transport import connect_tcp  # noqa: E402
+from kvledger import Geometry, StepFailedError
+from kvledger.core.events import StepCompleted
+from kvledger.engine import RankSpec, RemoteOptions, open_engine
+from kvledger.wire import codec
+from kvledger.wire.decoder import FrameDecoder
+from kvledger.wire.rank import run_peer
+from kvledger.wire.transport import connect_tcp
 
 G = Geometry(num_pages=32, page_tokens=4)
 KEY_ENV = "KVLEDGER_WIRE_KEY"  # (kvledger.wire.auth.KEY_ENV)
@@ -56,7 +56,7 @@ def _held_fds() -> int:
 
 
 def _planes():
-    return [torch.zeros((G.num_pages, 4, 8), dtype=torch.uint8)]
+    return filled_planes(G.num_pages, [32], 0)
 
 
 async def _impostor(host: str, port: int, rank: int, world: int, log: dict) -> None:
@@ -101,7 +101,7 @@ async def test_an_impostor_without_the_key_is_refused_before_it_is_a_rank(job_ke
     real_launched = []
     async with (
         anyio.create_task_group() as tg,
-        open_engine(G, ranks=[RankSpec(planes=_planes())], remote=RemoteRanks(world_size=world, timeout=0.5),
+        open_engine(G, ranks=[RankSpec(planes=_planes())], remote=RemoteOptions(world_size=world, timeout=0.5),
                     record=True) as engine,
     ):
         host, port = engine.remote_address
@@ -133,14 +133,14 @@ async def test_an_impostor_without_the_key_is_refused_before_it_is_a_rank(job_ke
 
 @pytest.mark.asyncio
 async def test_a_thousand_idle_connections_leave_the_engine_serving(job_key):
-    """``RemoteRanks``' defaults: 64 unproven links at most, 5 s to prove the key. What the leader
+    """``RemoteOptions``' defaults: 64 unproven links at most, 5 s to prove the key. What the leader
     holds is counted from this process's open file descriptors (one per idle client is ours)."""
     n, cap = 1000, 64
     world = 3
     idle = []
     async with (
         anyio.create_task_group() as tg,
-        open_engine(G, ranks=[RankSpec(planes=_planes())], remote=RemoteRanks(world_size=world, timeout=2.0),
+        open_engine(G, ranks=[RankSpec(planes=_planes())], remote=RemoteOptions(world_size=world, timeout=2.0),
                     record=True) as engine,
     ):
         host, port = engine.remote_address
@@ -180,14 +180,14 @@ _CHILD = textwrap.dedent("""
     import json, os, resource, sys
     import anyio
     from kvledger import Geometry, StepFailedError
-    from kvledger.engine import RemoteRanks, open_engine
+    from kvledger.engine import RemoteOptions, open_engine
     from kvledger.wire import memory_pipe, run_peer
 
     G = Geometry(num_pages=32, page_tokens=4)
 
     async def main():
         async with anyio.create_task_group() as tg, open_engine(
-                G, ranks=1, remote=RemoteRanks(world_size=3, listen=("127.0.0.1", 0), timeout=2.0)) as engine:
+                G, ranks=1, remote=RemoteOptions(world_size=3, listen=("127.0.0.1", 0), timeout=2.0)) as engine:
             a, b = memory_pipe()  # rank 1: in this process, no file descriptor
             engine.leader.attach(a)
             tg.start_soon(lambda: run_peer(b, G, rank=1, world_size=3, on_launch=lambda *x: None))

@@ -43,24 +43,16 @@ from typing import Any
 
 import anyio
 import pytest
+from support.engine import last_abort
 
 from kvledger import EngineClosedError, Geometry, KVLedgerError, StepFailedError, replay
+from kvledger.options import LogOptions
 from kvledger.core.events import StepAborted, StepCompleted, StepSealed
 from kvledger.core.log import open_view
 from kvledger.engine import RankSpec, open_engine
 from kvledger.engine.access import LedgerAccess
 
 durable = pytest.importorskip("kvledger.durable")
-
-def _last_abort(events):
-    """The last StepAborted, provided nothing but completions of the ranks that ran follows it
-    (a failed step is aborted first, then the ranks that did run their part are recorded)."""
-    i = max((i for i, e in enumerate(events) if type(e) is StepAborted), default=None)
-    if i is None:
-        return None
-    assert all(type(e) is StepCompleted for e in events[i + 1:]), events[i + 1:]
-    return events[i]
-
 
 G = Geometry(num_pages=32, page_tokens=4)
 HEAVY = os.environ.get("KVLEDGER_HYPOTHESIS") == "heavy"
@@ -166,18 +158,18 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-async def run_trial(path: Path, plan: dict, log_options: dict | None = None) -> dict:
+async def run_trial(path: Path, plan: dict, segment_bytes: int | None = None) -> dict:
     """One trial: the engine left while callers are in flight. What the callers were
     told, the log's bytes when ``open_engine`` returned and once every caller finished
-    (``log_options``: ``{"segment_bytes": ...}`` makes the log a directory of segments)."""
+    (``segment_bytes`` makes the log a directory of segments)."""
     told: dict[int, str] = {}
     specs = [RankSpec(graph=_graph(plan)) for _ in range(plan["ranks"])]
     at_close: Any = b""
     try:
         async with anyio.create_task_group() as tg:
             try:
-                async with open_engine(G, log=path, ranks=specs, fsync=plan["fsync"],
-                                       background=plan["background"], log_options=log_options) as engine:
+                options = LogOptions(fsync=plan["fsync"], background=plan["background"], segment_bytes=segment_bytes)
+                async with open_engine(G, log=path, ranks=specs, log_options=options) as engine:
                     await _body(engine, plan, tg, told)
             finally:
                 at_close = _contents(path)
@@ -223,7 +215,7 @@ def check_log(path: Path, outcome: dict) -> dict:
 def run_trials(n: int, seed: int, tmp: Path, layout: str = "file") -> dict:
     """``n`` trials; every figure counted from what the trials observed (``layout``: "file", or
     "segments": a log directory of 4 KiB segments that roll every few steps)."""
-    log_options = {"segment_bytes": 4096} if layout == "segments" else None
+    segment_bytes = 4096 if layout == "segments" else None
     figures: dict[str, Any] = {
         "trials": 0, "trials_raised": 0, "refused_or_corrupt": 0, "oracle_failures": 0, "written_after_close": 0,
         "callers_told_other": 0, "steps_reported_complete": 0, "reported_and_found": 0,
@@ -236,10 +228,10 @@ def run_trials(n: int, seed: int, tmp: Path, layout: str = "file") -> dict:
         for i in range(n):
             rng = random.Random(seed * 1_000_003 + i)
             plan = _plan(rng)
-            path = (tmp if plan["disk"] or not SHM else shm) / (f"t{i}" if log_options else f"t{i}.kvlog")
+            path = (tmp if plan["disk"] or not SHM else shm) / (f"t{i}" if segment_bytes else f"t{i}.kvlog")
             figures["trials"] += 1
             try:
-                outcome = await run_trial(path, plan, log_options)
+                outcome = await run_trial(path, plan, segment_bytes)
             except Exception as exc:  # leaving the engine raised (e.g. the close hit a torn buffer)
                 figures["trials_raised"] += 1
                 failures.append(f"trial {i} {plan}: leaving the engine raised {exc!r}")
@@ -315,7 +307,8 @@ def test_leaving_while_a_graph_sleeps(tmp_path, leave):
         try:
             async with anyio.create_task_group() as tg:
                 try:
-                    async with open_engine(G, log=path, ranks=[RankSpec(graph=graph)], fsync="per_step") as engine:
+                    async with open_engine(G, log=path, ranks=[RankSpec(graph=graph)],
+                                           log_options=LogOptions(fsync="per_step")) as engine:
                         await engine.reserve(1, 2)
                         await engine.commit(1, 0, 2)
                         tg.start_soon(_caller, engine, 0, told)
@@ -338,7 +331,7 @@ def test_leaving_while_a_graph_sleeps(tmp_path, leave):
     if leave == "return":
         assert [type(e) for e in events[-2:]] == [StepSealed, StepCompleted]
     else:
-        assert _last_abort(events) == StepAborted(step=0, reason="engine closed")
+        assert last_abort(events) == StepAborted(step=0, reason="engine closed")
 
 
 @pytest.mark.parametrize("background", [False, True])
@@ -346,7 +339,8 @@ def test_after_close_every_call_raises_and_nothing_is_written(tmp_path, backgrou
     path = tmp_path / "closed.kvlog"
 
     async def main():
-        async with open_engine(G, log=path, ranks=1, fsync="per_step", background=background) as engine:
+        async with open_engine(G, log=path, ranks=1,
+                               log_options=LogOptions(fsync="per_step", background=background)) as engine:
             await engine.reserve(1, 1)
         size = path.stat().st_size
         for call in (engine.reserve(2, 1), engine.commit(1, 0, 1), engine.finish(1), engine.run_step(0),
@@ -368,7 +362,7 @@ class _Ledger:
     a call can be held in the worker thread."""
 
     def __init__(self, background: bool = False) -> None:
-        self.log = type("Log", (), {"background": background})()
+        self.log = type("Log", (), {"background": background, "may_block": False})()
         self.calls: list[str] = []
         self.hold = threading.Event()
         self.held = threading.Event()
@@ -390,7 +384,7 @@ def test_close_runs_after_the_calls_queued_before_it_and_refuses_them():
     ledger = _Ledger()
 
     async def main():
-        access = LedgerAccess(ledger)
+        access = LedgerAccess(ledger, ledger.log, ledger.close)
         assert access.threaded and not access.direct
         outcomes: dict[str, object] = {}
 
@@ -427,7 +421,7 @@ def test_outcomes_are_recorded_while_closing_and_refused_once_closed(background)
     ledger = _Ledger(background)
 
     async def main():
-        access = LedgerAccess(ledger)
+        access = LedgerAccess(ledger, ledger.log, ledger.close)
         assert access.threaded is not background
         access.begin_close()
         with pytest.raises(EngineClosedError):
@@ -448,7 +442,7 @@ def test_a_failed_recording_breaks_the_engine():
         raise OSError("disk gone")
 
     async def main():
-        access = LedgerAccess(ledger)
+        access = LedgerAccess(ledger, ledger.log, ledger.close)
         with pytest.raises(OSError):
             await access.record(fails)
         with pytest.raises(EngineClosedError, match="broken") as info:

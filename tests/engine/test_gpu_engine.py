@@ -10,6 +10,9 @@
     the stream switch    the model stream current inside, the caller's streams as they were after
     short lists          the triton backend's kernel reads them from pinned memory: many in a row
                          through the ring's slots zero exactly what the CPU reference zeroes
+    a long graph         two CUDA ranks clear on their model streams and the loop keeps running
+    steps in flight      a page freed in step k and committed in k+1 is zeroed after k's graph
+                         read it, on every backend (depth=2)
 
 (``bench/bench_steps.py --device cuda``, run by ``scripts/gpu-check``, times the same path.)
 """
@@ -26,10 +29,25 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
+from support.engine import assert_consistent, released_then_committed, step_events  # noqa: E402
+
 from kvledger import Geometry  # noqa: E402
+from kvledger.engine import StepOptions  # noqa: E402
 from kvledger.engine import RankSpec, StepInputs, open_engine  # noqa: E402
 
 G = Geometry(num_pages=64, page_tokens=4)
+ROW = 0x7F  # what a released snapshot row leaves behind
+
+
+def kv_planes() -> list:
+    """K and V planes of one rank on the card: FP8 K, bf16 V; every byte non-zero."""
+    k = torch.full((G.num_pages, 4, 8), 0x11, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    v = torch.full((G.num_pages, 4, 8), 1.5, dtype=torch.bfloat16, device="cuda")
+    return [k, v]
+
+
+def cuda_page_is_zero(plane, p) -> bool:
+    return int(plane[p].reshape(-1).view(torch.uint8).count_nonzero()) == 0
 
 
 def cuda_planes(n: int = 3) -> list:
@@ -77,7 +95,7 @@ async def test_a_lone_cuda_rank_runs_in_the_callers_task_on_its_stream(backend, 
 
     before = torch.cuda.current_stream()
     spec = RankSpec(planes=planes, graph=graph, stream=stream, backend=backend)
-    async with open_engine(G, ranks=[spec], record=True, check=True, timings=timings) as engine:
+    async with open_engine(G, ranks=[spec], record=True, check=True, steps=StepOptions(timings=timings)) as engine:
         for step in range(3):
             seen["rows"] = await listed(engine, 10 + step, 1 + step, step)
             result = await engine.run_step(step, StepInputs(copies=[(host, dev)]))
@@ -207,3 +225,101 @@ def test_lists_by_value_and_copied_zero_exactly_what_the_reference_zeroes():
     assert all(torch.equal(p.cpu(), w) for p, w in zip(planes, want, strict=True))
     stats = b.statistics()
     assert stats["list_copies"] == long and stats["by_value_launches"] == short and short > 250
+
+
+@pytest.mark.asyncio
+async def test_cuda_ranks_clear_on_their_model_streams_without_blocking_the_loop():
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    planes = [kv_planes() for _ in streams]
+    host = torch.arange(1 << 16, dtype=torch.float32).pin_memory()
+    bufs = [torch.zeros(1 << 16, device="cuda") for _ in streams]
+    sums = {}
+
+    def graph(ctx, step, inputs):
+        assert torch.cuda.current_stream() == ctx.stream
+        sums[ctx.rank] = (bufs[ctx.rank].sum(), [plane[seen[0]].float().abs().sum() for plane in ctx.planes])
+        torch.cuda._sleep(20_000_000)  # a long graph: completion is awaited, not synchronized
+
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.sleep(0)
+
+    specs = [RankSpec(planes=p, graph=graph, stream=s) for p, s in zip(planes, streams, strict=True)]
+    async with open_engine(G, ranks=specs, record=True, steps=StepOptions(timings=True)) as engine:
+        seen = await released_then_committed(engine, [])
+        for rank_planes in planes:
+            for plane in rank_planes:
+                plane.view(torch.uint8)[list(seen)] = ROW
+        inputs = [StepInputs(copies=[(host, buf)]) for buf in bufs]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            result = await engine.run_step(0, inputs)
+            tg.cancel_scope.cancel()
+        assert ticks > 10
+        for rank in range(2):
+            total, page_sums = sums[rank]
+            assert float(total) == float(host.sum())
+            assert all(float(s) == 0.0 for s in page_sums)
+            for plane in planes[rank]:
+                assert all(cuda_page_is_zero(plane, p) for p in seen)
+            t = result.ranks[rank]
+            assert t.graph_s > 1e-3 and t.total_s >= t.graph_s
+        assert_consistent(engine)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", ["torch", "cuda", "triton"])
+async def test_on_the_gpu_a_page_freed_in_k_and_committed_in_k1_is_zeroed_after_ks_graph_read_it(backend):
+    """Step k's graph is slow and reads the snapshot's pages at its end; step k+1 lists them.
+    The clear runs on the same model stream after step k's graph, so k reads the snapshot's
+    bytes (never zeros) and k+1 reads zeros, whatever the host does meanwhile."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    if backend == "cuda":
+        pytest.importorskip("cuda.bindings.driver")
+    stream = torch.cuda.Stream()
+    planes = [torch.full((G.num_pages, 4, 8), 0x11, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    reads: dict = {}
+
+    def graph(ctx, step, inputs):
+        assert torch.cuda.current_stream() == ctx.stream
+        if step == 0:
+            torch.cuda._sleep(50_000_000)  # long enough that step 1 is sealed and sent meanwhile
+        # on the stream, and without blocking the host (indexing with a list would copy it to the
+        # device and wait for the stream: no other task could run, step 1 could not be sealed
+        # while step 0 runs, and that overlap is what this test is about)
+        reads[step] = torch.stack([plane.index_select(0, reads["idx"]) for plane in ctx.planes])
+
+    spec = RankSpec(planes=planes, graph=graph, stream=stream, backend=backend)
+    async with open_engine(G, ranks=[spec], record=True, check=True,
+                           steps=StepOptions(depth=2, yield_every_s=0)) as engine:
+        rows = reads["rows"] = await engine.alias_snapshot(7, 3)
+        reads["idx"] = torch.tensor(rows, dtype=torch.int64, device="cuda")
+        with torch.cuda.stream(stream):  # the graph's kernels loaded before the steps (a first launch
+            torch.stack([plane.index_select(0, reads["idx"]) for plane in planes])  # may wait for the device)
+        stream.synchronize()
+        with torch.cuda.stream(stream):
+            for plane in planes:
+                plane[list(rows)] = ROW
+        await engine.reserve(1, 1)
+        await engine.commit(1, 0, 1)
+
+        async def scheduler():
+            await engine.release_snapshot(7)
+            await engine.reserve(2, 3)
+            assert sorted(await engine.commit(2, 1, 3)) == sorted(rows)
+            reads["result"] = await engine.run_step(1)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.run_step, 0)
+            tg.start_soon(scheduler)
+        stream.synchronize()
+        assert bool((reads[0] == ROW).all()), "step 0's graph read zeros: the clear overtook it"
+        assert int(reads[1].count_nonzero()) == 0, "step 1's graph read stale bytes"
+        assert sorted(reads["result"].clear_list) == sorted(rows)
+        assert step_events(engine) == [("sealed", 0), ("sealed", 1), ("completed", 0, 0), ("completed", 1, 0)]
+        assert_consistent(engine)

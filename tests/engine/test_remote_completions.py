@@ -15,12 +15,12 @@ import contextlib
 
 import anyio
 import pytest
-torch = pytest.importorskip("torch")  # (the ranks clear real torch planes)
+from support.planes import filled_planes, pages_are_zero, pages_hold_rows
 
 from kvledger import Geometry, InvalidArgumentError, Ledger, WireProtocolError
 from kvledger.core.events.events import StepAborted, StepCompleted
 from kvledger.durable import open_ledger
-from kvledger.engine.remote import RemoteOutcome, RemoteRanks, collect_remote, engine_rank, serve_remote_rank
+from kvledger.engine.remote import RemoteOutcome, RemoteOptions, collect_remote, engine_rank, serve_remote_rank
 from kvledger.tools.audit import audit_log
 from kvledger.wire import RejectCode, memory_pipe, open_leader, run_peer
 
@@ -77,7 +77,7 @@ async def test_every_rank_recorded_from_its_own_complete_then_a_failed_and_a_sil
         if step == 1:
             await stuck.wait()  # never set: rank 3 never finishes step 1
 
-    remote = RemoteRanks(world_size=4, listen=None, complete_timeout=0.3)
+    remote = RemoteOptions(world_size=4, listen=None, complete_timeout=0.3)
     outcomes = []
     async with anyio.create_task_group() as tg:
         async with open_leader(G, world_size=4, close_grace=0.1) as leader:
@@ -122,7 +122,7 @@ async def test_a_lost_peer_is_named_at_once_and_wire_ranks_follow_the_local_rank
             await run_peer(stream, G, rank=2, world_size=3, key=leader.key, on_launch=dies, hello_timeout=2)
 
     ledger = Ledger(G)
-    remote = RemoteRanks(world_size=3, listen=None, complete_timeout=10.0)
+    remote = RemoteOptions(world_size=3, listen=None, complete_timeout=10.0)
     async with anyio.create_task_group() as tg:
         async with open_leader(G, world_size=3, close_grace=0.1) as leader:
             await _group(tg, leader, {1: lambda *a: None}, 3, wait=False)
@@ -153,7 +153,7 @@ def test_rank_numbering_and_options_are_checked():
             engine_rank(*bad)
     for bad in (0, -1.0, "1"):
         with pytest.raises(InvalidArgumentError, match="complete_timeout"):
-            RemoteRanks(world_size=2, complete_timeout=bad)
+            RemoteOptions(world_size=2, complete_timeout=bad)
     assert RemoteOutcome(step=3).ok and RemoteOutcome(step=3).reason() is None
 
 
@@ -162,9 +162,9 @@ async def test_served_ranks_clear_their_planes_and_the_audit_sees_each_rank_over
     """Real processes are in examples/tp_ranks.py; here two ``serve_remote_rank`` tasks over
     loopback TCP clear their own planes, and a log that leaves a remote rank's completion out
     (what layout 7 did) is what the audit reports."""
-    planes = {r: [torch.full((G.num_pages, 8), 0x7F, dtype=torch.uint8)] for r in (1, 2)}
+    planes = {r: filled_planes(G.num_pages, [8], 0x7F) for r in (1, 2)}
     path = tmp_path / "remote.kvl"
-    remote = RemoteRanks(world_size=3, complete_timeout=2.0)
+    remote = RemoteOptions(world_size=3, complete_timeout=2.0)
     led = open_ledger(path, G)
     async with anyio.create_task_group() as tg:
         async with open_leader(G, world_size=3, close_grace=0.2) as leader:
@@ -186,8 +186,9 @@ async def test_served_ranks_clear_their_planes_and_the_audit_sees_each_rank_over
                 cleared += plan.clear_list
         tg.cancel_scope.cancel()
     led.close()
-    assert cleared and all(int(planes[r][0][cleared].sum()) == 0 for r in (1, 2))
-    assert all(int(planes[r][0].sum()) > 0 for r in (1, 2))  # pages never listed keep their bytes
+    assert cleared and all(pages_are_zero(planes[r], cleared) for r in (1, 2))
+    kept = set(range(G.num_pages)).difference(cleared)
+    assert kept and all(pages_hold_rows(planes[r], kept) for r in (1, 2))  # pages never listed keep their bytes
     rep = audit_log(path, check=True)
     (fault,) = rep.faults
     assert fault.kind == "step_never_completed" and "rank 1 never completed steps [2]" in fault.detail

@@ -19,9 +19,10 @@ import random
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from support.gpu import requires_cuda
+from support.planes import ROW, fill_pages, filled_planes, page, write_rows
 
-from kvledger import (  # noqa: E402
+from kvledger import (
     ConfigurationError,
     Geometry,
     OutOfPagesError,
@@ -30,44 +31,51 @@ from kvledger import (  # noqa: E402
     check_invariants,
     replay,
 )
-from kvledger.core.events import SanitizerViolation, StepAborted, StepCompleted  # noqa: E402
-from kvledger.engine import RankSpec, StepInputs, open_engine  # noqa: E402
-from kvledger.executors.torch_backend import TorchClearBackend  # noqa: E402
+from kvledger.engine import ExtraOptions
+from kvledger.core.events import SanitizerViolation, StepAborted, StepCompleted
+from kvledger.engine import RankSpec, StepInputs, open_engine
+from kvledger.executors.backend import ClearBackendBase, default_backend, make_backend
 
 G = Geometry(num_pages=24, page_tokens=4)
-ROW = 0x7F  # what a snapshot row leaves behind (an FP8 NaN byte)
 RESTORED = 0x22
 
 
 def rank_planes():
-    """K (fp8), V (bf16) and scales (uint8): three planes with different page sizes."""
-    return [torch.zeros((G.num_pages, 4, 8), dtype=torch.uint8).view(torch.float8_e4m3fn),
-            torch.zeros((G.num_pages, 4, 8), dtype=torch.bfloat16),
-            torch.zeros((G.num_pages, 6), dtype=torch.uint8)]
+    """K (32 B pages, as fp8 [4, 8]), V (64 B, bf16 [4, 8]) and scales (6 B): three planes with
+    different page sizes, zero."""
+    return filled_planes(G.num_pages, [32, 64, 6], 0)
 
 
 def write(all_planes, pages, byte):
     """Bytes written into pages on every rank (a snapshot row through its alias, a restore)."""
-    if pages:
-        for planes in all_planes:
-            for plane in planes:
-                plane.view(torch.uint8)[list(pages)] = byte
+    for planes in all_planes:
+        write_rows(planes, pages, byte)
 
 
-class Counting(TorchClearBackend):
-    """The torch backend, counting the pages it poisoned and checked."""
+class Counting(ClearBackendBase):
+    """The backend the planes get by default (bytes; torch for a GPU test's), counting the pages
+    it poisoned and checked."""
+
+    can_sanitize = True
 
     def __init__(self, planes):
-        super().__init__(planes)
+        self.inner = make_backend(default_backend(planes), planes)
+        self.num_pages = self.inner.num_pages
         self.poisoned = self.checked = 0
+
+    def clear(self, page_ids):
+        self.inner.clear(page_ids)
+
+    def clear_checked(self, page_ids):
+        self.inner.clear_checked(page_ids)
 
     def poison(self, page_ids):
         self.poisoned += len(page_ids)
-        super().poison(page_ids)
+        self.inner.poison(page_ids)
 
     def start_verify(self, cleared, committed):
         self.checked += len(cleared) + len(committed)
-        return super().start_verify(cleared, committed)
+        return self.inner.start_verify(cleared, committed)
 
 
 class NoClear(Counting):
@@ -85,7 +93,8 @@ class SkipsPlane(Counting):
 
     def __init__(self, planes, skip):
         super().__init__(planes)
-        self.partial = TorchClearBackend([p for i, p in enumerate(planes) if i != skip])
+        rest = [p for i, p in enumerate(planes) if i != skip]
+        self.partial = make_backend(default_backend(rest), rest)
 
     def clear(self, page_ids):
         self.partial.clear(page_ids)
@@ -105,7 +114,7 @@ def kv_graph(ctx, step, inputs):
     """The step writes its requests' KV into the pages committed for it (never 0x00 or 0xFF)."""
     for p, byte in inputs.data or ():
         for plane in ctx.planes:
-            plane.view(torch.uint8)[p] = byte
+            fill_pages(plane, [p], byte)
 
 
 class Workload:
@@ -193,7 +202,7 @@ def specs_for(all_planes, make_backend):
     return [RankSpec(planes=p, graph=kv_graph, backend=make_backend(rank, p)) for rank, p in enumerate(all_planes)]
 
 
-async def reference(seed, policy, steps, tenants=False):
+async def reference_run(seed, policy, steps, tenants=False):
     """The same session with clears working and the sanitizer off: each step's clear list."""
     all_planes = [rank_planes(), rank_planes()]
     work = Workload(seed, all_planes, tenants)
@@ -218,8 +227,8 @@ async def test_with_clears_working_the_sanitizer_finds_nothing_under_pressure(po
 
     work = Workload(11, all_planes, tenants=policy == "cross_tenant")
     cleared = 0
-    async with open_engine(G, ranks=specs_for(all_planes, make), policy=policy, sanitize=True,
-                           record=True, check=True) as engine:
+    async with open_engine(G, ranks=specs_for(all_planes, make), policy=policy, record=True, check=True,
+                           extras=ExtraOptions(sanitize=True)) as engine:
         assert engine.sanitize
         for step in range(60):
             result = await work.step(engine, step)
@@ -238,15 +247,15 @@ async def test_with_clears_working_the_sanitizer_finds_nothing_under_pressure(po
 @pytest.mark.asyncio
 @pytest.mark.parametrize("policy", ["released_aliases", "all_reused"])
 async def test_with_clears_skipped_the_first_bad_page_is_named_at_the_first_step_that_reads_it(policy):
-    ref = await reference(5, policy, 60)
+    ref = await reference_run(5, policy, 60)
     bad_step = next(i for i, (clear, _) in enumerate(ref) if clear)
     clear_list, holder = ref[bad_step]
 
     async def broken_run():
         all_planes = [rank_planes(), rank_planes()]
         work = Workload(5, all_planes)
-        async with open_engine(G, ranks=specs_for(all_planes, lambda r, p: NoClear(p)), policy=policy,
-                               sanitize=True, record=True) as engine:
+        async with open_engine(G, ranks=specs_for(all_planes, lambda r, p: NoClear(p)), policy=policy, record=True,
+                               extras=ExtraOptions(sanitize=True)) as engine:
             for step in range(bad_step):
                 await work.step(engine, step)  # nothing listed, nothing to miss: these pass
             with pytest.raises(SanitizerError) as info:
@@ -290,7 +299,8 @@ async def test_a_backend_that_skips_one_plane_on_one_rank_is_named_exactly(bad_r
         return SkipsPlane(planes, skip) if rank == bad_rank else Counting(planes)
 
     work = Workload(3, all_planes)
-    async with open_engine(G, ranks=specs_for(all_planes, make), sanitize=True, record=True) as engine:
+    async with open_engine(G, ranks=specs_for(all_planes, make), record=True,
+                           extras=ExtraOptions(sanitize=True)) as engine:
         with pytest.raises(SanitizerError) as info:
             for step in range(60):
                 await work.step(engine, step)
@@ -310,7 +320,7 @@ async def test_a_backend_that_skips_one_plane_on_one_rank_is_named_exactly(bad_r
 @pytest.mark.asyncio
 async def test_poison_goes_to_marked_pages_never_to_restored_or_restoring_ones():
     planes = rank_planes()
-    async with open_engine(G, ranks=[RankSpec(planes=planes)], sanitize=True) as engine:
+    async with open_engine(G, ranks=[RankSpec(planes=planes)], extras=ExtraOptions(sanitize=True)) as engine:
         a = await engine.alias_snapshot(1, 2)  # released, then reserved again: poisoned all the same
         b = await engine.alias_snapshot(2, 1)  # released into a request that a restore rewrites
         c = await engine.alias_snapshot(3, 1)  # released while its restore still writes
@@ -325,7 +335,7 @@ async def test_poison_goes_to_marked_pages_never_to_restored_or_restoring_ones()
         await engine.run_step(0)
 
         def holds(p, byte):
-            return all(bool(plane[p].reshape(-1).view(torch.uint8).eq(byte).all()) for plane in planes)
+            return all(page(plane, p) == bytes([byte]) * page(plane, p).nbytes for plane in planes)
 
         assert all(holds(p, 0xFF) for p in a)
         assert holds(b[0], RESTORED) and holds(c[0], 0)
@@ -337,7 +347,7 @@ async def test_poison_goes_to_marked_pages_never_to_restored_or_restoring_ones()
         assert sorted(result.clear_list) == sorted(a) and all(holds(p, 0) for p in a)
 
 
-class Refuses(TorchClearBackend):
+class Refuses(Counting):
     """Poison and the check fail: an engine without sanitize must never call them."""
 
     def poison(self, page_ids):
@@ -368,16 +378,21 @@ async def test_sanitize_needs_backends_that_poison_and_check():
             pass
 
     with pytest.raises(ConfigurationError, match="poison"):
-        async with open_engine(G, ranks=[RankSpec(planes=rank_planes(), backend=ClearOnly())], sanitize=True):
+        async with open_engine(G, ranks=[RankSpec(planes=rank_planes(), backend=ClearOnly())],
+                               extras=ExtraOptions(sanitize=True)):
             pass
 
 
 def cuda_rank_planes():
-    return [t.cuda() for t in rank_planes()]
+    """``rank_planes`` on the card: fp8 K, bf16 V, uint8 scales."""
+    import torch
+
+    return [torch.zeros((G.num_pages, 4, 8), dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn),
+            torch.zeros((G.num_pages, 4, 8), dtype=torch.bfloat16, device="cuda"),
+            torch.zeros((G.num_pages, 6), dtype=torch.uint8, device="cuda")]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@requires_cuda
 @pytest.mark.asyncio
 @pytest.mark.parametrize("backend", ["torch", "cuda", "triton"])
 async def test_on_the_gpu_the_sanitizer_finds_nothing_when_clears_work(backend):
@@ -385,8 +400,8 @@ async def test_on_the_gpu_the_sanitizer_finds_nothing_when_clears_work(backend):
     all_planes = [cuda_rank_planes(), cuda_rank_planes()]
     work = Workload(11, all_planes)
     cleared = 0
-    async with open_engine(G, ranks=specs_for(all_planes, lambda r, p: backend), sanitize=True,
-                           record=True, check=True) as engine:
+    async with open_engine(G, ranks=specs_for(all_planes, lambda r, p: backend), record=True, check=True,
+                           extras=ExtraOptions(sanitize=True)) as engine:
         for step in range(40):
             cleared += len((await work.step(engine, step)).clear_list)
         events = recorded(engine)
@@ -394,16 +409,15 @@ async def test_on_the_gpu_the_sanitizer_finds_nothing_when_clears_work(backend):
     assert not any(type(e) in (SanitizerViolation, StepAborted) for e in events)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@requires_cuda
 @pytest.mark.asyncio
 async def test_on_the_gpu_a_skipped_clear_is_named_at_the_first_step_that_reads_it():
-    ref = await reference(5, "released_aliases", 60)
+    ref = await reference_run(5, "released_aliases", 60)
     bad_step = next(i for i, (clear, _) in enumerate(ref) if clear)
     all_planes = [cuda_rank_planes(), cuda_rank_planes()]
     work = Workload(5, all_planes)
-    async with open_engine(G, ranks=specs_for(all_planes, lambda r, p: NoClear(p)), sanitize=True,
-                           record=True) as engine:
+    async with open_engine(G, ranks=specs_for(all_planes, lambda r, p: NoClear(p)), record=True,
+                           extras=ExtraOptions(sanitize=True)) as engine:
         for step in range(bad_step):
             await work.step(engine, step)
         with pytest.raises(SanitizerError) as info:

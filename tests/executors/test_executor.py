@@ -7,28 +7,35 @@ from typing import Any
 
 import anyio
 import pytest
-
-torch = pytest.importorskip("torch")
+from support.gpu import requires_cuda
+from support.planes import filled_planes, page
 
 from kvledger import ConfigurationError, PageOutOfRangeError, StepPlan
+from kvledger.executors.bytes_backend import BytesClearBackend
 from kvledger.executors.executor import (
     RankExecutor,
     StepInputs,
     StepJob,
     StepReplies,
 )
-from kvledger.executors.torch_backend import TorchClearBackend
 
 NUM_PAGES = 8
 
 
+def ones():
+    """One plane of 16-byte pages, every byte 1."""
+    return filled_planes(NUM_PAGES, [16], 1)
+
+
+def sums(plane) -> list[int]:
+    return [sum(page(plane, p)) for p in range(NUM_PAGES)]
+
+
 def executor(graph=None, planes=None, rank=0, world_size=1):
-    planes = planes if planes is not None else [torch.ones(NUM_PAGES, 16, dtype=torch.uint8)]
-    backend = TorchClearBackend(planes) if planes else None
-    return RankExecutor(
-        rank, num_pages=NUM_PAGES, backend=backend, graph=graph, planes=planes,
-        device=planes[0].device if planes else None, world_size=world_size,
-    ), planes
+    planes = planes if planes is not None else ones()
+    backend = BytesClearBackend(planes) if planes else None
+    return RankExecutor(rank, num_pages=NUM_PAGES, backend=backend, graph=graph, planes=planes,
+                        world_size=world_size), planes
 
 
 def job(step, clear_list=(), inputs=None, scope=None):
@@ -53,7 +60,7 @@ async def test_jobs_run_in_order_and_each_gets_one_answer():
     for s, (_, replies) in enumerate(jobs):
         (outcome,) = replies.outcomes
         assert (outcome.rank, outcome.step, outcome.status) == (0, s, "ok")
-    assert [int(planes[0][p].sum()) for p in range(NUM_PAGES)] == [0, 0, 0, 0] + [16] * 4
+    assert sums(planes[0]) == [0, 0, 0, 0] + [16] * 4
     assert ex.statistics() == {"plans_completed": 4, "plans_failed": 0, "plans_cancelled": 0, "pages_cleared": 4,
                                "sanitizer_violations": 0}
 
@@ -67,7 +74,7 @@ async def test_a_job_cancelled_before_it_starts_runs_nothing():
     j, replies = job(0, [1, 2], scope=scope)
     outcome = await ex.run_job(j)
     assert outcome.status == "cancelled" and replies.outcomes == [outcome]
-    assert calls == [] and int(planes[0].sum()) == NUM_PAGES * 16  # not even the clear ran
+    assert calls == [] and sum(sums(planes[0])) == NUM_PAGES * 16  # not even the clear ran
 
 
 @pytest.mark.asyncio
@@ -83,7 +90,7 @@ async def test_failures_are_answers_and_the_executor_keeps_serving():
     # a bad clear list is a failure of that job only, before anything was zeroed
     bad = await ex.run_job(job(3, [2, NUM_PAGES])[0])
     assert bad.status == "failed" and isinstance(bad.error, PageOutOfRangeError)
-    assert int(planes[0].sum()) == NUM_PAGES * 16
+    assert sum(sums(planes[0])) == NUM_PAGES * 16
     # a rank without planes still validates its clear lists
     bare, _ = executor(planes=[])
     assert (await bare.run_job(job(0, [NUM_PAGES + 3])[0])).status == "failed"
@@ -131,10 +138,13 @@ def test_rank_must_fit_the_world():
         RankExecutor(0, num_pages=4, graph=not_callable)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@requires_cuda
 @pytest.mark.asyncio
 async def test_cuda_rank_runs_copies_clears_graph_on_its_stream():
+    import torch
+
+    from kvledger.executors.torch_backend import TorchClearBackend
+
     stream = torch.cuda.Stream()
     planes = [torch.full((NUM_PAGES, 1 << 20), 7, dtype=torch.uint8, device="cuda")]
     host = torch.arange(1 << 20, dtype=torch.float32).pin_memory()
@@ -169,8 +179,8 @@ async def test_cuda_rank_runs_copies_clears_graph_on_its_stream():
     assert outcome.timing.graph_s > 0 and outcome.timing.total_s >= outcome.timing.graph_s
 
 
-class CheckedBackend(TorchClearBackend):
-    """The torch backend with a no-recheck clear, counting which of the two each job used."""
+class CheckedBackend(BytesClearBackend):
+    """The bytes backend with a no-recheck clear, counting which of the two each job used."""
 
     def __init__(self, planes):
         super().__init__(planes)
@@ -187,7 +197,7 @@ class CheckedBackend(TorchClearBackend):
 
 @pytest.mark.asyncio
 async def test_only_a_checked_job_with_a_tuple_list_skips_the_backends_recheck():
-    planes = [torch.ones(NUM_PAGES, 16, dtype=torch.uint8)]
+    planes = ones()
     backend = CheckedBackend(planes)
     ex = RankExecutor(0, num_pages=NUM_PAGES, backend=backend, planes=planes, world_size=1)
     for checked, clear_list in ((True, (1, 2)), (False, (3,)), (True, [4])):
@@ -196,10 +206,10 @@ async def test_only_a_checked_job_with_a_tuple_list_skips_the_backends_recheck()
         assert (await ex.run_job(j)).status == "ok"
     # a list (not a sealed plan's tuple) is checked whatever the job says
     assert backend.calls == ["clear_checked", "clear", "clear"]
-    assert [int(planes[0][p].sum()) for p in range(NUM_PAGES)] == [16, 0, 0, 0, 0, 16, 16, 16]
-    plain = RankExecutor(0, num_pages=NUM_PAGES, backend=TorchClearBackend(planes), planes=planes, world_size=1)
+    assert sums(planes[0]) == [16, 0, 0, 0, 0, 16, 16, 16]
+    plain = RankExecutor(0, num_pages=NUM_PAGES, backend=BytesClearBackend(planes), planes=planes, world_size=1)
     j = StepJob(StepPlan(step=0, clear_list=(5,)), StepInputs(), anyio.CancelScope(), StepReplies(1), checked=True)
-    assert (await plain.run_job(j)).status == "ok" and int(planes[0][5].sum()) == 0  # no clear_checked: clear
+    assert (await plain.run_job(j)).status == "ok" and sums(planes[0])[5] == 0
 
 
 @pytest.mark.asyncio
@@ -207,7 +217,7 @@ async def test_the_engine_marks_its_jobs_checked():
     from kvledger import Geometry
     from kvledger.engine import RankSpec, open_engine
 
-    planes = [torch.ones(NUM_PAGES, 16, dtype=torch.uint8)]
+    planes = ones()
     backend = CheckedBackend(planes)
     async with open_engine(Geometry(num_pages=NUM_PAGES, page_tokens=4),
                            ranks=[RankSpec(planes=planes, backend=backend)]) as engine:

@@ -23,7 +23,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-from kvledger import (
+from support.gpu import as_bytes, gpu_backend, random_planes, reference_clear  # noqa: E402
+
+from kvledger import (  # noqa: E402
     ConfigurationError,
     DuplicatePageError,
     InvalidArgumentError,
@@ -33,76 +35,6 @@ from kvledger import (
 BACKENDS = ["torch", "cuda", "cuda-per-page", "triton", "triton-jit", "triton-launcher", "triton-chunked",
             "triton-graph", "triton-by-value", "triton-copied", "triton-on-stream", "triton-mapped"]
 SLEEP_CYCLES = 40_000_000  # ~20 ms at ~2 GHz: long enough for the host to enqueue everything after it
-
-
-class _GraphClear:
-    """The triton backend driven through its CUDA-graph path: stage(ids) + one graph replay."""
-
-    def __init__(self, backend) -> None:
-        self.backend = backend
-        self.name = "triton-graph"
-        backend.graph_clear([])  # capture the clear graph now, outside the measured sequence
-
-    def clear(self, page_ids) -> None:
-        self.backend.graph_clear(page_ids)
-
-
-def make_backend(name, planes, stream=None):
-    if name == "torch":
-        mod = pytest.importorskip("kvledger.executors.torch_backend")
-        return mod.TorchClearBackend(planes, stream=stream)
-    if name.startswith("cuda"):
-        pytest.importorskip("cuda.bindings")
-        from kvledger.executors.cuda_backend import CudaClearBackend
-
-        return CudaClearBackend(planes, stream=stream, mode="per_page" if name == "cuda-per-page" else "coalesced")
-    pytest.importorskip("cuda.bindings")
-    pytest.importorskip("triton")
-    from kvledger.executors.triton_backend import FillConfig, IdsPlan, TritonClearBackend
-
-    knobs: dict = {
-        "triton-jit": {"fast_launch": False},  # Triton's JIT launch, list copied on the model stream
-        "triton-launcher": {"launch": "triton", "prefetch": False},  # the compiled kernel's own launcher
-        "triton-chunked": {"config": FillConfig(block_bytes=2048, chunked=True, plane_major=True, programs_per_sm=2)},
-        "triton-by-value": {"ids": IdsPlan(128, "side")},  # every list up to 128 ids in the parameters
-        "triton-copied": {"ids": IdsPlan(0, "side")},  # every list copied on the side stream
-        "triton-on-stream": {"ids": IdsPlan(0, "stream")},  # every list copied on the model stream
-        "triton-mapped": {"ids": IdsPlan(0, "mapped")},  # the kernel reads the pinned row (measured only)
-    }.get(name, {})
-    backend = TritonClearBackend(planes, stream=stream, **knobs)
-    return _GraphClear(backend) if name == "triton-graph" else backend
-
-
-def as_bytes(t):
-    """A uint8 view ``[num_pages, bytes_per_page]`` of a contiguous plane."""
-    return t.reshape(t.shape[0], -1).view(torch.uint8)
-
-
-def random_planes(specs, num_pages, *, offset=0, lo=1, hi=256):
-    """Planes of random non-zero bytes. ``specs``: (dtype, page shape) per plane.
-
-    ``offset`` > 0 places each plane ``offset`` bytes into its allocation
-    (misaligned planes exercise the byte-wise kernel).
-    """
-    planes = []
-    for dtype, shape in specs:
-        elem = torch.empty((), dtype=dtype).element_size()
-        per_page = elem
-        for d in shape:
-            per_page *= d
-        raw = torch.randint(lo, hi, (num_pages * per_page + offset,), dtype=torch.uint8, device="cuda")
-        planes.append(raw[offset:].view(dtype).view(num_pages, *shape))
-    return planes
-
-
-def reference(planes, ids):
-    """The plain torch reference: CPU copies of the planes with the listed pages zeroed."""
-    out = [as_bytes(p).cpu().clone() for p in planes]
-    if ids:
-        idx = torch.tensor(list(ids), dtype=torch.long)
-        for o in out:
-            o[idx] = 0
-    return out
 
 
 def assert_planes_equal(planes, expected):
@@ -145,11 +77,11 @@ def test_clear_matches_torch_reference_on_random_data(name, layout):
     rng = random.Random(f"{name}/{layout}")
     torch.manual_seed(rng.randrange(1 << 30))
     planes = random_planes(specs, num_pages, offset=offset)
-    backend = make_backend(name, planes)
+    backend = gpu_backend(name, planes)
     for ids in id_lists(num_pages, rng):
         for p in planes:  # fresh random bytes for every list
             as_bytes(p).copy_(torch.randint(1, 256, as_bytes(p).shape, dtype=torch.uint8, device="cuda"))
-        expected = reference(planes, ids)
+        expected = reference_clear(planes, ids)
         backend.clear(ids)
         torch.cuda.synchronize()
         assert_planes_equal(planes, expected)
@@ -159,8 +91,8 @@ def test_clear_matches_torch_reference_on_random_data(name, layout):
 def test_bad_page_ids_raise_before_anything_is_touched(name):
     num_pages = 32
     planes = random_planes([(torch.uint8, (4096,)), (torch.bfloat16, (512,))], num_pages)
-    backend = make_backend(name, planes)
-    before = reference(planes, [])
+    backend = gpu_backend(name, planes)
+    before = reference_clear(planes, [])
     cases = [  # every backend checks its ids with kvledger.core.checks.page_ids
         ([1, 2, num_pages], PageOutOfRangeError),
         ([-1, 3], PageOutOfRangeError),
@@ -232,7 +164,7 @@ def test_stream_order_input_copies_then_clear_then_graph(name, stream_kind):
     planes = random_planes([(torch.float8_e4m3fn, (8, 256)), (torch.uint8, (1024,)),
                             (torch.bfloat16, (4, 512))], num_pages)
     s = torch.cuda.Stream()
-    backend = make_backend(name, planes, _stream_arg(stream_kind, s))
+    backend = gpu_backend(name, planes, _stream_arg(stream_kind, s))
     rng = random.Random(name + stream_kind)
     listed = rng.sample(range(88), 17) + [90, 91, 92]  # scattered ids and one adjacent run
     idx = torch.tensor(listed, device="cuda")
@@ -240,7 +172,7 @@ def test_stream_order_input_copies_then_clear_then_graph(name, stream_kind):
     want_in = host_in.to("cuda")
     dev_in = torch.zeros(8192, dtype=torch.int64, device="cuda")
     flag = torch.zeros(2, dtype=torch.int32, device="cuda")
-    before = reference(planes, listed)
+    before = reference_clear(planes, listed)
     torch.cuda.synchronize()
     with torch.cuda.stream(s):
         torch.cuda._sleep(SLEEP_CYCLES)
@@ -281,7 +213,7 @@ def _fresh_bytes_row_bytes_listed(planes, ids):
         idx = torch.tensor(ids, device="cuda")
         for p in planes:
             as_bytes(p).index_fill_(0, idx, 0x7F)
-    return reference(planes, ids)
+    return reference_clear(planes, ids)
 
 
 def test_triton_graph_clears_whatever_the_step_lists_without_host_launches():
@@ -326,7 +258,7 @@ def test_triton_graph_clears_whatever_the_step_lists_without_host_launches():
     assert backend.statistics()["kernel_launches"] == launches
     # each replay consumed its list: replaying with nothing staged zeroes nothing
     assert int(meta[0].item()) == 0
-    before = reference(planes, [])
+    before = reference_clear(planes, [])
     with torch.cuda.stream(s):
         graph.replay()
     s.synchronize()
@@ -375,14 +307,14 @@ async def test_rank_executor_runs_copies_clear_graph_in_stream_order(name, check
         def graph(ctx, step, inputs):
             captured.replay()
     else:
-        backend = make_backend(name, planes, s)
+        backend = gpu_backend(name, planes, s)
 
         def graph(ctx, step, inputs):
             _check_listed_zero_and_inputs(planes, idx, dev_in, want_in, flag)
 
     ex = ex_mod.RankExecutor(0, num_pages=num_pages, backend=backend, graph=graph, planes=planes,
                              device=planes[0].device, stream=s)
-    before = reference(planes, listed)
+    before = reference_clear(planes, listed)
     flag.zero_()
     torch.cuda.synchronize()
     with torch.cuda.stream(s):
@@ -424,11 +356,11 @@ def test_triton_clear_checked_zeroes_exactly_what_clear_does(layout):
     rng = random.Random(f"checked/{layout}")
     torch.manual_seed(rng.randrange(1 << 30))
     planes = random_planes(specs, num_pages, offset=offset)
-    backend = make_backend("triton", planes)
+    backend = gpu_backend("triton", planes)
     for ids in id_lists(num_pages, rng):
         for p in planes:
             as_bytes(p).copy_(torch.randint(1, 256, as_bytes(p).shape, dtype=torch.uint8, device="cuda"))
-        expected = reference(planes, ids)
+        expected = reference_clear(planes, ids)
         backend.clear_checked(tuple(ids))
         torch.cuda.synchronize()
         assert_planes_equal(planes, expected)

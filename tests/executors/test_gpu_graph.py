@@ -24,13 +24,11 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
+from support.gpu import as_bytes  # noqa: E402
+
 NUM_PAGES = 256
 CAP = 48  # the toy model writes at most this many pages a step
 PAGE_SPECS = [(torch.uint8, (4096,)), (torch.bfloat16, (1024,)), (torch.float8_e4m3fn, (8, 256))]
-
-
-def as_bytes(t):
-    return t.reshape(t.shape[0], -1).view(torch.uint8)
 
 
 class ToyStep:
@@ -66,7 +64,7 @@ class ToyStep:
             self.write_ids.copy_(h[2:], non_blocking=True)
 
 
-def make_planes():
+def toy_planes():
     big = []
     for dtype, shape in PAGE_SPECS:
         page_bytes = dtype.itemsize
@@ -82,7 +80,7 @@ def test_clear_inside_the_model_graph_1000_replays():
     pytest.importorskip("triton")
     from kvledger.executors.triton_backend import TritonClearBackend
 
-    big, planes = make_planes()
+    big, planes = toy_planes()
     stream = torch.cuda.Stream()
     backend = TritonClearBackend(planes, stream=stream)
     step = ToyStep(big)
@@ -146,7 +144,7 @@ def test_graph_clear_and_the_eager_ring_never_wait_for_the_device():
 
     from kvledger.executors.triton_backend import TritonClearBackend
 
-    _, planes = make_planes()
+    _, planes = toy_planes()
     stream = torch.cuda.Stream()
     backend = TritonClearBackend(planes, stream=stream)
     long = backend.ids.param_max + 1  # a list that is copied, not passed by value
@@ -185,7 +183,7 @@ def test_graph_clear_rows_and_size_classes_zero_exactly_the_listed_pages():
     pytest.importorskip("triton")
     from kvledger.executors.triton_backend import TritonClearBackend
 
-    _, planes = make_planes()
+    _, planes = toy_planes()
     stream = torch.cuda.Stream()
     backend = TritonClearBackend(planes, stream=stream)
     backend.graph_clear([0])

@@ -33,6 +33,8 @@ def test_the_kernels_under_the_interpreter():
     assert " passed" in proc.stdout
 
 
+from support.gpu import as_bytes  # noqa: E402
+
 from kvledger.executors import triton_kernels as K  # noqa: E402
 from kvledger.executors.sanitize import TorchVerifier, decode_triples  # noqa: E402
 
@@ -75,10 +77,6 @@ def planes_for(layout, seed):
         skip = (-base.data_ptr()) % 16 + offset
         out.append(base[skip:skip + num_pages * per_page].view(dtype).view(num_pages, *shape))
     return num_pages, out
-
-
-def as_bytes(p):
-    return p.reshape(p.shape[0], -1).view(torch.uint8)
 
 
 def run_fill(planes, ids, config, fill, grid):

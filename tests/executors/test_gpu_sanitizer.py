@@ -14,10 +14,12 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
+from support.gpu import as_bytes, gpu_backend, random_planes  # noqa: E402
+
 from kvledger import InvariantViolation, StepPlan  # noqa: E402
 from kvledger.executors.sanitize import NOT_ZERO, POISON, TorchVerifier, Violation  # noqa: E402
 
-BACKENDS = ["torch", "cuda", "triton", "triton-graph"]
+BACKENDS = ["torch", "cuda", "triton", "triton-staged"]
 LAYOUTS = {
     "16k": (40, [(torch.uint8, (16384,)), (torch.float8_e4m3fn, (16384,)), (torch.uint8, (16384,))], 0),
     "fp8-kv-scales": (64, [(torch.float8_e4m3fn, (16, 128)), (torch.float8_e4m3fn, (8, 128)),
@@ -25,38 +27,6 @@ LAYOUTS = {
     "small-odd": (50, [(torch.uint8, (100,)), (torch.float32, (9,))], 0),
     "misaligned": (30, [(torch.uint8, (7,)), (torch.uint8, (13,))], 3),
 }
-
-
-def as_bytes(t):
-    return t.reshape(t.shape[0], -1).view(torch.uint8)
-
-
-def random_planes(specs, num_pages, offset, g):
-    planes = []
-    for dtype, shape in specs:
-        per_page = dtype.itemsize
-        for d in shape:
-            per_page *= d
-        raw = torch.randint(0, 255, (num_pages * per_page + offset,), generator=g, dtype=torch.int32)
-        planes.append(raw.to(torch.uint8).cuda()[offset:].view(dtype).view(num_pages, *shape))
-    return planes
-
-
-def make(name, planes, stream=None):
-    if name == "torch":
-        from kvledger.executors.torch_backend import TorchClearBackend
-
-        return TorchClearBackend(planes, stream=stream)
-    pytest.importorskip("cuda.bindings")
-    if name == "cuda":
-        from kvledger.executors.cuda_backend import CudaClearBackend
-
-        return CudaClearBackend(planes, stream=stream)
-    pytest.importorskip("triton")
-    from kvledger.executors.triton_backend import TritonClearBackend
-
-    b = TritonClearBackend(planes, stream=stream)
-    return b.staged() if name == "triton-graph" else b
 
 
 def damage(planes, num_pages, rng):
@@ -80,8 +50,8 @@ def test_poison_and_check_match_the_torch_reference(name, layout):
     num_pages, specs, offset = LAYOUTS[layout]
     rng = random.Random(f"{name}/{layout}")
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
-    planes = random_planes(specs, num_pages, offset, g)
-    backend = make(name, planes)
+    planes = random_planes(specs, num_pages, offset=offset, lo=0, hi=255, generator=g)
+    backend = gpu_backend(name, planes)
     for _ in range(4):  # fresh damage and lists each round
         damage(planes, num_pages, rng)
         cleared = rng.sample(range(num_pages), rng.randrange(num_pages))
@@ -121,10 +91,10 @@ async def test_the_executor_names_the_plane_a_backend_skipped(name):
     from kvledger.executors.executor import RankExecutor, StepInputs, StepJob, StepReplies
 
     num_pages, specs, offset = LAYOUTS["fp8-kv-scales"]
-    planes = random_planes(specs, num_pages, offset, torch.Generator().manual_seed(3))
+    planes = random_planes(specs, num_pages, offset=offset, lo=0, hi=255, generator=torch.Generator().manual_seed(3))
     s = torch.cuda.Stream()
-    full = make(name, planes, s)
-    partial = make(name, [planes[0], planes[2]], s)  # skips plane 1
+    full = gpu_backend(name, planes, s)
+    partial = gpu_backend(name, [planes[0], planes[2]], s)  # skips plane 1
 
     class SkipsPlaneOne:
         def __init__(self):

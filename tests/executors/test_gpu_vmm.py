@@ -24,44 +24,14 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-from kvledger import CudaDriverError, Geometry, InvalidArgumentError, KVLedgerError, Ledger
+from support.gpu import as_bytes, gpu_backend  # noqa: E402
+
+from kvledger import CudaDriverError, Geometry, InvalidArgumentError, KVLedgerError, Ledger  # noqa: E402
 
 BACKENDS = ["torch", "cuda", "cuda-per-page", "triton", "triton-graph"]
 PAGE_BYTES = (16384, 8192, 32768)
 DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16)
 MiB = 1 << 20
-
-
-def as_bytes(t):
-    return t.reshape(t.shape[0], -1).view(torch.uint8)
-
-
-def make_backend(name, planes):
-    if name == "torch":
-        mod = pytest.importorskip("kvledger.executors.torch_backend")
-        return mod.TorchClearBackend(planes)
-    if name.startswith("cuda"):
-        from kvledger.executors.cuda_backend import CudaClearBackend
-
-        return CudaClearBackend(planes, mode="per_page" if name == "cuda-per-page" else "coalesced")
-    pytest.importorskip("triton")
-    from kvledger.executors.triton_backend import TritonClearBackend
-
-    backend = TritonClearBackend(planes)
-    return GraphClear(backend) if name == "triton-graph" else backend
-
-
-class GraphClear:
-    """The triton backend through its CUDA-graph path: stage(ids) + one graph replay."""
-
-    name = "triton-graph"
-
-    def __init__(self, backend) -> None:
-        self.backend = backend
-        backend.graph_clear([])  # capture the clear-only graph up front
-
-    def clear(self, page_ids) -> None:
-        self.backend.graph_clear(page_ids)
 
 
 def decode(plane, idx):
@@ -265,7 +235,7 @@ def test_r15_released_row_nan_bytes_are_cleared_exactly(vmm, name):
     assert nan_before > 0  # without the clear the request's pages decode as NaN
 
     before = [as_bytes(p).clone() for p in planes]
-    backend = make_backend(name, planes)
+    backend = gpu_backend(name, planes)
     backend.clear(clear_list)
     torch.cuda.synchronize()
     counts, still_marked, unlisted_nan = _after_clear(planes, before, clear_list, rows_2, live_bytes, ledger,

@@ -48,7 +48,7 @@ def attend(planes, block_table, q, kv, cast):
     return F.scaled_dot_product_attention(q.to(cast), k, v, attn_mask=mask).float()
 
 
-def reference(kv, q, cast):
+def attention_reference(kv, q, cast):
     """Attention over the valid tokens alone (no padding, no mask), same FP8 rounding."""
     k = kv[0].to(torch.float8_e4m3fn).to(cast).transpose(0, 1)
     v = kv[1].to(torch.float8_e4m3fn).to(cast).transpose(0, 1)
@@ -97,7 +97,7 @@ async def test_released_row_bytes_poison_masked_attention_unless_cleared(cast):
             out = outputs[rank]
             assert torch.isfinite(out).all()
             kv, q = host[rank]
-            torch.testing.assert_close(out, reference(kv, q, cast), atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(out, attention_reference(kv, q, cast), atol=2e-2, rtol=2e-2)
             # the tail slots past the last token were zeroed, not left as row bytes
             tail = planes[0][block_table[-1], TOKENS % G.page_tokens:]
             assert int(tail.view(torch.uint8).count_nonzero()) == 0

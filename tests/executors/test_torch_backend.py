@@ -227,7 +227,7 @@ def test_zero_width_plane_is_skipped():
 
 
 def test_registry_is_lazy_and_complete(tmp_path):
-    assert BACKENDS == ("torch", "cuda", "triton")
+    assert BACKENDS == ("bytes", "torch", "cuda", "triton")
     assert backend_class("torch") is TorchClearBackend
     b = make_backend("torch", [torch.ones(4, 2)])
     assert isinstance(b, ClearBackend) and b.name == "torch"

@@ -23,6 +23,7 @@ harness cannot rot. ``scripts/heavy`` runs it for 10^7 executions over many proc
 
 from __future__ import annotations
 
+from kvledger.options import LogOptions
 import contextlib
 import hashlib
 import os
@@ -112,8 +113,8 @@ def seed_corpus() -> list[bytes]:
     logs = []
     for i, policy in enumerate(CLEAR_POLICIES):
         disk = SimulatedDisk()
-        led = open_ledger("f", Geometry(num_pages=24, page_tokens=16), layer=disk, policy=policy,
-                          checkpoint_every=8, logger=QUIET)
+        led = open_ledger("f", Geometry(num_pages=24, page_tokens=16), policy=policy, logger=QUIET,
+                          log_options=LogOptions(layer=disk, checkpoint_every=8))
         drive(led, f"fuzz-log-{i}", 1 + i % 2, ranks=1 + i % 2)
         if i == 1:
             led.sync()

@@ -18,6 +18,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from support.demo import simulate_demo  # noqa: E402
+
 from kvledger import PageOutOfRangeError, replay  # noqa: E402
 from kvledger.core.events import SnapshotReleased  # noqa: E402
 from kvledger.core.log import open_view  # noqa: E402
@@ -32,13 +34,9 @@ from support.cli import SCRIPT, kvledger  # noqa: E402
 SMALL = DemoConfig(requests=12, short_tokens=128, long_tokens=256)
 
 
-def _sim(config, **kw):
-    return anyio.run(lambda: simulate(config, **kw))
-
-
-@pytest.fixture(scope="module")
-def reference():
-    ref = _sim(SMALL, reference=True)
+@pytest.fixture(scope="module", name="reference")
+def small_reference():
+    ref = simulate_demo(SMALL, reference=True)
     assert ref.passed == ref.requests == 12 and ref.invalid_speculation == 0
     assert ref.page_reuses == 0 and ref.pages_listed == 0  # no pressure: nothing reused, nothing stale
     return ref
@@ -79,7 +77,7 @@ def test_skip_clear_backend_validates_like_a_real_one_and_zeroes_nothing():
 
 def test_clears_on_no_failures_and_logits_equal_reference(tmp_path, reference):
     log = str(tmp_path / "demo.kvlog")
-    run = _sim(SMALL, log_path=log)
+    run = simulate_demo(SMALL, log_path=log)
     assert run.passed == 12 and run.invalid_speculation == 0
     # the pressure was real: released snapshot pages came back as tail pages, and were zeroed
     assert run.tails_released > 0 and run.pages_zeroed == run.pages_listed >= run.tails_released
@@ -101,7 +99,7 @@ def test_clears_on_no_failures_and_logits_equal_reference(tmp_path, reference):
 
 
 def test_clears_off_reproduces_invalid_speculation(reference):
-    run = _sim(dataclasses.replace(SMALL, clear=False))
+    run = simulate_demo(dataclasses.replace(SMALL, clear=False))
     assert run.invalid_speculation >= 1 and run.passed + run.invalid_speculation == 12
     assert run.pages_listed > 0 and run.pages_zeroed == 0 and run.bytes_zeroed == 0  # listed, never zeroed
     assert sorted(run.failed_requests) == sorted(set(run.failed_requests))
@@ -114,15 +112,15 @@ def test_clears_off_without_snapshots_is_harmless(reference):
     """The control: no snapshot rows, so no released alias pages. Pages finished
     requests leave behind still hold stale (finite) FP8 KV, never cleared, yet masked
     attention adds exactly 0 for them: no failure, logits still bit-identical."""
-    run = _sim(dataclasses.replace(SMALL, clear=False, snapshot_cache=0))
+    run = simulate_demo(dataclasses.replace(SMALL, clear=False, snapshot_cache=0))
     assert run.snapshots_made == 0 and run.pages_listed == 0 and run.page_reuses > 0
     assert run.invalid_speculation == 0 and compare_logits(run, reference)["equal"]
 
 
 @pytest.mark.parametrize("policy", ["cross_tenant", "all_reused"])
 def test_other_policies_clear_more_and_still_match(policy, reference):
-    base = _sim(SMALL)
-    run = _sim(dataclasses.replace(SMALL, policy=policy))
+    base = simulate_demo(SMALL)
+    run = simulate_demo(dataclasses.replace(SMALL, policy=policy))
     assert run.invalid_speculation == 0 and compare_logits(run, reference)["equal"]
     assert run.pages_zeroed > base.pages_zeroed
 
@@ -217,7 +215,7 @@ def test_run_demo_reports_ok_only_when_the_oracle_holds():
 )
 def test_log_replays_and_audits_with_the_console_script(tmp_path):
     log = tmp_path / "demo.kvlog"
-    run = _sim(SMALL, log_path=str(log))
+    run = simulate_demo(SMALL, log_path=str(log))
     p = kvledger("replay", str(log))
     assert p.returncode == 0, p.stdout + p.stderr
     assert run.digest in p.stdout
@@ -229,8 +227,8 @@ def test_keep_going_runs_the_same_schedule_with_clears_off():
     """The timing baseline: with keep_going, a run with clears off issues exactly the
     commands of a run with clears on (the scheduler never reads logits): same steps, same
     ledger digest; only the zeroing differs, and the stale bytes it leaves show up."""
-    on = _sim(SMALL)
-    off = _sim(dataclasses.replace(SMALL, clear=False, keep_going=True))
+    on = simulate_demo(SMALL)
+    off = simulate_demo(dataclasses.replace(SMALL, clear=False, keep_going=True))
     assert (off.steps, off.events, off.digest, off.pages_listed) == (on.steps, on.events, on.digest, on.pages_listed)
     assert off.invalid_speculation >= 1 and off.passed == 12 - off.invalid_speculation
     assert on.pages_zeroed == on.pages_listed and off.pages_zeroed == 0
@@ -246,5 +244,5 @@ def test_the_small_runs_events_and_digest_are_pinned():
     the event set or the canonical digest shows up here first, and is made on purpose (the
     README's full-size demo printed 2,036 events, digest 36a2a8799320, before and after the
     2026-12-01 consolidation)."""
-    run = _sim(SMALL)
+    run = simulate_demo(SMALL)
     assert (run.events, run.digest) == (105, "e8f8df579a19eda7f6d07a73101e0df8c3eb829442b6ef12f6e9fea064b59978")

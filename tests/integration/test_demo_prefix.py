@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import anyio
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from support.demo import simulate_demo  # noqa: E402
 
 from kvledger import replay  # noqa: E402
 from kvledger.core.errors import InvalidArgumentError  # noqa: E402
@@ -24,20 +25,15 @@ from kvledger.demo import DemoConfig  # noqa: E402
 from kvledger.demo.cli import main  # noqa: E402
 from kvledger.demo.prefix import PrefixCache  # noqa: E402
 from kvledger.demo.results import compare_logits  # noqa: E402
-from kvledger.demo.run import simulate  # noqa: E402
 from support.cli import kvledger  # noqa: E402
 
 PREFIX = DemoConfig(requests=24, short_tokens=128, long_tokens=256, prefix_cache=True, page_budget=200,
                     bare_every=0)
 
 
-def _sim(config, **kw):
-    return anyio.run(lambda: simulate(config, **kw))
-
-
-@pytest.fixture(scope="module")
-def reference():
-    ref = _sim(PREFIX, reference=True)
+@pytest.fixture(scope="module", name="reference")
+def prefix_reference():
+    ref = simulate_demo(PREFIX, reference=True)
     assert ref.passed == ref.requests == 24 and ref.page_reuses == 0
     assert ref.prefix_requests == ref.pages_shared == ref.pages_published == 0  # the reference shares nothing
     return ref
@@ -46,7 +42,7 @@ def reference():
 @pytest.fixture(scope="module")
 def logged(tmp_path_factory):
     log = str(tmp_path_factory.mktemp("prefix") / "prefix.kvlog")
-    return log, _sim(PREFIX, log_path=log)
+    return log, simulate_demo(PREFIX, log_path=log)
 
 
 def _events(log):
@@ -112,14 +108,14 @@ def test_hits_read_the_shared_pages_and_the_prefix_state(target, reference, monk
         return cost
 
     monkeypatch.setattr(PrefixCache, "admit", corrupting)
-    run = _sim(PREFIX)
+    run = simulate_demo(PREFIX)
     assert hits
     changed = {rid for rid, want in reference.logits.items() if not torch.equal(run.logits.get(rid), want)}
     assert changed and changed <= hits
 
 
 def test_clears_off_still_fails_the_seeds_way(reference):
-    off = _sim(dataclasses.replace(PREFIX, clear=False))
+    off = simulate_demo(dataclasses.replace(PREFIX, clear=False))
     assert off.invalid_speculation >= 1 and off.passed + off.invalid_speculation == 24
     assert off.tails_released > 0 and off.pages_listed > 0 and off.pages_zeroed == 0
     assert off.prefix_hits > 0  # sharing happened, and did not mask the failure
@@ -129,7 +125,7 @@ def test_clears_off_still_fails_the_seeds_way(reference):
 
 @pytest.mark.parametrize("policy", ["cross_tenant", "all_reused"])
 def test_isolating_policies_share_within_a_tenant_and_match(policy, reference):
-    run = _sim(dataclasses.replace(PREFIX, policy=policy))
+    run = simulate_demo(dataclasses.replace(PREFIX, policy=policy))
     assert run.invalid_speculation == 0 and compare_logits(run, reference)["equal"]
     assert run.prefix_hits > 0
 
@@ -138,8 +134,8 @@ def test_two_ranks_share_read_and_run_bare():
     """Heads sharded over two in-process ranks: each rank reads its own shard of the shared
     pages and of the prefix state's rows; the bare runs meet in their own all-reduce."""
     cfg = dataclasses.replace(PREFIX, requests=12, page_budget=110, ranks=2, bare_every=2)
-    ref = _sim(cfg, reference=True)
-    run = _sim(cfg)
+    ref = simulate_demo(cfg, reference=True)
+    run = simulate_demo(cfg)
     assert compare_logits(run, ref)["equal"] and run.prefix_hits > 0 and run.pages_evicted > 0
     assert run.bare_steps > 0 and run.bare_mismatch == 0
 

@@ -17,6 +17,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from support.demo import simulate_demo  # noqa: E402
+
 from kvledger.core.errors import ConfigurationError, InvariantViolation  # noqa: E402
 from kvledger.core.events import StepPlan  # noqa: E402
 from kvledger.demo import DemoConfig  # noqa: E402
@@ -24,7 +26,6 @@ from kvledger.demo import sanitize as sanitize_mod  # noqa: E402
 from kvledger.demo.cli import main  # noqa: E402
 from kvledger.demo.ranks import SkipClearBackend  # noqa: E402
 from kvledger.demo.results import compare_logits  # noqa: E402
-from kvledger.demo.run import simulate  # noqa: E402
 from kvledger.executors.executor import RankExecutor, StepInputs, StepJob, StepReplies  # noqa: E402
 from kvledger.executors.sanitize import NOT_ZERO, POISON, Violation  # noqa: E402
 from kvledger.executors.torch_backend import TorchClearBackend  # noqa: E402
@@ -32,10 +33,6 @@ from kvledger.executors.torch_backend import TorchClearBackend  # noqa: E402
 SMALL = DemoConfig(requests=12, short_tokens=128, long_tokens=256, bare_every=0, sanitize=True)
 needs_sanitizer = pytest.mark.skipif(not sanitize_mod.has_sanitizer(),
                                      reason="this kvledger's open_engine has no sanitize=True")
-
-
-def _sim(config, **kw):
-    return anyio.run(lambda: simulate(config, **kw))
 
 
 def _job(step, clear_list, poison=(), committed=()):
@@ -74,7 +71,7 @@ def test_no_clear_backend_poisons_and_checks_but_never_zeroes(skip):
 def test_sanitize_is_refused_clearly_without_the_engines_sanitizer(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(sanitize_mod, "has_sanitizer", lambda: False)
     with pytest.raises(ConfigurationError, match="needs the engine's sanitizer"):
-        _sim(SMALL)
+        simulate_demo(SMALL)
     log = tmp_path / "s.kvlog"
     argv = ["--requests", "4", "--prompt-tokens", "128,256", "--sanitize", "--no-progress", "--log", str(log)]
     assert main(argv) == 2
@@ -90,7 +87,7 @@ def test_sanitize_is_refused_clearly_without_the_engines_sanitizer(monkeypatch, 
 @pytest.mark.parametrize("prefix_cache", [False, True])
 def test_clears_on_the_sanitizer_finds_nothing(prefix_cache):
     cfg = dataclasses.replace(SMALL, prefix_cache=prefix_cache)
-    run, ref = _sim(cfg), _sim(cfg, reference=True)
+    run, ref = simulate_demo(cfg), simulate_demo(cfg, reference=True)
     assert run.sanitizer_violations == run.sanitizer_steps == 0 and not run.sanitizer_first
     assert run.passed == 12 and run.pages_zeroed == run.pages_listed > 0 and compare_logits(run, ref)["equal"]
     assert run.sanitize_sum_s > 0 and ref.sanitize_sum_s == 0  # the check ran; the reference is plain
@@ -98,7 +95,7 @@ def test_clears_on_the_sanitizer_finds_nothing(prefix_cache):
 
 @needs_sanitizer
 def test_no_clear_is_stopped_before_any_request_reads_a_stale_byte():
-    off = _sim(dataclasses.replace(SMALL, clear=False))
+    off = simulate_demo(dataclasses.replace(SMALL, clear=False))
     assert off.sanitizer_violations > 0 and off.sanitizer_steps > 0
     assert off.invalid_speculation == 0  # stopped before the graph: nothing decoded a stale NaN
     assert off.passed + off.sanitizer_stopped == 12 and off.snapshots_made == (
@@ -106,6 +103,6 @@ def test_no_clear_is_stopped_before_any_request_reads_a_stale_byte():
     head = off.sanitizer_first.splitlines()[0]
     assert head.startswith("step ") and "rank 0, plane " in head and "page " in head and "request " in head
     assert "lifecycle of page" in off.sanitizer_first
-    again = _sim(dataclasses.replace(SMALL, clear=False))  # deterministic for a fixed seed
+    again = simulate_demo(dataclasses.replace(SMALL, clear=False))  # deterministic for a fixed seed
     assert (again.sanitizer_first, again.sanitizer_violations, again.digest) == (
         off.sanitizer_first, off.sanitizer_violations, off.digest)

@@ -7,26 +7,23 @@ from __future__ import annotations
 
 import dataclasses
 
-import anyio
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from support.demo import simulate_demo  # noqa: E402
+
 from kvledger.demo import DemoConfig  # noqa: E402
 from kvledger.demo.results import RunResult  # noqa: E402
-from kvledger.demo.run import simulate  # noqa: E402
 from kvledger.demo.table import render_table  # noqa: E402
 
 SMALL = DemoConfig(requests=12, short_tokens=128, long_tokens=256)
 
 
-def _sim(config, **kw):
-    return anyio.run(lambda: simulate(config, **kw))
-
-
 @pytest.fixture(scope="module")
 def runs():
-    return _sim(dataclasses.replace(SMALL, bare_every=0)), _sim(dataclasses.replace(SMALL, bare_every=1))
+    return (simulate_demo(dataclasses.replace(SMALL, bare_every=0)),
+            simulate_demo(dataclasses.replace(SMALL, bare_every=1)))
 
 
 def test_bare_runs_leave_no_trace(runs):
@@ -39,7 +36,7 @@ def test_bare_runs_leave_no_trace(runs):
 
 
 def test_bare_every_samples_every_nth_step():
-    run = _sim(dataclasses.replace(SMALL, requests=6, bare_every=3))
+    run = simulate_demo(dataclasses.replace(SMALL, requests=6, bare_every=3))
     assert run.bare_steps == -(-run.steps // 3) > 0 and run.bare_mismatch == 0
 
 

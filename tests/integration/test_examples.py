@@ -1,4 +1,5 @@
-"""The examples the README points at run as a user would run them, and say what they claim."""
+"""The examples the README points at run as a user would run them, and say what they claim; one
+that needs an optional dependency exits 2 with the install command where it is missing."""
 
 from __future__ import annotations
 
@@ -17,6 +18,39 @@ def _run(*args: str) -> str:
     out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout
+
+
+# An example that needs an optional dependency says so and exits 2 where it is missing (the
+# dependency blocked in a child interpreter, as if it were not installed): the one-line install
+# command, never a bare ModuleNotFoundError.
+_BLOCKED = r"""
+import importlib.abc, runpy, sys
+blocked = sys.argv[1].split(",")
+class Missing(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in blocked:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Missing())
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_the_torch_examples_without_torch_exit_2_naming_the_install():
+    for example in ("examples/async_engine.py", "examples/tp_ranks.py"):
+        out = subprocess.run([sys.executable, "-c", _BLOCKED, "torch", example], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 2, (example, out.stderr)
+        assert "pip install 'kvledger[torch]'" in out.stderr and "Traceback" not in out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_the_examples_that_need_nothing_optional_run_without_torch_or_pyzmq():
+    plain = (("examples/kv_pressure.py", ["--steps", "3"]), ("examples/prefix_cache.py", ["--pages", "24"]))
+    for example, args in plain:
+        out = subprocess.run([sys.executable, "-c", _BLOCKED, "torch,triton,zmq", example, *args], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
 
 
 def test_prefix_cache_example_shares_prefixes_and_evicts_under_pressure():

@@ -23,6 +23,7 @@ import pytest
 
 from support import HEAVY, QUIET
 from kvledger import ConfigurationError, CorruptLogError, replay
+from kvledger.options import LogOptions
 from kvledger.core.errors import LogIOError
 from kvledger.core.log import list_segments, open_view
 from kvledger.core.log.files import default_layer
@@ -52,7 +53,8 @@ def _run(layer, fsync: str, steps: int, acked: list) -> None:
         if d in digests:
             acked.append((d, digests[d]))
 
-    led = open_ledger("d", GEOMETRY, layer=layer, fsync=fsync, checkpoint_every=None, logger=QUIET, **SEG)
+    led = open_ledger("d", GEOMETRY, logger=QUIET,
+                      log_options=LogOptions(layer=layer, fsync=fsync, checkpoint_every=None, **SEG))
     try:
         drive(led, f"roll-{fsync}", steps, ranks=1, on_seal=on_seal)
         led.flush()
@@ -107,7 +109,7 @@ def test_f1_power_cut_at_every_file_operation_of_a_roll(fsync):
             in_roll += n in rolls
             try:
                 for again in range(2):  # reopen, append a little, close cleanly; twice
-                    with open_ledger("d", layer=disk, logger=QUIET, **SEG) as led:
+                    with open_ledger("d", logger=QUIET, log_options=LogOptions(layer=disk, **SEG)) as led:
                         if again == 0 and not _acked_prefix_ok(disk, acked):
                             lost += 1
                         drive(led, f"after-{n}-{image}-{again}", 3, ranks=1)
@@ -125,7 +127,7 @@ def test_f9_a_lost_last_segment_is_reported_not_rolled_back(tmp_path):
     """F9: deleting the last segment silently rolled the log back (its orphaned sync stamp was
     ignored). Open, a view and replay report it as corruption naming the lost seq range."""
     path = tmp_path / "d"
-    with open_ledger(path, GEOMETRY, logger=QUIET, checkpoint_every=None, **SEG) as led:
+    with open_ledger(path, GEOMETRY, logger=QUIET, log_options=LogOptions(checkpoint_every=None, **SEG)) as led:
         drive(led, "f9", 60, ranks=1)
         events = led.seq
     segs = list_segments(default_layer, str(path))
@@ -146,14 +148,15 @@ def test_f9_a_lost_last_segment_is_reported_not_rolled_back(tmp_path):
 def test_f9_after_a_crash_following_a_roll(tmp_path):
     """The same when the writer crashed (no close): the roll stamped the new segment."""
     disk = SimulatedDisk()
-    led = open_ledger("d", GEOMETRY, layer=disk, fsync="per_step", checkpoint_every=None, logger=QUIET, **SEG)
+    led = open_ledger("d", GEOMETRY, logger=QUIET,
+                      log_options=LogOptions(layer=disk, fsync="per_step", checkpoint_every=None, **SEG))
     drive(led, "f9c", 40, ranks=1)
     led.log.abandon()
     segs = list_segments(disk, "d")
     assert len(segs) >= 2
     disk.remove(segs[-1])
     with pytest.raises(CorruptLogError, match="missing"):
-        open_ledger("d", layer=disk, logger=QUIET)
+        open_ledger("d", logger=QUIET, log_options=LogOptions(layer=disk))
 
 
 def test_f10_power_cut_while_creating_a_log_directory(tmp_path):
@@ -162,22 +165,23 @@ def test_f10_power_cut_while_creating_a_log_directory(tmp_path):
     without it says what to do; on real files an empty directory or one holding only ``LOCK``
     is finished the same way."""
     clean = FaultInjector(SimulatedDisk())
-    open_ledger("d", GEOMETRY, layer=clean, logger=QUIET, **SEG).close()
+    open_ledger("d", GEOMETRY, logger=QUIET, log_options=LogOptions(layer=clean, **SEG)).close()
     create_ops = next(i for i, (op, _) in enumerate(clean.ops) if op == "write")  # up to the first append
     opened = 0
     for n in range(1, create_ops + 1):
         disk = SimulatedDisk()
         with pytest.raises((_PowerCut, LogIOError)):
-            open_ledger("d", GEOMETRY, layer=FaultInjector(disk, fail_op=n, error=_PowerCut), logger=QUIET, **SEG)
+            failing = FaultInjector(disk, fail_op=n, error=_PowerCut)
+            open_ledger("d", GEOMETRY, logger=QUIET, log_options=LogOptions(layer=failing, **SEG))
         disk.crash(random.Random(n))
         if disk.exists("d") and not list_segments(disk, "d"):
             with pytest.raises(ConfigurationError, match="interrupted create"):
-                open_ledger("d", layer=disk, logger=QUIET)
-        with open_ledger("d", GEOMETRY, layer=disk, logger=QUIET, **SEG) as led:
+                open_ledger("d", logger=QUIET, log_options=LogOptions(layer=disk))
+        with open_ledger("d", GEOMETRY, logger=QUIET, log_options=LogOptions(layer=disk, **SEG)) as led:
             led.reserve(1, 2)
             led.seal_step(0)
             seq = led.seq
-        with open_ledger("d", layer=disk, logger=QUIET) as led:
+        with open_ledger("d", logger=QUIET, log_options=LogOptions(layer=disk)) as led:
             assert led.seq == seq
         opened += 1
     for name, files in (("empty", []), ("lock-only", ["LOCK"])):
@@ -185,7 +189,7 @@ def test_f10_power_cut_while_creating_a_log_directory(tmp_path):
         p.mkdir(mode=0o700)
         for f in files:
             (p / f).write_bytes(b"")
-        with open_ledger(p, GEOMETRY, logger=QUIET, **SEG) as led:
+        with open_ledger(p, GEOMETRY, logger=QUIET, log_options=LogOptions(**SEG)) as led:
             led.reserve(1, 1)
         with open_ledger(p, logger=QUIET) as led:
             assert led.seq == 2

@@ -30,6 +30,7 @@ from support.simdisk import SimulatedDisk
 from support.workload import GEOMETRY, drive
 
 from kvledger import CorruptLogError
+from kvledger.options import LogOptions
 from kvledger.core.log import list_segments, open_view
 from kvledger.core.log.files import default_layer
 from kvledger.core.log.format import SEGMENT_HEADER_SIZE
@@ -42,7 +43,7 @@ SEG = {"segment_bytes": 4096}
 def _directory(layer, path: str, steps: int = 60) -> tuple[str, int]:
     """A log directory of at least three segments, left as a crash leaves it (no close):
     (its digest, its seq)."""
-    led = open_ledger(path, GEOMETRY, layer=layer, logger=QUIET, checkpoint_every=None, **SEG)
+    led = open_ledger(path, GEOMETRY, logger=QUIET, log_options=LogOptions(layer=layer, checkpoint_every=None, **SEG))
     drive(led, "dir", steps, ranks=1)
     led.flush()
     digest, seq = led.digest(), led.seq
@@ -74,7 +75,7 @@ def test_a_torn_opening_checkpoint_is_repaired_into_a_log_that_reopens(tmp_path,
     _directory(layer, path)
     torn = _tear_opening_checkpoint(layer, path)
     first = int(os.path.basename(torn)[4:24])
-    with open_ledger(path, layer=layer, logger=QUIET, **SEG) as led:
+    with open_ledger(path, logger=QUIET, log_options=LogOptions(layer=layer, **SEG)) as led:
         assert led.seq == first  # what the segment before it ends with: nothing of the torn one was whole
         assert led.recovery.truncated_bytes == 20  # reported as the torn tail it was
         assert not layer.exists(torn)
@@ -83,7 +84,7 @@ def test_a_torn_opening_checkpoint_is_repaired_into_a_log_that_reopens(tmp_path,
         digest2, seq2 = led.digest(), led.seq
         led.log.abandon()  # a crash before any checkpoint: the case that stayed refused for good
     for _ in range(2):
-        with open_ledger(path, layer=layer, logger=QUIET, **SEG) as led:
+        with open_ledger(path, logger=QUIET, log_options=LogOptions(layer=layer, **SEG)) as led:
             assert (led.digest(), led.seq) == (digest2, seq2)
     if where == "files":
         assert kvledger("replay", path).returncode == 0
@@ -103,7 +104,7 @@ def test_losing_the_last_segment_with_its_stamp_is_reported_not_a_silent_rollbac
     layer.remove(segs[-1])
     layer.remove_stamp(segs[-1])  # the stamp goes with it: only the head says what should follow
     with pytest.raises(CorruptLogError, match="missing.*HEAD") as info:
-        open_ledger(path, layer=layer, logger=QUIET, **SEG)
+        open_ledger(path, logger=QUIET, log_options=LogOptions(layer=layer, **SEG))
     assert info.value.seq == first_lost and os.path.basename(segs[-1]) in str(info.value)
     with open_view(path, layer=layer) as view:
         assert isinstance(view.scan.error, CorruptLogError) and "HEAD" in str(view.scan.error)
@@ -120,7 +121,8 @@ def test_a_directory_of_an_older_kvledger_gets_a_head_and_readers_during_a_roll_
     segs = list_segments(default_layer, path)
     log_id = _log_id(default_layer, segs[-1])
     assert head(default_layer, path, log_id) is None
-    with open_ledger(path, logger=QUIET, **SEG) as led:  # a writer opens it: the head names its live segment
+    # a writer opens it: the head names its live segment
+    with open_ledger(path, logger=QUIET, log_options=LogOptions(**SEG)) as led:
         assert head(default_layer, path, log_id).first_seq == int(os.path.basename(segs[-1])[4:24])
         before = len(list_segments(default_layer, path))
         while len(list_segments(default_layer, path)) == before:
@@ -136,7 +138,7 @@ def test_a_directory_of_an_older_kvledger_gets_a_head_and_readers_during_a_roll_
     _directory(default_layer, other)
     shutil.copy(os.path.join(other, f"{HEAD_NAME}.sync"), os.path.join(path, f"{HEAD_NAME}.sync"))
     assert head(default_layer, path, log_id) is None
-    with open_ledger(path, logger=QUIET, **SEG):
+    with open_ledger(path, logger=QUIET, log_options=LogOptions(**SEG)):
         pass
 
 

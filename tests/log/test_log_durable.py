@@ -16,6 +16,7 @@ from kvledger import (
     PageNotHeldError,
     replay,
 )
+from kvledger.options import LogOptions
 from kvledger.core.log.format import KIND_CHECKPOINT, Checkpoint
 from kvledger.core.log import open_view
 from support.simdisk import FaultInjector, SimulatedDisk
@@ -31,7 +32,7 @@ import logging
 
 def test_create_write_through_reopen_same_digest(tmp_path):
     p = tmp_path / "d.kvlog"
-    with open_ledger(p, GEOMETRY, check=True, checkpoint_every=100, logger=QUIET) as led:
+    with open_ledger(p, GEOMETRY, check=True, logger=QUIET, log_options=LogOptions(checkpoint_every=100)) as led:
         assert isinstance(led, DurableLedger) and isinstance(led, Ledger)
         assert led.recovery.created and led.durable_seq == 0
         drive(led, "w", 30, ranks=2)
@@ -50,13 +51,13 @@ def test_create_write_through_reopen_same_digest(tmp_path):
         assert rec.checkpoint_seq == seq and rec.folded == 0  # close wrote a final checkpoint
         drive(again, "w", 10, ranks=2)  # and it continues
         d2, s2 = again.digest(), again.seq
-    with open_ledger(p, checkpoint_every=None, logger=QUIET) as third:
+    with open_ledger(p, logger=QUIET, log_options=LogOptions(checkpoint_every=None)) as third:
         assert third.digest() == d2 and third.seq == s2
 
 
 def test_reopen_without_checkpoints_folds_everything(tmp_path):
     p = tmp_path / "nc.kvlog"
-    led = open_ledger(p, GEOMETRY, checkpoint_every=None, logger=QUIET)
+    led = open_ledger(p, GEOMETRY, logger=QUIET, log_options=LogOptions(checkpoint_every=None))
     drive(led, "nc", 20)
     digest, seq = led.digest(), led.seq
     led.sync()
@@ -69,7 +70,7 @@ def test_reopen_without_checkpoints_folds_everything(tmp_path):
 
 def test_checkpoints_are_taken_on_the_hot_command_paths(tmp_path):
     p = tmp_path / "cp.kvlog"
-    with open_ledger(p, GEOMETRY, checkpoint_every=25, logger=QUIET) as led:
+    with open_ledger(p, GEOMETRY, logger=QUIET, log_options=LogOptions(checkpoint_every=25)) as led:
         for step in range(40):  # only reserve / commit / finish / seal: the fast command paths
             led.reserve(step, 2)
             led.commit(step, step, 2)
@@ -103,7 +104,7 @@ def _events(caplog) -> list[dict]:
 
 def test_a_failed_write_fails_the_command_and_leaves_state_unchanged(tmp_path, caplog):
     faults = FaultInjector(fail_sync=3)  # 1: create's sync, 2: first seal, 3: second seal
-    led = open_ledger(tmp_path / "w.kvlog", GEOMETRY, layer=faults, fsync="per_step")
+    led = open_ledger(tmp_path / "w.kvlog", GEOMETRY, log_options=LogOptions(layer=faults, fsync="per_step"))
     led.reserve(1, 2)
     led.commit(1, 0, 2)
     led.seal_step(0)
@@ -141,7 +142,7 @@ def test_open_refuses_mismatches_and_missing_geometry(tmp_path):
 
 def test_log_truncated_is_reported_and_logged(tmp_path, caplog):
     p = tmp_path / "tt.kvlog"
-    with open_ledger(p, GEOMETRY, checkpoint_every=None, logger=QUIET) as led:
+    with open_ledger(p, GEOMETRY, logger=QUIET, log_options=LogOptions(checkpoint_every=None)) as led:
         drive(led, "tt", 5)
     data = p.read_bytes()
     p.write_bytes(data + b"\x00" * 700)  # a crash left zeroed sectors at the end
@@ -159,7 +160,8 @@ def test_log_truncated_is_reported_and_logged(tmp_path, caplog):
 
 def test_debug_events_follow_the_logger_level(tmp_path, caplog):
     p = tmp_path / "dbg.kvlog"
-    with caplog.at_level(logging.DEBUG, logger="kvledger"), open_ledger(p, GEOMETRY, fsync="per_step") as led:
+    with caplog.at_level(logging.DEBUG, logger="kvledger"), \
+            open_ledger(p, GEOMETRY, log_options=LogOptions(fsync="per_step")) as led:
         pages = led.alias_snapshot(1, 2)
         led.release_snapshot(1)
         led.reserve(1, 2)
@@ -209,10 +211,10 @@ def test_corrupt_checkpoint_is_refused(tmp_path):
 
 def test_simulated_disk_layer_round_trip():
     disk = SimulatedDisk()
-    with open_ledger("x", GEOMETRY, layer=disk, logger=QUIET) as led:
+    with open_ledger("x", GEOMETRY, logger=QUIET, log_options=LogOptions(layer=disk)) as led:
         drive(led, "sim", 10)
         digest = led.digest()
-    with open_ledger("x", layer=disk, logger=QUIET) as again:
+    with open_ledger("x", logger=QUIET, log_options=LogOptions(layer=disk)) as again:
         assert again.digest() == digest
 
 

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from support import HEAVY, QUIET
 from kvledger import CLEAR_POLICIES, KVLedgerError, replay
+from kvledger.options import LogOptions
 from kvledger.core.log.format import HEADER_SIZE, KIND_CHECKPOINT, KIND_EVENTS, PREFIX
 from kvledger.core.log.scan import scan
 from kvledger.core.log import EventLog, LogView, open_view
@@ -36,7 +37,7 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=False,
 def _valid_log(seed: str = "fuzz", steps: int = 12, every: int = 20) -> bytes:
     from kvledger.durable import open_ledger
     disk = SimulatedDisk()
-    with open_ledger("v", GEOMETRY, layer=disk, checkpoint_every=every, logger=QUIET) as led:
+    with open_ledger("v", GEOMETRY, logger=QUIET, log_options=LogOptions(layer=disk, checkpoint_every=every)) as led:
         drive(led, seed, steps)
     return disk.read("v")
 
@@ -216,7 +217,8 @@ def test_r7_mutated_segments_of_a_directory_only_raise_library_errors():
     from kvledger.core.log import list_segments
     from kvledger.durable import open_ledger
     disk = SimulatedDisk()
-    with open_ledger("d", GEOMETRY, layer=disk, checkpoint_every=20, segment_bytes=4096, logger=QUIET) as led:
+    with open_ledger("d", GEOMETRY, logger=QUIET,
+                     log_options=LogOptions(layer=disk, checkpoint_every=20, segment_bytes=4096)) as led:
         drive(led, "fuzz-seg", 40)
     segs = list_segments(disk, "d")
     files = {name: disk.read(f"d/{name}") for name in disk.listdir("d") if not name.endswith(".sync")}
@@ -245,7 +247,7 @@ def test_r7_mutated_segments_of_a_directory_only_raise_library_errors():
                 except KVLedgerError:
                     pass
             with contextlib.suppress(KVLedgerError):
-                open_ledger("d", layer=copy, logger=QUIET).log.abandon()
+                open_ledger("d", logger=QUIET, log_options=LogOptions(layer=copy)).log.abandon()
         except Exception:  # (anything but the library's own error is an escape)
             escapes += 1
     print(f"R7 on a directory ({len(segs)} segments): {cases} mutated segments read from the first and "

@@ -29,6 +29,7 @@ from support import HEAVY
 from support.cli import SCRIPT
 
 from kvledger import Geometry
+from kvledger.options import LogOptions
 from kvledger.core.log import list_segments, open_view
 from kvledger.core.log.segments import MAPPED_SEGMENTS
 from kvledger.durable import open_ledger
@@ -40,7 +41,7 @@ G = Geometry(num_pages=16, page_tokens=4)
 
 def _segmented(path: str, n: int) -> tuple[str, int]:
     """A log directory of ``n`` segments written by the real writer: (its digest, its seq)."""
-    led = open_ledger(path, G, segment_bytes=4096)
+    led = open_ledger(path, G, log_options=LogOptions(segment_bytes=4096))
     r = 0
     try:
         while _count(path) < n:

@@ -21,6 +21,7 @@ import pytest
 
 from support import QUIET
 from kvledger import Geometry
+from kvledger.options import LogOptions
 from kvledger.durable import open_ledger
 
 from support.workload import GEOMETRY, drive
@@ -42,8 +43,8 @@ def test_f4_no_step_ever_sealed(tmp_path, checkpoint_every):
     with ``checkpoint_every=None`` the append stalled for ever once the lag passed its bound. Here
     the bound is small (256 KiB) so that a few hundred thousand events reach it many times."""
     g = Geometry(num_pages=64, page_tokens=16)
-    led = open_ledger(tmp_path / "n.kvlog", g, logger=QUIET, checkpoint_every=checkpoint_every,
-                      max_lag_bytes=256 << 10)
+    led = open_ledger(tmp_path / "n.kvlog", g, logger=QUIET,
+                      log_options=LogOptions(checkpoint_every=checkpoint_every, max_lag_bytes=256 << 10))
     pairs = 60_000
     done = threading.Event()
     box: list = []
@@ -91,7 +92,7 @@ def test_f7_a_ledger_dropped_without_close_gives_everything_back(tmp_path, fsync
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for i in range(drops):
-            led = open_ledger(tmp_path / f"d{i}.kvlog", GEOMETRY, fsync=fsync, logger=QUIET)
+            led = open_ledger(tmp_path / f"d{i}.kvlog", GEOMETRY, logger=QUIET, log_options=LogOptions(fsync=fsync))
             drive(led, f"f7-{i}", 3, ranks=1, on_seal=lambda led, plan, i=i: sealed.__setitem__(i, led.seq))
             del led
         gc.collect()  # (once for all twenty: a full collection costs tens of ms in a big test process)

@@ -19,6 +19,7 @@ import pytest
 
 from support import HEAVY, QUIET
 from kvledger import CorruptLogError, Geometry, replay
+from kvledger.options import LogOptions
 from kvledger.core.log import open_view
 from support.simdisk import SimulatedDisk
 from kvledger.core.log.fold import fold_records, rebuild_state, start_state
@@ -32,9 +33,9 @@ SCALE = 10 if HEAVY else 1
 SEG = 8192
 
 
-def _segmented(disk, path: str, steps: int = 80, **kw) -> tuple[str, int, list[str]]:
+def _segmented(disk, path: str, steps: int = 80) -> tuple[str, int, list[str]]:
     """A closed segmented log: (digest, events, every seal's (seq, digest))."""
-    with open_ledger(path, GEOMETRY, layer=disk, segment_bytes=SEG, logger=QUIET, **kw) as led:
+    with open_ledger(path, GEOMETRY, logger=QUIET, log_options=LogOptions(layer=disk, segment_bytes=SEG)) as led:
         drive(led, path, steps)
     return led.digest(), led.seq, list_segments(disk, path)  # (after close: the writer thread rolls)
 
@@ -80,7 +81,7 @@ def test_rotation_reopen_and_every_segment_as_a_starting_point():
         st, start, ck = start_state(v, at=events - 1)
         fold_records(v, st, start, trusted=True)
         assert st.digest() == digest
-    with open_ledger("d", layer=disk, logger=QUIET) as again:
+    with open_ledger("d", logger=QUIET, log_options=LogOptions(layer=disk)) as again:
         assert again.digest() == digest and again.recovery.closed_cleanly
         drive(again, "more", 30)
         d2, n2 = again.digest(), again.seq
@@ -92,7 +93,8 @@ def test_rotation_reopen_and_every_segment_as_a_starting_point():
 
 def test_retention_bounds_and_readers_of_deleted_segments():
     disk = SimulatedDisk()
-    led = open_ledger("r", GEOMETRY, layer=disk, segment_bytes=SEG, retain_segments=3, logger=QUIET)
+    led = open_ledger("r", GEOMETRY, logger=QUIET,
+                      log_options=LogOptions(layer=disk, segment_bytes=SEG, retain_segments=3))
     view = None
     counts = []
     for i in range(12):
@@ -111,7 +113,8 @@ def test_retention_bounds_and_readers_of_deleted_segments():
         fold_records(v, st, start, trusted=True)
         assert st.digest() == digest
     disk2 = SimulatedDisk()
-    led = open_ledger("b", GEOMETRY, layer=disk2, segment_bytes=SEG, retain_bytes=4 * SEG, logger=QUIET)
+    led = open_ledger("b", GEOMETRY, logger=QUIET,
+                      log_options=LogOptions(layer=disk2, segment_bytes=SEG, retain_bytes=4 * SEG))
     drive(led, "bytes", 150)
     total = sum(disk2.size_of(p) for p in list_segments(disk2, "b"))
     led.close()
@@ -180,7 +183,7 @@ def test_damage_to_a_segment_with_a_successor_is_corruption():
 
 def test_a_torn_tail_in_the_last_segment_is_repaired_and_a_header_only_segment_removed():
     disk = SimulatedDisk()
-    led = open_ledger("h", GEOMETRY, layer=disk, segment_bytes=SEG, logger=QUIET)
+    led = open_ledger("h", GEOMETRY, logger=QUIET, log_options=LogOptions(layer=disk, segment_bytes=SEG))
     drive(led, "h", 60)
     led.flush()
     digest, seq = led.digest(), led.seq
@@ -188,17 +191,18 @@ def test_a_torn_tail_in_the_last_segment_is_repaired_and_a_header_only_segment_r
     last = list_segments(disk, "h")[-1]
     disk.put(last, disk.read(last) + os.urandom(300))
     disk.remove_stamp(last)
-    with open_ledger("h", layer=disk, logger=QUIET) as again:
+    with open_ledger("h", logger=QUIET, log_options=LogOptions(layer=disk)) as again:
         assert again.recovery.truncated_bytes == 300 and again.digest() == digest and again.seq == seq
         nxt = os.path.join("h", segment_name(again.seq + 10_000))
     hdr = disk.read(list_segments(disk, "h")[-1])[:96]
     body = hdr[:60] + struct.pack("<QQQ8s", 99, again.seq + 10_000, 1, bytes(8))
     disk.put(nxt, body + struct.pack("<I", zlib.crc32(body)))
-    with open_ledger("h", layer=disk, logger=QUIET) as third:  # an older kvledger's roll cut short: nothing in it
+    with open_ledger("h", logger=QUIET,
+                     log_options=LogOptions(layer=disk)) as third:  # an older kvledger's roll cut short: nothing in it
         assert third.digest() == digest and not disk.exists(nxt)
     disk.put(nxt, body + struct.pack("<I", zlib.crc32(body) ^ 1))  # not a header this writer wrote: refused
     with pytest.raises(CorruptLogError):
-        open_ledger("h", layer=disk, logger=QUIET)
+        open_ledger("h", logger=QUIET, log_options=LogOptions(layer=disk))
     assert disk.exists(nxt)
 
 
@@ -228,7 +232,8 @@ def test_r18_readers_while_segments_rotate_and_retention_deletes(tmp_path):
     retention deletes the oldest; no reader crashes or reports an error."""
     path = str(tmp_path / "live")
     stop = str(tmp_path / "stop")
-    led = open_ledger(path, GEOMETRY, segment_bytes=SEG, retain_segments=3, fsync="per_step", logger=QUIET)
+    led = open_ledger(path, GEOMETRY, logger=QUIET,
+                      log_options=LogOptions(segment_bytes=SEG, retain_segments=3, fsync="per_step"))
     drive(led, "warm", 20)
     readers = [subprocess.Popen([sys.executable, "-c", _READER, path, stop], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True) for _ in range(2)]
@@ -290,7 +295,8 @@ def test_rotations_under_a_slow_writer_thread():
     now rolls itself, in order with the rounds, so no round can hold the old segment; this checks that
     the log it leaves verifies and reaches the live digest."""
     disk = SimulatedDisk()
-    with open_ledger("q", GEOMETRY, layer=_SlowSyncs(disk), segment_bytes=4096, logger=QUIET) as led:
+    with open_ledger("q", GEOMETRY, logger=QUIET,
+                     log_options=LogOptions(layer=_SlowSyncs(disk), segment_bytes=4096)) as led:
         for i in range(40):
             drive(led, f"q-{i}", 2)
         digest = led.digest()

@@ -16,6 +16,7 @@ import pytest
 
 from support import HEAVY, QUIET
 from kvledger import CLEAR_POLICIES, CorruptLogError, KVLedgerError, replay
+from kvledger.options import LogOptions
 from kvledger.core.log import open_view
 from support.simdisk import SimulatedDisk
 from kvledger.core.log.fold import fold_records, rebuild_state, start_state
@@ -29,7 +30,8 @@ from support.workload import GEOMETRY, drive
 
 def _log(seed: str, policy: str = "released_aliases", steps: int = 20, every: int = 37) -> tuple[bytes, str, int]:
     disk = SimulatedDisk()
-    with open_ledger("t", GEOMETRY, policy=policy, layer=disk, checkpoint_every=every, logger=QUIET) as led:
+    with open_ledger("t", GEOMETRY, policy=policy, logger=QUIET,
+                     log_options=LogOptions(layer=disk, checkpoint_every=every)) as led:
         drive(led, seed, steps, ranks=2, tenants=3)
         digest, seq = led.digest(), led.seq
     return disk.read("t"), digest, seq
@@ -138,7 +140,7 @@ def test_trusted_fold_refuses_a_forged_log_it_cannot_apply_or_whose_checkpoint_d
 
 def test_reopen_folds_the_tail_checked_to_the_same_digest(tmp_path):
     p = tmp_path / "r.kvlog"
-    with open_ledger(p, GEOMETRY, checkpoint_every=None, logger=QUIET) as led:
+    with open_ledger(p, GEOMETRY, logger=QUIET, log_options=LogOptions(checkpoint_every=None)) as led:
         drive(led, "re", 30)
         digest = led.digest()
     with open_view(p) as v:
@@ -280,7 +282,7 @@ def test_f2_f3_forged_events_are_refused():
     for i in range(6):
         disk = SimulatedDisk()
         every = None if i % 2 else 60
-        led = open_ledger("t", GEOMETRY, layer=disk, checkpoint_every=every, logger=QUIET)
+        led = open_ledger("t", GEOMETRY, logger=QUIET, log_options=LogOptions(layer=disk, checkpoint_every=every))
         drive(led, f"f2-{i}", 30, ranks=2, tenants=3)
         led.sync()
         led.log.abandon()  # (no closing checkpoint: reopen folds the events after the last one)
@@ -304,7 +306,7 @@ def test_f2_f3_forged_events_are_refused():
             except KVLedgerError as exc:
                 checked, why = None, exc.__cause__ or exc
         try:
-            led = open_ledger("t", layer=disk, logger=QUIET, checkpoint_every=None)
+            led = open_ledger("t", logger=QUIET, log_options=LogOptions(layer=disk, checkpoint_every=None))
         except CorruptLogError:
             reopened = None
         else:
@@ -365,7 +367,7 @@ def test_a_checkpoint_naming_a_page_outside_the_geometry_is_corruption_for_every
     O(num_pages) invariants), and the fold's final invariant check raised IndexError out of
     ``rebuild_state``. Negative ids indexed from the table's end, silently."""
     disk = SimulatedDisk()  # a log left open (synced, not closed): its last checkpoint is not at its end
-    led = open_ledger("t", GEOMETRY, layer=disk, checkpoint_every=23, logger=QUIET)
+    led = open_ledger("t", GEOMETRY, logger=QUIET, log_options=LogOptions(layer=disk, checkpoint_every=23))
     drive(led, "cp-range", 25, ranks=2, tenants=3)
     led.sync()
     led.log.abandon()
@@ -394,4 +396,4 @@ def test_a_checkpoint_naming_a_page_outside_the_geometry_is_corruption_for_every
     disk = SimulatedDisk()
     disk.put("t", forged)
     with pytest.raises(CorruptLogError, match="outside the geometry"):
-        open_ledger("t", layer=disk, logger=QUIET)
+        open_ledger("t", logger=QUIET, log_options=LogOptions(layer=disk))

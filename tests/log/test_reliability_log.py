@@ -33,6 +33,7 @@ import pytest
 
 from support import HEAVY, QUIET
 from kvledger import CLEAR_POLICIES, CorruptLogError, replay
+from kvledger.options import LogOptions
 from kvledger.core.log.format import HEADER_SIZE, KIND_CLOSE, KIND_EVENTS, PREFIX, SEGMENT_HEADER_SIZE
 from kvledger.core.log.segments import list_segments
 from kvledger.core.log.scan import scan
@@ -63,7 +64,8 @@ def _write_log(disk, path, seed, *, min_events: int, checkpoint_every=100, polic
     def on_seal(led, plan):
         marks.append((len(disk.durable_bytes(path)), led.seq, led.digest()))
 
-    led = open_ledger(path, GEOMETRY, layer=disk, checkpoint_every=checkpoint_every, policy=policy, logger=QUIET)
+    led = open_ledger(path, GEOMETRY, policy=policy, logger=QUIET,
+                      log_options=LogOptions(layer=disk, checkpoint_every=checkpoint_every))
     while led.seq < min_events:
         drive(led, seed, 5, ranks=1, on_seal=on_seal)
     led.sync()
@@ -101,12 +103,12 @@ def test_r1_torn_tail_sweep(tmp_path):
         if i % 128 == 0:  # some through real files and the OS layer
             p = tmp_path / (f"r1-{cut}.kvlog")
             p.write_bytes(data[:cut])
-            led = open_ledger(p, logger=QUIET, checkpoint_every=None)
+            led = open_ledger(p, logger=QUIET, log_options=LogOptions(checkpoint_every=None))
             real_files += 1
         else:
             d2 = SimulatedDisk()
             d2.put("r1", data[:cut])
-            led = open_ledger("r1", layer=d2, logger=QUIET, checkpoint_every=None)
+            led = open_ledger("r1", logger=QUIET, log_options=LogOptions(layer=d2, checkpoint_every=None))
         rec = led.recovery
         ok = (led.seq == expect_seq and led.digest() == digest_of[expect_seq] and rec.truncated_bytes == cut - end
               and (rec.truncated_at == end if cut > end else rec.truncated_at is None))
@@ -161,7 +163,7 @@ def test_r2_garbage_tails():
         per_kind[kind] += 1
         disk = SimulatedDisk()
         disk.put("r2", data + garbage)
-        led = open_ledger("r2", layer=disk, logger=QUIET, checkpoint_every=None)
+        led = open_ledger("r2", logger=QUIET, log_options=LogOptions(layer=disk, checkpoint_every=None))
         rec = led.recovery
         ok = (led.seq == seq and led.digest() == digest and rec.truncated_at == len(data)
               and rec.truncated_bytes == len(garbage))
@@ -272,8 +274,8 @@ def _r6_run(disk, faults, *, background: bool, steps: int, seg: dict):
     acked = -1
     surfaced = False
     try:
-        led = open_ledger("r6", GEOMETRY, layer=faults, checkpoint_every=40, background=background, logger=QUIET,
-                          **seg)
+        led = open_ledger("r6", GEOMETRY, logger=QUIET,
+                          log_options=LogOptions(layer=faults, checkpoint_every=40, background=background, **seg))
     except LogIOError:
         return None, True
 
@@ -330,7 +332,7 @@ def test_r6_io_error_injection(background, layout):
             continue
         dropped += before - sum(len(f.data) for f in disk.files.values())
         try:
-            with open_ledger("r6", layer=disk, logger=QUIET) as led:  # reopens consistent
+            with open_ledger("r6", logger=QUIET, log_options=LogOptions(layer=disk)) as led:  # reopens consistent
                 seq = led.seq
                 digest = led.digest()
         except CorruptLogError:
@@ -378,8 +380,8 @@ def test_r9_replay_determinism(tmp_path):
         path = str(tmp_path / (f"s{i}.kvlog"))
         policy = CLEAR_POLICIES[i % 3]
         disk = SimulatedDisk()  # (fsyncs cost milliseconds here; the file gets the same bytes)
-        with open_ledger("s", GEOMETRY, policy=policy, layer=disk, checkpoint_every=rng.choice([13, 29, 61]),
-                         logger=QUIET) as led:
+        with open_ledger("s", GEOMETRY, policy=policy, logger=QUIET,
+                         log_options=LogOptions(layer=disk, checkpoint_every=rng.choice([13, 29, 61]))) as led:
             drive(led, f"r9-{i}", rng.randint(4, 14), ranks=rng.randint(0, 2), tenants=rng.randint(1, 4))
             live[path] = led.digest()
         with open(path, "wb") as f:
@@ -527,7 +529,8 @@ SEG_SHARE = 1 if HEAVY else 4  # quick: a quarter of the file layout's counts on
 def _segmented_log(seed: str, min_events: int, checkpoint_every=100, close: bool = True) -> tuple[SimulatedDisk, str]:
     """A closed (or synced and abandoned) log directory "d" of 4 KiB segments; (disk, digest)."""
     disk = SimulatedDisk()
-    led = open_ledger("d", GEOMETRY, layer=disk, checkpoint_every=checkpoint_every, segment_bytes=SEG, logger=QUIET)
+    led = open_ledger("d", GEOMETRY, logger=QUIET,
+                      log_options=LogOptions(layer=disk, checkpoint_every=checkpoint_every, segment_bytes=SEG))
     while led.seq < min_events:
         drive(led, seed, 5, ranks=1)
     digest = led.digest()
@@ -571,7 +574,8 @@ def test_r1_r2_torn_and_garbage_tails_of_a_directorys_last_segment():
         end, expect = max(b for b in bounds if b[0] <= cut)
         if expect not in digest_of:
             digest_of[expect] = replay(events[:expect]).digest()
-        led = open_ledger("d", layer=_copy(disk, {last: data[:cut]}), logger=QUIET, checkpoint_every=None)
+        led = open_ledger("d", logger=QUIET,
+                          log_options=LogOptions(layer=_copy(disk, {last: data[:cut]}), checkpoint_every=None))
         rec = led.recovery
         mismatches += not (led.seq == expect and led.digest() == digest_of[expect]
                            and rec.truncated_bytes == cut - end)
@@ -583,7 +587,8 @@ def test_r1_r2_torn_and_garbage_tails_of_a_directorys_last_segment():
     for i in range(cases):
         garbage = (bytes(512 * rng.randint(1, 4)) if i % 3 == 0 else os.urandom(rng.randint(1, 2000)) if i % 3 == 1
                    else _bad_record(rng, seq, rng.choice([SEGMENT_HEADER_SIZE, len(data)])))
-        led = open_ledger("d", layer=_copy(disk, {last: data + garbage}), logger=QUIET, checkpoint_every=None)
+        led = open_ledger("d", logger=QUIET,
+                          log_options=LogOptions(layer=_copy(disk, {last: data + garbage}), checkpoint_every=None))
         rec = led.recovery
         false_accepts += not (led.seq == seq and led.digest() == digest and rec.truncated_at == len(data)
                               and rec.truncated_bytes == len(garbage))

@@ -22,6 +22,7 @@ import time
 
 from support import HEAVY, QUIET
 from kvledger.durable import open_ledger
+from kvledger.options import LogOptions
 
 from support.workload import GEOMETRY, drive
 
@@ -55,7 +56,7 @@ def test_r18_readers_while_a_writer_recovers_appends_and_closes(tmp_path):
     """Mutant killed: ``_OsHandle.truncate`` cutting the file in place (``os.ftruncate``) instead of
     renaming a copy over it: the reader processes die of SIGBUS."""
     path = str(tmp_path / "live.kvlog")
-    with open_ledger(path, GEOMETRY, checkpoint_every=50, logger=QUIET) as led:
+    with open_ledger(path, GEOMETRY, logger=QUIET, log_options=LogOptions(checkpoint_every=50)) as led:
         drive(led, "r18", 40)
     stop = str(tmp_path / "stop")
     readers = [subprocess.Popen([sys.executable, "-c", _READER, path, stop], stdout=subprocess.PIPE,
@@ -73,7 +74,7 @@ def test_r18_readers_while_a_writer_recovers_appends_and_closes(tmp_path):
             os.replace(tmp, path)  # (the test itself never cuts a file in place either)
             if os.path.exists(f"{path}.sync"):
                 os.unlink(f"{path}.sync")  # as if the writer had crashed before it stamped
-            with open_ledger(path, logger=QUIET, checkpoint_every=50) as led:
+            with open_ledger(path, logger=QUIET, log_options=LogOptions(checkpoint_every=50)) as led:
                 recovered += led.recovery.truncated_at is not None
                 drive(led, f"r18-{i}", 1)
                 appended += 1

@@ -19,6 +19,7 @@ import pytest
 
 from support import HEAVY, QUIET
 from kvledger import CorruptLogError, KVLedgerError
+from kvledger.options import LogOptions
 from kvledger.core.log import open_view
 from support.simdisk import SimulatedDisk
 from kvledger.durable import open_ledger
@@ -33,7 +34,7 @@ CASES = 1000 * (10 if HEAVY else 1)
 def _base(closed: bool) -> tuple[SimulatedDisk, bytes, bytes, int]:
     """A log on a simulated disk, closed or synced; (disk, log bytes, stamp bytes, events)."""
     disk = SimulatedDisk()
-    led = open_ledger("s", GEOMETRY, layer=disk, checkpoint_every=40, logger=QUIET)
+    led = open_ledger("s", GEOMETRY, logger=QUIET, log_options=LogOptions(layer=disk, checkpoint_every=40))
     drive(led, f"r20-{closed}", 25)
     events = led.seq
     if closed:
@@ -76,7 +77,7 @@ def test_r20_damage_to_synced_records_is_never_a_torn_tail():
             silent = sc.error is None and sc.next_seq < events
         silent_drops += silent
         try:
-            open_ledger("s", layer=disk, logger=QUIET).log.abandon()
+            open_ledger("s", logger=QUIET, log_options=LogOptions(layer=disk)).log.abandon()
         except CorruptLogError:
             refused_by_open += disk.read("s") == bad  # refused, and the file left as it was
     total = sum(counts.values())
@@ -124,7 +125,8 @@ def _crashed_per_step(seed: str, steps: int) -> tuple[bytes, list, int]:
     """A writer with ``fsync="per_step"`` that crashed (no close, no stamp past open): every record
     but the first few claims the ones before it synced. (log bytes, record offsets, events)."""
     disk = SimulatedDisk()
-    led = open_ledger("c", GEOMETRY, layer=disk, fsync="per_step", checkpoint_every=None, logger=QUIET)
+    led = open_ledger("c", GEOMETRY, logger=QUIET,
+                      log_options=LogOptions(layer=disk, fsync="per_step", checkpoint_every=None))
     drive(led, seed, steps)
     events = led.seq
     led.log.abandon()
@@ -162,7 +164,7 @@ def test_r20_stale_copies_of_earlier_records_past_the_end_hide_nothing():
         disk = SimulatedDisk()
         disk.put("c", bytes(bad))
         try:
-            led = open_ledger("c", layer=disk, logger=QUIET, checkpoint_every=None)
+            led = open_ledger("c", logger=QUIET, log_options=LogOptions(layer=disk, checkpoint_every=None))
         except CorruptLogError:
             s = replay_log("c", layer=disk)
             assert s.error is not None and s.error.kind == "corrupt", s.error
@@ -204,7 +206,8 @@ def test_r20_on_a_directorys_last_segment():
     silent = refused = total = 0
     for closed in (True, False):
         disk = SimulatedDisk()
-        led = open_ledger("d", GEOMETRY, layer=disk, checkpoint_every=40, segment_bytes=4096, logger=QUIET)
+        led = open_ledger("d", GEOMETRY, logger=QUIET,
+                          log_options=LogOptions(layer=disk, checkpoint_every=40, segment_bytes=4096))
         drive(led, f"r20-seg-{closed}", 40)
         events = led.seq
         if closed:
@@ -233,7 +236,7 @@ def test_r20_on_a_directorys_last_segment():
             except CorruptLogError:
                 pass  # (the cut reached the segment's header: refused before any record)
             try:
-                open_ledger("d", layer=copy, logger=QUIET).log.abandon()
+                open_ledger("d", logger=QUIET, log_options=LogOptions(layer=copy)).log.abandon()
             except CorruptLogError:
                 refused += copy.read(last) == bad
     print(f"R20 on a directory's last segment: cases {total} (closed and synced); silent drops {silent}; "

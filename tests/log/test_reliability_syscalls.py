@@ -23,6 +23,7 @@ from support import QUIET
 from support.syscalls import SyscallRecorder, norm
 
 from kvledger.core.errors import LogIOError
+from kvledger.options import LogOptions
 from kvledger.core.log import EventLog, open_view
 from support.simdisk import SimulatedDisk
 from kvledger.durable import open_ledger
@@ -72,7 +73,7 @@ def test_r19_a_commit_is_one_write_then_one_fdatasync_then_the_ack(tmp_path, mon
     path = str(tmp_path / "c.kvlog")
     rec = SyscallRecorder(monkeypatch)
     watch = _Watch(rec, path)
-    led = open_ledger(path, GEOMETRY, fsync="per_step", checkpoint_every=None, logger=QUIET)
+    led = open_ledger(path, GEOMETRY, logger=QUIET, log_options=LogOptions(fsync="per_step", checkpoint_every=None))
     watch.led = led
     commits = bad_commits = lost = 0
     for step in range(40):
@@ -109,7 +110,7 @@ def test_r19_acknowledged_events_survive_every_crash_image(tmp_path, monkeypatch
         acks += 1
         violations += err is not None or kept < acked + 1
 
-    led = open_ledger(path, GEOMETRY, fsync=fsync, checkpoint_every=30, logger=QUIET)
+    led = open_ledger(path, GEOMETRY, logger=QUIET, log_options=LogOptions(fsync=fsync, checkpoint_every=30))
     watch.led = led
     drive(led, f"r19-{fsync}", 40, on_seal=on_seal)
     led.flush()
@@ -129,7 +130,7 @@ def test_r19_a_failed_fdatasync_surfaces_and_acknowledges_nothing_after_it(tmp_p
     for n in range(1, 7):
         path = str(tmp_path / f"f{n}-{fsync}.kvlog")
         rec = SyscallRecorder(monkeypatch)
-        led = open_ledger(path, GEOMETRY, fsync=fsync, checkpoint_every=None, logger=QUIET)
+        led = open_ledger(path, GEOMETRY, logger=QUIET, log_options=LogOptions(fsync=fsync, checkpoint_every=None))
         target = rec.counts.get("fdatasync", 0) + n
         rec.fail = {"fdatasync": target}
         surfaced = False
@@ -232,7 +233,8 @@ def test_r19_a_directory_survives_every_crash_image_across_rolls(tmp_path, monke
         acks += 1
         violations += err is not None or kept < acked + 1
 
-    led = open_ledger(path, GEOMETRY, fsync=fsync, checkpoint_every=None, segment_bytes=4096, logger=QUIET)
+    led = open_ledger(path, GEOMETRY, logger=QUIET,
+                      log_options=LogOptions(fsync=fsync, checkpoint_every=None, segment_bytes=4096))
     drive(led, f"r19-dir-{fsync}", 60, on_seal=on_seal)
     led.flush()
     kept, err = _directory_image_events(rec, path)

@@ -26,6 +26,7 @@ import pytest
 from support import HEAVY, QUIET, craft
 
 from kvledger import CorruptLogError, Geometry, KVLedgerError, LogError
+from kvledger.options import LogOptions
 from kvledger.core.log import DEFAULT_MAX_PAGES, EventLog, open_view
 from kvledger.core.log.fold import rebuild_state
 from kvledger.durable import open_ledger
@@ -318,7 +319,7 @@ def test_r21_files_that_are_not_segments_inside_a_log_directory(tmp_path):
 
     g = Geometry(num_pages=64, page_tokens=16)
     real = tmp_path / "real"
-    with open_ledger(real, g, segment_bytes=4096, logger=QUIET) as led:
+    with open_ledger(real, g, logger=QUIET, log_options=LogOptions(segment_bytes=4096)) as led:
         for step in range(40):
             led.reserve(step, 1)
             led.seal_step(step)

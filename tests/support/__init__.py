@@ -10,6 +10,14 @@
     crashes     R4 and R5 as functions of a kill or seed range (the heavy profile shards them)
     upstream    vLLM 0.33.0's wheel and sdist, fetched once and cached
     cli         the kvledger console script (``kvledger(*args)``), found beside the interpreter or on PATH
+    wirekeys    the wire's handshake under a job key, for the sans-I/O pair tests
+    planes      byte planes for the engine and wire tests (the ``bytes`` backend: no torch)
+    engine      what the engine tests share: events_of, assert_consistent, last_abort, step_events,
+                released_then_committed
+    gpu         what the GPU tests share: REQUIRES_CUDA, as_bytes, random_planes, the torch references
+                of a clear and of the sanitizer's check, gpu_backend (nothing imports torch at import)
+    demo        simulate_demo: one in-process run of the demo
+    r8          R8's models: the reference model, the byte oracle, invalid commands, prefix rules
 """
 
 from __future__ import annotations

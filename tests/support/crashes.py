@@ -37,6 +37,7 @@ if __package__ in (None, ""):  # run as a script: the tests directory on the pat
 
 from support import QUIET
 from kvledger.core.errors import LogIOError
+from kvledger.options import LogOptions
 from kvledger import replay
 from kvledger.core.log import open_view
 from kvledger.core.log.format import KIND_EVENTS
@@ -103,7 +104,8 @@ class _Seed:
         c, disk, rng = self.counts, self.disk, self.rng
         layer = FaultInjector(disk, fail_sync=1) if round_ and rng.random() < 0.1 else disk  # open's own fsync
         try:
-            led = open_ledger("r5", GEOMETRY, layer=layer, checkpoint_every=self.every, logger=QUIET, **self.seg)
+            led = open_ledger("r5", GEOMETRY, logger=QUIET,
+                              log_options=LogOptions(layer=layer, checkpoint_every=self.every, **self.seg))
         except LogIOError:
             c["failed_opens"] += 1
             disk.crash(rng)
@@ -118,8 +120,9 @@ class _Seed:
             self.acked = max(self.acked, led.durable_seq)  # (the writer thread acknowledges some time later)
 
         try:
-            led = open_ledger("r5", GEOMETRY, layer=cut, checkpoint_every=self.every, fsync=self.fsync,
-                              logger=QUIET, observer=self.record, **self.seg)
+            led = open_ledger("r5", GEOMETRY, logger=QUIET, observer=self.record,
+                              log_options=LogOptions(layer=cut, checkpoint_every=self.every, fsync=self.fsync,
+                                                     **self.seg))
             drive(led, f"r5-{self.seed}-{round_}", 10, on_seal=on_seal)
             if self.fsync == "background":
                 led.flush()
@@ -133,7 +136,7 @@ class _Seed:
     def run(self) -> R5Counts:
         for round_ in range(self.rng.randint(1, 3) + 1):
             self.round(round_)
-        led = open_ledger("r5", GEOMETRY, layer=self.disk, logger=QUIET, **self.seg)
+        led = open_ledger("r5", GEOMETRY, logger=QUIET, log_options=LogOptions(layer=self.disk, **self.seg))
         self.counts["truncations"] += led.recovery.truncated_at is not None
         self.check(led)
         led.close()
@@ -169,7 +172,7 @@ def _child(path: str, seed: str, wfd: int, fsync: str, seg: dict) -> None:
         return synced
 
     os.fsync, os.fdatasync = hook("fsync"), hook("fdatasync")
-    led = open_ledger(path, GEOMETRY, checkpoint_every=150, fsync=fsync, logger=QUIET, **seg)
+    led = open_ledger(path, GEOMETRY, logger=QUIET, log_options=LogOptions(checkpoint_every=150, fsync=fsync, **seg))
     os.write(wfd, _MSG.pack(_OPENED, led.seq, 0, bytes(32)))  # (what it holds was synced before or at open)
 
     def on_seal(led, plan):

@@ -8,6 +8,7 @@ import pytest
 
 from support import QUIET
 from kvledger.core.state import TRANSITIONS
+from kvledger.options import LogOptions
 from kvledger import CLEAR_POLICIES, Geometry, LedgerState
 from kvledger.tools.audit import COLORS, AuditReport, audit_log, render, render_svg
 from kvledger.core.events.events import (
@@ -100,7 +101,7 @@ def test_check_finds_no_fault_in_random_workloads(tmp_path, policy):
     logs = 0
     for seed in range(6):
         p = tmp_path / f"w{seed}.kvlog"
-        with open_ledger(p, GEOMETRY, policy=policy, checkpoint_every=53, logger=QUIET) as led:
+        with open_ledger(p, GEOMETRY, policy=policy, logger=QUIET, log_options=LogOptions(checkpoint_every=53)) as led:
             drive(led, f"audit-{seed}", 50, ranks=2)
             for (into, target) in sorted(set(led.state.restore_targets.values())):  # drain restores
                 pages = sorted(q for q, t in led.state.restore_targets.items() if t == (into, target))

@@ -18,6 +18,7 @@ import msgspec
 import pytest
 
 from kvledger import CLEAR_POLICIES, Geometry, InvalidArgumentError
+from kvledger.options import LogOptions
 from kvledger.durable import open_ledger
 from kvledger.tools.audit import MIN_WINDOW_EVENTS, audit_log, render
 
@@ -63,7 +64,7 @@ def test_the_default_window_is_the_last_segment_from_its_checkpoint(tmp_path):
     """Kills: a default window that folds the whole log, or one that drops the page's state at the window's start."""
     g = Geometry(num_pages=16, page_tokens=4)
     d = tmp_path / "long"
-    with open_ledger(d, g, segment_bytes=4096, checkpoint_every=None, logger=QUIET) as led:
+    with open_ledger(d, g, logger=QUIET, log_options=LogOptions(segment_bytes=4096, checkpoint_every=None)) as led:
         for i in range(MIN_WINDOW_EVENTS // 4 + 400):  # four events a step: several segments of enough events
             led.reserve(i, 1, tenant="a")
             led.commit(i, i, 1)

@@ -11,6 +11,7 @@ import json
 import pytest
 
 from kvledger import Geometry
+from kvledger.options import LogOptions
 from kvledger.durable import open_ledger
 from kvledger.tools.audit import audit_log, render
 
@@ -34,7 +35,7 @@ def cascade(tmp_path_factory):
     the sanitizer records a violation in step 1; abort 1 (2 goes with it); seal 3 (the carried pages),
     completed on both ranks. A checkpoint is taken between seal 2 and the abort."""
     p = tmp_path_factory.mktemp("steps") / "log"
-    with open_ledger(p, G, segment_bytes=4096, logger=QUIET) as led:
+    with open_ledger(p, G, logger=QUIET, log_options=LogOptions(segment_bytes=4096)) as led:
         led.reserve(1, 1, tenant="a")
         led.commit(1, 0, 1)
         led.seal_step(0)

@@ -29,6 +29,7 @@ import pytest
 
 from support import QUIET
 from kvledger import CLEAR_POLICIES, Geometry, Ledger, LedgerState, OutOfPagesError, check_invariants
+from kvledger.options import LogOptions
 from kvledger.core.events.events import EVENT_TYPES, SanitizerViolation, StepAborted
 from kvledger.durable import open_ledger
 
@@ -236,8 +237,8 @@ def build(path, *, policy: str = "released_aliases", seed="audit", steps: int = 
           segment_bytes: int | None = 4096, checkpoint_every=None) -> dict:
     """Write the workload into ``path`` (a log directory of small segments; ``segment_bytes=None``: one
     file); returns the live run's digest, event count, and the log's files."""
-    with open_ledger(path, GEOMETRY, policy=policy, segment_bytes=segment_bytes,
-                     checkpoint_every=checkpoint_every, logger=QUIET) as led:
+    with open_ledger(path, GEOMETRY, policy=policy, logger=QUIET,
+                     log_options=LogOptions(segment_bytes=segment_bytes, checkpoint_every=checkpoint_every)) as led:
         serve(led, seed, steps)
         digest, seq = led.digest(), led.seq
     files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".kvlog")) \

@@ -11,6 +11,7 @@ import pytest
 
 from support import QUIET
 from kvledger import Geometry
+from kvledger.options import LogOptions
 from kvledger.core.events.events import (
     CacheConfigured,
     PagesCommitted,
@@ -32,7 +33,7 @@ from support.cli import kvledger
 def logs(tmp_path_factory):
     d = tmp_path_factory.mktemp("cli")
     good = d / "good.kvlog"
-    with open_ledger(good, GEOMETRY, checkpoint_every=50, logger=QUIET) as led:
+    with open_ledger(good, GEOMETRY, logger=QUIET, log_options=LogOptions(checkpoint_every=50)) as led:
         drive(led, "cli", 30, ranks=1, restores=False)
         digest, seq = led.digest(), led.seq
     data = good.read_bytes()

@@ -7,6 +7,7 @@ import pytest
 
 from support import QUIET
 from kvledger import Geometry, InvalidArgumentError, replay
+from kvledger.options import LogOptions
 from kvledger.core.log.format import KIND_CHECKPOINT
 from kvledger.core.events.events import (
     CacheConfigured,
@@ -29,7 +30,7 @@ from support.workload import GEOMETRY, drive
 @pytest.fixture(scope="module")
 def logfile(tmp_path_factory):
     p = tmp_path_factory.mktemp("replay") / "w.kvlog"
-    with open_ledger(p, GEOMETRY, checkpoint_every=60, logger=QUIET) as led:
+    with open_ledger(p, GEOMETRY, logger=QUIET, log_options=LogOptions(checkpoint_every=60)) as led:
         drive(led, "replay", 40, ranks=2)
         digest, seq = led.digest(), led.seq
     with open_view(p) as v:

@@ -92,13 +92,13 @@ GOLDEN = [
         "01000000a0a1a2a3a4a5a6a7a8a9aaabacadaeafb0b1b2b3b4b5b6b7b8b9babbbcbdbebf",
     ),
     (
-        Prepare(step=7, clear_pages=[3, 1, 4], payload=b"kv"),
+        Prepare(step=7, clear_list=[3, 1, 4], payload=b"kv"),
         "4b564c5709020000160000000700000000000000c0b68ece"
         "03000000020000000300000001000000040000006b76",
     ),
     (
         # flags 0x0001; counts 2 clear, 2 payload bytes, 2 poison, 1 committed; ids 3 1 | 5 9 | 1; "kv"
-        Prepare(step=8, clear_pages=[3, 1], payload=b"kv", sanitize=SANITIZE),
+        Prepare(step=8, clear_list=[3, 1], payload=b"kv", sanitize=SANITIZE),
         "4b564c57090201002600000008000000000000008c4d6b08"
         "0200000002000000020000000100000003000000010000000500000009000000010000006b76",
     ),
@@ -174,20 +174,20 @@ def test_prepare_checksum_is_what_ready_launch_and_complete_echo():
 
 
 def test_sanitize_prepare_fields():
-    f = decode(encode(Prepare(step=9, clear_pages=[5, 0], payload=b"p", sanitize=Sanitize(poison_pages=[2**32 - 1]))))
-    assert f.clear_pages.tolist() == [5, 0] and f.payload == b"p"
+    f = decode(encode(Prepare(step=9, clear_list=[5, 0], payload=b"p", sanitize=Sanitize(poison_pages=[2**32 - 1]))))
+    assert f.clear_list.tolist() == [5, 0] and f.payload == b"p"
     assert f.sanitize.poison_pages.tolist() == [2**32 - 1] and f.sanitize.committed_pages.tolist() == []
     assert f.sanitize.poison_pages.readonly and "sanitize=Sanitize(poison_pages=[4294967295] (1 ids)" in repr(f)
     # a sanitize step with both lists empty still carries the flag: the check runs all the same
-    empty = encode(Prepare(step=1, clear_pages=[1], sanitize=Sanitize()))
+    empty = encode(Prepare(step=1, clear_list=[1], sanitize=Sanitize()))
     assert struct.unpack_from("<H", empty, 6)[0] == FLAG_SANITIZE and decode(empty).sanitize is not None
-    assert decode(encode(Prepare(step=1, clear_pages=[1]))).sanitize is None
+    assert decode(encode(Prepare(step=1, clear_list=[1]))).sanitize is None
 
 
 def test_decoded_prepare_fields():
-    f = decode(encode(Prepare(step=9, clear_pages=[5, 0, 2**32 - 1], payload=b"\x00\xff")))
-    assert f.step == 9 and f.clear_pages.tolist() == [5, 0, 2**32 - 1] and f.payload == b"\x00\xff"
-    assert f.clear_pages.readonly and len(f.clear_pages) == 3
+    f = decode(encode(Prepare(step=9, clear_list=[5, 0, 2**32 - 1], payload=b"\x00\xff")))
+    assert f.step == 9 and f.clear_list.tolist() == [5, 0, 2**32 - 1] and f.payload == b"\x00\xff"
+    assert f.clear_list.readonly and len(f.clear_list) == 3
     assert "3 ids" in repr(f)
 
 
@@ -211,7 +211,7 @@ frames_st = st.one_of(
     st.builds(
         Prepare,
         step=st.integers(0, 2**64 - 1),
-        clear_pages=ids_st,
+        clear_list=ids_st,
         payload=st.binary(max_size=300),
         sanitize=st.none() | st.builds(Sanitize, poison_pages=ids_st, committed_pages=ids_st),
     ),
@@ -249,8 +249,8 @@ def _same(a, b) -> bool:
     if type(a) is not type(b):
         return False
     if type(a) is Prepare:
-        return (a.step, list(a.clear_pages), a.payload, _lists(a.sanitize)) == (
-            b.step, list(b.clear_pages), b.payload, _lists(b.sanitize))
+        return (a.step, list(a.clear_list), a.payload, _lists(a.sanitize)) == (
+            b.step, list(b.clear_list), b.payload, _lists(b.sanitize))
     return a == b
 
 
@@ -290,7 +290,7 @@ def test_byte_by_byte_decoding_and_buffer_compaction():
 def test_large_prepare_round_trip():
     ids = random.Random(1).sample(range(1 << 32), 16384)
     f = decode(encode_prepare(3, ids, b"p" * 1000))
-    assert f.clear_pages.tolist() == ids and f.payload == b"p" * 1000
+    assert f.clear_list.tolist() == ids and f.payload == b"p" * 1000
     as_array = array.array("I", ids)
     assert pack_page_ids(as_array) == pack_page_ids(ids) == pack_page_ids(memoryview(as_array))
 
@@ -301,20 +301,20 @@ def test_large_prepare_round_trip():
 @pytest.mark.parametrize(
     "frame",
     [
-        Prepare(step=1, clear_pages=[-1]),
-        Prepare(step=1, clear_pages=[2**32]),
-        Prepare(step=1, clear_pages=["3"]),
-        Prepare(step=-1, clear_pages=[1]),
-        Prepare(step=2**64, clear_pages=[1]),
-        Prepare(step=1, clear_pages=[1], payload="text"),
+        Prepare(step=1, clear_list=[-1]),
+        Prepare(step=1, clear_list=[2**32]),
+        Prepare(step=1, clear_list=["3"]),
+        Prepare(step=-1, clear_list=[1]),
+        Prepare(step=2**64, clear_list=[1]),
+        Prepare(step=1, clear_list=[1], payload="text"),
         Ready(step=1, rank=2**32, prepare_checksum=0),
         Reject(step=1, rank=1, code=70000),
         Reject(step=1, rank=1, code=1, detail=b"bytes"),
         Hello(step=0, rank=1, world_size=2, geometry_digest=b"short"),
         Abort(step=1, code=-1),
-        Prepare(step=1, clear_pages=[1], sanitize=Sanitize(poison_pages=[2**32])),
-        Prepare(step=1, clear_pages=[1], sanitize=Sanitize(committed_pages=[-1])),
-        Prepare(step=1, clear_pages=[1], sanitize=([1], [2])),
+        Prepare(step=1, clear_list=[1], sanitize=Sanitize(poison_pages=[2**32])),
+        Prepare(step=1, clear_list=[1], sanitize=Sanitize(committed_pages=[-1])),
+        Prepare(step=1, clear_list=[1], sanitize=([1], [2])),
         Complete(step=1, rank=2**32, prepare_checksum=0),
         Complete(step=1, rank=1, prepare_checksum=2**32),
         Complete(step=1, rank=1, prepare_checksum=0, ok=1),
@@ -362,8 +362,8 @@ def _codes(data: bytes, *, eof=True, max_body=DEFAULT_MAX_BODY):
     return err
 
 
-PREP = encode(Prepare(step=5, clear_pages=[1, 2, 3], payload=b"xyz"))
-SAN = encode(Prepare(step=5, clear_pages=[1, 2, 3], payload=b"xyz",
+PREP = encode(Prepare(step=5, clear_list=[1, 2, 3], payload=b"xyz"))
+SAN = encode(Prepare(step=5, clear_list=[1, 2, 3], payload=b"xyz",
                      sanitize=Sanitize(poison_pages=[4, 5], committed_pages=[1])))
 
 
@@ -514,7 +514,7 @@ def test_page_id_check_matches_a_plain_reference():
         want = _ref_problem(ids, num_pages)
         got = page_ids_problem(pack_page_ids(ids), num_pages)
         assert (got[0] if got else None) == want, (ids, num_pages)
-        got = page_ids_problem(decode(encode_prepare(0, ids)).clear_pages, num_pages)  # as a peer sees it
+        got = page_ids_problem(decode(encode_prepare(0, ids)).clear_list, num_pages)  # as a peer sees it
         assert (got[0] if got else None) == want, (ids, num_pages)
         checked += 1
     print("page-id checks compared with the reference:", checked)
@@ -610,7 +610,7 @@ def test_a_layout_7_decoder_refuses_a_sanitize_prepare_at_every_layer(layout7):
         verdicts["relabelled 7"].add(_old_verdict(layout7, as7))
         verdicts["flag cleared"].add(_old_verdict(layout7, _relabel(as7, flags=0)))
         control = _old_verdict(layout7, _relabel(encode_prepare(step, ids, payload), layout=7))
-        assert control.clear_pages.tolist() == ids and control.payload == payload
+        assert control.clear_pages.tolist() == ids and control.payload == payload  # (that build's field name)
     assert verdicts == {
         "as sent": {RejectCode.BAD_LAYOUT},
         "relabelled 7": {RejectCode.BAD_FLAGS},

@@ -1,6 +1,6 @@
 """The async drivers over real transports: anyio memory pipes and loopback TCP.
 
-Every rank clears its own torch planes through the torch clear backend on LAUNCH
+Every rank clears its own byte planes through the bytes clear backend on LAUNCH
 and reports COMPLETE; the leader collects them with ``wait_completed``. Faults (a
 peer killed, paused or partitioned at a handshake phase, or after it ran a step
 and before its COMPLETE left) are injected by a relay that reads the frames going
@@ -15,7 +15,7 @@ import struct
 
 import anyio
 import pytest
-torch = pytest.importorskip("torch")  # (the ranks clear real torch planes)
+from support.planes import filled_planes, pages_are_zero
 
 from kvledger import (
     DuplicatePageError,
@@ -51,23 +51,23 @@ class Rank:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self.planes = [torch.full((G.num_pages, 4 * (rank + 1)), 0x7F, dtype=torch.uint8) for _ in range(2)]
-        self.backend = make_backend("torch", self.planes)
+        self.planes = filled_planes(G.num_pages, [4 * (rank + 1)] * 2, 0x7F)
+        self.backend = make_backend("bytes", self.planes)
         self.ran: list[int] = []
         self.error = None
         self.dropped: list[tuple[int, float]] = []
         self.digest = hashlib.blake2b(digest_size=16)
 
-    def on_launch(self, step, clear_pages, payload):
-        self.backend.clear(clear_pages)
+    def on_launch(self, step, clear_list, payload):
+        self.backend.clear(clear_list)
         self.ran.append(step)
-        self.digest.update(struct.pack("<Q", step) + bytes(memoryview(clear_pages).cast("B")))
+        self.digest.update(struct.pack("<Q", step) + bytes(memoryview(clear_list).cast("B")))
 
     def on_drop(self, step, code, rank):
         self.dropped.append((step, anyio.current_time()))
 
     def zeroed(self, ids) -> bool:
-        return all(int(p[list(ids)].sum()) == 0 for p in self.planes) if ids else True
+        return pages_are_zero(self.planes, ids)
 
 
 def frames_in(data: bytes):

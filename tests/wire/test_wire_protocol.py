@@ -3,7 +3,7 @@
 and R13 on them.
 
     Sim: Leader rule + Completions + one LeaderLink per peer  <== frame queues ==>  PeerLinks
-         every RunStep clears real torch planes on that rank (the torch clear backend),
+         every RunStep clears real byte planes on that rank (the bytes clear backend),
          then the peer reports COMPLETE (or holds it back, fails, or dies first)
 
 Printed figures: R11 frames per class, READY / REJECT answers counted at the peer
@@ -18,8 +18,8 @@ import random
 from collections import deque
 
 import pytest
-torch = pytest.importorskip("torch")  # (the ranks clear real torch planes)
 from support import HEAVY
+from support.planes import fill_pages, filled_planes, pages_are_zero, plane_bytes
 from support.wirekeys import challenge, joined_peer, leader_link, peer_link, prove, welcome
 
 from kvledger import (
@@ -118,9 +118,9 @@ class Sim:
             self.planes = {}
             self.backends = {}
             for r in range(world_size):
-                p = torch.full((geometry.num_pages, 8 * (r + 1)), 0xAB, dtype=torch.uint8)
+                (p,) = filled_planes(geometry.num_pages, [8 * (r + 1)], 0xAB)
                 self.planes[r] = p
-                self.backends[r] = make_backend("torch", [p])
+                self.backends[r] = make_backend("bytes", [p])
 
     # -- plumbing
     def flush_peer(self, r):
@@ -176,10 +176,10 @@ class Sim:
                 break
             t = type(ev)
             if t is RunStep:
-                ids = tuple(ev.clear_pages)
+                ids = tuple(ev.clear_list)
                 self.ran[r].append((ev.step, ids, ev.payload))
                 if self.planes is not None:
-                    self.backends[r].clear(ev.clear_pages)
+                    self.backends[r].clear(ev.clear_list)
                 self.on_run(r, ev)
                 if self.plink[r] is None:  # the run hook killed the peer
                     return
@@ -325,7 +325,7 @@ def clear_list(rng, num_pages=64, n=None):
 def test_pair_launches_and_clears_on_every_rank():
     sim = Sim(4, planes=True)
     sim.connect()
-    before = {r: p.clone() for r, p in sim.planes.items()}
+    before = {r: plane_bytes(p) for r, p in sim.planes.items()}
     sim.begin(0, [9, 3, 5], b"step-0")
     sim.run_fifo()
     d = sim.decisions[0]
@@ -333,9 +333,11 @@ def test_pair_launches_and_clears_on_every_rank():
     for r in range(4):
         assert sim.ran[r] == [(0, (3, 5, 9), b"step-0")]
         p = sim.planes[r]
-        assert int(p[[3, 5, 9]].sum()) == 0
-        keep = [i for i in range(64) if i not in (3, 5, 9)]
-        assert torch.equal(p[keep], before[r][keep])
+        assert pages_are_zero([p], [3, 5, 9])
+        width = 8 * (r + 1)
+        for i in range(64):  # the others keep their bytes
+            if i not in (3, 5, 9):
+                assert plane_bytes(p)[i * width:(i + 1) * width] == before[r][i * width:(i + 1) * width]
     assert [type(v) for _, v in sim.votes] == [Ready] * 3
     assert sim.plink[1].statistics()["launched"] == 1
 
@@ -459,7 +461,7 @@ def test_a_rank_cannot_join_twice():
 def test_frames_before_hello_are_refused():
     peer = peer_link(G, 1, 2)
     peer.start()
-    peer.receive_data(encode(Prepare(step=0, clear_pages=[1])))
+    peer.receive_data(encode(Prepare(step=0, clear_list=[1])))
     with pytest.raises(WireProtocolError) as info:
         peer.next_event()
     assert info.value.code == RejectCode.UNEXPECTED_FRAME
@@ -569,10 +571,10 @@ def _dec(b):
     return decode(b)
 
 
-P5 = Prepare(step=5, clear_pages=[1, 2], payload=b"a")
+P5 = Prepare(step=5, clear_list=[1, 2], payload=b"a")
 P5_CRC = frame_checksum(encode(P5))
-P5_OTHER = Prepare(step=5, clear_pages=[1, 3])
-P6 = Prepare(step=6, clear_pages=[7])
+P5_OTHER = Prepare(step=5, clear_list=[1, 3])
+P6 = Prepare(step=6, clear_list=[7])
 L5 = Launch(step=5, prepare_checksum=P5_CRC)
 A5 = Abort(step=5, code=RejectCode.TIMEOUT, rank=1)
 A6 = Abort(step=6, code=RejectCode.TIMEOUT)
@@ -593,9 +595,9 @@ TABLE = [
     ((P6, A5, P6), ["Answered", "DropStep"], ["Reject", "Reject"], PeerState.REJECTED, 6),
     ((A6, P5, L5), ["Answered", "RunStep", "DropStep"], ["Ready"], PeerState.IDLE, 7),
     ((A6, A5), ["DropStep", "DropStep"], [], PeerState.IDLE, 7),
-    ((Prepare(step=5, clear_pages=[64]),), ["Answered"], ["Reject"], PeerState.REJECTED, 5),
-    ((Prepare(step=5, clear_pages=[3, 3]),), ["Answered"], ["Reject"], PeerState.REJECTED, 5),
-    ((Prepare(step=5, clear_pages=[64]), A5), ["Answered", "DropStep"], ["Reject"], PeerState.IDLE, 6),
+    ((Prepare(step=5, clear_list=[64]),), ["Answered"], ["Reject"], PeerState.REJECTED, 5),
+    ((Prepare(step=5, clear_list=[3, 3]),), ["Answered"], ["Reject"], PeerState.REJECTED, 5),
+    ((Prepare(step=5, clear_list=[64]), A5), ["Answered", "DropStep"], ["Reject"], PeerState.IDLE, 6),
 ]
 
 
@@ -610,7 +612,7 @@ def test_peer_transition_table(frames, events, answers, state, step):
 
 BROKEN = [
     ((L5,), RejectCode.UNEXPECTED_FRAME),  # LAUNCH never prepared
-    ((Prepare(step=5, clear_pages=[64]), L5), RejectCode.CONFLICT),  # LAUNCH of a rejected step
+    ((Prepare(step=5, clear_list=[64]), L5), RejectCode.CONFLICT),  # LAUNCH of a rejected step
     ((P5, Launch(step=5, prepare_checksum=P5_CRC ^ 1)), RejectCode.CONFLICT),  # another PREPARE's LAUNCH
     ((A5, L5), RejectCode.CONFLICT),  # LAUNCH of an aborted step
     ((P5, L5, A5), RejectCode.CONFLICT),  # ABORT of a launched step
@@ -642,12 +644,12 @@ def test_max_payload_caps_the_payload_not_the_body():
     REJECT FRAME_TOO_LARGE for that step (the link stays up), even though the frame's body
     is far under the decoder's cap (which leaves room for every page id)."""
     peer = joined_peer(G, max_payload=100)
-    evs, sent = _feed(peer, Prepare(step=0, clear_pages=[1], payload=bytes(101)))
+    evs, sent = _feed(peer, Prepare(step=0, clear_list=[1], payload=bytes(101)))
     assert sent == ["Reject"] and peer.state is PeerState.REJECTED
     assert evs[0].code == RejectCode.FRAME_TOO_LARGE and "101 bytes" in evs[0].detail
     evs, sent = _feed(peer, Abort(step=0, code=RejectCode.FRAME_TOO_LARGE, rank=1))
     assert [type(e) for e in evs] == [DropStep]
-    evs, sent = _feed(peer, Prepare(step=1, clear_pages=[1], payload=bytes(100)))
+    evs, sent = _feed(peer, Prepare(step=1, clear_list=[1], payload=bytes(100)))
     assert sent == ["Ready"] and peer.state is PeerState.READY
     with pytest.raises(InvalidArgumentError):
         peer_link(G, 1, 2, max_payload=-1)
@@ -706,8 +708,8 @@ def test_peer_completes_a_launched_step_once():
         assert why in info.value.detail and not info.value.remote
     assert peer.data_to_send() == b""  # nothing queued by the refused calls
     # a failed step: COMPLETE says so, with the detail
-    _feed(peer, Prepare(step=6, clear_pages=[1]), Launch(step=6, prepare_checksum=frame_checksum(encode(
-        Prepare(step=6, clear_pages=[1])))))
+    _feed(peer, Prepare(step=6, clear_list=[1]), Launch(step=6, prepare_checksum=frame_checksum(encode(
+        Prepare(step=6, clear_list=[1])))))
     peer.complete(6, ok=False, detail="executor raised")
     (frame,) = map(_dec, split_frames(peer.data_to_send()))
     assert frame.ok is False and frame.detail == "executor raised" and peer.statistics()["failed"] == 1
@@ -729,7 +731,7 @@ def test_peer_cannot_complete_an_aborted_step_and_refuses_a_complete_frame():
 def test_a_peer_runs_the_next_step_before_completing_the_last():
     """Completion runs beside the link: the peer validates PREPARE(6) while step 5 is running."""
     peer = _joined_peer()
-    p6 = Prepare(step=6, clear_pages=[9])
+    p6 = Prepare(step=6, clear_list=[9])
     _feed(peer, P5, L5, p6)
     assert peer.state is PeerState.READY and peer.step == 6 and peer.running == [5]
     _feed(peer, Launch(step=6, prepare_checksum=frame_checksum(encode(p6))))
@@ -754,19 +756,19 @@ def _sanitizing_peer(sanitize=True):
 )
 def test_peer_checks_the_sanitizer_lists_like_the_clear_list(lists, code, words):
     peer = _sanitizing_peer()
-    evs, sent = _feed(peer, Prepare(step=5, clear_pages=[1, 2], sanitize=lists))
+    evs, sent = _feed(peer, Prepare(step=5, clear_list=[1, 2], sanitize=lists))
     assert sent == ["Reject"] and evs[0].code == code and words in evs[0].detail
     assert peer.state is PeerState.REJECTED
 
 
 def test_a_sanitize_step_reaches_run_step_and_a_plain_rank_refuses_it():
     lists = Sanitize(poison_pages=[4, 9], committed_pages=[1])
-    p = Prepare(step=5, clear_pages=[1, 2], sanitize=lists)
+    p = Prepare(step=5, clear_list=[1, 2], sanitize=lists)
     crc = frame_checksum(encode(p))
     peer = _sanitizing_peer()
     evs, sent = _feed(peer, p, Launch(step=5, prepare_checksum=crc))
     run = evs[1]
-    assert sent == ["Ready"] and type(run) is RunStep and list(run.clear_pages) == [1, 2]
+    assert sent == ["Ready"] and type(run) is RunStep and list(run.clear_list) == [1, 2]
     assert list(run.sanitize.poison_pages) == [4, 9] and list(run.sanitize.committed_pages) == [1]
     plain = _sanitizing_peer(sanitize=False)
     evs, sent = _feed(plain, p)
@@ -991,7 +993,7 @@ def _r11_class(cls: str, n: int, seed: int) -> dict:
         if sim is None or sim.lerr or sim.perr or sim.lclosed:
             sim = Sim(4, planes=True, sanitize=cls != "no_sanitizer")
             sim.connect()
-            snap = {r: p.clone() for r, p in sim.planes.items()}
+            snap = {r: plane_bytes(p) for r, p in sim.planes.items()}
         step = sim.rule.next_step
         ids = clear_list(rng, n=rng.randint(1, 12))
         payload = rng.randbytes(rng.randrange(8))
@@ -1022,7 +1024,7 @@ def _r11_class(cls: str, n: int, seed: int) -> dict:
         assert not sim.decisions[step].launch
         for r in range(4):  # nothing cleared or run anywhere for that step
             c["cleared"] += any(s == step for s, _, _ in sim.ran[r])
-            assert torch.equal(sim.planes[r], snap[r])
+            assert plane_bytes(sim.planes[r]) == snap[r]
         for r in sim.peers:
             if r not in sim.perr:
                 assert step in sim.dropped[r]
@@ -1030,7 +1032,7 @@ def _r11_class(cls: str, n: int, seed: int) -> dict:
             if sim.lerr or sim.perr or sim.lclosed:
                 sim = Sim(4, planes=True, sanitize=cls != "no_sanitizer")
                 sim.connect()
-                snap = {r: p.clone() for r, p in sim.planes.items()}
+                snap = {r: plane_bytes(p) for r, p in sim.planes.items()}
             c["controls"] += 1
             c["control_ready"] += _r11_control(sim, rng)
     return c
@@ -1046,8 +1048,8 @@ def _r11_control(sim, rng) -> int:
     sim.run_fifo(rng=rng)
     assert sim.decisions[s2].launch
     for r in range(4):
-        assert int(sim.planes[r][sorted(good_ids)].sum()) == 0
-        sim.planes[r].fill_(0xAB)  # back to the snapshot the bad frames are compared with
+        assert pages_are_zero([sim.planes[r]], good_ids)
+        fill_pages(sim.planes[r], range(sim.planes[r].shape[0]), 0xAB)  # back to the bad frames' snapshot
     return sum(any(type(a) is Ready for a in _answers_at_the_peer(sim, r, sent[r], False)) for r in sim.peers)
 
 

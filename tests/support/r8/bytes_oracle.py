@@ -28,7 +28,7 @@ read it next (the ordinary rule above).
 
 from __future__ import annotations
 
-from r8_model import SHARED, Model
+from .model import SHARED, Model
 
 __all__ = ["Bytes", "ROW", "ZERO"]
 

@@ -24,6 +24,7 @@ import pytest
 zmq = pytest.importorskip("zmq")
 
 from kvledger import ConfigurationError, Geometry, InvalidArgumentError, OutOfPagesError  # noqa: E402
+from kvledger.engine import ExtraOptions  # noqa: E402
 from kvledger.core.hashing import block_hashes, to_u64  # noqa: E402
 from kvledger.engine import open_engine  # noqa: E402
 from kvledger.kvevents import SEQ_END, KVEventPublisher, decode_batch, seq_bytes, seq_from_bytes  # noqa: E402
@@ -153,7 +154,7 @@ async def test_an_engine_publishes_batches_that_rebuild_its_cache(ctx, tmp_path,
     router = None
     opts = {"log": tmp_path / "kv.kvlog"} if log else {}
     try:
-        async with open_engine(G, ranks=1, kv_events=pub, **opts) as engine:
+        async with open_engine(G, ranks=1, extras=ExtraOptions(kv_events=pub), **opts) as engine:
             assert engine.kv_events is pub and pub.running  # started before the ledger: it saw seq 0
             router = Router(ctx, pub.endpoint, pub.replay_endpoint)
             n = await drive(engine)
@@ -179,7 +180,7 @@ async def test_an_engine_publishes_batches_that_rebuild_its_cache(ctx, tmp_path,
 
 @pytest.mark.asyncio
 async def test_an_endpoint_builds_the_publisher_and_bad_values_open_nothing(tmp_path):
-    async with open_engine(G, kv_events="tcp://127.0.0.1:0") as engine:
+    async with open_engine(G, extras=ExtraOptions(kv_events="tcp://127.0.0.1:0")) as engine:
         pub = engine.kv_events
         assert isinstance(pub, KVEventPublisher) and pub.running and pub.endpoint.startswith("tcp://127.0.0.1:")
         await engine.reserve(1, 1)
@@ -187,17 +188,17 @@ async def test_an_endpoint_builds_the_publisher_and_bad_values_open_nothing(tmp_
         await engine.run_step(0)
     assert not pub.running
     with pytest.raises(ConfigurationError):
-        async with open_engine(G, kv_events="nowhere"):
+        async with open_engine(G, extras=ExtraOptions(kv_events="nowhere")):
             pass
     with pytest.raises(InvalidArgumentError):
-        async with open_engine(G, kv_events=42):
+        async with open_engine(G, extras=ExtraOptions(kv_events=42)):
             pass
     # an endpoint in use: refused before the ledger opens (no log file is created)
     holder = KVEventPublisher("tcp://127.0.0.1:0").start()
     try:
         with pytest.raises(ConfigurationError):
-            async with open_engine(G, log=tmp_path / "never.kvlog", kv_events={"endpoint": holder.endpoint,
-                                                                               "bind": True}):
+            async with open_engine(G, log=tmp_path / "never.kvlog",
+                                   extras=ExtraOptions(kv_events={"endpoint": holder.endpoint, "bind": True})):
                 pass
         assert not (tmp_path / "never.kvlog").exists()
     finally:
@@ -209,7 +210,7 @@ async def test_an_endpoint_builds_the_publisher_and_bad_values_open_nothing(tmp_
                                  {"hwm": "many"}, {"publisher": "kafka"}, {"enable_kv_cache_events": 1}])
 async def test_a_bad_kv_events_config_opens_nothing(bad, tmp_path):
     with pytest.raises(ConfigurationError):
-        async with open_engine(G, log=tmp_path / "never.kvlog", kv_events=bad):
+        async with open_engine(G, log=tmp_path / "never.kvlog", extras=ExtraOptions(kv_events=bad)):
             pass
     assert not (tmp_path / "never.kvlog").exists()
 
@@ -221,13 +222,13 @@ async def test_vllms_kv_events_config_builds_the_publisher():
     cfg = ('{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:0", '
            '"replay_endpoint": "tcp://127.0.0.1:0", "buffer_steps": 64, "hwm": 1000, "max_queue_size": 32, '
            '"topic": "kv@pod-0@m"}')
-    async with open_engine(G, kv_events=cfg) as engine:
+    async with open_engine(G, extras=ExtraOptions(kv_events=cfg)) as engine:
         pub = engine.kv_events
         assert pub.topic == "kv@pod-0@m" and pub.replay_endpoint.startswith("tcp://127.0.0.1:")
         assert (pub.layout, pub.hashes, pub.replay_format) == ("map", "u64", "vllm")
-    async with open_engine(G, kv_events={"endpoint": "tcp://127.0.0.1:0", "layout": "array",
-                                         "replay_format": "legacy", "hashes": "raw"}) as engine:
+    events = {"endpoint": "tcp://127.0.0.1:0", "layout": "array", "replay_format": "legacy", "hashes": "raw"}
+    async with open_engine(G, extras=ExtraOptions(kv_events=events)) as engine:
         assert (engine.kv_events.layout, engine.kv_events.hashes) == ("array", "raw")
     for off in ('{"enable_kv_cache_events": false}', {"publisher": "null", "endpoint": "tcp://*:5557"}):
-        async with open_engine(G, kv_events=off) as engine:
+        async with open_engine(G, extras=ExtraOptions(kv_events=off)) as engine:
             assert engine.kv_events is None

@@ -19,6 +19,7 @@ import pytest
 
 from support import HEAVY, QUIET
 from kvledger import Geometry, InvalidArgumentError
+from kvledger.options import LogOptions
 from kvledger.core.hashing import block_hashes
 from kvledger.core.log import OsFileLayer
 from kvledger.core.log.segments import list_segments
@@ -94,7 +95,8 @@ def test_events_reads_a_retained_directory_and_any_of_its_segments(tmp_path, cap
     live = LiveEvents()
     rng = random.Random(7)
     state: dict = {}
-    with open_ledger(path, G, segment_bytes=SEG, retain_segments=3, logger=QUIET, observer=live) as led:
+    with open_ledger(path, G, logger=QUIET, observer=live,
+                     log_options=LogOptions(segment_bytes=SEG, retain_segments=3)) as led:
         drive(led, 300, rng, state)
         led.flush()  # rotations and retention run on the writer thread, in order with its rounds
         deleted = led.log.segments_deleted
@@ -120,7 +122,8 @@ def test_exports_keep_succeeding_while_retention_deletes_segments(tmp_path):
     path = str(tmp_path / "live")
     rng = random.Random(9)
     state: dict = {}
-    led = open_ledger(path, G, segment_bytes=SEG, retain_segments=2, fsync="per_step", logger=QUIET)
+    led = open_ledger(path, G, logger=QUIET,
+                      log_options=LogOptions(segment_bytes=SEG, retain_segments=2, fsync="per_step"))
     drive(led, 40, rng, state)
     stop = threading.Event()
     reads, errors = [0], []

@@ -40,6 +40,7 @@ from support.upstream import VLLM_VERSIONS, UpstreamUnavailable  # noqa: E402
 from support.vllm_kv_events import load_kv_events  # noqa: E402
 
 from kvledger import Geometry, Ledger, OutOfPagesError  # noqa: E402
+from kvledger.engine import ExtraOptions  # noqa: E402
 from kvledger.core.hashing import U64_MASK, block_hashes, to_u64  # noqa: E402
 from kvledger.core.log import EventLog  # noqa: E402
 from kvledger.engine import open_engine  # noqa: E402
@@ -238,7 +239,7 @@ async def test_vllm_decodes_every_batch_of_a_live_engine_and_its_full_replay(vll
     config_json = json.dumps(dataclasses.asdict(cfg))
     sub = None
     try:
-        async with open_engine(G, kv_events=config_json) as engine:
+        async with open_engine(G, extras=ExtraOptions(kv_events=config_json)) as engine:
             pub = engine.kv_events
             assert isinstance(pub, KVEventPublisher) and pub.topic == "kv-events"
             sub = VllmSubscriber(vllm, ctx, pub.endpoint, pub.replay_endpoint, "kv-events")

@@ -338,7 +338,7 @@ def test_connecting_publisher_reaches_a_bound_subscriber(ctx):
 @pytest.mark.parametrize("endpoint", ["", "http://127.0.0.1:5557", "tcp://127.0.0.1", "tcp://", "ipc://", 5557, b"x"])
 def test_bad_endpoints_raise_configuration_error(endpoint):
     with pytest.raises(ConfigurationError):
-        KVEventPublisher(endpoint)  # (None is the default endpoint: tests/integration/test_kvevents_exposure.py)
+        KVEventPublisher(endpoint)  # (None is the default endpoint: tests/kvevents/test_kvevents_exposure.py)
     with pytest.raises(ConfigurationError):
         KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint=endpoint)  # type: ignore[arg-type]
 

@@ -1,4 +1,4 @@
-"""Fixtures of the integration tests (the demo, the examples, packaging, KV events, metrics)."""
+"""Fixtures of the KV-event tests."""
 
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ import pytest
 zmq = pytest.importorskip("zmq")
 
 from kvledger import ConfigurationError, Geometry, InvalidArgumentError, Ledger  # noqa: E402
+from kvledger.engine import ExtraOptions  # noqa: E402
 from kvledger.kvevents import (  # noqa: E402
     DEFAULT_ENDPOINT,
     BlockRemovedMap,
@@ -126,7 +127,7 @@ def test_every_way_to_make_a_publisher_refuses_a_remote_bind_unless_asked(tmp_pa
         import anyio
 
         async def opened():
-            async with open_engine(G, kv_events="tcp://*:0"):
+            async with open_engine(G, extras=ExtraOptions(kv_events="tcp://*:0")):
                 pass
 
         anyio.run(opened)

@@ -1,7 +1,7 @@
 """R8's prefix-caching rules: publish, write and publish, allocation under pressure, lookup then
 share, evict (a mixin of tests/core/test_state_machine.py's ``LedgerMachine``).
 
-Each rule asks the model (``r8_model``) what must happen (which error, which
+Each rule asks the model (``support.r8.model``) what must happen (which error, which
 pages, which evictions, which ``BlocksStored`` / ``BlocksRemoved`` /
 ``PagesMarked`` effects) before it looks at what the ledgers did.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
-from r8_invalid import UNKNOWN_HASH
+from .invalid import UNKNOWN_HASH
 
 from kvledger import InvalidArgumentError
 from kvledger.core.events import BlocksStored, PagesPublished, PagesShared

@@ -5,7 +5,7 @@ events' effects and the holder gauges against ``holder_codes()`` (the O(num_page
 truth); real engines (local and with a peer over loopback TCP), a real durable log and
 the wire's decision rule check the hooks. Everything goes through
 the text exposition a scraper sees (``test_metrics_http.py`` serves it over HTTP and
-runs the demo). Budget: about 8 s (torch's import most).
+runs the demo). Budget: about a second (the engines run on byte planes: no torch).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from kvledger import ConfigurationError, Geometry, InvalidArgumentError, KVLedgerError, Ledger  # noqa: E402
+from kvledger.engine import ExtraOptions, LogOptions  # noqa: E402
 from kvledger.core.events import EVENT_TYPES, BlocksRemoved, BlocksStored, ClearPages, PagesMarked  # noqa: E402
 from kvledger.core.events import PagesShared, StepAborted, StepPlan  # noqa: E402
 from kvledger.core.state import LedgerState  # noqa: E402
@@ -272,7 +273,7 @@ async def test_an_engine_counts_prefix_lookups_beside_the_hits():
     from kvledger.engine import open_engine
 
     reg, m = fresh()
-    async with open_engine(G, metrics=m) as engine:
+    async with open_engine(G, extras=ExtraOptions(metrics=m)) as engine:
         await engine.reserve(1, 2)
         await engine.commit(1, 0, 2)
         await engine.run_step(0)
@@ -296,12 +297,12 @@ async def test_an_engine_counts_prefix_lookups_beside_the_hits():
 
 @pytest.mark.asyncio
 async def test_step_hooks_count_what_the_engine_and_its_backends_did():
-    torch = pytest.importorskip("torch")
+    from support.planes import filled_planes
+
     from kvledger import StepFailedError
     from kvledger.engine import RankSpec, open_engine
 
-    planes = [[torch.full((G.num_pages, 8), 7, dtype=torch.uint8),
-               torch.ones((G.num_pages, 2, 3), dtype=torch.bfloat16)] for _ in range(2)]  # 8 + 12 bytes a page
+    planes = [filled_planes(G.num_pages, [8, 12], 7) for _ in range(2)]  # 8 + 12 bytes a page
     fail_at = {3}
 
     def graph(ctx, step, inputs):
@@ -368,7 +369,8 @@ def test_log_statistics_lag_and_timed_writes_and_fsyncs(tmp_path, background):
 
     reg, m = fresh()
     assert not any(k[0].startswith("kvledger_log_fsync") for k in scrape(reg))  # not timed: absent
-    with open_ledger(tmp_path / "x.kvlog", G, layer=m.timed_layer(), background=background) as led:
+    with open_ledger(tmp_path / "x.kvlog", G,
+                     log_options=LogOptions(layer=m.timed_layer(), background=background)) as led:
         m.track_ledger(led)
         m.track_log(led.log)
         for step in range(6):
@@ -397,7 +399,8 @@ def test_a_timed_fsync_that_fails_is_timed_and_reaches_the_log_unchanged(tmp_pat
 
     reg, m = fresh()
     faults = FaultInjector(fail_sync=3)
-    led = open_ledger(tmp_path / "x.kvlog", G, layer=m.timed_layer(faults), fsync="per_step")  # inline: the seal raises
+    led = open_ledger(tmp_path / "x.kvlog", G,
+                      log_options=LogOptions(layer=m.timed_layer(faults), fsync="per_step"))  # inline: the seal raises
     with pytest.raises(LogIOError, match="fsync"):
         for step in range(4):
             led.reserve(step, 1)
@@ -439,17 +442,18 @@ def test_wire_decisions_round_trips_and_abort_codes_from_the_leaders_rule():
 
 @pytest.mark.asyncio
 async def test_engine_with_a_remote_peer_serves_the_leaders_link_counters():
-    torch = pytest.importorskip("torch")
     import anyio
+    from support.planes import filled_planes
 
     from kvledger import StepFailedError
-    from kvledger.engine import RankSpec, RemoteRanks, open_engine
+    from kvledger.engine import RankSpec, RemoteOptions, open_engine
     from kvledger.wire.rank import run_peer
     from kvledger.wire.transport import connect_tcp
 
     reg, m = fresh()
-    planes = [torch.zeros((G.num_pages, 4), dtype=torch.uint8)]
-    async with open_engine(G, ranks=[RankSpec(planes=planes)], remote=RemoteRanks(world_size=2, timeout=2.0)) as engine:
+    planes = filled_planes(G.num_pages, [4], 0)
+    remote = RemoteOptions(world_size=2, timeout=2.0)
+    async with open_engine(G, ranks=[RankSpec(planes=planes)], remote=remote) as engine:
         m.track_engine(engine)
         with pytest.raises(StepFailedError) as info:  # no peer yet: PEER_LOST, over the wire
             await engine.run_step(0)
