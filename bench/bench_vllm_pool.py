@@ -405,11 +405,37 @@ def _ledger_state(L: Ledger) -> tuple:
     return L.free_count + L.cached_count, len(L.state.requests)
 
 
-SINK_KIND = "a list-append sink: sink(seq, event) appends the event"
+SINK_KINDS = {
+    "journal": "an EventList journal: every event kept in a list the ledger appends to itself",
+    "callable": "a callable sink: sink(seq, event) appends the event to a list",
+}
+SINK = ["journal"]  # which recording sink the "+ sink" side and rows use (``--sink``)
 
 
-def recording_sink() -> tuple[Callable[[int, object], None], list]:
-    """A sink that records every event (a list append: what a sink costs at least) and the list."""
+def _event_list():
+    """``kvledger.core.journal.EventList``, or None for a kvledger without journals (an older tree,
+    timed for a before/after figure: its ``Ledger`` takes callable sinks only)."""
+    from kvledger.core import ledger
+
+    if getattr(ledger, "Journal", None) is None:
+        return None
+    from kvledger.core.journal import EventList
+
+    return EventList
+
+
+def sink_kind() -> str:
+    return SINK[0] if SINK[0] == "callable" or _event_list() is not None else "callable"
+
+
+def recording_sink() -> tuple[Any, list]:
+    """A sink that records every event, and the list it records them in: an ``EventList`` journal
+    (the ledger appends each event to its list itself, the durable log's face), or with
+    ``--sink callable`` (or a kvledger without journals) a callable that appends each event
+    (``sink(seq, event)``: a call per event)."""
+    if sink_kind() == "journal":
+        journal = _event_list()()  # type: ignore[misc]
+        return journal, journal.events
     events: list = []
     append = events.append
 
@@ -789,7 +815,7 @@ def run(quick: bool, *, only: str | None = None, blocks: tuple[int, ...] = BLOCK
     names = {side: f"vLLM {v[:4]}" for v, side in zip(versions, vsides, strict=True)}
     figures: dict = {"repeats": repeats, "allocations": allocations, "segment_ops": SEGMENT_OPS,
                      "vllm": ", ".join(f"{v} BlockPool" for v in versions) + " (files from the wheel or sdist)",
-                     "gc": "disabled while timed", "sink": SINK_KIND}
+                     "gc": "disabled while timed", "sink": SINK_KINDS[sink_kind()]}
     if only in (None, "trace"):
         rows = []
         for n in blocks:
@@ -818,7 +844,7 @@ def run(quick: bool, *, only: str | None = None, blocks: tuple[int, ...] = BLOCK
                      *(f"kvledger / {names[s]}" for s in vsides), *(f"+ sink / {names[s]}" for s in vsides),
                      "hit rate"), rows)
         print(f"kvledger / vLLM = vLLM time / kvledger time (> 1: kvledger is faster); + sink: every event "
-              f"recorded ({SINK_KIND}); block-ops = blocks allocated, freed, shared, published, probed")
+              f"recorded ({SINK_KINDS[sink_kind()]}); block-ops = blocks allocated, freed, shared, published, probed")
     if only in (None, "ops"):
         op_figures, rows = run_ops(pools, repeats)
         figures.update(op_figures)
@@ -836,9 +862,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", help="comma-separated pool sizes (default 10000,1048576)")
     parser.add_argument("--caching", choices=("off", "on"), help="only the trace with caching off or on")
     parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH")
+    parser.add_argument("--sink", choices=tuple(SINK_KINDS), default="journal",
+                        help="the recording sink of the '+ sink' side and rows (default journal)")
     parser.add_argument("--vllm", help=f"comma-separated vLLM versions (default {','.join(VLLM_VERSIONS)})")
     args = parser.parse_args(argv)
     versions = tuple(args.vllm.split(",")) if args.vllm else VLLM_VERSIONS
+    SINK[0] = args.sink
     blocks = tuple(int(b) for b in args.blocks.split(",")) if args.blocks else BLOCKS
     caching = (False, True) if args.caching is None else (args.caching == "on",)
     figures = run(args.quick, only=args.only, blocks=blocks, caching=caching, versions=versions)

@@ -36,6 +36,7 @@ from .events.events import MAX_ID, MAX_PAGES, Geometry
 __all__ = [
     "MAX_ID",
     "MAX_PAGES",
+    "MAX_TENANT_CHARS",
     "OUT_OF_RANGE",
     "DUPLICATE",
     "Problem",
@@ -56,6 +57,7 @@ __all__ = [
 ]
 
 OUT_OF_RANGE, DUPLICATE = "out_of_range", "duplicate"
+MAX_TENANT_CHARS = 1 << 16  # a tenant name this long or shorter (every event that names one stays small)
 _INT_ONLY = {int}
 _BYTES_ONLY = {bytes}
 
@@ -96,9 +98,11 @@ def count(value, what: str) -> int:
 
 
 def tenant(value) -> str | None:
-    """A tenant: a str or None."""
-    if value is not None and type(value) is not str:
-        raise InvalidArgumentError(f"tenant must be a str or None, got {value!r}")
+    """A tenant: None, or a str of at most ``MAX_TENANT_CHARS`` characters."""
+    if value is not None and (type(value) is not str or len(value) > MAX_TENANT_CHARS):
+        shown = repr(value) if type(value) is not str else f"a str of {len(value)} characters"
+        raise InvalidArgumentError(f"tenant must be a str of at most {MAX_TENANT_CHARS} characters or None, "
+                                   f"got {shown}")
     return value
 
 

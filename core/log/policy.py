@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from ..checks import MAX_TENANT_CHARS
 from ..errors import InvalidArgumentError
 from ..events.events import (
     EVENT_TYPES,
@@ -43,7 +44,8 @@ _POLICIES = {"background": (_SEALS, True), "per_step": (_SEALS, False), "per_eve
              "none": (_NONE, False)}  # commit after these types, in the writer thread?
 
 
-TENANT_CHARS = 1 << 16  # a tenant up to this long cannot make an event pass max_event_bytes
+TENANT_CHARS = MAX_TENANT_CHARS  # a tenant up to this long cannot make an event pass max_event_bytes (the
+# ledger refuses longer ones: the events its commands append straight to the batch are bounded)
 TENANT_TYPES = (PagesReserved, PagesShared)
 
 

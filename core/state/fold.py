@@ -1,9 +1,29 @@
-"""The fold: one applier per event, ``(state, event) -> effects``.
+"""The fold: one applier per event, ``(state, event) -> effects``, and the fast cases' appliers.
 
 An applier assumes its event passed its precondition (``preconditions.py``) and
 never raises for one. It advances ``state.seq`` and returns the event's effects:
 ``(ClearPages,)`` for a commit that listed marked pages, ``(StepPlan,)`` for a
 seal, ``()`` otherwise. Pure: no I/O, no logging, no clock, no object per page.
+The fold modules (this one and ``fold_prefix.py``) are the only code that writes
+a ``LedgerState`` (``tests/core/test_fold_writes.py`` reads every other module's
+source and fails on a write).
+
+The table's appliers (one per event, ``transitions.py``) serve replay and every
+command outside its common case. The commands' fast paths (``core/ledger.py``)
+decide their events in the common case of the precondition and fold them
+through the appliers of that case, each named for its events and taking them
+(plus the request's record the command already looked up), never a hand copy:
+
+    reserved_top(st, rec, reserved)                the top of a clean free stack
+    allocated_one(st, rec, reserved, committed)    one page: the top, unmarked
+    allocated_top(st, rec, reserved, committed)    the top n, none marked
+    committed(st, rec, committed)                  the head of r's reservation
+    sealed(st, sealed)                             the seal, its clear list derived once
+    completed(st, completed)
+(``fold_prefix.py``: ``published``, ``shared``, ``shared_cached``, ``evicted``,
+``taken_from_cache``.) Each equals the table's applier (or two of them, in
+order) on the same events in that case: R8 drives ledgers of every mode and a
+ledger whose state has its own table through the same commands and compares them.
 
 Every applier that sets marks returns ``PagesMarked`` with those pages (the
 sanitizer poisons them before the next plan's clear).
@@ -40,19 +60,19 @@ if TYPE_CHECKING:
     from .state import LedgerState
 
 __all__ = [
-    "allocate_top", "cache_configured", "commit_pages", "complete", "release_request", "reserve_top",
-    "seal", "pages_committed", "pages_reserved", "request_gone", "reservation_returned",
-    "restore_completed", "restore_started", "sanitizer_violation", "snapshot_aliased", "snapshot_released",
-    "step_aborted", "step_completed", "step_sealed",
+    "NO_EFFECTS", "allocated_one", "allocated_top", "cache_configured", "committed", "completed", "free_pages",
+    "marked_effect", "pages_committed", "pages_reserved", "request_gone", "reservation_returned", "reserved_top",
+    "restore_completed", "restore_started", "sanitizer_violation", "sealed", "snapshot_aliased",
+    "snapshot_released", "step_aborted", "step_completed", "step_sealed", "take_from_stack",
 ]
 
-_NO_EFFECTS: tuple = ()
+NO_EFFECTS: tuple = ()
 
 
-# ---------------------------------------------------------------------- shared pieces
+# ---------------------------------------------------------------------- shared pieces (fold_prefix uses them too)
 
 
-def _take_from_stack(st: LedgerState, pages) -> None:
+def take_from_stack(st: LedgerState, pages) -> None:
     """Pages that were free (their holder already changed) leave the free stack.
 
     The top is deleted in place. Pages deeper down leave stale entries (O(1) each);
@@ -87,7 +107,7 @@ def _remove(seq: list[int], pages) -> None:
     seq[:] = [p for p in seq if p not in gone]
 
 
-def _free_pages(st: LedgerState, pages, tenant: str | None, dirty) -> list[int] | tuple:
+def free_pages(st: LedgerState, pages, tenant: str | None, dirty) -> list[int] | tuple:
     """Pages leave a request for the free stack; marks follow the policy. Returns the pages
     it marked (a listed page that never got its clear, and the policy's marks).
 
@@ -97,7 +117,7 @@ def _free_pages(st: LedgerState, pages, tenant: str | None, dirty) -> list[int] 
     holder, free = st.holder, HOLDER_FREE
     for p in pages:
         holder[p] = free
-    marked: list[int] | tuple = _NO_EFFECTS
+    marked: list[int] | tuple = NO_EFFECTS
     pend = st.pending
     if pend and not pend.keys().isdisjoint(pages):
         marks, residue = st.marks, st.residue
@@ -125,9 +145,9 @@ def _free_pages(st: LedgerState, pages, tenant: str | None, dirty) -> list[int] 
     return marked
 
 
-def _marked(pages) -> tuple:
+def marked_effect(pages) -> tuple:
     """The effect for pages that just got a mark (nothing when there are none)."""
-    return (PagesMarked(page_ids=tuple(pages)),) if pages else _NO_EFFECTS
+    return (PagesMarked(page_ids=tuple(pages)),) if pages else NO_EFFECTS
 
 
 # ---------------------------------------------------------------------- one per event
@@ -143,7 +163,7 @@ def cache_configured(st: LedgerState, e: CacheConfigured) -> tuple:
     # Lowest ids on top: the first reservation of a fresh cache takes pages 0, 1, ...
     st.free_stack = list(range(n - 1, -1, -1))
     st.seq += 1
-    return _NO_EFFECTS
+    return NO_EFFECTS
 
 
 def pages_reserved(st: LedgerState, e: PagesReserved) -> tuple:
@@ -157,57 +177,67 @@ def pages_reserved(st: LedgerState, e: PagesReserved) -> tuple:
     holder = st.holder
     for p in pages:
         holder[p] = r
-    _take_from_stack(st, pages)
+    take_from_stack(st, pages)
     st.seq += 1
-    return _NO_EFFECTS
+    return NO_EFFECTS
 
 
-def reserve_top(st: LedgerState, rec: RequestRecord | None, request: int, n: int, tenant: str | None) -> tuple:
-    """The allocator's pick and its PagesReserved in one: the top ``n`` entries of a free
-    stack without stale entries and with no page restoring become ``reserved(request)``
-    (``rec``: the request's record, None for a new request, created with ``tenant``).
-    Returns the pages, top of the stack first (what ``pick_free(n)`` gives)."""
+def reserved_top(st: LedgerState, rec: RequestRecord | None, e: PagesReserved) -> tuple:
+    """PagesReserved of the top ``len(e.page_ids)`` entries of a free stack without stale entries,
+    top first (the allocator's pick: ``pick_free``), into ``rec``'s request (None: a new one, made
+    with ``e.tenant``)."""
+    pages = e.page_ids
     stack = st.free_stack
-    pages = stack[-n:]
-    del stack[-n:]
+    del stack[-len(pages):]
     if st.parked and st.parked[-1][0] > len(stack):
         st.clamp_parked()
-    pages.reverse()
-    holder = st.holder
+    holder, r = st.holder, e.request
     for p in pages:
-        holder[p] = request
+        holder[p] = r
     if rec is None:
-        st.requests[request] = RequestRecord(request, tenant, pages, [], [])
+        st.requests[r] = RequestRecord(r, e.tenant, list(pages), [], [])
     else:
         rec.reserved += pages
     st.seq += 1
-    return tuple(pages)
+    return NO_EFFECTS
 
 
-def allocate_top(st: LedgerState, rec: RequestRecord | None, request: int, step: int, n: int,
-                 tenant: str | None) -> tuple | None:
-    """``reserve_top`` then ``commit_pages`` in one pass, for a request without reserved pages
-    (``rec``; None: a new one, with ``tenant``), when none of the top ``n`` pages is marked (no
-    clear list, no effects). Returns the pages, or None (nothing changed) when one is marked."""
+def allocated_top(st: LedgerState, rec: RequestRecord | None, r: PagesReserved, c: PagesCommitted) -> tuple:
+    """PagesReserved then PagesCommitted of the same pages in one pass: the top of a free stack
+    without stale entries, none marked (so nothing is listed: no effects), for a request without
+    reserved pages (``rec``; None: a new one, made with ``r.tenant``)."""
+    pages = r.page_ids
+    n = len(pages)
     stack = st.free_stack
-    pages = stack[-n:]
-    marks = st.marks
-    if marks and not marks.keys().isdisjoint(pages):
-        return None
-    del stack[-n:]  # (reserve_top's pop, written out: a call here cost the lifecycle bench ~5 %)
+    del stack[-n:]
     if st.parked and st.parked[-1][0] > len(stack):
         st.clamp_parked()
-    pages.reverse()
-    holder = st.holder
+    holder, request = st.holder, r.request
     for p in pages:
         holder[p] = request
     if rec is None:
-        st.requests[request] = RequestRecord(request, tenant, [], pages, [step] * n)
+        st.requests[request] = RequestRecord(request, r.tenant, [], list(pages), [c.step] * n)
     else:
         rec.kv += pages
-        rec.kv_steps += [step] * n
+        rec.kv_steps += [c.step] * n
     st.seq += 2
-    return tuple(pages)
+    return NO_EFFECTS
+
+
+def allocated_one(st: LedgerState, rec: RequestRecord | None, r: PagesReserved, c: PagesCommitted) -> None:
+    """``allocated_top`` of one page (vLLM's ``get_new_blocks(1)``, the commonest allocation)."""
+    del st.free_stack[-1]
+    request = r.request
+    p = r.page_ids[0]
+    st.holder[p] = request
+    if rec is None:
+        st.requests[request] = RequestRecord(request, r.tenant, [], [p], [c.step])
+    else:
+        rec.kv.append(p)
+        rec.kv_steps.append(c.step)
+    if st.parked and st.parked[-1][0] > len(st.free_stack):
+        st.clamp_parked()
+    st.seq += 2
 
 
 def reservation_returned(st: LedgerState, e: ReservationReturned) -> tuple:
@@ -218,18 +248,19 @@ def reservation_returned(st: LedgerState, e: ReservationReturned) -> tuple:
     if rec.restored:
         dirty = [p for p in pages if p in rec.restored]
         rec.restored.difference_update(pages)
-    marked = _free_pages(st, pages, rec.tenant, dirty)
+    marked = free_pages(st, pages, rec.tenant, dirty)
     st.seq += 1
-    return _marked(marked)
+    return marked_effect(marked)
 
 
 def pages_committed(st: LedgerState, e: PagesCommitted) -> tuple:
-    return commit_pages(st, st.requests[e.request], e.step, e.page_ids)
+    return committed(st, st.requests[e.request], e)
 
 
-def commit_pages(st: LedgerState, rec: RequestRecord, step: int, pages: tuple) -> tuple:
-    """``pages`` (reserved by ``rec``'s request, none restoring, ``step`` not sealed) join its
-    block table; marked ones are listed for ``step``. Returns ``(ClearPages,)`` or ``()``."""
+def committed(st: LedgerState, rec: RequestRecord, e: PagesCommitted) -> tuple:
+    """``e.page_ids`` (reserved by ``rec``'s request, none restoring, ``e.step`` not sealed) join its
+    block table; marked ones are listed for the step. Returns ``(ClearPages,)`` or ``()``."""
+    pages, step = e.page_ids, e.step
     marks = st.marks
     listed = None
     if marks and not marks.keys().isdisjoint(pages):
@@ -254,7 +285,7 @@ def commit_pages(st: LedgerState, rec: RequestRecord, step: int, pages: tuple) -
     rec.kv_steps += [step] * k
     st.seq += 1
     if not listed:
-        return _NO_EFFECTS
+        return NO_EFFECTS
     cl = st.clear_lists.get(step)
     if cl is None:
         st.clear_lists[step] = listed
@@ -283,13 +314,13 @@ def release_request(st: LedgerState, request: int) -> tuple:
             holder[p] = free
         st.push_free(pages)
         st.seq += 1
-        return _NO_EFFECTS
+        return NO_EFFECTS
     dirty: tuple | list = ()
     if st.policy != "released_aliases":
         dirty = kv + [p for p in reserved if rec.restored and p in rec.restored]
-    marked = _free_pages(st, pages, rec.tenant, dirty)
+    marked = free_pages(st, pages, rec.tenant, dirty)
     st.seq += 1
-    return (PagesMarked(page_ids=tuple(marked)),) if marked else _NO_EFFECTS
+    return (PagesMarked(page_ids=tuple(marked)),) if marked else NO_EFFECTS
 
 
 def _release_shares(st: LedgerState, rec: RequestRecord) -> list[int]:
@@ -336,14 +367,14 @@ def snapshot_aliased(st: LedgerState, e: SnapshotAliased) -> tuple:
         else:
             count[p] += 1
     if newly:
-        _take_from_stack(st, newly)
+        take_from_stack(st, newly)
     mine = st.snapshots.get(e.snapshot)
     if mine is None:
         st.snapshots[e.snapshot] = list(pages)
     else:
         mine.extend(pages)
     st.seq += 1
-    return _NO_EFFECTS
+    return NO_EFFECTS
 
 
 def snapshot_released(st: LedgerState, e: SnapshotReleased) -> tuple:
@@ -360,7 +391,7 @@ def snapshot_released(st: LedgerState, e: SnapshotReleased) -> tuple:
             marked.append(p)
     st.push_free(marked)  # (the pages that went free are the ones marked)
     st.seq += 1
-    return _marked(marked)
+    return marked_effect(marked)
 
 
 def restore_started(st: LedgerState, e: RestoreStarted) -> tuple:
@@ -381,7 +412,7 @@ def restore_started(st: LedgerState, e: RestoreStarted) -> tuple:
                 rec.restored = set()
             rec.restored.update(pages)
     st.seq += 1
-    return _NO_EFFECTS
+    return NO_EFFECTS
 
 
 def restore_completed(st: LedgerState, e: RestoreCompleted) -> tuple:
@@ -391,24 +422,27 @@ def restore_completed(st: LedgerState, e: RestoreCompleted) -> tuple:
     if st.parked:
         st.unpark(e.page_ids)  # free pages it was writing go back into the stack where they sit
     st.seq += 1
-    return _NO_EFFECTS
+    return NO_EFFECTS
 
 
 def step_sealed(st: LedgerState, e: StepSealed) -> tuple:
-    return (seal(st, e.step),)
+    """The table's applier: the plan of the clear list the state derives (replay compares it
+    with the recorded one: the precondition, or the trusted fold after this)."""
+    return (_seal(st, e.step, st.derive_clear_list(e.step)),)
 
 
-def seal(st: LedgerState, step: int) -> StepPlan:
-    """Seal ``step`` (the open step): its plan joins the steps in flight (the last
-    ``MAX_IN_FLIGHT`` sealed and not aborted)."""
-    if step in st.clear_lists:
-        clear_list = st.derive_clear_list(step)
-        del st.clear_lists[step]
+def sealed(st: LedgerState, e: StepSealed) -> tuple:
+    """The seal of a command, whose ``e.clear_list`` it derived from this very state (once)."""
+    return (_seal(st, e.step, e.clear_list),)
+
+
+def _seal(st: LedgerState, step: int, clear_list: tuple) -> StepPlan:
+    """Seal ``step`` (the open step) with its derived clear list: the plan joins the steps in
+    flight (the last ``MAX_IN_FLIGHT`` sealed and not aborted)."""
+    if st.clear_lists.pop(step, None) is not None:
         pend = st.pending
         for p in clear_list:
             del pend[p]
-    else:
-        clear_list = ()
     st.open_step = step + 1
     plan = StepPlan(step=step, clear_list=clear_list)
     in_flight = st.in_flight
@@ -423,14 +457,15 @@ def seal(st: LedgerState, step: int) -> StepPlan:
 
 
 def step_completed(st: LedgerState, e: StepCompleted) -> tuple:
-    complete(st, e.step, e.rank)
-    return _NO_EFFECTS
+    completed(st, e)
+    return NO_EFFECTS
 
 
-def complete(st: LedgerState, step: int, rank: int) -> None:
+def completed(st: LedgerState, e: StepCompleted) -> None:
     """A rank ran the step. Once every rank that reports completions has completed a step,
     its plan leaves the steps in flight: it can no longer be aborted (its pages may be
     published from now on)."""
+    step, rank = e.step, e.rank
     if step > st.completed.get(rank, -1):
         st.completed[rank] = step
         in_flight = st.in_flight
@@ -450,7 +485,7 @@ def complete(st: LedgerState, step: int, rank: int) -> None:
 def sanitizer_violation(st: LedgerState, e: SanitizerViolation) -> tuple:
     """A record only: the step it names is aborted by its own event."""
     st.seq += 1
-    return _NO_EFFECTS
+    return NO_EFFECTS
 
 
 def step_aborted(st: LedgerState, e: StepAborted) -> tuple:
@@ -497,4 +532,4 @@ def step_aborted(st: LedgerState, e: StepAborted) -> tuple:
     if not st.in_flight:
         st.restored_since.clear()
     st.seq += 1
-    return _marked(marked)
+    return marked_effect(marked)

@@ -31,6 +31,7 @@ from kvledger import (  # noqa: E402
     replay,
 )
 from kvledger.core.events import SanitizerViolation, StepAborted, StepCompleted  # noqa: E402
+from kvledger.core.journal import Ring  # noqa: E402
 from kvledger.engine import RankSpec, StepInputs, open_engine  # noqa: E402
 from kvledger.executors.torch_backend import TorchClearBackend  # noqa: E402
 
@@ -352,7 +353,7 @@ async def test_without_sanitize_nothing_of_it_runs_and_the_ledger_has_no_observe
     all_planes = [rank_planes(), rank_planes()]
     work = Workload(7, all_planes)
     async with open_engine(G, ranks=specs_for(all_planes, lambda r, p: Refuses(p))) as engine:
-        assert not engine.sanitize and engine.ledger._observer is None and engine.ledger._plain
+        assert not engine.sanitize and engine.ledger.observer is None and isinstance(engine.ledger.journal, Ring)
         for step in range(20):
             result = await work.step(engine, step)
             assert all(t.sanitize_s == 0.0 for t in result.ranks)

@@ -36,7 +36,6 @@ page p exactly when p's history says so; a log that breaks them is corrupt.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 
 import msgspec
 
@@ -58,11 +57,11 @@ from kvledger.core.events.events import (
     SnapshotReleased,
     StepAborted,
     StepCompleted,
-    StepPlan,
     StepSealed,
 )
 from kvledger.core.log.fold import bounds_problem
-from kvledger.core.state import HOLDER_FREE, LedgerState, RequestRecord
+from kvledger.core.state import LedgerState
+from kvledger.core.state.projection import project_state
 from kvledger.core.state.state import hash_text
 
 from ..replay import record_of
@@ -169,41 +168,6 @@ def _prefix_cache_note(p: int, ev, t, b: tuple, a: tuple) -> str | None:
 # ---------------------------------------------------------------------- the fold of one page
 
 
-def project_state(st: LedgerState, p: int) -> LedgerState:
-    """A state holding only what page ``p``'s transitions read (see the module docstring)."""
-    ps = LedgerState()
-    ps.transitions = st.transitions
-    ps.geometry, ps.policy, ps.num_pages = st.geometry, st.policy, st.num_pages
-    ps.seq, ps.open_step = st.seq, st.open_step
-    n = st.num_pages
-    ps.holder = [HOLDER_FREE] * n
-    ps.alias_count = [0] * n
-    ps.holder[p], ps.alias_count[p] = st.holder[p], st.alias_count[p]
-    for name in ("marks", "residue", "restore_targets", "pending", "restored_since"):
-        table = getattr(st, name)
-        setattr(ps, name, {p: table[p]} if p in table else {})
-    ps.free_stack = [p] if st.holder[p] == HOLDER_FREE else []
-    for r in dict.fromkeys([*st.sharers.get(p, ()), *([st.holder[p]] if st.holder[p] >= 0 else [])]):
-        rec = st.requests[r]
-        kv = [(q, s) for q, s in zip(rec.kv, rec.kv_steps, strict=True) if q == p]
-        ps.requests[r] = RequestRecord(r, rec.tenant, [q for q in rec.reserved if q == p], [q for q, _ in kv],
-                                       [s for _, s in kv], {p} if rec.restored and p in rec.restored else None)
-    ps.snapshots = {s: [p] for s in st.snapshot_ids_of(p)} if st.alias_count[p] else {}
-    ps.clear_lists = {s: [q for q in pages if q == p] for s, pages in st.clear_lists.items() if p in pages}
-    ps.in_flight = [StepPlan(step=plan.step, clear_list=(p,) if p in plan.clear_list else ())
-                    for plan in st.in_flight]
-    ps.completed = dict(st.completed)
-    if p in st.page_hash:
-        h = st.page_hash[p]
-        ps.page_hash, ps.hash_page = {p: h}, {h: p}
-        if p in st.hash_tenant:
-            ps.hash_tenant = {p: st.hash_tenant[p]}
-    ps.sharers = {p: st.sharers[p].copy()} if p in st.sharers else {}  # (an ordered set: core.state.table)
-    ps.cached = OrderedDict({p: None}) if p in st.cached else OrderedDict()
-    ps.aborted_steps = set(st.aborted_steps)
-    return ps
-
-
 class PageFold:
     """``apply(seq, event)`` for ``fold_records``: page ``p``'s rows from seq ``since`` on (module docstring).
 
@@ -218,8 +182,7 @@ class PageFold:
         if st.geometry is not None:
             self.ps = project_state(st, p)
         else:  # from seq 0: CacheConfigured comes first
-            self.ps = LedgerState()
-            self.ps.transitions = st.transitions
+            self.ps = LedgerState(st.transitions)
         self.tenants = {r: rec.tenant for r, rec in st.requests.items()}
         self.apply = self._hook()
 
