@@ -58,7 +58,7 @@ from .events.events import (
     SnapshotAliased, SnapshotReleased, StepAborted, StepCompleted, StepPlan, StepSealed, typed,
 )
 from .journal import CallSink, EventList, Journal, Ring, Watched
-from .state import fold, fold_prefix
+from .state import fold, fold_prefix, fold_steps
 from .state.invariants import check_invariants
 from .state.preconditions import same_tenant
 from .state.state import LedgerState
@@ -837,7 +837,7 @@ class Ledger:
         durable log commits its batch there, per its fsync policy)."""
         st = self.state
         if type(step) is int and step == st.open_step:  # the open step is all the precondition asks
-            (plan,) = self._decided(StepSealed(step=step, clear_list=st.derive_clear_list(step)), fold.sealed)
+            (plan,) = self._decided(StepSealed(step=step, clear_list=st.derive_clear_list(step)), fold_steps.sealed)
             return plan
         if type(step) is not int or step >> _ID_BITS:
             checks.ident(step, "step")
@@ -853,7 +853,7 @@ class Ledger:
             j = self._journal
             if st.seq < j.due:
                 j.events.append(ev)
-                fold.completed(st, ev)
+                fold_steps.completed(st, ev)
             else:
                 self._decided(ev)
             return

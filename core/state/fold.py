@@ -1,4 +1,9 @@
-"""The fold: one applier per event, ``(state, event) -> effects``, and the fast cases' appliers.
+"""The fold of pages, requests and snapshot rows: one applier per event, ``(state, event) -> effects``.
+
+The fold has three modules, one per seam of the state: this one (the page table,
+the allocator's free stack, requests and snapshot rows, marks), ``fold_steps.py``
+(the step book: the open step, clear lists, plans in flight, completions, aborts)
+and ``fold_prefix.py`` (the prefix index: hashes, sharers, the cache).
 
 An applier assumes its event passed its precondition (``preconditions.py``) and
 never raises for one. It advances ``state.seq`` and returns the event's effects:
@@ -18,10 +23,9 @@ through the appliers of that case, each named for its events and taking them
     allocated_one(st, rec, reserved, committed)    one page: the top, unmarked
     allocated_top(st, rec, reserved, committed)    the top n, none marked
     committed(st, rec, committed)                  the head of r's reservation
-    sealed(st, sealed)                             the seal, its clear list derived once
-    completed(st, completed)
-(``fold_prefix.py``: ``published``, ``shared``, ``shared_cached``, ``evicted``,
-``taken_from_cache``.) Each equals the table's applier (or two of them, in
+(``fold_steps.py``: ``sealed``, the seal with its clear list derived once, and
+``completed``; ``fold_prefix.py``: ``published``, ``shared``, ``shared_cached``,
+``evicted``, ``taken_from_cache``.) Each equals the table's applier (or two of them, in
 order) on the same events in that case: R8 drives ledgers of every mode and a
 ledger whose state has its own table through the same commands and compares them.
 
@@ -49,21 +53,19 @@ from typing import TYPE_CHECKING
 
 from ..events.events import (
     CacheConfigured, ClearPages, PagesCommitted, PagesMarked, PagesReserved, ReservationReturned, RestoreCompleted,
-    RestoreStarted, SanitizerViolation, SnapshotAliased, SnapshotReleased, StepAborted, StepCompleted, StepPlan,
-    StepSealed,
+    RestoreStarted, SnapshotAliased, SnapshotReleased,
 )
 from .table import (
-    HOLDER_ALIAS, HOLDER_CACHED, HOLDER_FREE, MARK_ALL, MARK_TENANT, MAX_IN_FLIGHT, SHARERS_ORDERED, RequestRecord,
+    HOLDER_ALIAS, HOLDER_CACHED, HOLDER_FREE, MARK_ALL, MARK_TENANT, SHARERS_ORDERED, RequestRecord,
 )
 
 if TYPE_CHECKING:
     from .state import LedgerState
 
 __all__ = [
-    "NO_EFFECTS", "allocated_one", "allocated_top", "cache_configured", "committed", "completed", "free_pages",
-    "marked_effect", "pages_committed", "pages_reserved", "request_gone", "reservation_returned", "reserved_top",
-    "restore_completed", "restore_started", "sanitizer_violation", "sealed", "snapshot_aliased",
-    "snapshot_released", "step_aborted", "step_completed", "step_sealed", "take_from_stack",
+    "NO_EFFECTS", "allocated_one", "allocated_top", "cache_configured", "committed", "free_pages", "marked_effect",
+    "pages_committed", "pages_reserved", "request_gone", "reservation_returned", "reserved_top",
+    "restore_completed", "restore_started", "snapshot_aliased", "snapshot_released", "take_from_stack",
 ]
 
 NO_EFFECTS: tuple = ()
@@ -423,113 +425,3 @@ def restore_completed(st: LedgerState, e: RestoreCompleted) -> tuple:
         st.unpark(e.page_ids)  # free pages it was writing go back into the stack where they sit
     st.seq += 1
     return NO_EFFECTS
-
-
-def step_sealed(st: LedgerState, e: StepSealed) -> tuple:
-    """The table's applier: the plan of the clear list the state derives (replay compares it
-    with the recorded one: the precondition, or the trusted fold after this)."""
-    return (_seal(st, e.step, st.derive_clear_list(e.step)),)
-
-
-def sealed(st: LedgerState, e: StepSealed) -> tuple:
-    """The seal of a command, whose ``e.clear_list`` it derived from this very state (once)."""
-    return (_seal(st, e.step, e.clear_list),)
-
-
-def _seal(st: LedgerState, step: int, clear_list: tuple) -> StepPlan:
-    """Seal ``step`` (the open step) with its derived clear list: the plan joins the steps in
-    flight (the last ``MAX_IN_FLIGHT`` sealed and not aborted)."""
-    if st.clear_lists.pop(step, None) is not None:
-        pend = st.pending
-        for p in clear_list:
-            del pend[p]
-    st.open_step = step + 1
-    plan = StepPlan(step=step, clear_list=clear_list)
-    in_flight = st.in_flight
-    in_flight.append(plan)
-    if len(in_flight) > MAX_IN_FLIGHT:
-        del in_flight[0]  # too old to abort: its restore records go too
-        if st.restored_since:
-            oldest = in_flight[0].step
-            st.restored_since = {p: s for p, s in st.restored_since.items() if s > oldest}
-    st.seq += 1
-    return plan
-
-
-def step_completed(st: LedgerState, e: StepCompleted) -> tuple:
-    completed(st, e)
-    return NO_EFFECTS
-
-
-def completed(st: LedgerState, e: StepCompleted) -> None:
-    """A rank ran the step. Once every rank that reports completions has completed a step,
-    its plan leaves the steps in flight: it can no longer be aborted (its pages may be
-    published from now on)."""
-    step, rank = e.step, e.rank
-    if step > st.completed.get(rank, -1):
-        st.completed[rank] = step
-        in_flight = st.in_flight
-        if in_flight and in_flight[0].step <= step:
-            done = st.completed_step
-            while in_flight and in_flight[0].step <= done:
-                del in_flight[0]
-            if not in_flight:
-                if st.restored_since:
-                    st.restored_since.clear()
-            elif st.restored_since:  # a restore matters only to a plan sealed before it: the oldest bounds them
-                oldest = in_flight[0].step
-                st.restored_since = {p: s for p, s in st.restored_since.items() if s > oldest}
-    st.seq += 1
-
-
-def sanitizer_violation(st: LedgerState, e: SanitizerViolation) -> tuple:
-    """A record only: the step it names is aborted by its own event."""
-    st.seq += 1
-    return NO_EFFECTS
-
-
-def step_aborted(st: LedgerState, e: StepAborted) -> tuple:
-    """Step ``e.step`` and every later step in flight did not run everywhere: nothing of them
-    can be assumed zeroed. Their pages still in KV are listed again for the open step
-    (first in its clear list, the oldest plan's first), the others get their mark back,
-    except pages a restore into a request rewrote whole after the plan was sealed."""
-    aborted = [plan for plan in st.in_flight if plan.step >= e.step]
-    st.in_flight = [plan for plan in st.in_flight if plan.step < e.step]
-    marks, residue, pend = st.marks, st.residue, st.pending
-    carry: list[int] = []
-    step = st.open_step
-    restored = st.restored_since
-    kv_of: dict[int, set[int]] = {}  # request -> its KV pages, built once per request
-    holder, requests = st.holder, st.requests
-    marked: list[int] = []
-    seen: set[int] = set()  # a page in two aborted plans is named once
-    for plan in aborted:
-        for p in plan.clear_list:
-            if restored.get(p, -1) > plan.step:
-                continue  # a restore into a request rewrote it whole after this plan was sealed
-            r = holder[p]
-            if r >= 0:
-                kv = kv_of.get(r)
-                if kv is None:
-                    kv = kv_of[r] = set(requests[r].kv)
-                if p in kv:
-                    if p not in pend:
-                        pend[p] = step
-                        carry.append(p)
-                    continue
-            if p not in seen:
-                seen.add(p)
-                marked.append(p)
-            marks[p] = MARK_ALL
-            residue.pop(p, None)
-        st.aborted_steps.add(plan.step)
-    if carry:
-        listed = st.clear_lists.get(step)
-        if listed:  # entries of a carried page there are stale (it was not pending): carried is its last listing
-            moved = set(carry)
-            listed = [q for q in listed if q not in moved]
-        st.clear_lists[step] = carry + listed if listed else carry
-    if not st.in_flight:
-        st.restored_since.clear()
-    st.seq += 1
-    return marked_effect(marked)

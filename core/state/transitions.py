@@ -59,7 +59,7 @@ from ..events.events import (
     StepCompleted,
     StepSealed,
 )
-from . import fold, fold_prefix
+from . import fold, fold_prefix, fold_steps
 from . import preconditions as pre
 
 __all__ = ["TRANSITIONS", "Transition"]
@@ -118,19 +118,19 @@ TRANSITIONS: dict[type, Transition] = {
         pre.restore_completed, fold.restore_completed),
     StepSealed: Transition(
         "step open", "—", "—", "the step plan: the union of that step's clear lists, each id once",
-        pre.step_sealed, fold.step_sealed),
+        pre.step_sealed, fold_steps.step_sealed),
     # Not in SPEC's table: the engine's record of how a sealed step ran.
     StepCompleted: Transition(
         "step sealed", "—", "—", "—",
-        pre.step_completed, fold.step_completed),
+        pre.step_completed, fold_steps.step_completed),
     StepAborted: Transition(
         "a step in flight (sealed, not aborted, not yet completed on every rank, among the last "
         "MAX_IN_FLIGHT sealed); it is aborted with every later step in flight", "—",
         "their pages still in kv(r) listed again for the open step; the others set", "—",
-        pre.step_aborted, fold.step_aborted),
+        pre.step_aborted, fold_steps.step_aborted),
     SanitizerViolation: Transition(
         "step sealed; page in range", "—", "—", "— (a record for audits; the step is aborted by its own event)",
-        pre.sanitizer_violation, fold.sanitizer_violation),
+        pre.sanitizer_violation, fold_steps.sanitizer_violation),
     # SPEC, "Prefix-shared pages".
     PagesPublished: Transition(
         "each page kv(r) written by r, full, committed in a step that has completed; "
