@@ -31,7 +31,7 @@ from .errors import (
     InvalidArgumentError,
     PageOutOfRangeError,
 )
-from .events.events import MAX_ID, MAX_PAGES, Geometry
+from .events.events import MAX_ID, MAX_PAGES, BlockHash, Geometry
 
 __all__ = [
     "MAX_ID",
@@ -41,6 +41,7 @@ __all__ = [
     "DUPLICATE",
     "Problem",
     "all_ints",
+    "publish_args",
     "block_hash_list",
     "count",
     "duplicates",
@@ -70,6 +71,14 @@ class _Ints(msgspec.Struct, array_like=True, gc=False):
 
 
 _HASH_MIN, _HASH_MAX = -(1 << 63), (1 << 63) - 1  # an int block hash is a signed 64-bit value
+
+
+class _Published(msgspec.Struct, array_like=True, gc=False):
+    """A publish's hashes, parent hash and tokens, checked in one ``msgspec.convert`` (``publish_args``)."""
+
+    hashes: tuple[BlockHash, ...]
+    parent_hash: BlockHash | None
+    token_ids: tuple[int, ...]
 
 
 class Problem(NamedTuple):
@@ -242,6 +251,17 @@ def block_hash_list(hashes, what: str) -> tuple:
             if not ok:
                 raise InvalidArgumentError(f"{what}: a block hash is a signed 64-bit int or 1-64 bytes, got {h!r}")
     return out
+
+
+def publish_args(hashes: tuple, parent_hash, token_ids: tuple) -> bool:
+    """A publish's arguments have their types: block hashes (signed 64-bit ints, 1-64 bytes), an
+    optional parent hash, int tokens (not bools, floats or numpy scalars). One C pass over them
+    all; False for anything else (the caller's slow path names it)."""
+    try:
+        msgspec.convert((hashes, parent_hash, token_ids), _Published)
+    except msgspec.ValidationError:
+        return False
+    return True
 
 
 def all_ints(values: tuple) -> bool:

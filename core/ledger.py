@@ -79,15 +79,7 @@ _ID_BITS = 63
 assert checks.MAX_ID == (1 << _ID_BITS) - 1
 _MAX_TENANT = checks.MAX_TENANT_CHARS
 _INT_ONLY = {int}
-_HASH_MIN, _HASH_MAX = -(1 << 63), (1 << 63) - 1  # an int block hash is a signed 64-bit value
 _HASH_TYPES = frozenset((bytes, int))  # (a published hash is valid: only its exact type is left to check)
-
-
-def _plain_hash(h: object) -> bool:
-    """``h`` is a valid block hash: 1-64 bytes, or an int in the signed 64-bit range (not a bool)."""
-    if type(h) is bytes:
-        return 0 < len(h) <= 64
-    return type(h) is int and _HASH_MIN <= h <= _HASH_MAX
 
 
 class Ledger:
@@ -135,6 +127,7 @@ class Ledger:
             self.state = LedgerState()
         standard = state is None or state.transitions is TRANSITIONS
         self._journal = self._choose_journal(sink, standard)
+        self._events = self._journal.events  # (the lean path appends here: one list for the journal's life)
         # an event a command decided in its common case: put, fold, post; with another table, submitted
         self._decided: Callable[..., tuple] = self._put_and_fold if standard else self._submit
         if state is None:
@@ -191,9 +184,8 @@ class Ledger:
         cached pages, the free stack without stale entries)."""
         st = self.state
         ev = PagesEvicted(page_ids=tuple(islice(st.cached, short)))
-        j = self._journal
-        if st.seq < j.due:
-            j.events.append(ev)
+        if st.seq < self._journal.due:
+            self._events.append(ev)
             fold_prefix.evicted(st, ev)
         else:
             self._decided(ev)
@@ -260,9 +252,8 @@ class Ledger:
                 if short > 0:  # too few free: the least recently used cached pages go first
                     self._evict_lru(short)
                 ev = PagesReserved(request=request, page_ids=tuple(st.free_stack[: -n - 1 : -1]), tenant=tenant)
-                j = self._journal
-                if st.seq < j.due:
-                    j.events.append(ev)
+                if st.seq < self._journal.due:
+                    self._events.append(ev)
                     fold.reserved_top(st, rec, ev)
                 else:
                     self._decided(ev)
@@ -329,9 +320,8 @@ class Ledger:
                         ids = (p,)
                         r_ev = PagesReserved(request=request, page_ids=ids, tenant=tenant)
                         c_ev = PagesCommitted(request=request, step=step, page_ids=ids)
-                        j = self._journal
-                        if st.seq + 1 < j.due:
-                            events = j.events
+                        if st.seq + 1 < self._journal.due:
+                            events = self._events
                             events.append(r_ev)
                             events.append(c_ev)
                             fold.allocated_one(st, rec, r_ev, c_ev)
@@ -353,20 +343,25 @@ class Ledger:
 
     def _allocate_top(self, rec, request: int, step: int, n: int, tenant: str | None) -> tuple[int, ...]:
         """``allocate``'s common case (both preconditions checked; ``tenant``: the request's): the
-        least recently used cached pages make up for too few free ones (``PagesEvicted``; one
-        page goes from the cache straight into the request), then the top ``n`` of the stack are
-        reserved and committed: one pass when none is marked."""
+        least recently used cached pages make up for too few free ones (``PagesEvicted``), then
+        the top ``n`` of the stack are reserved and committed. One pass when none is marked: the
+        top ``n`` (``fold.allocated_top``), or every free page and the evicted ones, which the
+        eviction would push and the reservation take at once (``fold_prefix.taken_from_cache``)."""
         st = self.state
-        short = n - len(st.free_stack)
+        stack = st.free_stack
+        short = n - len(stack)
         j = self._journal
         if short > 0:
-            if n == 1 and self._open_sharing:  # (the stack is empty) the least recently used cached page
-                ids = (next(iter(st.cached)),)
-                e_ev = PagesEvicted(page_ids=ids)
+            marks = st.marks
+            if self._open_sharing and (not marks or marks.keys().isdisjoint(stack)):
+                # every free page and the least recently used cached pages, straight into the request
+                e_ids = tuple(islice(st.cached, short))
+                ids = (*reversed(e_ids), *reversed(stack))  # (what the eviction's push then the pop give)
+                e_ev = PagesEvicted(page_ids=e_ids)
                 r_ev = PagesReserved(request=request, page_ids=ids, tenant=tenant)
                 c_ev = PagesCommitted(request=request, step=step, page_ids=ids)
                 if st.seq + 2 < j.due:
-                    j.events.extend((e_ev, r_ev, c_ev))
+                    self._events.extend((e_ev, r_ev, c_ev))
                     fold_prefix.taken_from_cache(st, rec, e_ev, r_ev, c_ev)
                 else:
                     self._decided(e_ev)
@@ -378,7 +373,7 @@ class Ledger:
         r_ev = PagesReserved(request=request, page_ids=pages, tenant=tenant)
         c_ev = PagesCommitted(request=request, step=step, page_ids=pages)
         if st.seq + 1 < j.due:
-            j.events.extend((r_ev, c_ev))
+            self._events.extend((r_ev, c_ev))
             marks = st.marks
             if not marks or marks.keys().isdisjoint(pages):
                 fold.allocated_top(st, rec, r_ev, c_ev)
@@ -414,9 +409,8 @@ class Ledger:
                     tenant = rec.tenant
                 r_ev = PagesReserved(request=request, page_ids=pages, tenant=tenant)
                 c_ev = PagesCommitted(request=request, step=step, page_ids=pages)
-                j = self._journal
-                if st.seq + 1 < j.due:
-                    j.events.extend((r_ev, c_ev))
+                if st.seq + 1 < self._journal.due:
+                    self._events.extend((r_ev, c_ev))
                     fold.pages_reserved(st, r_ev)
                     fold.committed(st, st.requests[request], c_ev)
                 else:
@@ -487,9 +481,8 @@ class Ledger:
                 targets = st.restore_targets
                 if not targets or targets.keys().isdisjoint(head):  # PagesCommitted's precondition holds
                     ev = PagesCommitted(request=request, step=step, page_ids=head)
-                    j = self._journal
-                    if st.seq < j.due:
-                        j.events.append(ev)
+                    if st.seq < self._journal.due:
+                        self._events.append(ev)
                         effects = fold.committed(st, rec, ev)
                     else:
                         effects = self._decided(ev)
@@ -534,15 +527,23 @@ class Ledger:
 
     def finish(self, request: int) -> None:
         """The request completed: its reserved and KV pages go back to the free list."""
+        st = self.state
+        if type(request) is int and request in st.requests:  # (``_release``'s lean path, copied: vLLM's
+            ev = RequestFinished(request=request)              # free_blocks is as hot as its allocations)
+            if st.seq < self._journal.due:
+                self._events.append(ev)
+                fold.request_gone(st, ev)
+            else:
+                self._decided(ev)
+            return
         self._release(RequestFinished, request)
 
     def _release(self, event: type[RequestCancelled] | type[RequestFinished], request: int) -> None:
         st = self.state
         if type(request) is int and request in st.requests:  # r known is all the precondition asks
             ev = event(request=request)
-            j = self._journal
-            if st.seq < j.due:
-                j.events.append(ev)
+            if st.seq < self._journal.due:
+                self._events.append(ev)
                 fold.request_gone(st, ev)
             else:
                 self._decided(ev)
@@ -578,23 +579,24 @@ class Ledger:
         st = self.state
         if (type(request) is int and type(start) is int and type(hashes) is tuple
                 and type(token_ids) is tuple and lora_id is None and lora_name is None
-                and start >= 0 and self._open_sharing and (parent_hash is None or _plain_hash(parent_hash))):
+                and start >= 0 and self._open_sharing):
             rec = st.requests.get(request)
             k = len(hashes)
             if (rec is not None and 0 < k <= len(rec.kv) - start
                     and len(token_ids) == k * st.geometry.page_tokens):  # type: ignore[union-attr]
-                # PagesPublished's precondition for a run of the block table, as a slice
+                # PagesPublished's precondition for a run of the block table, as a slice; the
+                # arguments' types and ranges in one C pass (checks.publish_args)
                 if k == 1:  # (one block: vLLM's cache_full_blocks of a step's new full block)
                     h = hashes[0]
                     p = rec.kv[start]
                     step = rec.kv_steps[start]
-                    ok = (_plain_hash(h) and 0 <= step <= st.completed_step and p not in st.page_hash
-                          and h not in st.hash_page and step not in st.aborted_steps and checks.all_ints(token_ids))
+                    ok = ((type(h) is bytes or type(h) is int) and 0 <= step <= st.completed_step
+                          and p not in st.page_hash and h not in st.hash_page and step not in st.aborted_steps)
                     pages: tuple = (p,)
                 else:
                     pages = tuple(rec.kv[start : start + k])
-                    ok = self._publishable(pages, rec.kv_steps[start : start + k], hashes, token_ids)
-                if ok:
+                    ok = self._publishable(pages, rec.kv_steps[start : start + k], hashes)
+                if ok and checks.publish_args(hashes, parent_hash, token_ids):
                     if parent_hash is None and start:
                         parent_hash = st.page_hash.get(rec.kv[start - 1])
                     ev = PagesPublished(request=request, page_ids=pages, hashes=hashes, parent_hash=parent_hash,
@@ -609,18 +611,17 @@ class Ledger:
                     return pages
         return self._publish(request, hashes, token_ids, start, parent_hash, lora_id, lora_name)
 
-    def _publishable(self, pages: tuple, steps: list, hashes: tuple, token_ids: tuple) -> bool:
+    def _publishable(self, pages: tuple, steps: list, hashes: tuple) -> bool:
         """``publish``'s common case for a run of ``k`` > 1 blocks (``pages`` of the block table,
-        ``steps`` their commit steps): PagesPublished's precondition holds. Raises what
-        ``checks.block_hash_list`` raises for a bad hash."""
+        ``steps`` their commit steps): PagesPublished's precondition holds, the hashes are of
+        the block-hash types and distinct (their ranges: ``checks.publish_args``)."""
         st = self.state
-        steps_ = set(steps)  # (a step or a few)
-        return (min(steps_) >= 0 and max(steps_) <= st.completed_step
-                and (not st.aborted_steps or st.aborted_steps.isdisjoint(steps_))
+        aborted = st.aborted_steps
+        return (min(steps) >= 0 and max(steps) <= st.completed_step
+                and (not aborted or aborted.isdisjoint(steps))
                 and st.page_hash.keys().isdisjoint(pages)
-                and checks.block_hash_list(hashes, "publish") is hashes
-                and st.hash_page.keys().isdisjoint(hashes) and len(set(hashes)) == len(hashes)
-                and checks.all_ints(token_ids))
+                and _HASH_TYPES.issuperset(map(type, hashes))
+                and st.hash_page.keys().isdisjoint(hashes) and len(set(hashes)) == len(hashes))
 
     def _publish(self, request, hashes, token_ids, start, parent_hash, lora_id, lora_name) -> tuple[int, ...]:
         """``publish`` through the table's path: every argument checked, the event decided and
@@ -690,9 +691,8 @@ class Ledger:
                     if p is not None and rec is not None and st.holder[p] == HOLDER_CACHED:
                         ids = (p,)
                         ev = PagesShared(request=request, page_ids=ids, tenant=None)
-                        j = self._journal
-                        if st.seq < j.due:
-                            j.events.append(ev)
+                        if st.seq < self._journal.due:
+                            self._events.append(ev)
                             fold_prefix.shared_cached(st, rec, ev)
                         else:
                             self._decided(ev)
@@ -703,9 +703,8 @@ class Ledger:
                 ids_ = self._shareable(request, hashes)
                 if ids_ is not None:
                     ev = PagesShared(request=request, page_ids=ids_, tenant=None)
-                    j = self._journal
-                    if st.seq < j.due:
-                        j.events.append(ev)
+                    if st.seq < self._journal.due:
+                        self._events.append(ev)
                         fold_prefix.shared(st, ev)
                     else:
                         self._decided(ev)
@@ -768,9 +767,8 @@ class Ledger:
                       and cached.keys() >= set(ids))
             if ok:
                 ev = PagesEvicted(page_ids=ids)
-                j = self._journal
-                if st.seq < j.due:
-                    j.events.append(ev)
+                if st.seq < self._journal.due:
+                    self._events.append(ev)
                     fold_prefix.evicted(st, ev)
                 else:
                     self._decided(ev)
@@ -850,9 +848,8 @@ class Ledger:
         if (type(step) is int and type(rank) is int and 0 <= step < st.open_step
                 and not rank >> _ID_BITS and rank >= 0):  # a sealed step is the whole precondition
             ev = StepCompleted(step=step, rank=rank)
-            j = self._journal
-            if st.seq < j.due:
-                j.events.append(ev)
+            if st.seq < self._journal.due:
+                self._events.append(ev)
                 fold_steps.completed(st, ev)
             else:
                 self._decided(ev)

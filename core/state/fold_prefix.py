@@ -135,18 +135,27 @@ def _evict(st: LedgerState, pages: tuple) -> tuple[tuple, list[int] | tuple]:
 
 def taken_from_cache(st: LedgerState, rec: RequestRecord | None, e: PagesEvicted, r: PagesReserved,
                      c: PagesCommitted) -> None:
-    """PagesEvicted, PagesReserved and PagesCommitted of one page in one pass: the least recently
-    used cached page (policy ``released_aliases``: a cached page is never marked, pending or
-    restoring) goes straight into the request (``rec``; None: a new one, made with ``r.tenant``),
-    its hash dropped. The free stack is untouched (the page would be pushed and popped)."""
-    p = e.page_ids[0]
-    del st.cached[p]
-    del st.hash_page[st.page_hash.pop(p)]
-    request = r.request
-    st.holder[p] = request
+    """PagesEvicted, PagesReserved and PagesCommitted in one pass, for an allocation that takes
+    every free page and ``e.page_ids``, the least recently used cached pages (policy
+    ``released_aliases``: a cached page is never marked, pending or restoring; no free page
+    marked; a free stack without stale entries). The evicted pages would be pushed onto the
+    stack and taken at once: ``r.page_ids`` is them, last evicted first, then the stack, top
+    first. They lose their hashes and join the request (``rec``; None: a new one, made with
+    ``r.tenant``); the stack is left empty."""
+    page_hash, hash_page, cached = st.page_hash, st.hash_page, st.cached
+    for p in e.page_ids:
+        del hash_page[page_hash.pop(p)]
+        del cached[p]
+    st.free_stack.clear()
+    if st.parked and st.parked[-1][0] > 0:
+        st.clamp_parked()
+    pages, request = r.page_ids, r.request
+    holder = st.holder
+    for p in pages:
+        holder[p] = request
     if rec is None:
-        st.requests[request] = RequestRecord(request, r.tenant, [], [p], [c.step])
+        st.requests[request] = RequestRecord(request, r.tenant, [], list(pages), [c.step] * len(pages))
     else:
-        rec.kv.append(p)
-        rec.kv_steps.append(c.step)
+        rec.kv += pages
+        rec.kv_steps += [c.step] * len(pages)
     st.seq += 3
