@@ -314,21 +314,29 @@ class Ledger:
                 if rec is not None:
                     tenant = rec.tenant
                 stack = st.free_stack
-                if n == 1 and stack:  # (vLLM's get_new_blocks(1): the top page, unmarked, in one pass)
-                    p = stack[-1]
-                    if p not in st.marks:
-                        ids = (p,)
-                        r_ev = PagesReserved(request=request, page_ids=ids, tenant=tenant)
-                        c_ev = PagesCommitted(request=request, step=step, page_ids=ids)
-                        if st.seq + 1 < self._journal.due:
+                if n <= len(stack) and st.seq + 1 < self._journal.due:
+                    # the lean path: the top n (vLLM's get_new_blocks), none marked, in one pass
+                    # (``_allocate_top`` has every other case; this one is inline: the hottest command)
+                    marks = st.marks
+                    if n == 1:
+                        p = stack[-1]
+                        if p not in marks:
+                            ids = (p,)
+                            r_ev = PagesReserved(request=request, page_ids=ids, tenant=tenant)
+                            c_ev = PagesCommitted(request=request, step=step, page_ids=ids)
                             events = self._events
                             events.append(r_ev)
                             events.append(c_ev)
                             fold.allocated_one(st, rec, r_ev, c_ev)
-                        else:
-                            self._decided(r_ev)
-                            self._decided(c_ev)
-                        return ids
+                            return ids
+                    else:
+                        ids = tuple(stack[: -n - 1 : -1])
+                        if not marks or marks.keys().isdisjoint(ids):
+                            r_ev = PagesReserved(request=request, page_ids=ids, tenant=tenant)
+                            c_ev = PagesCommitted(request=request, step=step, page_ids=ids)
+                            self._events.extend((r_ev, c_ev))
+                            fold.allocated_top(st, rec, r_ev, c_ev)
+                            return ids
                 return self._allocate_top(rec, request, step, n, tenant)
         if n is None:
             raise InvalidArgumentError("allocate: give n= or pages=")
@@ -835,7 +843,13 @@ class Ledger:
         durable log commits its batch there, per its fsync policy)."""
         st = self.state
         if type(step) is int and step == st.open_step:  # the open step is all the precondition asks
-            (plan,) = self._decided(StepSealed(step=step, clear_list=st.derive_clear_list(step)), fold_steps.sealed)
+            ev = StepSealed(step=step, clear_list=st.derive_clear_list(step))
+            j = self._journal
+            seq = st.seq
+            if seq < j.due:  # (put: a durable log commits its batch at a seal)
+                j.put(seq, ev)
+                return fold_steps.sealed(st, ev)[0]
+            (plan,) = self._decided(ev, fold_steps.sealed)
             return plan
         if type(step) is not int or step >> _ID_BITS:
             checks.ident(step, "step")
