@@ -62,7 +62,7 @@ from .state import fold, fold_prefix, fold_steps
 from .state.invariants import check_invariants
 from .state.preconditions import same_tenant
 from .state.state import LedgerState
-from .state.table import HOLDER_CACHED, HOLDER_FREE
+from .state.table import HOLDER_CACHED, HOLDER_FREE, MARK_ALL
 from .state.transitions import TRANSITIONS
 
 __all__ = ["EventObserver", "EventSink", "Journal", "Ledger", "replay"]
@@ -936,6 +936,35 @@ class Ledger:
 
     def is_restoring(self, page_id: int) -> bool:
         return page_id in self.state.restore_targets
+
+    def mark_of(self, page_id: int) -> str | None:
+        """A page's mark: ``"all"`` (zeroed before any request reads it), ``"tenant"`` (policy
+        ``cross_tenant``: zeroed unless its tenant reads it back) or None."""
+        m = self.state.marks.get(page_id)
+        return None if m is None else "all" if m == MARK_ALL else "tenant"
+
+    def marked_pages(self) -> dict[int, str]:
+        """Every marked page and its mark (``mark_of``), in no particular order."""
+        return {p: ("all" if m == MARK_ALL else "tenant") for p, m in self.state.marks.items()}
+
+    def request_of(self, page_id: int) -> int | None:
+        """The request a page is reserved for or committed to (its writer, for a shared page); None
+        for a page no request holds (free, aliased, cached)."""
+        x = self.state.holder[page_id]
+        return x if x >= 0 else None
+
+    def requests(self) -> tuple[int, ...]:
+        """The requests the ledger knows (reserved or KV pages, or both)."""
+        return tuple(self.state.requests)
+
+    def snapshots(self) -> tuple[int, ...]:
+        """The live snapshots."""
+        return tuple(self.state.snapshots)
+
+    @property
+    def policy(self) -> str:
+        """The clear policy (``CacheConfigured``)."""
+        return self.state.policy
 
     def recent_events(self) -> list:
         """The events the journal holds: every one (``record=True``, a recording sink), the last up

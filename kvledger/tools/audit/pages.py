@@ -53,15 +53,14 @@ from kvledger.core.events.events import (
     RestoreCompleted,
     RestoreStarted,
     SanitizerViolation,
-    SnapshotAliased,
     SnapshotReleased,
     StepAborted,
-    StepCompleted,
     StepSealed,
 )
 from kvledger.core.log.fold import bounds_problem
 from kvledger.core.state import LedgerState
 from kvledger.core.state.projection import project_state
+from kvledger.core.state.transitions import TRANSITIONS
 from kvledger.core.state.state import hash_text
 
 from ..replay import record_of
@@ -69,10 +68,13 @@ from .report import Row, event_tag
 
 __all__ = ["PageFold", "page_row", "page_view", "plan_step_of", "project_state", "start_row"]
 
-_KEEPS_MARK = (PagesReserved, ReservationReturned, RequestCancelled, RequestFinished, SnapshotAliased)
-_NAMES_PAGES = frozenset({PagesReserved, ReservationReturned, PagesCommitted, SnapshotAliased, RestoreStarted,
-                          RestoreCompleted, PagesPublished, PagesShared, PagesEvicted})
-_STEP_EVENTS = frozenset({StepSealed, StepCompleted, StepAborted, SanitizerViolation})
+# From the transition table's columns: the events that keep a mark, that name their pages, that
+# end a request, that act on a step (without naming pages), and those that carry a tenant.
+_KEEPS_MARK = tuple(t for t, row in TRANSITIONS.items() if row.marks.change == "kept")
+_NAMES_PAGES = frozenset(t for t, row in TRANSITIONS.items() if row.touches == "page_ids")
+_ENDS = tuple(t for t, row in TRANSITIONS.items() if row.touches == "request")
+_STEP_EVENTS = frozenset(t for t, row in TRANSITIONS.items() if row.requires.step and row.touches != "page_ids")
+_CREATES = tuple(t for t in _NAMES_PAGES if "tenant" in t.__struct_fields__)
 
 
 def page_view(st: LedgerState, p: int) -> tuple:
@@ -189,9 +191,7 @@ class PageFold:
     def _hook(self):
         """``apply(seq, event)``: the per-event test, kept to a few lookups (it runs for every event)."""
         p, tenants, fold, narrow, bounds = self.p, self.tenants, self._fold, self._narrow, bounds_problem
-        names_pages, step_events = _NAMES_PAGES, _STEP_EVENTS
-        creates = (PagesReserved, PagesShared)
-        ends = (RequestFinished, RequestCancelled)
+        names_pages, step_events, creates, ends = _NAMES_PAGES, _STEP_EVENTS, _CREATES, _ENDS
 
         def apply(seq: int, ev) -> None:
             problem = bounds(self.ps, ev)
@@ -261,14 +261,15 @@ class PageFold:
             self.rows.append(start_row(self.ps, self.p, self.since))
 
     def _touches(self, ev, t) -> bool:
-        p = self.p
-        if t is StepSealed:
+        """Whether the (projected) event touches page p: by its row's ``touches`` column."""
+        p, how = self.p, TRANSITIONS[t].touches
+        if how == "clear_list":
             return p in ev.clear_list
-        if t is StepAborted:
+        if how == "plans":
             return any(plan.step >= ev.step and plan.clear_list for plan in self.ps.in_flight)
-        if t is SanitizerViolation:
+        if how == "page_id":
             return ev.page_id == p
-        if t is RequestFinished or t is RequestCancelled:
+        if how == "request":
             rec = self.ps.requests[ev.request]  # (it may have let go of p before it ended)
             return bool(rec.reserved or rec.kv)
-        return t is not StepCompleted
+        return how != ""  # its page_ids cut to p, or a snapshot the projection holds only p of
