@@ -31,7 +31,7 @@ from .errors import (
     InvalidArgumentError,
     PageOutOfRangeError,
 )
-from .events.events import MAX_ID, MAX_PAGES, BlockHash, Geometry
+from .events.events import COMMIT_READS, MAX_ID, MAX_PAGES, BlockHash, Geometry
 
 __all__ = [
     "MAX_ID",
@@ -43,10 +43,12 @@ __all__ = [
     "all_ints",
     "publish_args",
     "block_hash_list",
+    "commit_reads",
     "count",
     "duplicates",
     "geometry",
     "ident",
+    "label",
     "out_of_range",
     "page_ids",
     "page_ids_problem",
@@ -112,6 +114,20 @@ def tenant(value) -> str | None:
         shown = repr(value) if type(value) is not str else f"a str of {len(value)} characters"
         raise InvalidArgumentError(f"tenant must be a str of at most {MAX_TENANT_CHARS} characters or None, "
                                    f"got {shown}")
+    return value
+
+
+def commit_reads(value) -> str:
+    """How a committing step first reads its pages: one of ``COMMIT_READS``."""
+    if value not in COMMIT_READS or type(value) is not str:
+        raise InvalidArgumentError(f"reads must be one of {COMMIT_READS}, got {value!r}")
+    return value
+
+
+def label(value) -> str:
+    """A request's label: a str of at most 1,024 characters."""
+    if type(value) is not str or len(value) > 1024:
+        raise InvalidArgumentError(f"a label must be a str of at most 1024 characters, got {value!r:.80}")
     return value
 
 

@@ -53,14 +53,15 @@ from .errors import (
     UnknownRequestError,
 )
 from .events.events import (
-    CacheConfigured, Geometry, PagesCommitted, PagesEvicted, PagesPublished, PagesReserved, PagesShared,
-    RequestCancelled, RequestFinished, ReservationReturned, RestoreCompleted, RestoreStarted, SanitizerViolation,
-    SnapshotAliased, SnapshotReleased, StepAborted, StepCompleted, StepPlan, StepSealed, typed,
+    CacheConfigured, CommitReads, Geometry, PagesCommitted, PagesEvicted, PagesPublished, PagesReleased, PagesReserved,
+    PagesShared, PagesUnwritten, RequestCancelled, RequestFinished, RequestLabelled, ReservationReturned,
+    RestoreCompleted, RestoreStarted, SanitizerViolation, SnapshotAliased, SnapshotReleased, StepAborted,
+    StepCompleted, StepPlan, StepSealed, typed,
 )
 from .journal import CallSink, EventList, Journal, Ring, Watched
 from .state import fold, fold_prefix, fold_steps
 from .state.invariants import check_invariants
-from .state.preconditions import same_tenant
+from .state.preconditions import commit_reads_allowed, same_tenant
 from .state.state import LedgerState
 from .state.table import HOLDER_CACHED, HOLDER_FREE, MARK_ALL
 from .state.transitions import TRANSITIONS
@@ -292,11 +293,14 @@ class Ledger:
         return pages
 
     def allocate(self, request: int, step: int, n: int | None = None, *, pages: Iterable[int] | None = None,
-                 tenant: str | None = None) -> tuple[int, ...]:
+                 tenant: str | None = None, reads: CommitReads = "tail") -> tuple[int, ...]:
         """``reserve(request, n)`` then ``commit`` those pages for ``step`` (vLLM's ``get_new_blocks``):
         two events, exactly as the two commands write them, with the same errors; returns the
         pages. If the commit is refused (a sealed step, a bad step id), the reservation stands
-        (``return_reservation`` it). ``pages=`` names the pages instead (``_allocate_pages``)."""
+        (``return_reservation`` it). ``pages=`` names the pages instead (``_allocate_pages``).
+        ``reads``: how the step first reads them (``PagesCommitted.reads``)."""
+        if reads != "tail":
+            return self._allocate_reading(request, step, n, pages, tenant, reads)
         if pages is not None:
             return self._allocate_pages(request, step, n, pages, tenant)
         st = self.state
@@ -348,6 +352,63 @@ class Ledger:
         else:
             self._commit(request, step, pages)  # the reservation is exactly these pages: its head
         return pages
+
+    def _allocate_reading(self, request: int, step: int, n: int | None, pages: Iterable[int] | None,
+                          tenant: str | None, reads: CommitReads) -> tuple[int, ...]:
+        """``allocate`` of pages a step reads otherwise than its KV tail (``reads="whole"``): no fast
+        path, the two events through ``_submit`` (a recurrent state's block, once per request)."""
+        checks.commit_reads(reads)
+        checks.ident(request, "request")
+        checks.ident(step, "step")
+        st = self.state
+        if step < st.open_step:
+            raise StepOrderError(step, st.open_step, "commit into a sealed step")
+        commit_reads_allowed(st, reads)  # (the commit's, before the reservation: all-or-nothing)
+        if pages is None:
+            if n is None:
+                raise InvalidArgumentError("allocate: give n= or pages=")
+            ids = self.reserve(request, n, tenant=tenant)
+        else:
+            if n is not None:
+                raise InvalidArgumentError("allocate: give exactly one of n= or pages=")
+            if tenant is not None:
+                checks.tenant(tenant)
+            ids = checks.page_ids(pages, st.num_pages, allow_empty=False)
+            rec = st.requests.get(request)
+            if tenant is None and rec is not None:
+                tenant = rec.tenant
+            self._submit(PagesReserved(request=request, page_ids=ids, tenant=tenant))
+        self._submit(PagesCommitted(request=request, step=step, page_ids=ids, reads=reads))
+        return ids
+
+    def release(self, request: int, pages: Iterable[int]) -> None:
+        """A live request lets go of some of its KV pages (``PagesReleased``): each leaves its block
+        table as ``finish`` would take it (still shared: the others keep it; hashed: cached; else
+        free, marked as the policy says); the request keeps the rest.
+
+        Raises ``UnknownRequestError``, ``PageNotHeldError`` for a page not in its block table,
+        and the page-id errors; nothing changes then."""
+        checks.ident(request, "request")
+        ids = checks.page_ids(pages, self.state.num_pages, allow_empty=False)
+        self._submit(PagesReleased(request=request, page_ids=ids))
+
+    def label(self, request: int, label: str) -> None:
+        """Record the engine's name for ``request`` (``RequestLabelled``: a vLLM request id and cache
+        group, say), best before its first event; the audit follows it (``kvledger audit --label``).
+        Changes no state."""
+        checks.ident(request, "request")
+        checks.label(label)
+        self._submit(RequestLabelled(request=request, label=label))
+
+    def record_unwritten(self, request: int, step: int, pages: Iterable[int], reason: str = "") -> None:
+        """Record that ``request``'s pages committed for ``step`` (sealed) were not written: the step
+        ran without it (``PagesUnwritten``; the request may have ended). Changes no state."""
+        checks.ident(request, "request")
+        checks.ident(step, "step")
+        ids = checks.page_ids(pages, self.state.num_pages, allow_empty=False)
+        if type(reason) is not str:
+            raise InvalidArgumentError(f"reason must be a str, got {reason!r}")
+        self._submit(PagesUnwritten(request=request, step=step, page_ids=ids, reason=reason))
 
     def _allocate_top(self, rec, request: int, step: int, n: int, tenant: str | None) -> tuple[int, ...]:
         """``allocate``'s common case (both preconditions checked; ``tenant``: the request's): the
@@ -469,7 +530,8 @@ class Ledger:
         return pages
 
     def commit(
-        self, request: int, step: int, n: int | None = None, *, pages: Iterable[int] | None = None
+        self, request: int, step: int, n: int | None = None, *, pages: Iterable[int] | None = None,
+        reads: CommitReads = "tail",
     ) -> tuple[int, ...]:
         """Move reserved pages into the request's KV pages (its block table) for ``step``.
 
@@ -478,9 +540,11 @@ class Ledger:
         not yet the plan: a listed page whose request lets go of it before the seal
         leaves the list again (and gets its mark back), and an aborted step's pages
         are carried in. ``seal_step(step).clear_list`` is the authority on what every
-        rank zeroes.
+        rank zeroes. ``reads``: how the step first reads them (``PagesCommitted.reads``).
         """
         st = self.state
+        if reads != "tail":
+            return self._commit_reading(request, step, n, pages, reads)
         if (pages is None and type(request) is int and type(step) is int and type(n) is int
                 and n > 0 and not (request | step) >> _ID_BITS and step >= st.open_step):
             rec = st.requests.get(request)
@@ -518,6 +582,30 @@ class Ledger:
             checks.ident(request, "request")
             checks.ident(step, "step")
         effects = self._submit(PagesCommitted(request=request, step=step, page_ids=ids))
+        return effects[0].page_ids if effects else ()
+
+    def _commit_reading(self, request: int, step: int, n: int | None, pages: Iterable[int] | None,
+                        reads: CommitReads) -> tuple[int, ...]:
+        """``commit`` of pages a step reads otherwise than its KV tail: every argument checked, the
+        event through ``_submit``."""
+        st = self.state
+        checks.commit_reads(reads)
+        checks.ident(request, "request")
+        checks.ident(step, "step")
+        if (n is None) == (pages is None):
+            raise InvalidArgumentError("commit: give exactly one of n= or pages=")
+        if pages is None:
+            n = checks.count(n, "n")
+            rec = st.requests.get(request)
+            if rec is None:
+                raise UnknownRequestError(request)
+            if len(rec.reserved) < n:
+                raise InvalidArgumentError(
+                    f"request {request} has {len(rec.reserved)} reserved pages, cannot commit {n}")
+            ids = tuple(rec.reserved[:n])
+        else:
+            ids = checks.page_ids(pages, st.num_pages, allow_empty=False)
+        effects = self._submit(PagesCommitted(request=request, step=step, page_ids=ids, reads=reads))
         return effects[0].page_ids if effects else ()
 
     def _commit(self, request: int, step: int, head: tuple[int, ...]) -> tuple[int, ...]:

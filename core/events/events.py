@@ -54,6 +54,11 @@ __all__ = [
     "PagesPublished",
     "PagesShared",
     "PagesEvicted",
+    "PagesReleased",
+    "PagesUnwritten",
+    "RequestLabelled",
+    "COMMIT_READS",
+    "CommitReads",
     "BlockHash",
     "Event",
     "EVENT_TYPES",
@@ -67,6 +72,9 @@ __all__ = [
 
 ClearPolicy = Literal["released_aliases", "cross_tenant", "all_reused"]
 CLEAR_POLICIES: tuple[str, ...] = ("released_aliases", "cross_tenant", "all_reused")
+# How the step a page is committed for first reads it (``PagesCommitted.reads``).
+CommitReads = Literal["tail", "whole"]
+COMMIT_READS: tuple[str, ...] = ("tail", "whole")
 
 MAX_ID = (1 << 63) - 1  # request, snapshot, step and rank ids are in [0, MAX_ID]
 MAX_PAGES = 1 << 32  # page ids travel as unsigned 32-bit integers on the wire
@@ -115,12 +123,21 @@ class ReservationReturned(_Event, frozen=True, kw_only=True, tag="reservation_re
     page_ids: PageIds
 
 
-class PagesCommitted(_Event, frozen=True, kw_only=True, tag="pages_committed"):
-    """Reserved pages join ``request``'s KV pages in order; marked ones form a clear list."""
+class PagesCommitted(_Event, frozen=True, kw_only=True, omit_defaults=True, tag="pages_committed"):
+    """Reserved pages join ``request``'s KV pages in order; marked ones form a clear list.
+
+    ``reads``: how the step first reads them. ``"tail"`` (KV): the request reads
+    what it writes, and bytes past its last token only under a mask, so a mark of
+    its own tenant's bytes is taken off without a clear. ``"whole"`` (a recurrent
+    state, read before the step writes it): every mark is listed, whatever tenant
+    left it. Encoded only when not the default (the bytes of every other commit
+    are as before).
+    """
 
     request: Id
     step: Id
     page_ids: PageIds
+    reads: CommitReads = "tail"
 
 
 class RequestCancelled(_Event, frozen=True, kw_only=True, tag="request_cancelled"):
@@ -223,6 +240,37 @@ class PagesEvicted(_Event, frozen=True, kw_only=True, tag="pages_evicted"):
     page_ids: PageIds
 
 
+class PagesReleased(_Event, frozen=True, kw_only=True, tag="pages_released"):
+    """A live request lets go of some of its KV pages (a sliding window that moved on, a
+    state block it no longer needs): each leaves its block table as ``RequestFinished``
+    would take it (still shared: held by the others; hashed: cached; else free, marked as
+    the policy says); the request keeps the rest."""
+
+    request: Id
+    page_ids: PageIds
+
+
+class PagesUnwritten(_Event, frozen=True, kw_only=True, tag="pages_unwritten"):
+    """A record: ``request``'s pages committed for ``step`` were not written, because the step
+    ran without the request (an abort dropped its share of the step). Whoever hashed them
+    (an engine's prefix cache) withdrew the hashes; the fold changes nothing."""
+
+    request: Id
+    step: Id
+    page_ids: PageIds
+    reason: str = ""
+
+
+class RequestLabelled(_Event, frozen=True, kw_only=True, tag="request_labelled"):
+    """A record: ledger request ``request`` is the engine's ``label`` (a vLLM request id and
+    KV cache group, say), for audits that follow the engine's names. It may come before the
+    request's first event (so an audit following the label sees all of them); a later label
+    names the next incarnation of the id. The fold changes nothing."""
+
+    request: Id
+    label: Annotated[str, msgspec.Meta(max_length=1024)]
+
+
 Event = (
     CacheConfigured
     | PagesReserved
@@ -241,6 +289,9 @@ Event = (
     | PagesPublished
     | PagesShared
     | PagesEvicted
+    | PagesReleased
+    | PagesUnwritten
+    | RequestLabelled
 )
 
 EVENT_TYPES: tuple[type, ...] = Event.__args__

@@ -52,8 +52,8 @@ from itertools import filterfalse
 from typing import TYPE_CHECKING
 
 from ..events.events import (
-    CacheConfigured, ClearPages, PagesCommitted, PagesMarked, PagesReserved, ReservationReturned, RestoreCompleted,
-    RestoreStarted, SnapshotAliased, SnapshotReleased,
+    CacheConfigured, ClearPages, PagesCommitted, PagesMarked, PagesReleased, PagesReserved, ReservationReturned,
+    RestoreCompleted, RestoreStarted, SnapshotAliased, SnapshotReleased,
 )
 from .table import (
     HOLDER_ALIAS, HOLDER_CACHED, HOLDER_FREE, MARK_ALL, MARK_TENANT, SHARERS_ORDERED, RequestRecord,
@@ -64,11 +64,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "NO_EFFECTS", "allocated_one", "allocated_top", "cache_configured", "committed", "free_pages", "marked_effect",
-    "pages_committed", "pages_reserved", "request_gone", "reservation_returned", "reserved_top",
-    "restore_completed", "restore_started", "snapshot_aliased", "snapshot_released", "take_from_stack",
+    "pages_committed", "pages_released", "pages_reserved", "record", "request_gone", "reservation_returned",
+    "reserved_top", "restore_completed", "restore_started", "snapshot_aliased", "snapshot_released", "take_from_stack",
 ]
 
 NO_EFFECTS: tuple = ()
+_NOBODY = object()  # a tenant no residue names (a commit that reads the whole page lists every mark)
 
 
 # ---------------------------------------------------------------------- shared pieces (fold_prefix uses them too)
@@ -261,18 +262,21 @@ def pages_committed(st: LedgerState, e: PagesCommitted) -> tuple:
 
 def committed(st: LedgerState, rec: RequestRecord, e: PagesCommitted) -> tuple:
     """``e.page_ids`` (reserved by ``rec``'s request, none restoring, ``e.step`` not sealed) join its
-    block table; marked ones are listed for the step. Returns ``(ClearPages,)`` or ``()``."""
+    block table; marked ones are listed for the step (``e.reads == "tail"``: except those marked
+    for other tenants only and left by its own; ``"whole"``: all of them). Returns
+    ``(ClearPages,)`` or ``()``."""
     pages, step = e.page_ids, e.step
     marks = st.marks
     listed = None
     if marks and not marks.keys().isdisjoint(pages):
         residue, pend = st.residue, st.pending
         listed = []
+        own = rec.tenant if e.reads == "tail" else _NOBODY
         for p in pages:
             m = marks.pop(p, 0)
             if m:
-                if m == MARK_TENANT and residue.pop(p) == rec.tenant:
-                    continue  # the committing tenant's own bytes
+                if m == MARK_TENANT and residue.pop(p) == own:
+                    continue  # the committing tenant's own bytes, read under a mask
                 if p not in pend:
                     pend[p] = step
                     listed.append(p)
@@ -319,6 +323,55 @@ def request_gone(st: LedgerState, e) -> tuple:
     marked = free_pages(st, pages, rec.tenant, dirty)
     st.seq += 1
     return (PagesMarked(page_ids=tuple(marked)),) if marked else NO_EFFECTS
+
+
+def pages_released(st: LedgerState, e: PagesReleased) -> tuple:
+    """Request ``e.request`` (live) lets go of ``e.page_ids``, some of its KV pages: they leave its
+    block table, and each goes where ``request_gone`` sends a page of a request that ends (still
+    shared: the others keep it; hashed: cached, the last released first in line for eviction;
+    else free, marked as the policy marks a request's bytes). Returns ``PagesMarked`` or ``()``."""
+    rec = st.requests[e.request]
+    pages = e.page_ids
+    r, gone = rec.request, set(pages)
+    kv, steps = rec.kv, rec.kv_steps
+    if tuple(kv[-len(pages):]) == pages:  # (the commonest: the tail, in order)
+        del kv[-len(pages):], steps[-len(pages):]
+    else:
+        keep = [i for i, p in enumerate(kv) if p not in gone]
+        rec.kv = [kv[i] for i in keep]
+        rec.kv_steps = [steps[i] for i in keep]
+    holder, sharers, hashed = st.holder, st.sharers, st.page_hash
+    freed: list[int] = []
+    to_cache: list[int] = []
+    for p in pages:
+        holders = sharers.get(p) if sharers else None
+        if holders is not None:
+            del holders[r]  # (an ordered set: table.py)
+            if holder[p] == r:
+                if len(holders) >= SHARERS_ORDERED and type(holders) is dict:
+                    holders = sharers[p] = OrderedDict.fromkeys(holders)
+                holder[p] = next(iter(holders))
+            if len(holders) == 1:
+                del sharers[p]
+        elif p in hashed:
+            holder[p] = HOLDER_CACHED
+            to_cache.append(p)
+        else:
+            freed.append(p)
+    cache = st.cached
+    for p in reversed(to_cache):
+        cache[p] = None
+    marked: list[int] | tuple = ()
+    if freed:
+        marked = free_pages(st, freed, rec.tenant, freed if st.policy != "released_aliases" else ())
+    st.seq += 1
+    return marked_effect(marked)
+
+
+def record(st: LedgerState, e) -> tuple:
+    """A record-only event (``RequestLabelled``, ``PagesUnwritten``): the fold counts it, nothing more."""
+    st.seq += 1
+    return NO_EFFECTS
 
 
 def _release_shares(st: LedgerState, rec: RequestRecord) -> list[int]:

@@ -35,8 +35,11 @@ from ..events.events import (
     PagesCommitted,
     PagesEvicted,
     PagesPublished,
+    PagesReleased,
     PagesReserved,
     PagesShared,
+    PagesUnwritten,
+    RequestLabelled,
     SanitizerViolation,
     ReservationReturned,
     RestoreCompleted,
@@ -54,13 +57,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "same_tenant",
+    "commit_reads_allowed",
     "cache_configured",
     "pages_committed",
     "pages_evicted",
     "pages_published",
+    "pages_released",
     "pages_reserved",
     "pages_shared",
+    "pages_unwritten",
     "request_known",
+    "request_labelled",
     "sanitizer_violation",
     "reservation_returned",
     "restore_completed",
@@ -165,9 +172,20 @@ def reservation_returned(st: LedgerState, e: ReservationReturned) -> None:
     _held(st, e.request, e.page_ids, "reserved")
 
 
+def commit_reads_allowed(st: LedgerState, reads: str) -> None:
+    """A commit that reads the whole page needs a policy that marks a request's bytes."""
+    if reads != "tail" and st.policy == "released_aliases":
+        raise ConfigurationError(f"a commit that reads the whole page (reads={reads!r}) needs a clear policy "
+                                 "that marks a request's bytes (cross_tenant or all_reused), not released_aliases")
+
+
 def pages_committed(st: LedgerState, e: PagesCommitted) -> None:
-    """Each page reserved(r), not restoring; the step not older than the open step."""
+    """Each page reserved(r), not restoring; the step not older than the open step; a commit that
+    reads the whole page needs a policy that marks a request's bytes (``released_aliases`` does
+    not: another request's state would be read unzeroed)."""
     pages = e.page_ids
+    if e.reads != "tail":
+        commit_reads_allowed(st, e.reads)
     rec = st.requests.get(e.request)
     # the usual commit, the head of r's reservation, needs no per-page check
     head = rec is not None and _head_of(rec.reserved, pages)
@@ -185,6 +203,27 @@ def request_known(st: LedgerState, e) -> None:
     """RequestCancelled / RequestFinished: r known."""
     if e.request not in st.requests:
         raise UnknownRequestError(e.request)
+
+
+def pages_released(st: LedgerState, e: PagesReleased) -> None:
+    """r known; each page one of r's KV pages (valid, distinct, in its block table)."""
+    rec = st.requests.get(e.request)
+    if rec is None or not _head_of(rec.kv, e.page_ids):
+        _pages(st, e.page_ids)
+    _held(st, e.request, e.page_ids, "kv")
+
+
+def request_labelled(st: LedgerState, e: RequestLabelled) -> None:
+    """None beyond the event's types (a record; it may name a request before its first event,
+    so that an audit following the label sees all of them)."""
+
+
+def pages_unwritten(st: LedgerState, e: PagesUnwritten) -> None:
+    """The step was sealed (it ran, without the request); the pages are valid and distinct. A
+    record: the request may have ended since."""
+    if not 0 <= e.step < st.open_step:
+        raise StepOrderError(e.step, st.open_step, "pages unwritten by a step that was never sealed")
+    _pages(st, e.page_ids)
 
 
 def snapshot_aliased(st: LedgerState, e: SnapshotAliased) -> None:

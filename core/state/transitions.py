@@ -56,10 +56,13 @@ from ..events.events import (
     PagesEvicted,
     PagesMarked,
     PagesPublished,
+    PagesReleased,
     PagesReserved,
     PagesShared,
+    PagesUnwritten,
     RequestCancelled,
     RequestFinished,
+    RequestLabelled,
     ReservationReturned,
     RestoreCompleted,
     RestoreStarted,
@@ -278,6 +281,19 @@ TRANSITIONS: dict[type, Transition] = {
         ("pages",), "page_ids", Requires(holders=(CACHED,)), Moves(to=FREE, note="hash dropped"),
         Marks("policy", words="as for a request's page going free under the policy"), (BlocksRemoved, PagesMarked),
         "KV event BlockRemoved", pre.pages_evicted, fold_prefix.pages_evicted),
+    # Not in SPEC's table: a live request letting go of some pages (vLLM's sliding windows and
+    # state blocks), and two records for engines that name their requests and drop work.
+    PagesReleased: _row(
+        ("r", "pages"), "page_ids", Requires(known="r", holders=(KV,)),
+        Moves(to=FREE, words="each leaves r: still shared, kept by the others; hashed, → cached(h); else → free"),
+        Marks("policy", words="as for a request's page going free under the policy"), (PagesMarked,), "",
+        pre.pages_released, fold.pages_released),
+    PagesUnwritten: _row(
+        ("r", "step", "pages"), "page_ids", Requires(step="sealed", also="pages valid"), Moves(), Marks("—"), (),
+        "— (a record: the step ran without the request)", pre.pages_unwritten, fold.record, unbounded=("reason",)),
+    RequestLabelled: _row(
+        ("r", "label"), "", Requires(words="— (it may come before r's first event)"), Moves(), Marks("—"), (),
+        "— (a record: the engine's name for r)", pre.request_labelled, fold.record),
 }
 
 assert set(TRANSITIONS) == set(EVENT_TYPES), "every event type has exactly one row"

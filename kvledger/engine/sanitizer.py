@@ -144,6 +144,11 @@ class SanitizerTracker(StepHook):
             held.pop(p, None)
         self._lines(seq, event, event.page_ids, effects)
 
+    _on_pages_released = _on_reservation_returned
+
+    def _on_request_labelled(self, seq: int, event: Any, effects: tuple) -> None:
+        """(A record: the engine's name for a request; no page.)"""
+
     def _on_pages_committed(self, seq: int, event: Any, effects: tuple) -> None:
         self._committed.setdefault(event.step, []).extend(event.page_ids)
         self._lines(seq, event, event.page_ids, effects)
@@ -162,6 +167,7 @@ class SanitizerTracker(StepHook):
 
     _on_pages_published = _on_restore_completed
     _on_pages_evicted = _on_restore_completed
+    _on_pages_unwritten = _on_restore_completed
 
     def _on_request_finished(self, seq: int, event: Any, effects: tuple) -> None:
         self._lines(seq, event, tuple(self._requests.pop(event.request, ())), effects)

@@ -46,6 +46,7 @@ class Bytes:
         self.owed: dict[tuple[int, int], int] = {}  # (page, inc) of a live listing -> the step it is due
         self.settled: dict[tuple[int, int], int] = {}  # (page, inc) -> the step in flight that zeroed it
         self.published: dict[int, object] = {}  # hashed page -> the KV it holds (its writer's)
+        self.whole: set[tuple[int, int]] = set()  # (page, inc) committed to be read whole, not read yet
         self.shared_reads = 0
 
     def own(self, r):
@@ -81,9 +82,20 @@ class Bytes:
             if self.content[p] == self.own(r):
                 self.content[p] = ("kv", r.tenant, -r.inc)
 
-    def committed(self, listed, step, r):
+    def released(self, pages, r):
+        """``r`` (still live) let go of some KV pages: as ``let_go``, also for the ones that stay
+        hashed (cached, or shared by others), whose published KV is then no longer ``r``'s own."""
+        for p in pages:
+            if self.content[p] == self.own(r):
+                self.content[p] = ("kv", r.tenant, -r.inc)
+                if p in self.published:
+                    self.published[p] = self.content[p]
+
+    def committed(self, listed, step, r, whole=()):
+        """``whole``: the committed pages the step reads whole before writing them (a state)."""
         for p in listed:
             self.owed[(p, r.inc)] = step
+        self.whole.update((p, r.inc) for p in whole)
 
     def left_kv(self, pages, r):
         for p in pages:
@@ -139,6 +151,10 @@ class Bytes:
                     self.shared_reads += s == SHARED
                     continue
                 assert self.acceptable(c, r), f"request {r.rid} reads page {p} holding {c!r} in step {step}"
+                if (p, r.inc) in self.whole:  # its first read takes in every byte: zeros or its own only
+                    self.whole.discard((p, r.inc))
+                    assert c == ZERO or c == self.own(r), \
+                        f"request {r.rid} reads page {p} whole holding {c!r} in step {step}"
                 if c != self.own(r):
                     undo.setdefault(p, c)
                     self.content[p] = self.own(r)
@@ -164,7 +180,8 @@ class Bytes:
             if s in gone:
                 del self.settled[(p, inc)]
                 r = m.first(p)
-                if r is not None and r.inc == inc and m.kind(p) == "kv":
+                # (a request that released the page and took it back since owes it a newer listing)
+                if r is not None and r.inc == inc and m.kind(p) == "kv" and (p, inc) not in self.owed:
                     assert p in carried, ("an aborted plan's page still in its request's KV was not carried", s, p)
         for p in carried:
             self.owed[(p, m.first(p).inc)] = m.open_step

@@ -174,13 +174,14 @@ class Model:
         r.restored.difference_update(pages)
         self._dirty(dirty, r.tenant)
 
-    def commit(self, rid, step, pages):
+    def commit(self, rid, step, pages, whole=False):
+        """``whole``: the step reads the whole page before writing it: every mark is listed."""
         r = self.requests[rid]
         listed = []
         for p in pages:
             m = self.mark[p]
             self.mark[p] = None
-            if m is None or m == ("tenant", r.tenant):
+            if m is None or (m == ("tenant", r.tenant) and not whole):
                 continue
             listed.append(p)
             self.listings.append([step, p, r.inc])
@@ -213,6 +214,24 @@ class Model:
             self.held[p] = []
         self._dirty(freed + [p for p in r.reserved if p in r.restored], r.tenant)
         return r, freed
+
+    def release_pages(self, rid, pages):
+        """r lets go of some KV pages, as ``gone`` lets go of all of them; it keeps the rest.
+        Returns the pages that went free."""
+        r = self.requests[rid]
+        for p in pages:
+            r.kv = [(q, s) for q, s in r.kv if q != p]
+            self.held[p].remove(r)
+        for p in reversed(pages):
+            if not self.held[p] and p in self.hashes:
+                self.lru.append(p)
+        freed = [p for p in pages if not self.held[p] and p not in self.hashes]
+        for p in freed:
+            if any(x[1] == p and x[2] == r.inc for x in self.listings):
+                self.listings = [x for x in self.listings if x[1] != p]
+                self._mark_all([p])
+        self._dirty(freed, r.tenant)
+        return freed
 
     def alias(self, sid, pages):
         for p in pages:

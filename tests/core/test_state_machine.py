@@ -42,10 +42,12 @@ from r8_prefix import PrefixRules
 from support.journals import GatedJournal
 
 from kvledger import (
+    ConfigurationError,
     Geometry,
     KVLedgerError,
     Ledger,
     OutOfPagesError,
+    PageNotHeldError,
     RestoringPageError,
     check_invariants,
     replay,
@@ -290,6 +292,47 @@ class LedgerMachine(PrefixRules, RuleBasedStateMachine):
         n = data.draw(st.integers(1, len(r.reserved)))
         step = self.m.open_step + ahead
         self._commit(r, step, list(r.reserved[:n]), lambda L: L.commit(r.rid, step, n))
+
+    @precondition(lambda self: self._with_reserved())
+    @rule(data=st.data(), ahead=st.integers(0, 2))
+    def commit_whole(self, data, ahead):
+        """A commit whose step reads the pages whole before writing them (a recurrent state): every
+        mark listed, whatever tenant left it; refused under released_aliases, which marks no KV."""
+        r = data.draw(st.sampled_from(self._with_reserved()))
+        pages = self.draw_subset(data, r.reserved)
+        step = self.m.open_step + ahead
+        call = lambda L: L.commit(r.rid, step, pages=list(pages), reads="whole")  # noqa: E731
+        if self.policy == "released_aliases":
+            self.rejected(call, ConfigurationError)
+            return
+        if any(p in self.m.restoring for p in pages):
+            self.rejected(call, RestoringPageError)
+            return
+        listed = self.both(call)
+        expect = self.m.commit(r.rid, step, list(pages), whole=True)
+        assert list(listed) == expect
+        self.b.committed(expect, step, r, whole=pages)
+        self.stats["listed"] += len(listed)
+        self.stats["committed whole"] += len(pages)
+
+    def _with_kv(self):
+        return [r for r in self.m.requests.values() if len(r.kv) > 1]
+
+    @precondition(lambda self: self._with_kv())
+    @rule(data=st.data())
+    def release_some(self, data):
+        """A live request lets go of some of its KV pages (a sliding window moved on)."""
+        r = data.draw(st.sampled_from(self._with_kv()))
+        pages = self.draw_subset(data, r.kv_pages(), len(r.kv) - 1)
+        if data.draw(st.booleans()) and self.m.free():
+            stranger = [p for p in self.m.free() if p not in pages][:1]  # a page it does not hold
+            if stranger:
+                self.rejected(lambda L: L.release(r.rid, [*pages, *stranger]), PageNotHeldError)
+        self.both(lambda L: L.release(r.rid, pages))
+        freed = self.m.release_pages(r.rid, pages)
+        self.b.left_kv(freed, r)
+        self.b.released(pages, r)
+        self.stats["released"] += len(pages)
 
     @precondition(lambda self: self._with_reserved())
     @rule(data=st.data(), ahead=st.integers(0, 2))

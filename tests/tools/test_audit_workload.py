@@ -60,6 +60,7 @@ class _Serving:
         self._commit(step)
         self._end_requests()
         plan = led.seal_step(step)
+        self._unwritten(step)
         self.in_flight.append(step)
         if plan.clear_list and rng.random() < 0.15:  # the sanitizer caught a page: the engine aborts the step
             led.record_violation(step, 1, rng.randrange(3), plan.clear_list[0], rng.choice(["not_zero", "poison"]))
@@ -100,6 +101,8 @@ class _Serving:
         for _ in range(rng.randint(1, 2)):
             r, tenant = self.next_r, rng.choice(["a", "b"])
             self.next_r += 1
+            if rng.random() < 0.5:
+                led.label(r, f"req-{r}")  # (an engine's name for it, before its first event)
             chains = [c for c in (*self.chains.values(), *self.old_chains) if c]
             if chains and rng.random() < 0.6:
                 chain = rng.choice(chains)
@@ -131,15 +134,29 @@ class _Serving:
             ready = [p for p in rec.reserved if p not in st.restore_targets]
             if not ready or rng.random() < 0.15:
                 continue
-            led.commit(r, step, pages=ready[: rng.randint(1, len(ready))])
+            whole = st.policy != "released_aliases" and rng.random() < 0.1  # (a recurrent state's page)
+            led.commit(r, step, pages=ready[: rng.randint(1, len(ready))], reads="whole" if whole else "tail")
             if rng.random() < 0.1:
                 rest = [p for p in rec.reserved if p not in st.restore_targets]
                 if rest:
                     led.return_reservation(r, rest)
 
+    def _unwritten(self, step: int) -> None:
+        """Now and then a request's share of the step just sealed is dropped (an engine's abort)."""
+        led, st, rng = self.led, self.st, self.rng
+        if rng.random() < 0.1:
+            for r, rec in sorted(st.requests.items()):
+                mine = [p for p, s in zip(rec.kv, rec.kv_steps, strict=True) if s == step]
+                if mine:
+                    led.record_unwritten(r, step, mine, "aborted before its step ran")
+                    return
+
     def _end_requests(self) -> None:
         led, st, rng = self.led, self.st, self.rng
         for r in sorted(st.requests):
+            rec = st.requests[r]
+            if len(rec.kv) > 1 and rng.random() < 0.15:  # a window moved on: some pages go, the rest stay
+                led.release(r, rng.sample(rec.kv, rng.randint(1, len(rec.kv) - 1)))
             x = rng.random()
             if x < 0.12 or len(st.requests) > 10:
                 led.finish(r)

@@ -87,7 +87,7 @@ class CheckedAudit:
         page = self.subject["page"]
         if not self.started_page and page is not None:
             self.started_page = True
-            self.views.rows.append(start_row(self.st, page, self.since))
+            self.views.rows.append(start_row(self.st, page, self.since, self.views.names))
 
     def _event(self, seq: int, ev) -> None:
         st, model = self.st, self.model
@@ -117,6 +117,7 @@ class CheckedAudit:
             model.post(seq, ev, t, pre)
             model.check_pages(seq, pages)
         self._note_seal_or_release(seq, ev, t, pages)
+        self.views.names.event(ev, t, st)
         if seq >= self.since:
             self.views.record(seq, ev, t, pages, before, effects, open_step, plan_step)
         if self.svg is not None:

@@ -76,7 +76,7 @@ class ContentModel:
         self.inc_req: dict[int, int] = {}
         self.inc_tenant: dict[int, object] = {}
         self.next_inc = 0
-        self.reads: dict[int, list] = {}  # step -> [(page, incarnation, commit seq)]
+        self.reads: dict[int, list] = {}  # step -> [(page, incarnation, commit seq, reads it whole)]
         self.in_flight: list[tuple] = []  # (step, clears saved, reads done) of the seals an abort may undo
         self.shadow: dict[int, set] = {}  # incarnation -> pages its events gave it
         self.ended: set[int] = set()
@@ -147,7 +147,7 @@ class ContentModel:
             lst = self.reads.setdefault(step, [])
             for p in pages:
                 if p in st.pending and p in holder:
-                    lst.append((p, self.inc_of.get(holder[p], -1), None))
+                    lst.append((p, self.inc_of.get(holder[p], -1), None, False))
                     self.content[p] = STALE  # listed: it was marked when its request committed it
         for plan in st.in_flight:  # seals an abort may still undo
             saved, done = [], []
@@ -155,7 +155,7 @@ class ContentModel:
                 saved.append((p, (STALE, None, None, None, 1), self._content_of(p)))
                 r = holder.get(p)
                 if r is not None and holds_kv(st, p, r):
-                    done.append((p, self.inc_of.get(r, -1), None))
+                    done.append((p, self.inc_of.get(r, -1), None, False))
             self.in_flight.append((plan.step, saved, done))
 
     # ------------------------------------------------------------------ describing contents
@@ -173,10 +173,15 @@ class ContentModel:
             return "stale bytes (marked at the checkpoint)"
         return _CONTENT[k]
 
-    def _foreign(self, p: int, inc: int) -> bool:
+    def _foreign(self, p: int, inc: int, whole: bool = False) -> bool:
+        """Would reading page ``p`` show incarnation ``inc`` bytes that are not its own KV? Under
+        the policy, for a read of its KV and a masked tail; for a read of the ``whole`` page
+        before it is written (a recurrent state), any other incarnation's bytes."""
         k = self.content[p]
         if k in (ROW, STALE):
             return True
+        if k == KVB and whole:
+            return self.c_owner.get(p) != inc
         if k != KVB or self.policy == "released_aliases":
             return False
         if self.policy == "cross_tenant":
@@ -231,10 +236,19 @@ class ContentModel:
 
     def _on_pages_committed(self, seq: int, ev, pre) -> None:
         lst = self.reads.setdefault(ev.step, [])
-        inc, dirty = self.inc_of[ev.request], self.dirty
+        inc, dirty, whole = self.inc_of[ev.request], self.dirty, ev.reads == "whole"
         for p in ev.page_ids:
-            lst.append((p, inc, seq))
+            lst.append((p, inc, seq, whole))
             dirty[p] = 1
+
+    def _on_pages_released(self, seq: int, ev, pre) -> None:
+        self._pages_released(seq, ev)
+
+    def _on_pages_unwritten(self, seq: int, ev, pre) -> None:
+        """(A record: the step ran without the request; the bytes are what they were.)"""
+
+    def _on_request_labelled(self, seq: int, ev, pre) -> None:
+        """(A record: the engine's name for a request.)"""
 
     def _on_request_finished(self, seq: int, ev, pre) -> None:
         self._request_gone(seq, ev.request, pre)
@@ -327,6 +341,18 @@ class ContentModel:
             self.faults.add("leak", seq, st.open_step, f"request {r} ended but pages {leaked[:16]} are still "
                             f"held ({held_as})", page_ids=leaked[:64], request=r)
 
+    def _pages_released(self, seq: int, ev) -> None:
+        """A live request let go of some pages: each must have left it (free, cached, or still held
+        by the others); their bytes stay behind as its KV."""
+        st = self.st
+        inc = self.inc_of.get(ev.request)
+        if inc is not None:
+            self.shadow.get(inc, set()).difference_update(ev.page_ids)
+        kept = [p for p in ev.page_ids if not let_go(st, p, ev.request)]
+        if kept:
+            self.faults.add("leak", seq, st.open_step, f"request {ev.request} released pages {kept[:16]} but still "
+                            f"holds them ({st.holder_of(kept[0])})", page_ids=kept[:64], request=ev.request)
+
     def _restore_started(self, seq: int, ev) -> None:
         for p in ev.page_ids:
             self.restore_seq[p] = seq
@@ -351,11 +377,11 @@ class ContentModel:
         done = []
         st, content, dirty = self.st, self.content, self.dirty
         for item in self.reads.pop(ev.step, ()):
-            p, inc, cseq = item
+            p, inc, cseq, whole = item
             r = self.inc_req.get(inc)
             if r is None or self.inc_of.get(r) != inc or not holds_kv(st, p, r):
                 continue  # the request let go of the page before its step ran: no read
-            if self._foreign(p, inc):
+            if self._foreign(p, inc, whole):
                 self.faults.add("unzeroed_read", seq, ev.step,
                                 f"request {r} reads page {p} in step {ev.step} (committed at seq {cseq}) while it "
                                 f"holds {self.describe(p)}; step {ev.step}'s plan did not zero it",

@@ -45,10 +45,13 @@ from kvledger.core.events.events import (
     PagesCommitted,
     PagesEvicted,
     PagesPublished,
+    PagesReleased,
     PagesReserved,
     PagesShared,
+    PagesUnwritten,
     RequestCancelled,
     RequestFinished,
+    RequestLabelled,
     ReservationReturned,
     RestoreCompleted,
     RestoreStarted,
@@ -64,6 +67,7 @@ from kvledger.core.state.transitions import TRANSITIONS
 from kvledger.core.state.state import hash_text
 
 from ..replay import record_of
+from .names import HolderNames
 from .report import Row, event_tag
 
 __all__ = ["PageFold", "page_row", "page_view", "plan_step_of", "project_state", "start_row"]
@@ -89,18 +93,24 @@ def plan_step_of(st: LedgerState, p: int, ev: StepAborted) -> int | None:
 
 
 def page_row(seq: int, ev, t, p: int, before: tuple, after: tuple, step: int, listed: bool,
-             plan_step: int | None = None) -> Row:
+             plan_step: int | None = None, names: HolderNames | None = None) -> Row:
     """The timeline row of page ``p`` for a folded event (``before`` / ``after``: ``page_view`` tuples;
-    ``listed``: a commit listed p; ``plan_step``: for an abort, the step whose plan listed p)."""
+    ``listed``: a commit listed p; ``plan_step``: for an abort, the step whose plan listed p; ``names``:
+    the requests' labels and tenants, written beside their ids)."""
     b, a = before, after
+    if names is not None:
+        b = (names.decorate(b[0]), *b[1:])
+        a = (names.decorate(a[0]), *a[1:])
     return Row(seq=seq, step=step, event=event_tag(ev), page_ids=[p], holder_before=b[0], holder_after=a[0],
                marked_before=b[1], marked_after=a[1], restoring_before=b[2], restoring_after=a[2],
                note=_note(p, ev, t, b, a, listed, plan_step))
 
 
-def start_row(st: LedgerState, p: int, seq: int) -> Row:
+def start_row(st: LedgerState, p: int, seq: int, names: HolderNames | None = None) -> Row:
     """The first row of a window that starts after seq 0: page ``p`` as it is before event ``seq``."""
     v = page_view(st, p)
+    if names is not None:
+        v = (names.decorate(v[0]), *v[1:])
     note = f"page {p} where the window starts" + ("; listed for the open step's clear list" if v[3] else "")
     return Row(seq=seq, step=st.open_step, event="window_start", page_ids=[p], holder_before=v[0],
                holder_after=v[0], marked_before=v[1], marked_after=v[1], restoring_before=v[2],
@@ -119,11 +129,22 @@ def _note(p: int, ev, t, b: tuple, a: tuple, listed: bool, plan_step: int | None
         if a[1]:
             return "last alias released: still marked"
     if t is PagesCommitted:
+        whole = " (the step reads the whole page before writing it)" if ev.reads == "whole" else ""
         if listed:
-            return f"marked: listed for step {ev.step}'s clear list"
+            return f"marked: listed for step {ev.step}'s clear list" + whole
         if b[1] and not a[1]:
             return "the committing tenant's own bytes: mark removed without a clear"
         return "not marked: nothing to zero"
+    if t is PagesReleased:
+        if a[0].startswith("cached"):
+            return f"released by request {ev.request} (it keeps its other pages): cached, its KV kept for reuse"
+        if a[0].startswith("free"):
+            return f"released by request {ev.request} (it keeps its other pages): free" + \
+                ("; marked (the clear policy: its bytes stay behind)" if a[1] else "")
+        return f"released by request {ev.request}: still held by the others"
+    if t is PagesUnwritten:
+        why = f" ({ev.reason})" if ev.reason else ""
+        return f"NOT WRITTEN: step {ev.step} ran without request {ev.request}{why}; its prefix-cache hash withdrawn"
     if t is RestoreStarted:
         if ev.into == "request" and b[1]:
             return f"overwritten whole by a restore into request {ev.target}: mark removed, never listed"
@@ -186,12 +207,13 @@ class PageFold:
         else:  # from seq 0: CacheConfigured comes first
             self.ps = LedgerState(st.transitions)
         self.tenants = {r: rec.tenant for r, rec in st.requests.items()}
+        self.names = HolderNames(st)
         self.apply = self._hook()
 
     def _hook(self):
         """``apply(seq, event)``: the per-event test, kept to a few lookups (it runs for every event)."""
         p, tenants, fold, narrow, bounds = self.p, self.tenants, self._fold, self._narrow, bounds_problem
-        names_pages, step_events, creates, ends = _NAMES_PAGES, _STEP_EVENTS, _CREATES, _ENDS
+        names_pages, step_events, creates, ends, names = _NAMES_PAGES, _STEP_EVENTS, _CREATES, _ENDS, self.names
 
         def apply(seq: int, ev) -> None:
             problem = bounds(self.ps, ev)
@@ -210,6 +232,8 @@ class PageFold:
                     fold(seq, ev, t)
             elif t in step_events or (t is SnapshotReleased and ev.snapshot in self.ps.snapshots):
                 fold(seq, ev, t)
+            elif t is RequestLabelled:
+                names.event(ev, t, self.ps)
             elif t is CacheConfigured:  # seq 0 of a log folded from its start
                 self.ps.apply(ev)
                 self.ps = project_state(self.ps, p)
@@ -240,13 +264,14 @@ class PageFold:
         except (KVLedgerError, LookupError, ValueError, TypeError, AttributeError) as exc:
             raise self._corrupt(seq, f"{type(ev).__name__} at seq {seq} cannot be applied to page {p}'s history: "
                                      f"{type(exc).__name__}: {exc}") from exc
+        self.names.event(ev, t, ps)
         if t is StepSealed and (p in effects[0].clear_list) != (p in ev.clear_list):
             raise self._corrupt(seq, f"StepSealed at seq {seq}: clear_list: step {ev.step}'s recorded plan "
                                      f"{'lists' if p in ev.clear_list else 'leaves out'} page {p}, its history says "
                                      "the opposite")
         if before is not None and seq >= self.since:
             listed = bool(effects) and t is PagesCommitted
-            self.rows.append(page_row(seq, ev, t, p, before, page_view(ps, p), step, listed, plan_step))
+            self.rows.append(page_row(seq, ev, t, p, before, page_view(ps, p), step, listed, plan_step, self.names))
 
     def _corrupt(self, seq: int, detail: str) -> CorruptLogError:
         """``CorruptLogError`` at the record of ``view`` that holds event ``seq``."""
@@ -258,7 +283,7 @@ class PageFold:
         """The window-start row (the page as it is now); at the end if no event after the start touched it."""
         if not self.started:
             self.started = True
-            self.rows.append(start_row(self.ps, self.p, self.since))
+            self.rows.append(start_row(self.ps, self.p, self.since, self.names))
 
     def _touches(self, ev, t) -> bool:
         """Whether the (projected) event touches page p: by its row's ``touches`` column."""

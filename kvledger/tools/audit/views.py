@@ -33,6 +33,7 @@ from kvledger.core.events.events import (
 from kvledger.core.state import ALIAS, LedgerState
 
 from .model import is_free
+from .names import HolderNames
 from .pages import page_row, page_view
 from .report import MAX_FINDINGS, AuditReport, Row, event_tag
 from .steps import render_steps, summary_line
@@ -50,6 +51,7 @@ class Timelines:
         self.rows: list[Row] = []
         self.follow: dict[int, int] = {}  # snapshot view: page marked by S's release -> release seq
         self.req_listed: dict[int, int] = {}  # request view: page listed by R's commit -> commit seq
+        self.names = HolderNames(st)
 
     def record(self, seq: int, ev, t, pages, before: dict, effects, open_step: int,
                plan_step: int | None = None) -> None:
@@ -60,7 +62,7 @@ class Timelines:
         if self.page is not None and self.page in before:
             p = self.page
             self.rows.append(page_row(seq, ev, t, p, before[p], page_view(self.st, p), step, p in listed,
-                                      plan_step))
+                                      plan_step, self.names))
         if self.request is not None:
             self._request_rows(seq, ev, t, step, listed, pages, _marked_by(effects))
         if self.snapshot is not None:
