@@ -305,8 +305,7 @@ class Ledger:
             return self._allocate_pages(request, step, n, pages, tenant)
         st = self.state
         if (type(n) is int and type(request) is int and type(step) is int and n > 0
-                and not (request | step) >> _ID_BITS and step >= st.open_step and not st.stale_entries
-                and n <= len(st.free_stack) + len(st.cached)):
+                and not (request | step) >> _ID_BITS and step >= st.open_step and not st.stale_entries):
             # both preconditions' common case: the top of the stack is reservable, the step is not
             # sealed, the request has no older reservation to commit first
             rec = st.requests.get(request)
@@ -341,7 +340,8 @@ class Ledger:
                             self._events.extend((r_ev, c_ev))
                             fold.allocated_top(st, rec, r_ev, c_ev)
                             return ids
-                return self._allocate_top(rec, request, step, n, tenant)
+                if n <= len(stack) + len(st.cached):
+                    return self._allocate_top(rec, request, step, n, tenant)
         if n is None:
             raise InvalidArgumentError("allocate: give n= or pages=")
         pages = self.reserve(request, n, tenant=tenant)
