@@ -324,7 +324,7 @@ class Ledger:
                     if n == 1:
                         p = stack[-1]
                         if p not in marks:
-                            ids = (p,)
+                            ids: tuple[int, ...] = (p,)
                             r_ev = PagesReserved(request=request, page_ids=ids, tenant=tenant)
                             c_ev = PagesCommitted(request=request, step=step, page_ids=ids)
                             events = self._events

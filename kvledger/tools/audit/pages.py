@@ -78,7 +78,7 @@ _KEEPS_MARK = tuple(t for t, row in TRANSITIONS.items() if row.marks.change == "
 _NAMES_PAGES = frozenset(t for t, row in TRANSITIONS.items() if row.touches == "page_ids")
 _ENDS = tuple(t for t, row in TRANSITIONS.items() if row.touches == "request")
 _STEP_EVENTS = frozenset(t for t, row in TRANSITIONS.items() if row.requires.step and row.touches != "page_ids")
-_CREATES = tuple(t for t in _NAMES_PAGES if "tenant" in t.__struct_fields__)
+_CREATES = tuple(t for t in _NAMES_PAGES if "tenant" in t.__struct_fields__)  # type: ignore[attr-defined]
 
 
 def page_view(st: LedgerState, p: int) -> tuple:
