@@ -19,7 +19,7 @@ Two roads through that path, one decision per command:
                that are free, the head of a reservation, the open step, a known request,
                published hashes) and the journal's ``due`` is past them: it appends them
                to ``journal.events`` and folds them through the appliers of that case
-               (``fold.allocated_one``, ``reserved_top``, ``committed``, ``sealed``, ...),
+               (``fold.allocated_one``, ``reserved_top``, ``pages_committed``, ``sealed``, ...),
                each taking the events it folds
     decided    the same events, one at a time, when the journal must see each (a callable
                sink, an observer, check mode, a log's checkpoint or roll due, a seal):
@@ -448,7 +448,7 @@ class Ledger:
                 fold.allocated_top(st, rec, r_ev, c_ev)
             else:  # a marked page among them: the commit lists it
                 fold.reserved_top(st, rec, r_ev)
-                fold.committed(st, st.requests[request], c_ev)
+                fold.pages_committed(st, c_ev)
         else:
             self._decided(r_ev)
             self._decided(c_ev)
@@ -481,7 +481,7 @@ class Ledger:
                 if st.seq + 1 < self._journal.due:
                     self._events.extend((r_ev, c_ev))
                     fold.pages_reserved(st, r_ev)
-                    fold.committed(st, st.requests[request], c_ev)
+                    fold.pages_committed(st, c_ev)
                 else:
                     self._decided(r_ev)
                     self._decided(c_ev)
@@ -555,7 +555,7 @@ class Ledger:
                     ev = PagesCommitted(request=request, step=step, page_ids=head)
                     if st.seq < self._journal.due:
                         self._events.append(ev)
-                        effects = fold.committed(st, rec, ev)
+                        effects = fold.pages_committed(st, ev, rec)
                     else:
                         effects = self._decided(ev)
                     return effects[0].page_ids if effects else ()

@@ -22,7 +22,8 @@ through the appliers of that case, each named for its events and taking them
     reserved_top(st, rec, reserved)                the top of a clean free stack
     allocated_one(st, rec, reserved, committed)    one page: the top, unmarked
     allocated_top(st, rec, reserved, committed)    the top n, none marked
-    committed(st, rec, committed)                  the head of r's reservation
+    pages_committed(st, committed, rec)            the head of r's reservation (the table's
+                                                   applier, given the record the command has)
 (``fold_steps.py``: ``sealed``, the seal with its clear list derived once, and
 ``completed``; ``fold_prefix.py``: ``published``, ``shared``, ``shared_cached``,
 ``evicted``, ``taken_from_cache``.) Each equals the table's applier (or two of them, in
@@ -63,7 +64,7 @@ if TYPE_CHECKING:
     from .state import LedgerState
 
 __all__ = [
-    "NO_EFFECTS", "allocated_one", "allocated_top", "cache_configured", "committed", "free_pages", "marked_effect",
+    "NO_EFFECTS", "allocated_one", "allocated_top", "cache_configured", "free_pages", "marked_effect",
     "pages_committed", "pages_released", "pages_reserved", "record", "request_gone", "reservation_returned",
     "reserved_top", "restore_completed", "restore_started", "snapshot_aliased", "snapshot_released", "take_from_stack",
 ]
@@ -256,15 +257,13 @@ def reservation_returned(st: LedgerState, e: ReservationReturned) -> tuple:
     return marked_effect(marked)
 
 
-def pages_committed(st: LedgerState, e: PagesCommitted) -> tuple:
-    return committed(st, st.requests[e.request], e)
-
-
-def committed(st: LedgerState, rec: RequestRecord, e: PagesCommitted) -> tuple:
-    """``e.page_ids`` (reserved by ``rec``'s request, none restoring, ``e.step`` not sealed) join its
-    block table; marked ones are listed for the step (``e.reads == "tail"``: except those marked
-    for other tenants only and left by its own; ``"whole"``: all of them). Returns
-    ``(ClearPages,)`` or ``()``."""
+def pages_committed(st: LedgerState, e: PagesCommitted, rec: RequestRecord | None = None) -> tuple:
+    """``e.page_ids`` (reserved by the request, none restoring, ``e.step`` not sealed) join its block
+    table; marked ones are listed for the step (``e.reads == "tail"``: except those marked for
+    other tenants only and left by its own; ``"whole"``: all of them). Returns ``(ClearPages,)`` or
+    ``()``. ``rec``: the request's record, when the caller (a command's fast path) has it."""
+    if rec is None:
+        rec = st.requests[e.request]
     pages, step = e.page_ids, e.step
     marks = st.marks
     listed = None
