@@ -12,7 +12,8 @@ journal has one face of four members:
     put(seq, event)             before the fold: takes the event, or raises to refuse
                                 it (the command then fails; nothing of that event
                                 changed, the events of the command before it stand)
-    post(seq, event, effects)   after the fold, for every event ``put`` took
+    post(seq, event, effects)   after the fold, for every event ``put`` took (None: nothing to
+                                do after a fold, the usual case: no call is made)
 
 The journals, by what is attached to the ledger:
 
@@ -45,14 +46,15 @@ NEVER = 1 << 62  # a ``due`` no seq reaches
 
 class Journal:
     """The face a ledger writes its events to (the module docstring): every subclass gives
-    ``events``, ``due``, ``put`` and ``post`` (as methods or as attributes)."""
+    ``events``, ``due`` and ``put`` (a method or an attribute), and ``post`` when it has
+    something to do after a fold (None by default)."""
 
     __slots__ = ()
 
     events: list
     due: int
     put: Callable[[int, Any], None]
-    post: Callable[[int, Any, tuple], None]
+    post: Callable[[int, Any, tuple], None] | None = None
 
 
 class Ring(Journal):
@@ -70,9 +72,6 @@ class Ring(Journal):
             self.due = seq + RING
         self.events.append(event)
 
-    def post(self, seq: int, event: Any, effects: tuple) -> None:
-        return None
-
 
 class EventList(Journal):
     """A recording sink: every event it is given, in order, in ``events`` (a list, or the one passed)."""
@@ -86,9 +85,6 @@ class EventList(Journal):
     def put(self, seq: int, event: Any) -> None:
         self.events.append(event)
 
-    def post(self, seq: int, event: Any, effects: tuple) -> None:
-        return None
-
 
 class CallSink(Journal):
     """A callable ``sink(seq, event)``, called for every event before its fold (``put`` is the sink)."""
@@ -97,7 +93,6 @@ class CallSink(Journal):
         self.events: list = []  # (never appended to: due is -1)
         self.due = -1
         self.put = sink
-        self.post = _nothing3
 
 
 class Watched(Journal):
@@ -118,15 +113,9 @@ class Watched(Journal):
             self.post = _checked(check_state, observer)
         elif observer is not None:
             self.post = observer
-        else:
-            self.post = _nothing3
 
 
 def _nothing(seq: int, event: Any) -> None:
-    return None
-
-
-def _nothing3(seq: int, event: Any, effects: tuple) -> None:
     return None
 
 

@@ -166,7 +166,8 @@ class Ledger:
         j = self._journal
         j.put(seq, event)
         effects = apply(st, event)
-        j.post(seq, event, effects)
+        if j.post is not None:
+            j.post(seq, event, effects)
         return effects
 
     def _put_and_fold(self, event, apply=None) -> tuple:
@@ -177,7 +178,8 @@ class Ledger:
         j = self._journal
         j.put(seq, event)
         effects = (apply or st.dispatch[type(event)][1])(st, event)
-        j.post(seq, event, effects)
+        if j.post is not None:
+            j.post(seq, event, effects)
         return effects
 
     def _evict_lru(self, short: int) -> None:

@@ -370,9 +370,6 @@ class EventLog(Journal):
 
     sink = put  # (the name of a ``Ledger`` sink)
 
-    def post(self, seq: int, event, effects: tuple) -> None:
-        """(The ``Journal`` face: nothing to do after the fold.)"""
-
     def _gate(self, seq: int) -> None:
         """What must happen before event ``seq`` is appended (see ``due``), rarely anything."""
         if not self._ok:

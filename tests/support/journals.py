@@ -44,6 +44,3 @@ class GatedJournal(Journal):
         self.due = seq + 1 + self._rng.randint(0, self.every)
         if self.refuse_at is not None and seq < self.refuse_at:
             self.due = min(self.due, self.refuse_at)  # (the event to refuse is put, as a log's gate)
-
-    def post(self, seq: int, event, effects: tuple) -> None:
-        return None
