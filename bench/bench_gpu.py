@@ -1,4 +1,5 @@
-"""GPU clear benchmark (issue #15): every backend against the memset ceiling and a naive peer.
+"""GPU clear benchmark (issues 15 and 31): every backend against vLLM's own zeroer, a same-size memset,
+the memset ceiling and a naive peer.
 
 Cases: clear lists of 16, 128 and 1024 pages over 3 planes and over 128 planes
 (64 layers x K/V), 16 KiB per plane page, 2048 pages per plane; page ids either
@@ -13,6 +14,16 @@ one adjacent run ("adj") or scattered, no two adjacent ("sc"). Backends:
     naive          the peer written the naive way: a fresh id tensor per call
                    (torch.tensor(ids, device=...)) and one Triton program per
                    page x plane x 4 KiB chunk (byte stores from integer addresses)
+    vllm           vLLM 0.33's own KVBlockZeroer over the same planes: its kernel, its
+                   __init__ and its zero_block_ids launch (async_tensor_h2d + the kernel),
+                   read from the pinned vLLM files at run time (``bench_gpu_vllm.py``)
+
+The triton backend runs with the card's row of ``executors/triton_tuning.py`` (kernel
+shape by clear size, where ids live by list length) unless ``--config`` names one shape.
+Where ids live is also measured directly: lists of 16, 64 and 128 ids over 3 and 128
+planes with every placement (by value in the kernel's parameters, copied on a side
+stream, copied on the model stream, read from pinned host memory), device and host time
+(``clear_checked``: no id check), the figures the table's ``ids`` row is chosen from.
 
 Figures, all measured in this run on this card:
 
@@ -25,7 +36,9 @@ Figures, all measured in this run on this card:
     host us     wall time of the clear call (enqueue cost, id checks included)
     memset=     one contiguous cuMemsetD8Async of the same byte count (per-size reference)
 
-Then: the target table of issue #15 (every target, its figure, its ratio: >= 1 is met),
+Then: the kvledger-vs-vLLM table, the memset table (each clear against one memset of its
+bytes), the placement table, and the target table of issues 15 and 31 (every target, its
+figure, its ratio: >= 1 is met; the card's name heads every table),
 the host cost broken into parts with the floors they sit on (``bench_gpu_host.py``,
 run in fresh processes: the default binding, and the opt-in ctypes driver path), and
 the evidence that the graph path launches no kernel from the host. ``python bench/bench_gpu.py [--quick]
@@ -57,10 +70,12 @@ PAGE_BYTES = 16384
 NUM_PAGES = 2048
 PLANE_COUNTS = (3, 128)
 LIST_SIZES = (16, 128, 1024)
+PLACEMENT_SIZES = (16, 64, 128)
 CEILING_BYTES = 2 << 30
 BIG_CASE = 32e6  # bandwidth targets apply from here up
 GHZ = 2.0e9  # SM clock used to size the sleep kernel (H200 boost ~1.98 GHz)
 TARGETS: dict[str, tuple[str, float]] = {}  # filled by _targets (the runner reads it after run)
+TUNING: list[Any] = [None]  # the triton backend's CardTuning for this run (None: the table's, or --config)
 
 
 class Timer:
@@ -113,7 +128,7 @@ def median_host(fn, reps: int = 300) -> float:
     return statistics.median(samples)
 
 
-def host_in_fresh_processes(res: dict) -> None:
+def host_in_fresh_processes(res: dict, ctypes_too: bool = True) -> None:
     """The host figures (bench_gpu_host.py) from fresh processes: the default (cuda-python binding), then
     the opt-in ctypes driver path (``KVLEDGER_CUDA_CTYPES=1``, figures under ``ctypes_``).
 
@@ -121,7 +136,7 @@ def host_in_fresh_processes(res: dict) -> None:
     included), so the host cost is measured in a process that does only that.
     """
     here = os.path.dirname(os.path.abspath(__file__))
-    for prefix, ctypes_on in (("", "0"), ("ctypes_", "1")):
+    for prefix, ctypes_on in (("", "0"), ("ctypes_", "1"))[:2 if ctypes_too else 1]:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             env = dict(os.environ, KVLEDGER_CUDA_CTYPES=ctypes_on)
             proc = subprocess.run([sys.executable, "-P", os.path.join(here, "bench_gpu_host.py"), "--json", out.name],
@@ -178,20 +193,30 @@ def _lists(rng: random.Random, n: int) -> dict[str, list[int]]:
     return {"adj": list(range(first, first + n)), "sc": rng.sample(range(0, NUM_PAGES, 2), n)}
 
 
-def _backends(torch, planes, stream, config) -> tuple[dict[str, Callable[[Any], None]], dict[str, Any]]:
+def _backends(torch, planes, stream, config, res: dict) -> tuple[dict[str, Callable[[Any], None]], dict[str, Any]]:
     """The clear callables to time, by name, and the objects behind some of them."""
     from kvledger.executors.cuda_backend import CudaClearBackend
     from kvledger.executors.torch_backend import TorchClearBackend
     from kvledger.executors.triton_backend import TritonClearBackend
 
-    tb = TritonClearBackend(planes, stream=stream, config=config)
-    gb = TritonClearBackend(planes, stream=stream, config=config)
+    tb = TritonClearBackend(planes, stream=stream, config=config, tuning=TUNING[0])
+    gb = TritonClearBackend(planes, stream=stream, config=config, tuning=TUNING[0])
+    tb.warmup()
     gb.graph_clear([])  # capture once
     out = {"triton": tb.clear, "triton-graph": gb.graph_clear,
            "cuda": CudaClearBackend(planes, stream=stream).clear,
            "torch": TorchClearBackend(planes, stream=stream).clear,
            "seed": CudaClearBackend(planes, stream=stream, mode="per_page").clear,
            "naive": NaiveClear(torch, planes).clear}
+    try:
+        from bench_gpu_vllm import VllmZeroer
+
+        z = VllmZeroer.over(planes)
+        z.zeroer.warmup(len(planes))
+        out["vllm"] = z.clear
+        res["vllm_files"] = ", ".join(z.paths.values())
+    except Exception as exc:  # noqa: BLE001  (reported: the pinned files are not here)
+        res["vllm_error"] = f"{type(exc).__name__}: {exc}"[:300]
     return out, {"triton": tb, "triton-graph": gb}
 
 
@@ -241,6 +266,7 @@ class Run:
         res["zero_2gib_bytes_per_s"] = CEILING_BYTES / self.timer(self.buf.zero_, reps)[0]
         self.rng = random.Random(2026)
         self.rows: list = []
+        self.cases: list[tuple[str, int]] = []
         self.verified = self.bad_bytes = 0
 
     def case(self, backends: dict, planes, tag: str, ids: list[int], nbytes: int) -> None:
@@ -260,6 +286,14 @@ class Run:
                 self.verified += 1
         cold = self.timer(lambda: backends["triton"](ids), self.reps, cold=True)[0]
         res[f"{tag}_triton_cold_device_us"] = cold * 1e6
+        dev = timings["triton"][0]
+        res[f"{tag}_triton_x_memset"] = same / dev
+        if "vllm" in timings:
+            res[f"{tag}_triton_x_vllm"] = timings["vllm"][0] / dev
+            cold_v = self.timer(lambda: backends["vllm"](ids), self.reps, cold=True)[0]
+            res[f"{tag}_vllm_cold_device_us"] = cold_v * 1e6
+            res[f"{tag}_triton_x_vllm_cold"] = cold_v / cold
+        self.cases.append((tag, nbytes))
         naive_dev, naive_host = timings["naive"]
         for name, (dev, host) in timings.items():
             key = f"{tag}_{name}".replace("-", "_")
@@ -278,13 +312,30 @@ class Run:
         planes = [torch.randint(0, 256, (NUM_PAGES, PAGE_BYTES), dtype=torch.uint8, device="cuda")
                   for _ in range(num_planes)]
         torch.cuda.synchronize()
-        backends, objs = _backends(torch, planes, self.stream, self.config)
+        backends, objs = _backends(torch, planes, self.stream, self.config, self.res)
         for n in LIST_SIZES:
             for pattern, ids in _lists(self.rng, n).items():
                 self.case(backends, planes, f"p{num_planes}_n{n}_{pattern}", ids, n * num_planes * PAGE_BYTES)
+        self.placements(planes, num_planes)
+        del backends, objs
+
+    def placements(self, planes, num_planes: int) -> None:
+        """Where the ids live, measured (module docstring): ``place_p{planes}_n{n}_{how}_{device,host}_us``."""
+        from kvledger.executors.triton_backend import IdsPlan, TritonClearBackend
+
+        plans = {"value": IdsPlan(128, "side"), "side": IdsPlan(0, "side"), "stream": IdsPlan(0, "stream"),
+                 "mapped": IdsPlan(0, "mapped")}
+        made = {how: TritonClearBackend(planes, stream=self.stream, config=self.config, ids=plan, tuning=TUNING[0])
+                for how, plan in plans.items()}
+        for n in PLACEMENT_SIZES:
+            ids = tuple(self.rng.sample(range(0, NUM_PAGES, 2), n))
+            for how, b in made.items():
+                dev, host = self.timer(lambda b=b, ids=ids: b.clear_checked(ids), self.reps)
+                key = f"place_p{num_planes}_n{n}_{how}"
+                self.res[key + "_device_us"], self.res[key + "_host_us"] = dev * 1e6, host * 1e6
 
 
-def run(quick: bool = False, config_path: str | None = None) -> dict:
+def run(quick: bool = False, config_path: str | None = None, tuning_path: str | None = None) -> dict:
     try:
         import torch
     except ImportError:
@@ -301,13 +352,27 @@ def run(quick: bool = False, config_path: str | None = None) -> dict:
         return {"skipped": f"needs triton and cuda-python: {exc}"}
     from kvledger.executors.triton_kernels import FillConfig
 
-    config = FillConfig()
+    config = None  # the card's row of triton_tuning
     if config_path and os.path.exists(config_path):
         with open(config_path) as f:
             config = FillConfig(**json.load(f)["best"])
     res = _environment(torch)
-    res.update({f"config_{k}": v for k, v in dataclasses.asdict(config).items()})
-    host_in_fresh_processes(res)
+    from kvledger.executors.triton_tuning import tuning_for
+
+    row = tuning_for(res["card"])
+    if tuning_path and os.path.exists(tuning_path):  # this run's sweep: its two shapes as the card's row
+        from kvledger.executors.triton_tuning import INF, SMALL, CardTuning
+
+        with open(tuning_path) as f:
+            swept = json.load(f)
+        row = CardTuning(shapes=((SMALL, FillConfig(**swept["best_small"])), (INF, FillConfig(**swept["best"]))),
+                         ids=row.ids, source=f"this run's sweep ({tuning_path})")
+    TUNING[0] = row if config is None else None
+    res["tuning"] = (f"{[(up_to, c.tag()) for up_to, c in row.shapes]} ids={row.ids} ({row.source})"
+                     if config is None else f"one shape from {config_path}: {config.tag()}")
+    if config is not None:
+        res.update({f"config_{k}": v for k, v in dataclasses.asdict(config).items()})
+    host_in_fresh_processes(res, ctypes_too=not quick)
     state = Run(torch, res, reps=5 if quick else 15, config=config)
     for num_planes in PLANE_COUNTS:
         state.plane_count(num_planes)
@@ -324,10 +389,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tune", action="store_true", help="accepted for scripts/gpu-check; the sweep is bench_gpu_tune")
-    ap.add_argument("--config", help="bench_gpu_tune.py's JSON: time the kernel with its best knobs")
+    ap.add_argument("--config", help="bench_gpu_tune.py's JSON: time the kernel with its large class's knobs alone")
+    ap.add_argument("--tuning", help="bench_gpu_tune.py's JSON: its two shapes as this card's row of triton_tuning")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
-    res = run(quick=args.quick, config_path=args.config)
+    res = run(quick=args.quick, config_path=args.config, tuning_path=args.tuning)
     if "skipped" in res:
         print(f"bench_gpu skipped: {res['skipped']}")
     if args.json:

@@ -26,6 +26,13 @@ and, to show where the engine's overhead goes (each timed alone, in the same run
                       (hand-off to the ranks, scopes, records, hooks)
     checkpoint        one ``anyio.lowlevel.checkpoint()`` (what a cancellation point costs)
 
+On CUDA a second table (``--device cuda``; ``--no-trace`` to skip it) follows one engine
+and one bare loop step by step with host timestamps at the phase boundaries (``run_job``,
+the rank's copies, the backend's ``clear_checked``, the graph, ``wait_cuda_event``: their
+public entry points wrapped for the trace only, a few tenths of a microsecond each), median
+per step: where the engine's time goes, the device wait included, next to the bare loop's.
+The card's name heads every table.
+
 Timing: every side is built fresh per repeat (an engine in its own event loop), warmed up,
 then the sides run segment by segment, alternately (the order flips every segment), with
 the collector disabled; each figure is the sum over segments of each segment's best over
@@ -33,7 +40,7 @@ the repeats, per step. The machine may be shared: compare rows of one run, not r
 parts run alone stay hot in the caches; the engine's step does not (the other sides ran
 in between, as a serving loop's own work does): what that costs lands in "machinery".
 
-    python bench/bench_steps.py [--quick] [--device cuda] [--backend triton] [--json PATH]
+    python bench/bench_steps.py [--quick] [--device cuda] [--backend triton] [--no-trace] [--json PATH]
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -78,6 +86,8 @@ class _Setup:
         self.dst = torch.zeros(COPY_BYTES, dtype=torch.uint8, device=self.device)
         self.events: list[tuple[Any, Any]] = []  # CUDA: (start, end) per graph call, read after a segment
         self.host_graph_s = 0.0  # CPU: the graph's own time, summed
+        self.mark: Callable[[str], None] | None = None  # the trace's stamp, while tracing
+        self.card = torch.cuda.get_device_name(self.device) if self.cuda else "cpu"
 
     def planes(self) -> list:
         t = self.torch
@@ -85,6 +95,9 @@ class _Setup:
 
     def graph(self, ctx: Any, step: int, inputs: Any) -> None:
         """The trivial graph: one add; it times itself (host time, or two events on the model stream)."""
+        mark = self.mark
+        if mark is not None:
+            mark("graph")
         if self.cuda:
             t = self.torch
             a, b = t.cuda.Event(enable_timing=True), t.cuda.Event(enable_timing=True)
@@ -94,6 +107,8 @@ class _Setup:
                 self.x.add_(1)
             b.record(s)
             self.events.append((a, b))
+            if mark is not None:
+                mark("graph done")
             return
         t0 = time.perf_counter()
         self.x.add_(1)
@@ -189,6 +204,21 @@ class _EngineSide:
     def segment(self, k: int) -> float:
         return self.loop.run_until_complete(self._run(k))
 
+    async def _trace(self, trace: _Trace, k: int) -> None:
+        engine, s, inputs = self.engine, self.s, self.s.inputs()
+        for _ in range(k):
+            step = self.step
+            _commands(engine.ledger, step, self.ids)
+            trace.mark("run_step")
+            await engine.run_step(step, inputs)
+            trace.mark("returned")
+            trace.end_step()
+            self.step += 1
+        s.take_graph_s()
+
+    def trace(self, trace: _Trace, k: int) -> None:
+        self.loop.run_until_complete(self._trace(trace, k))
+
     def close(self) -> None:
         self._stop.set()
         self.loop.run_until_complete(self._host)
@@ -225,6 +255,24 @@ class _BareSide:
 
     def segment(self, k: int) -> float:
         return self.loop.run_until_complete(self._run(k))
+
+    async def _trace(self, trace: _Trace, k: int) -> None:
+        from kvledger.executors import executor
+
+        s, ctx, done = self.s, self.ctx, self.done
+        inputs = s.inputs()
+        for step in range(k):
+            trace.mark("step")
+            s.graph(ctx, step, inputs)
+            if done is not None:
+                done.record(ctx.stream)
+                await executor.wait_cuda_event(done)  # (through the module: the trace wraps it)
+            trace.mark("returned")
+            trace.end_step()
+        s.take_graph_s()
+
+    def trace(self, trace: _Trace, k: int) -> None:
+        self.loop.run_until_complete(self._trace(trace, k))
 
     def close(self) -> None:
         self.loop.close()
@@ -377,10 +425,105 @@ class _CheckpointSide:
         self.loop.close()
 
 
+# ---------------------------------------------------------------------- the trace (CUDA)
+
+
+class _Trace:
+    """Host timestamps at phase boundaries, per step: ``mark(name)`` appends (name, perf_counter)."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[tuple[str, float]]] = []
+        self.cur: list[tuple[str, float]] = []
+
+    def mark(self, name: str) -> None:
+        self.cur.append((name, time.perf_counter()))
+
+    def end_step(self) -> None:
+        self.steps.append(self.cur)
+        self.cur = []
+
+    def intervals(self) -> dict[str, float]:
+        """Median us between consecutive marks, by ``"a -> b"``, over steps with the usual sequence."""
+        seqs: dict[tuple[str, ...], int] = {}
+        for st in self.steps:
+            key = tuple(n for n, _ in st)
+            seqs[key] = seqs.get(key, 0) + 1
+        common = max(seqs, key=lambda k: seqs[k])
+        per: dict[str, list[float]] = {}
+        for st in self.steps:
+            if tuple(n for n, _ in st) != common:
+                continue
+            for (a, ta), (b, tb) in zip(st, st[1:], strict=False):
+                per.setdefault(f"{a} -> {b}", []).append((tb - ta) * 1e6)
+            per.setdefault("total", []).append((st[-1][1] - st[0][1]) * 1e6)
+        return {k: statistics.median(v) for k, v in per.items()}
+
+
+class _Patched:
+    """Wrap public entry points for the trace (restored on exit): ``RankExecutor.run_job``,
+    ``CudaRank.copy_all``, the backend class's ``clear_checked`` and ``wait_cuda_event``."""
+
+    def __init__(self, trace: _Trace, backend_cls: Any) -> None:
+        from kvledger.executors import cuda_rank, executor
+
+        self.trace, self.saved = trace, []
+        mark = trace.mark
+
+        def wrap(owner: Any, name: str, before: str, after: str, is_async: bool = False) -> None:
+            fn = getattr(owner, name)
+            self.saved.append((owner, name, fn))
+            if is_async:
+                async def wrapped_async(*a: Any, **kw: Any) -> Any:
+                    mark(before)
+                    try:
+                        return await fn(*a, **kw)
+                    finally:
+                        mark(after)
+                setattr(owner, name, wrapped_async)
+            else:
+                def wrapped(*a: Any, **kw: Any) -> Any:
+                    mark(before)
+                    try:
+                        return fn(*a, **kw)
+                    finally:
+                        mark(after)
+                setattr(owner, name, wrapped)
+
+        wrap(executor.RankExecutor, "run_job", "run_job", "run_job done", is_async=True)
+        wrap(cuda_rank.CudaRank, "copy_all", "copies", "copies done")
+        if backend_cls is not None and hasattr(backend_cls, "clear_checked"):
+            wrap(backend_cls, "clear_checked", "clear", "clear done")
+        wrap(executor, "wait_cuda_event", "wait", "wait done", is_async=True)
+
+    def close(self) -> None:
+        for owner, name, fn in reversed(self.saved):
+            setattr(owner, name, fn)
+
+
+def trace_steps(s: _Setup, steps: int) -> dict[str, dict[str, float]]:
+    """The engine's steps and the bare loop's, traced (module docstring); median us per interval."""
+    from kvledger.executors.backend import backend_class
+
+    out: dict[str, dict[str, float]] = {}
+    for name, side_cls in (("engine", _EngineSide), ("bare", _BareSide)):
+        trace = _Trace()
+        side = side_cls(s)  # (built and warmed up before the patching: nothing traced yet)
+        patched = _Patched(trace, backend_class(s.backend))
+        s.mark = trace.mark
+        try:
+            side.trace(trace, steps)
+        finally:
+            s.mark = None
+            patched.close()
+            side.close()
+        out[name] = trace.intervals()
+    return out
+
+
 # ---------------------------------------------------------------------- the run
 
 
-def run(quick: bool, device: str = "cpu", backend: str | None = None) -> dict:
+def run(quick: bool, device: str = "cpu", backend: str | None = None, trace: bool = True) -> dict:
     try:
         import anyio  # noqa: F401
         import torch
@@ -403,6 +546,7 @@ def run(quick: bool, device: str = "cpu", backend: str | None = None) -> dict:
             "checkpoint": lambda: _CheckpointSide(s),
         }
         t = {name: v * 1e6 for name, v in timed_segments(sides, segments, k, repeats).items()}
+        traced = trace_steps(s, 200 if quick else 500) if (trace and s.cuda) else {}
     finally:
         torch.set_num_threads(threads)
     executor_own = t["executor"] - t["copies"] - t["clear"]
@@ -415,8 +559,12 @@ def run(quick: bool, device: str = "cpu", backend: str | None = None) -> dict:
         "overhead_minus_bare_us": t["engine"] - t["bare"], "target_us": target,
         "ledger_us": t["ledger"], "copies_us": t["copies"], "clear_checked_us": t["clear"],
         "run_job_us": t["executor"], "executor_own_us": executor_own, "machinery_us": machinery,
-        "checkpoint_us": t["checkpoint"],
+        "checkpoint_us": t["checkpoint"], "card": s.card,
+        "executor_own_minus_bare_us": executor_own - t["bare"],
     }
+    for side_name, iv in traced.items():
+        for key, us in iv.items():
+            figures[f"trace_{side_name}_{key}_us"] = us
     rows = [
         ("run_step wall - graph time (engine overhead)", f"{t['engine']:.1f}"),
         ("the same graph called bare, waited for the same way", f"{t['bare']:.1f}"),
@@ -425,16 +573,20 @@ def run(quick: bool, device: str = "cpu", backend: str | None = None) -> dict:
         ("  the executor's run_job (copies + clear + its own work)", f"{t['executor']:.1f}"),
         ("    input copies (host side)", f"{t['copies']:.1f}"),
         ("    the clear (the backend's clear_checked, host side)", f"{t['clear']:.1f}"),
-        ("    executor bookkeeping (the rest of run_job)", f"{executor_own:.1f}"),
+        ("    executor bookkeeping (the rest of run_job: graph, wait, outcome)", f"{executor_own:.1f}"),
+        ("      of it beyond the bare loop's graph + wait", f"{executor_own - t['bare']:.1f}"),
         ("  engine machinery (hand-off to the ranks and back, records, hooks)", f"{machinery:.1f}"),
         ("one anyio.lowlevel.checkpoint() (a cancellation point)", f"{t['checkpoint']:.1f}"),
     ]
     print_table(
-        f"the step path by phase, us per step ({device}, backend {s.backend}, 1 rank, {PLANES} planes x "
+        f"the step path by phase on {s.card}, us per step ({device}, backend {s.backend}, 1 rank, {PLANES} planes x "
         f"{NUM_PAGES} x {s.page_bytes // 1024} KiB pages, {CLEAR} pages cleared per step, one "
         f"{COPY_BYTES // 1024} KiB input copy, a trivial graph; best of {repeats} per segment)",
         ["phase", "us per step"], rows,
     )
+    for side_name, iv in traced.items():
+        print_table(f"{side_name} step traced on {s.card} (host timestamps, median us per step; wrappers add a "
+                    "few tenths of a us per mark)", ["interval", "us"], [(k, f"{v:.1f}") for k, v in iv.items()])
     return figures
 
 
@@ -444,7 +596,7 @@ def _arg(name: str) -> str | None:
 
 if __name__ == "__main__":
     dev = _arg("--device") or "cpu"
-    figs = run("--quick" in sys.argv, dev, _arg("--backend"))
+    figs = run("--quick" in sys.argv, dev, _arg("--backend"), trace="--no-trace" not in sys.argv)
     out = _arg("--json")
     if out is not None:
         with open(out, "w", encoding="utf-8") as f:

@@ -1,4 +1,4 @@
-"""The layout-8 wire: PREPARE codec costs, and a step's round trips over TCP.
+"""The layout-9 wire: PREPARE codec costs, and a step's round trips over TCP.
 
 Part 1, codec (one process, no I/O), for clear lists of 16, 1,024 and 16,384 ids:
 
@@ -163,10 +163,14 @@ async def _peer(port: int, rank: int, world: int, echo: bool, size: int) -> None
         pass
 
 
-def _spawn(port: int, world: int, echo: bool, size: int) -> list:
+def _spawn(port: int, world: int, echo: bool, size: int, key: bytes = b"") -> list:
+    """Peer processes; the job's wire key goes to them in $KVLEDGER_WIRE_KEY, as torchrun would pass it."""
+    from kvledger.wire import KEY_ENV, key_to_text
+
     args = [sys.executable, os.path.abspath(__file__), "--peer", "--port", str(port), "--world", str(world),
             "--size", str(size)] + (["--echo"] if echo else [])
-    return [subprocess.Popen(args + ["--rank", str(r)], stdout=subprocess.DEVNULL) for r in range(1, world)]
+    env = {**os.environ, KEY_ENV: key_to_text(key)} if key else None
+    return [subprocess.Popen(args + ["--rank", str(r)], stdout=subprocess.DEVNULL, env=env) for r in range(1, world)]
 
 
 async def _round_trips(world: int, rounds: int, batch: int) -> dict:
@@ -186,7 +190,7 @@ async def _round_trips(world: int, rounds: int, batch: int) -> dict:
         host, port = await leader.listen_tcp()
         listener = await listen_tcp()
         _, eport = listener_address(listener)
-        procs += _spawn(port, world, False, size)
+        procs += _spawn(port, world, False, size, leader.key)
         procs += _spawn(eport, world, True, size)
         echo_streams = []
         async with listener:
@@ -292,7 +296,7 @@ def _round_trip_figures(rounds: int) -> dict:
     figures["rtt_ids"] = RTT_IDS
     figures["rtt_ranks"] = "processes (leader in the bench process, one OS process per peer), loopback TCP"
     print_table(
-        f"A step over loopback TCP, layout 8 ({RTT_IDS} ids; peers are OS processes): handshake = PREPARE -> "
+        f"A step over loopback TCP, layout 9 ({RTT_IDS} ids; peers are OS processes): handshake = PREPARE -> "
         "READY from all -> LAUNCH queued; step = handshake, then COMPLETE from all",
         ["ranks", "frame B", "steps", "handshake p50 us", "p99 us", "step p50 us", "p99 us", "echo p50 us",
          "p99 us", "hs/echo p50", "p99", "step/2 echo p50"],

@@ -1,4 +1,4 @@
-"""Tensor-parallel ranks in separate processes, over the layout-8 wire.
+"""Tensor-parallel ranks in separate processes, over the layout-9 wire.
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 examples/tp_ranks.py --steps 40
     (torchrun --standalone --nproc-per-node 4 ..., same thing; --standalone picks a free
@@ -11,9 +11,19 @@ sends each sealed step's plan to the other ranks in PREPARE frames. The ranks fi
 each other only through torch.distributed's rendezvous store: the leader listens
 on TCP and publishes its address there; peers read it and connect.
 
+A rank counts only once it proved the job's key (kvledger.wire.auth). The key is
+``$KVLEDGER_WIRE_KEY`` (hex) when set, on every rank: torchrun passes the
+environment on, and on several hosts set it to the same secret on each. Without
+it the leader makes a fresh key for the job and hands it over through the same
+rendezvous store that carries its address. That store has no authentication of
+its own (anyone who can reach MASTER_PORT can read it): on a network you do not
+trust, set the variable from a secret store instead.
+
     rank 0 (leader)                               rank r (peer)
     ───────────────                               ─────────────
-    store <- "kvledger/wire/leader" = host:port   store.get(...) -> connect, HELLO
+    store <- "kvledger/wire/key" = the job's key  (unless $KVLEDGER_WIRE_KEY is set)
+    store <- "kvledger/wire/leader" = host:port   store.get(...) -> connect, HELLO,
+                                                  prove the key (CHALLENGE / AUTH)
     ledger: alias / release / reserve / commit
     plan = ledger.seal_step(k)
     run_step(plan, payload) ── PREPARE ─────────► validate ─► READY
@@ -58,7 +68,7 @@ import msgspec
 import structlog
 
 from kvledger import Geometry, Ledger, OutOfPagesError
-from kvledger.wire import connect_tcp, open_leader, run_peer
+from kvledger.wire import connect_tcp, key_from_env, key_from_text, key_to_text, new_key, open_leader, run_peer
 
 NAN = 0x7F  # float8_e4m3fn NaN (so is 0xFF)
 KEY = "kvledger/wire/"
@@ -206,10 +216,23 @@ class Workload:
         self.ledger.abort_step(step, reason)  # the clear list is carried into the next step
 
 
+def job_key(store, rank: int) -> bytes:
+    """The job's wire key: $KVLEDGER_WIRE_KEY on every rank when it is set; otherwise rank 0 makes
+    one and puts it in the rendezvous store, and the other ranks read it there."""
+    key = key_from_env()
+    if key is not None:
+        return key
+    if rank == 0:
+        key = new_key()
+        store.set(KEY + "key", key_to_text(key))
+        return key
+    return key_from_text(store.get(KEY + "key").decode(), "the rendezvous store's wire key")
+
+
 async def lead(args, store, world: int, me: RankState, g: Geometry) -> dict:
     work = Workload(g, args.seed)
     decisions = []
-    async with open_leader(g, world_size=world) as leader:
+    async with open_leader(g, world_size=world, key=job_key(store, 0)) as leader:
         host, port = await leader.listen_tcp(args.host, 0)
         store.set(KEY + "leader", f"{host}:{port}")
         with anyio.fail_after(args.join_timeout):
@@ -242,11 +265,12 @@ async def lead(args, store, world: int, me: RankState, g: Geometry) -> dict:
 
 
 async def follow(args, store, rank: int, world: int, me: RankState, g: Geometry) -> dict:
-    host, port = store.get(KEY + "leader").decode().rsplit(":", 1)
+    host, port = store.get(KEY + "leader").decode().rsplit(":", 1)  # (the key is set before the address)
+    key = job_key(store, rank)
     with anyio.fail_after(args.join_timeout):
         stream = await connect_tcp(host, int(port))
     return await run_peer(
-        stream, g, rank=rank, world_size=world, on_launch=me.on_launch, on_drop=me.on_drop,
+        stream, g, rank=rank, world_size=world, key=key, on_launch=me.on_launch, on_drop=me.on_drop,
         hello_timeout=args.join_timeout,
     )
 

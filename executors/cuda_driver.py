@@ -49,7 +49,9 @@ __all__ = [
     "event_create",
     "event_query",
     "event_record",
+    "event_record_external",
     "event_synchronize",
+    "graph_instantiate",
     "graph_launch",
     "launch_kernel",
     "mem_create",
@@ -65,6 +67,8 @@ __all__ = [
     "pop_context",
     "push_primary_context",
     "set_access",
+    "stream_begin_capture",
+    "stream_end_capture",
     "stream_synchronize",
     "stream_wait_event",
 ]
@@ -104,6 +108,7 @@ def driver() -> Any:
 
 _C: Any = None  # libcuda's hot functions through ctypes (cuda_direct.load), False when off or unavailable
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY
+_EVENT_RECORD_EXTERNAL = 1  # CU_EVENT_RECORD_EXTERNAL
 _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
 
 
@@ -323,6 +328,40 @@ def launch_kernel(function: Any, grid: int, threads: int, shared: int, stream: A
         raise CudaDriverError("cuLaunchKernel", None, "RuntimeError", str(exc)) from None
     if err:
         raise _fail("cuLaunchKernel", err, f"grid={grid} threads={threads} shared={shared}")
+
+
+def stream_begin_capture(stream: Any) -> None:
+    """Begin capturing ``stream`` (a CUstream) into a graph, thread-local mode: work enqueued on it
+    is recorded, not run, until :func:`stream_end_capture`; other threads are not affected."""
+    d = _D if _initialised else driver()
+    _checked("cuStreamBeginCapture", stream, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+
+
+def stream_end_capture(stream: Any, *, discard: bool = False) -> Any:
+    """End the capture of ``stream``; the captured ``CUgraph``. ``discard``: after a failure inside
+    the capture, end it and drop what it holds, raising nothing."""
+    if discard:
+        d = _D if _initialised else driver()
+        try:
+            err, graph = d.cuStreamEndCapture(stream)
+            if not err and graph:
+                d.cuGraphDestroy(graph)
+        except Exception:  # noqa: BLE001  (already failing: the first error is the one to report)
+            pass
+        return None
+    return _checked("cuStreamEndCapture", stream)
+
+
+def graph_instantiate(graph: Any) -> Any:
+    """An executable graph (``CUgraphExec``) for a captured ``CUgraph``."""
+    return _checked("cuGraphInstantiate", graph, 0)
+
+
+def event_record_external(event: Any, stream: Any) -> None:
+    """Inside a stream capture: an event record node for ``event`` (``CU_EVENT_RECORD_EXTERNAL``),
+    so that each replay of the graph records it where the capture put it (a plain record there
+    only orders the capture's own streams)."""
+    _checked("cuEventRecordWithFlags", event, stream, _EVENT_RECORD_EXTERNAL)
 
 
 def graph_launch(graph_exec: Any, stream: Any) -> None:

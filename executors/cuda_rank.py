@@ -15,6 +15,11 @@ Host costs that shaped this (the H200 host, 2026-12-02, median per call): torch'
 new Stream object each time), the switch here 0.5 to 1 us; ``dst.copy_(src,
 non_blocking=True)`` 7 us (18 us inside torch's stream context), one driver copy 2.9 us.
 
+A pair found plain is remembered (the last few pairs, by identity, the tensors held): the
+next step's copy of the same pair re-reads only both addresses, byte counts and
+contiguity (what an in-place ``resize_`` or ``set_`` could change) instead of every
+property, about 2 us less on the H200 host.
+
 The direct copy is taken for a pair of plain tensors (not subclasses) of one dtype (not
 complex) and one shape, both contiguous, neither requiring grad, the destination on the
 rank's device and the source on the host or on that device: exactly what ``copy_`` would
@@ -34,6 +39,8 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["CudaRank", "StreamSwitch"]
+
+_KNOWN_PAIRS = 16  # plain pairs remembered per rank (forgotten all at once past it)
 
 
 class StreamSwitch:
@@ -85,7 +92,7 @@ class CudaRank:
     ``stream`` None: the device's current stream now is the model stream."""
 
     __slots__ = ("stream", "index", "switch", "done", "marks", "driver_copies", "_tensor", "_cu", "_htod", "_dtod",
-                 "_threads")
+                 "_threads", "_known")
 
     def __init__(self, device: Any, stream: Any, *, sanitize: bool, timings: bool) -> None:
         import torch
@@ -103,6 +110,7 @@ class CudaRank:
         self.driver_copies = 0  # input copies made by the driver (the rest went through copy_)
         self._cu: Any = None  # the model stream as a CUstream, when the driver copies can be used
         self._threads: set[int] = set()  # threads seen with the rank's context current (checked once each)
+        self._known: dict[tuple[int, int], tuple[Any, Any, int, bool]] = {}  # plain pairs: (src, dst, bytes, dtod)
         try:
             from . import cuda_driver
 
@@ -116,12 +124,23 @@ class CudaRank:
         """Enqueue every ``(src, dst)`` copy on the model stream, in order (module docstring).
         Call it under ``switch`` (torch's copies go to the current stream)."""
         direct = self._cu is not None and self._context_ok()
-        tensor = self._tensor
+        known = self._known
         for src, dst in copies:
-            if direct and type(src) is tensor and type(dst) is tensor and self._plain(src, dst):
-                n = dst.nbytes
+            if direct:
+                seen = known.get((id(src), id(dst)))
+                if (seen is not None and seen[0] is src and seen[1] is dst and src.nbytes == seen[2] == dst.nbytes
+                        and src.is_contiguous() and dst.is_contiguous()):
+                    n, on_device = seen[2], seen[3]
+                elif type(src) is self._tensor and type(dst) is self._tensor and self._plain(src, dst):
+                    n, on_device = dst.nbytes, src.is_cuda
+                    if len(known) >= _KNOWN_PAIRS:
+                        known.clear()
+                    known[(id(src), id(dst))] = (src, dst, n, on_device)
+                else:
+                    dst.copy_(src, non_blocking=True)
+                    continue
                 if n:
-                    if src.is_cuda:
+                    if on_device:
                         self._dtod(dst.data_ptr(), src.data_ptr(), n, self._cu)
                     else:
                         self._htod(dst.data_ptr(), src.data_ptr(), n, self._cu)

@@ -287,13 +287,41 @@ class RankExecutor:
         """The plan on the model stream: one stream switch around everything enqueued before
         the wait (``CudaRank.switch``, about 1 us); copies by the driver where they can be
         (``CudaRank.copy_all``); events only where asked for (``timings``) or needed
-        (completion, the check)."""
+        (completion, the check). The usual step (no timings, no sanitizer) takes a path of
+        its own, inline: about a microsecond less of host work on the H100 host."""
         plan, inputs = job.plan, job.inputs
         backend = self.backend
         sanitize = self.sanitize and backend is not None
         marks = cu.marks
         stream = cu.stream
         graph = self.graph
+        if marks is None and not sanitize:  # the usual step: copies, clear, graph, one event
+            try:
+                with cu.switch:
+                    if inputs.copies:
+                        cu.copy_all(inputs.copies)
+                    clear_list = plan.clear_list
+                    if clear_list:
+                        h0 = time.perf_counter()
+                        if backend is None:
+                            checks.page_ids(clear_list, self.num_pages)
+                        elif job.checked:
+                            backend.clear_checked(clear_list)  # (a sealed plan's tuple)
+                        else:
+                            backend.clear(clear_list)
+                        clear_host = time.perf_counter() - h0
+                    else:
+                        clear_host = 0.0
+                    result = graph(self.context, plan.step, inputs) if graph is not None else None
+            except Exception:
+                await anyio.lowlevel.cancel_shielded_checkpoint()  # (the step yields, failed or not)
+                raise
+            if result is not None and inspect.isawaitable(result):
+                await result
+            cu.done.record(stream)
+            await wait_cuda_event(cu.done)
+            return RankTiming(rank=self.rank, copies_s=0.0, clear_s=0.0, graph_s=0.0,
+                              total_s=time.perf_counter() - t0, clear_host_s=clear_host), ()
         try:
             result, check, clear_host = self._enqueue_cuda(cu, job, sanitize)
         except Exception:

@@ -45,7 +45,7 @@ class ListSlot:
     address at which a kernel reads the host row itself (pinned memory is mapped; None where
     the driver says it is not)."""
 
-    __slots__ = ("host", "host_np", "host_ptr", "host_dptr", "device", "dptr", "done", "copied", "used")
+    __slots__ = ("host", "host_np", "host_ptr", "host_dptr", "device", "dptr", "done", "copied", "used", "graphs")
 
     def __init__(self, torch: Any, words: int, device: Any) -> None:
         self.host = torch.zeros(words, dtype=torch.int32, pin_memory=True)
@@ -57,6 +57,7 @@ class ListSlot:
         self.done = cuda_driver.event_create()
         self.copied = cuda_driver.event_create()
         self.used = False
+        self.graphs: dict[int, Any] = {}  # a user's graphs that read this row (TritonClearBackend.graph_clear)
 
 
 class ListRing:
@@ -72,6 +73,20 @@ class ListRing:
 
     def __len__(self) -> int:
         return len(self._slots)
+
+    def slots(self) -> tuple[ListSlot, ...]:
+        """Every slot, for set-up work on the rows (nothing is taken)."""
+        return tuple(self._slots)
+
+    def try_acquire(self) -> ListSlot | None:
+        """The next slot if it is free for reuse, else None (the ring never grows here)."""
+        i = self._next
+        slot = self._slots[i]
+        if slot.used and not cuda_driver.event_query(slot.done):
+            return None
+        self._next = (i + 1) % len(self._slots)
+        slot.used = True
+        return slot
 
     def acquire(self) -> ListSlot:
         """The next slot free for reuse (its ``done`` event completed); a new one if it is busy."""

@@ -1,13 +1,21 @@
 """The Triton kernels of the GPU backends, apart from their host launchers.
 
     fill_pages_kernel    every listed page of every plane := FILL (0: the clear;
-                         -1, all bytes 0xFF: the sanitizer's poison)
+                         -1, all bytes 0xFF: the sanitizer's poison); the list in
+                         device memory
+    param_fill_kernel(k) the same fill with the list in the kernel's parameters
+                         (``count`` and ``k`` id slots): no copy, no list memory; the
+                         ids are read from the constant bank (generated source, one
+                         kernel per ``k``)
     verify_pages_kernel  the sanitizer's check: listed pages all zero, committed
                          pages free of poison; violations appended to a small
                          device buffer with one atomic per violating (plane, page)
 
-Both read their page lists from device memory (``count`` first, then the ids), so
-one launch, captured once in a CUDA graph, handles whatever the host staged.
+``fill_pages_kernel`` and the check read their page lists from device memory
+(``count`` first, then the ids), so one launch, captured once in a CUDA graph,
+handles whatever the host staged; ``param_fill_kernel(k)`` takes up to ``k`` ids
+by value, for eager clears of short lists (the driver copies parameters at the
+launch call, so the host may reuse its buffer at once).
 Every kernel has a plain torch reference it is tested against on random data
 (``kvledger.executors.sanitize`` for the check, ``plane[ids] = value`` for the fill).
 
@@ -23,6 +31,8 @@ compiler can prove alignment and store 16 bytes per thread per instruction.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import linecache
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,7 +42,9 @@ import triton.language as tl
 __all__ = [
     "FillConfig",
     "PlaneTables",
+    "PARAM_SLOTS",
     "fill_pages_kernel",
+    "param_fill_kernel",
     "plane_tables",
     "verify_pages_kernel",
     "VERIFY_BLOCK",
@@ -100,6 +112,102 @@ def fill_pages_kernel(
                         tl.store(dst + offs, values)
                 else:
                     tl.store(dst + offs, values, mask=offs < length)
+
+
+# --------------------------------------------------------------------------- ids by value
+
+PARAM_SLOTS = (16, 32, 64, 128)  # the id slots a generated kernel may have (its list's most ids)
+
+_PARAM_SOURCE = """\
+def {name}(
+    anchor_ptr,  # as fill_pages_kernel's
+    delta_ptr,
+    stride_ptr,
+    length_ptr,
+    num_planes,
+    chunks,
+    count,  # ids listed (<= {k}); the slots after them are ignored
+    {ids},
+    FILL: tl.constexpr,
+    DTYPE: tl.constexpr,
+    EPU: tl.constexpr,
+    BLOCK: tl.constexpr,
+    EVEN: tl.constexpr,
+    CHUNKED: tl.constexpr,
+    PLANE_MAJOR: tl.constexpr,
+    STREAMING: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    tasks = count * num_planes
+    lane = tl.arange(0, BLOCK)
+    values = tl.full([BLOCK], FILL, DTYPE)
+    anchor = anchor_ptr.to(tl.pointer_type(DTYPE))
+    total = tasks * chunks if CHUNKED else tasks
+    for item in range(pid, total, nprog):
+        if CHUNKED:
+            task = item // chunks
+            first = (item - task * chunks) * BLOCK
+        else:
+            task = item
+            first = 0
+        if PLANE_MAJOR:
+            plane = task // count
+            slot = task - plane * count
+        else:
+            slot = task // num_planes
+            plane = task - slot * num_planes
+        page = i0
+{select}
+        page = page.to(tl.int64)
+        delta = tl.load(delta_ptr + plane) * EPU
+        stride = tl.load(stride_ptr + plane) * EPU
+        dst = anchor + (delta + page * stride)
+        if CHUNKED:
+            if STREAMING:
+                tl.store(dst + first + lane, values, cache_modifier=".cs")
+            else:
+                tl.store(dst + first + lane, values)
+        else:
+            length = tl.load(length_ptr + plane).to(tl.int32) * EPU
+            for start in range(0, length, BLOCK):
+                offs = start + lane
+                if EVEN:
+                    if STREAMING:
+                        tl.store(dst + offs, values, cache_modifier=".cs")
+                    else:
+                        tl.store(dst + offs, values)
+                else:
+                    tl.store(dst + offs, values, mask=offs < length)
+"""
+
+
+@functools.cache
+def param_fill_kernel(k: int) -> Any:
+    """The fill kernel with the page list in its parameters: ``count`` then ``k`` int32 id slots.
+
+    Its arguments are ``fill_pages_kernel``'s with ``meta_ptr`` replaced by ``count, i0 ..
+    i{k-1}``; the constexprs are the same (``fill_constants``). Each work item picks its
+    page id from the slots with a chain of ``k - 1`` selects on the slot number (parameters
+    live in the constant bank, which a kernel cannot index at run time in Triton): cheap
+    next to the 16-byte stores of a page, and the reason ``k`` stays small. Generated from
+    one source text per ``k`` (``PARAM_SLOTS``), registered with ``linecache`` so that
+    Triton (and its interpreter) can read it like a file's. Every integer argument is
+    left unspecialized: one compiled kernel serves every list.
+    """
+    if k not in PARAM_SLOTS:
+        raise ValueError(f"k must be one of {PARAM_SLOTS}, got {k!r}")
+    name = f"param_fill_kernel_{k}"
+    ids = [f"i{j}" for j in range(k)]
+    select = "\n".join(f"        page = tl.where(slot == {j}, i{j}, page)" for j in range(1, k))
+    src = _PARAM_SOURCE.format(name=name, k=k, ids=", ".join(ids), select=select)
+    filename = f"<kvledger {name}>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    namespace: dict[str, Any] = {"tl": tl, "triton": triton, "__name__": __name__}
+    exec(compile(src, filename, "exec"), namespace)  # noqa: S102  (our own template, no input in it)
+    fn = namespace[name]
+    fn.__module__ = __name__
+    return triton.jit(do_not_specialize=["num_planes", "chunks", "count", *ids])(fn)
 
 
 @triton.jit(do_not_specialize=["num_planes", "max_out"])

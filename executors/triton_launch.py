@@ -52,10 +52,13 @@ class DirectLaunch:
 
     ``args``: every runtime argument in order (tensors or ints for pointers, ints
     for integers), as the kernel was compiled for. :meth:`set_pointer` changes a
-    pointer argument (by runtime index) before a launch.
+    pointer argument (by runtime index) before a launch. ``block_from``: the runtime
+    arguments from that index on (all int32) live side by side in one ctypes array,
+    :attr:`block`, which a caller fills with one ``struct.pack_into`` per launch (the
+    page lists that travel by value: ``triton_kernels.param_fill_kernel``).
     """
 
-    def __init__(self, compiled: Any, args: Sequence[Any]) -> None:
+    def __init__(self, compiled: Any, args: Sequence[Any], *, block_from: int | None = None) -> None:
         md = compiled.metadata
         unsupported = [
             what for what, bad in (
@@ -75,9 +78,18 @@ class DirectLaunch:
         if len(runtime) != len(args):
             raise ConfigurationError(f"kernel {compiled.name} takes {len(runtime)} runtime arguments "
                                      f"({runtime}), got {len(args)}")
-        self._values: list[Any] = [_cvalue(sig[n], a, n) for n, a in zip(runtime, args, strict=True)]
-        self._values += [ctypes.c_uint64(0), ctypes.c_uint64(0)]  # global_scratch, profile_scratch
-        self._array = (ctypes.c_void_p * len(self._values))(*[ctypes.addressof(v) for v in self._values])
+        cut = len(runtime) if block_from is None else block_from
+        self._values: list[Any] = [_cvalue(sig[n], a, n) for n, a in zip(runtime[:cut], args[:cut], strict=True)]
+        tail = runtime[cut:]
+        if any(sig[n] != "i32" for n in tail):
+            raise ConfigurationError(f"kernel {compiled.name}: the block arguments must all be int32, got "
+                                     f"{[sig[n] for n in tail]}")
+        self.block = (ctypes.c_int32 * max(1, len(tail)))(*[int(a) for a in args[cut:]])
+        addrs = [ctypes.addressof(v) for v in self._values]
+        addrs += [ctypes.addressof(self.block) + 4 * i for i in range(len(tail))]
+        self._scratch = [ctypes.c_uint64(0), ctypes.c_uint64(0)]  # global_scratch, profile_scratch
+        addrs += [ctypes.addressof(v) for v in self._scratch]
+        self._array = (ctypes.c_void_p * len(addrs))(*addrs)
         self.params = ctypes.addressof(self._array)
         self.function = cuda_driver.as_cufunction(compiled.function)
         self.threads = 32 * md.num_warps

@@ -1,7 +1,8 @@
-"""kvledger.wire: tensor-parallel PREPARE/READY/LAUNCH/COMPLETE over layout-8 frames.
+"""kvledger.wire: tensor-parallel PREPARE/READY/LAUNCH/COMPLETE over layout-9 frames.
 
     frames       the frame values and codes (small frozen msgspec Structs)
     codec        their byte layout and the encoders (``struct``, CRC32, golden bytes)
+    auth         the handshake's proof of the job's key (HMAC-SHA256), what it protects and what not
     decoder      bytes -> frames (incremental, checked) and the PREPARE page-id check
     protocol     the handshake's overview, the events links hand out, the link base
     peer         PeerLink: a peer's end of its link (pure state machine)
@@ -10,6 +11,7 @@
     completion   Completions: which peers completed which launched step (pure)
     transport    in-process memory pipes and anyio TCP streams       (loaded on first use)
     rank         the leader's driver: open_leader / WireLeader.run_step, wait_completed  (same)
+    admission    the leader's door: deadlines and a cap on unproven links, pins, accept errors (same)
     peer_driver  the peer's driver: run_peer                                          (same)
 
 Importing this package loads only the sans-I/O half (msgspec, no anyio, no
@@ -19,11 +21,14 @@ when one of their names is first used. Never torch, triton or CUDA.
 
 from typing import TYPE_CHECKING
 
+from .auth import INSECURE_TEST_KEY, KEY_ENV, key_from_env, key_from_text, key_to_text, new_key, new_nonce
 from .codec import (
     FLAG_SANITIZE,
     LAYOUT,
     NO_RANK,
     Abort,
+    Auth,
+    Challenge,
     Complete,
     FrameKind,
     Hello,
@@ -89,9 +94,13 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "FLAG_SANITIZE",
+    "INSECURE_TEST_KEY",
+    "KEY_ENV",
     "LAYOUT",
     "NO_RANK",
     "Abort",
+    "Auth",
+    "Challenge",
     "Complete",
     "Completed",
     "Completions",
@@ -109,6 +118,11 @@ __all__ = [
     "encode",
     "encode_prepare",
     "geometry_digest",
+    "key_from_env",
+    "key_from_text",
+    "key_to_text",
+    "new_key",
+    "new_nonce",
     "page_ids_problem",
     "NEED_DATA",
     "Answered",

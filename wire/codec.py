@@ -1,4 +1,4 @@
-"""The wire codec, layout 8: the frames, their byte layout, and the encoders. No I/O.
+"""The wire codec, layout 9: the frames, their byte layout, and the encoders. No I/O.
 
 Every frame is a fixed 24-byte header followed by ``body_len`` bytes of body.
 All integers are little-endian; page ids are unsigned 32-bit.
@@ -6,11 +6,12 @@ All integers are little-endian; page ids are unsigned 32-bit.
     offset  size  field
     ------  ----  -----------------------------------------------------------
          0     4  magic       b"KVLW"
-         4     1  layout      8 (a layout-7 rank sends no COMPLETE and has no
+         4     1  layout      9 (a layout-8 rank cannot prove the job's key, a
+                              layout-7 one sends no COMPLETE and has no
                               sanitizer lists, a layout-6 one no clear list:
-                              both refused at HELLO)
+                              all refused at HELLO)
          5     1  kind        FrameKind: 1 HELLO 2 PREPARE 3 READY 4 REJECT
-                              5 ABORT 6 LAUNCH 7 COMPLETE
+                              5 ABORT 6 LAUNCH 7 COMPLETE 8 CHALLENGE 9 AUTH
          6     2  flags       bit 0 SANITIZE (PREPARE only); every other bit,
                               and any bit on another kind, must be 0
          8     4  body_len    bytes after the header (checked against the
@@ -28,8 +29,12 @@ All integers are little-endian; page ids are unsigned 32-bit.
 
 Bodies (``<`` little-endian ``struct`` formats):
 
-    HELLO     <II32s  rank, world_size, geometry digest (BLAKE2b-256 of the
-                      page geometry; ``geometry_digest``)                 40 B
+    HELLO     <II32s32s  rank, world_size, geometry digest (BLAKE2b-256 of
+                      the page geometry; ``geometry_digest``), the sender's
+                      handshake nonce (new in layout 9)                    72 B
+    CHALLENGE <32s32s the leader's nonce, its proof of the job's key
+                      (HMAC-SHA256; ``kvledger.wire.auth``)  new in 9      64 B
+    AUTH      <I32s   rank, its proof of the job's key       new in 9      36 B
     PREPARE   <II     n_ids, payload_len, then n_ids x u32 page ids, then
                       payload_len opaque payload bytes  (body_len must be
                       exactly 8 + 4 * n_ids + payload_len)             >= 8 B
@@ -50,11 +55,16 @@ Bodies (``<`` little-endian ``struct`` formats):
 LAUNCH is the commit frame layout 7 added to SPEC's five (see
 ``kvledger.wire.protocol`` for why a READY alone cannot be the commit point);
 COMPLETE, new in layout 8, is a peer's report that it ran a launched step
-(its clears and graph done, or failed).
+(its clears and graph done, or failed). CHALLENGE and AUTH, new in layout 9,
+make the handshake a proof of the job's shared key in both directions
+(``kvledger.wire.auth`` has the MACs and what they protect; ``protocol`` the
+exchange). A layout change is a versioned decision: the golden bytes in
+``tests/wire/test_wire_codec.py`` change with it, and a rank of another layout
+is refused at its first frame.
 
 Why a layout-7 rank cannot take a sanitizer PREPARE for a plain one (it refuses,
 it never ignores the poison list): three checks of its own decoder stand in the
-way, each enough alone. The layout byte is 8, not 7 (BAD_LAYOUT; HELLO already
+way, each enough alone. The layout byte is 9, not 7 (BAD_LAYOUT; HELLO already
 keeps such a rank out of the group). Relabelled 7, the SANITIZE bit is a
 reserved flag (BAD_FLAGS). With the bit cleared too, its body arithmetic
 ``8 + 4 * n_ids + payload_len`` misses ``body_len`` by 8 + 4 * (n_poison +
@@ -82,7 +92,11 @@ from ..core.events import Geometry
 from .frames import (
     LAYOUT,
     NO_RANK,
+    NONCE_BYTES,
+    PROOF_BYTES,
     Abort,
+    Auth,
+    Challenge,
     Complete,
     Frame,
     FrameKind,
@@ -101,6 +115,8 @@ __all__ = [
     "HEADER",
     "HEADER_SIZE",
     "NO_RANK",
+    "NONCE_BYTES",
+    "PROOF_BYTES",
     "FLAG_SANITIZE",
     "MAX_DETAIL_BYTES",
     "DEFAULT_MAX_BODY",
@@ -108,6 +124,8 @@ __all__ = [
     "FrameKind",
     "RejectCode",
     "Hello",
+    "Challenge",
+    "Auth",
     "Prepare",
     "Ready",
     "Reject",
@@ -135,7 +153,9 @@ DEFAULT_MAX_BODY = 8 << 20  # 8 MiB: two million page ids
 DEFAULT_MAX_PAYLOAD = 1 << 20  # what a peer accepts in one PREPARE's payload unless told otherwise
 
 # Body layouts, shared with decoder.py.
-HELLO_BODY = struct.Struct("<II32s")
+HELLO_BODY = struct.Struct("<II32s32s")
+CHALLENGE_BODY = struct.Struct("<32s32s")
+AUTH_BODY = struct.Struct("<I32s")
 PREPARE_COUNTS = struct.Struct("<II")
 SANITIZE_COUNTS = struct.Struct("<IIII")
 READY_BODY = struct.Struct("<II")
@@ -267,12 +287,27 @@ def _detail_bytes(detail: str) -> bytes:
     return raw
 
 
+def _fixed_bytes(value: object, size: int, what: str) -> bytes:
+    if type(value) is not bytes or len(value) != size:
+        raise InvalidArgumentError(f"{what} must be {size} bytes, got {value!r}")
+    return value
+
+
 def _enc_hello(f: Hello) -> bytes:
-    digest = f.geometry_digest
-    if type(digest) is not bytes or len(digest) != 32:
-        raise InvalidArgumentError(f"geometry_digest must be 32 bytes, got {digest!r}")
-    body = HELLO_BODY.pack(_uint(f.rank, _U32, "rank"), _uint(f.world_size, _U32, "world_size"), digest)
+    digest = _fixed_bytes(f.geometry_digest, 32, "geometry_digest")
+    nonce = _fixed_bytes(f.nonce, NONCE_BYTES, "nonce")
+    body = HELLO_BODY.pack(_uint(f.rank, _U32, "rank"), _uint(f.world_size, _U32, "world_size"), digest, nonce)
     return encode_frame(FrameKind.HELLO, f.step, body, layout=_uint(f.layout, 0xFF, "layout"))
+
+
+def _enc_challenge(f: Challenge) -> bytes:
+    body = CHALLENGE_BODY.pack(_fixed_bytes(f.nonce, NONCE_BYTES, "nonce"), _fixed_bytes(f.proof, PROOF_BYTES, "proof"))
+    return encode_frame(FrameKind.CHALLENGE, f.step, body)
+
+
+def _enc_auth(f: Auth) -> bytes:
+    body = AUTH_BODY.pack(_uint(f.rank, _U32, "rank"), _fixed_bytes(f.proof, PROOF_BYTES, "proof"))
+    return encode_frame(FrameKind.AUTH, f.step, body)
 
 
 def _enc_prepare(f: Prepare) -> bytes:
@@ -314,6 +349,8 @@ def _enc_complete(f: Complete) -> bytes:
 
 _ENCODERS: dict[type, Callable[..., bytes]] = {
     Hello: _enc_hello,
+    Challenge: _enc_challenge,
+    Auth: _enc_auth,
     Prepare: _enc_prepare,
     Ready: _enc_ready,
     Reject: _enc_reject,

@@ -1,4 +1,4 @@
-"""The receiving half of the layout-8 codec: bytes in, frames out, checked. No I/O.
+"""The receiving half of the layout-9 codec: bytes in, frames out, checked. No I/O.
 
 The frame layout is drawn in ``kvledger.wire.codec`` (with the frame values
 and the encoders). Here:
@@ -10,7 +10,7 @@ and the encoders). Here:
 
 The decoder (``FrameDecoder``) is incremental: ``feed`` bytes as they come,
 ``next_frame`` returns a frame or ``None`` (need more bytes). Anything that is
-not a well-formed layout-8 frame raises ``FrameError`` (a ``WireProtocolError``
+not a well-formed layout-9 frame raises ``FrameError`` (a ``WireProtocolError``
 with ``remote=True`` and a ``RejectCode``) and leaves the decoder broken: a byte
 stream whose framing cannot be trusted is not resynchronised, it is closed.
 Nothing else escapes the decoder, whatever the bytes.
@@ -30,6 +30,8 @@ from ..core import checks
 from ..core.errors import FrameError, InvalidArgumentError
 from .codec import (
     ABORT_BODY,
+    AUTH_BODY,
+    CHALLENGE_BODY,
     COMPLETE_BODY,
     COMPLETE_FAILED,
     DEFAULT_MAX_BODY,
@@ -46,6 +48,8 @@ from .codec import (
     REJECT_BODY,
     SANITIZE_COUNTS,
     Abort,
+    Auth,
+    Challenge,
     Complete,
     Frame,
     FrameKind,
@@ -109,6 +113,8 @@ def _few(ids: Sequence[int], limit: int = 8) -> str:
 # Exact body size per kind (None: variable, at least _MIN_BODY).
 _FIXED_BODY: dict[int, int] = {
     FrameKind.HELLO: HELLO_BODY.size,
+    FrameKind.CHALLENGE: CHALLENGE_BODY.size,
+    FrameKind.AUTH: AUTH_BODY.size,
     FrameKind.READY: READY_BODY.size,
     FrameKind.ABORT: ABORT_BODY.size,
     FrameKind.LAUNCH: LAUNCH_BODY.size,
@@ -124,12 +130,23 @@ _FLAGS: dict[int, int] = {FrameKind.PREPARE: FLAG_SANITIZE}
 _OLD_LAYOUTS = {
     6: "a layout-6 rank has no clear list",
     7: "a layout-7 rank sends no COMPLETE and has no sanitizer lists",
+    8: "a layout-8 rank cannot prove the job's key",
 }
 
 
 def _dec_hello(step: int, body: bytes, layout: int, flags: int, crc: int) -> Hello:
-    rank, world, digest = HELLO_BODY.unpack(body)
-    return Hello(step=step, rank=rank, world_size=world, geometry_digest=digest, layout=layout)
+    rank, world, digest, nonce = HELLO_BODY.unpack(body)
+    return Hello(step=step, rank=rank, world_size=world, geometry_digest=digest, nonce=nonce, layout=layout)
+
+
+def _dec_challenge(step: int, body: bytes, layout: int, flags: int, crc: int) -> Challenge:
+    nonce, proof = CHALLENGE_BODY.unpack(body)
+    return Challenge(step=step, nonce=nonce, proof=proof)
+
+
+def _dec_auth(step: int, body: bytes, layout: int, flags: int, crc: int) -> Auth:
+    rank, proof = AUTH_BODY.unpack(body)
+    return Auth(step=step, rank=rank, proof=proof)
 
 
 def _bad_length(step: int, kind: int, detail: str) -> FrameError:
@@ -223,6 +240,8 @@ def _dec_complete(step: int, body: bytes, layout: int, flags: int, crc: int) -> 
 _Decoder = Callable[[int, bytes, int, int, int], Frame]
 _DECODERS: dict[int, _Decoder] = {
     FrameKind.HELLO: _dec_hello,
+    FrameKind.CHALLENGE: _dec_challenge,
+    FrameKind.AUTH: _dec_auth,
     FrameKind.PREPARE: _dec_prepare,
     FrameKind.READY: _dec_ready,
     FrameKind.REJECT: _dec_reject,
@@ -291,7 +310,7 @@ class FrameDecoder:
     def next_frame(self) -> Frame | None:
         """The next complete frame, or ``None`` if more bytes are needed (or the stream ended cleanly).
 
-        Raises ``FrameError`` for bytes that are not a well-formed layout-8 frame,
+        Raises ``FrameError`` for bytes that are not a well-formed layout-9 frame,
         and the same error on every later call (the stream must be closed).
         """
         if self.error is not None:

@@ -1,7 +1,7 @@
 """The wire's frame values and codes: small frozen msgspec Structs, no bytes. Pure.
 
     FrameKind    the header's kind byte      RejectCode   why something was refused
-    Hello  Prepare (+ Sanitize)  Ready  Reject  Abort  Launch  Complete
+    Hello  Challenge  Auth  Prepare (+ Sanitize)  Ready  Reject  Abort  Launch  Complete
 
 Their byte layout, the encoders and the constants of the header are in
 ``kvledger.wire.codec`` (which re-exports every name here); the decoder, which
@@ -17,10 +17,14 @@ import msgspec
 
 __all__ = [
     "LAYOUT",
+    "NONCE_BYTES",
+    "PROOF_BYTES",
     "NO_RANK",
     "FrameKind",
     "RejectCode",
     "Hello",
+    "Challenge",
+    "Auth",
     "Sanitize",
     "Prepare",
     "Ready",
@@ -31,7 +35,9 @@ __all__ = [
     "Frame",
 ]
 
-LAYOUT = 8  # the header's layout byte: 7 had no COMPLETE and no sanitizer lists
+LAYOUT = 9  # the header's layout byte: 8 had no key proof in the handshake, 7 no COMPLETE nor sanitizer lists
+NONCE_BYTES = 32  # a handshake nonce (HELLO, CHALLENGE)
+PROOF_BYTES = 32  # an HMAC-SHA256 proof of the job's key (CHALLENGE, AUTH)
 NO_RANK = 0xFFFFFFFF  # ABORT: no culprit rank
 
 
@@ -43,6 +49,8 @@ class FrameKind(IntEnum):
     ABORT = 5
     LAUNCH = 6
     COMPLETE = 7
+    CHALLENGE = 8  # layout 9: the leader's nonce and its proof of the job's key
+    AUTH = 9  # layout 9: the peer's proof of the job's key
 
 
 class RejectCode(IntEnum):
@@ -70,6 +78,8 @@ class RejectCode(IntEnum):
     PEER_LOST = 20  # ABORT: a rank's link closed or broke
     PEER_FAILED = 21  # a rank refused for a local reason (its executor, ...)
     UNSUPPORTED = 22  # the PREPARE asks for what this rank cannot do (sanitize mode, no sanitizer)
+    BAD_AUTH = 23  # handshake: no proof of the job's key (wrong key, a replayed handshake), or a pinned
+    #               rank connecting from another address
 
 
 # ---------------------------------------------------------------------------- frames
@@ -83,14 +93,42 @@ class Hello(_Frame, frozen=True):
     """Who is on this link: ``rank`` of ``world_size``, over the geometry ``geometry_digest``.
 
     ``step``: the leader's HELLO names the first step it will PREPARE; a peer's
-    names the step it expects (informational). ``layout`` is the header byte.
+    names the step it expects (informational). ``nonce``: the sender's fresh
+    handshake nonce (``NONCE_BYTES``; the leader's welcome HELLO repeats the one
+    of its CHALLENGE). ``layout`` is the header byte.
     """
 
     step: int
     rank: int
     world_size: int
     geometry_digest: bytes
+    nonce: bytes = bytes(NONCE_BYTES)
     layout: int = LAYOUT
+
+
+class Challenge(_Frame, frozen=True):
+    """The leader's answer to a peer's HELLO: its own fresh ``nonce`` and ``proof``, an HMAC of
+    the job's key over the peer's HELLO and that nonce (``kvledger.wire.auth``), so the peer knows
+    it talks to a holder of the key before it proves its own. ``step`` is 0."""
+
+    step: int
+    nonce: bytes
+    proof: bytes
+
+    def __repr__(self) -> str:  # (the proof is no secret, but it is noise in a log line)
+        return f"Challenge(step={self.step}, nonce={self.nonce.hex()[:16]}...)"
+
+
+class Auth(_Frame, frozen=True):
+    """Peer ``rank``'s proof of the job's key: an HMAC over its HELLO and the leader's CHALLENGE
+    nonce (``kvledger.wire.auth``). Only after it does the rank count. ``step`` is 0."""
+
+    step: int
+    rank: int
+    proof: bytes
+
+    def __repr__(self) -> str:
+        return f"Auth(step={self.step}, rank={self.rank})"
 
 
 def _ids_repr(ids: Sequence[int]) -> str:
@@ -187,4 +225,4 @@ class Complete(_Frame, frozen=True):
     detail: str = ""
 
 
-Frame = Hello | Prepare | Ready | Reject | Abort | Launch | Complete
+Frame = Hello | Challenge | Auth | Prepare | Ready | Reject | Abort | Launch | Complete

@@ -2,13 +2,18 @@
 
 Leader link states (``LeaderState``); ``k`` is the link's current step:
 
-    HANDSHAKE ─HELLO ok─► JOINING ─accept(k)─► IDLE(k)
+    HANDSHAKE ─HELLO ok─► CHALLENGED (CHALLENGE sent: our nonce, our proof of the key)
+    CHALLENGED ─AUTH, the peer's proof ok─► JOINING    event PeerHello: only now a rank
+    JOINING ─accept(k)─► IDLE(k)                      (our HELLO sent)
+    HANDSHAKE / CHALLENGED ─AUTH bad or missing─► ERROR  (REJECT BAD_AUTH sent; the driver's
+                                                        deadline closes a link that never proves it)
     IDLE(k)      ─prepare(k)──────────► AWAITING(k)    (PREPARE sent)
     AWAITING(k)  ─READY / REJECT──────► VOTED(k)       event: the vote
     IDLE / AWAITING / VOTED(k) ─decide(k)─► IDLE(k+1)  (LAUNCH or ABORT sent;
                                                         a launched k awaits COMPLETE)
     IDLE / AWAITING / VOTED ─COMPLETE(j)─► unchanged    event Completed (j launched)
-    HANDSHAKE / JOINING / IDLE ─refuse()─► ERROR       (REJECT sent)
+    joined ─the same HELLO or AUTH again─► unchanged     (a duplicate; a different one is broken)
+    HANDSHAKE / CHALLENGED / JOINING / IDLE ─refuse()─► ERROR   (REJECT sent)
     any          ─broken frame────────► ERROR          (REJECT sent in the handshake)
     any          ─end of stream───────► CLOSED
 
@@ -42,17 +47,19 @@ from typing import Any
 
 from ..core.errors import FrameError, HandshakeRefused, LocalProtocolError, RemoteProtocolError
 from ..core.events import Geometry
-from .codec import Complete, Hello, Ready, Reject, RejectCode, encode
+from .auth import check_key, check_nonce, leader_proof, peer_proof, proofs_match
+from .codec import Auth, Challenge, Complete, Hello, Ready, Reject, RejectCode, encode
 from .protocol import NEED_DATA, Completed, ConnectionClosed, Decided, Decision, Link, PeerHello, check_world
 
 __all__ = ["LeaderState", "LeaderLink"]
 
-# A peer sends only small frames (HELLO, READY, a REJECT or COMPLETE with at most 1 KiB of detail).
+# A peer sends only small frames (HELLO, AUTH, READY, a REJECT or COMPLETE with at most 1 KiB of detail).
 _PEER_MAX_BODY = 4096
 
 
 class LeaderState(Enum):
     HANDSHAKE = "handshake"
+    CHALLENGED = "challenged"
     JOINING = "joining"
     IDLE = "idle"
     AWAITING = "awaiting"
@@ -63,14 +70,15 @@ class LeaderState(Enum):
 
 _L = LeaderState
 _IN_STEP = (_L.IDLE, _L.AWAITING, _L.VOTED)
+_UNJOINED = (_L.HANDSHAKE, _L.CHALLENGED, _L.JOINING)
 
 
 class LeaderLink(Link):
     """The leader's end of the link to one peer (whose rank it learns from HELLO).
 
-        link = LeaderLink(geometry, world_size=4)
+        link = LeaderLink(geometry, world_size=4, key=job_key, nonce=auth.new_nonce())
         link.receive_data(recv())
-        ev = link.next_event()          # PeerHello(rank, ...)
+        ev = link.next_event()          # PeerHello(rank, ...) once HELLO and AUTH proved the key
         link.accept(step)               # or link.refuse(code, detail)
         link.prepare(step, data, crc)   # the PREPARE bytes, encoded once for all links
         ev = link.next_event()          # Ready / Reject (the peer's vote)
@@ -84,11 +92,22 @@ class LeaderLink(Link):
     the protocol (the link is then in ERROR; a REJECT is queued when the peer is
     still in its handshake). ``memory``: how many decided steps the link
     remembers to tell a duplicate from a contradiction.
+
+    ``key``: the job's shared key; ``nonce``: ``NONCE_BYTES`` fresh random bytes,
+    never used for another link (``kvledger.wire.auth``). ``PeerHello`` comes only
+    after the peer proved the key over this nonce: a peer without the key, or one
+    replaying another link's handshake, never becomes a rank. Raises
+    ``InvalidArgumentError`` for a bad world size, key or nonce.
     """
 
-    def __init__(self, geometry: Geometry, *, world_size: int, memory: int = 1024) -> None:
+    def __init__(self, geometry: Geometry, *, world_size: int, key: bytes, nonce: bytes,
+                 memory: int = 1024) -> None:
         check_world(0, world_size, leader=True)
         super().__init__(geometry, world_size, _PEER_MAX_BODY)
+        self._key = check_key(key)
+        self._nonce = check_nonce(nonce)
+        self._peer_hello: Hello | None = None
+        self._auth: Auth | None = None
         self.rank: int | None = None
         self.state = _L.HANDSHAKE
         self.step: int | None = None
@@ -98,7 +117,7 @@ class LeaderLink(Link):
         self._outcomes: Decided[bool] = Decided(memory)  # step -> launched?
         self._awaiting: dict[int, int] = {}  # launched, no COMPLETE yet: step -> PREPARE checksum
         self._done: Decided[tuple[bool, int]] = Decided(memory)  # step -> (ok, checksum) as completed
-        self._stats.update(votes=0, completed=0, failed=0)
+        self._stats.update(votes=0, completed=0, failed=0, auth_failed=0)
 
     def next_event(self) -> Any:
         """The next event (``PeerHello``, a vote), ``NEED_DATA``, or ``ConnectionClosed``.
@@ -128,7 +147,7 @@ class LeaderLink(Link):
                 return ev
 
     def _fail(self, exc: RemoteProtocolError) -> None:
-        if self.state in (_L.HANDSHAKE, _L.JOINING) and not isinstance(exc, HandshakeRefused):
+        if self.state in _UNJOINED and not isinstance(exc, HandshakeRefused):
             self._send(encode(Reject(step=0, rank=0, code=exc.code, detail=exc.detail)))
         self.state = _L.ERROR
         self._error = exc
@@ -146,15 +165,17 @@ class LeaderLink(Link):
 
     # -- the handshake
     def _refused(self, f: Reject) -> None:
-        raise HandshakeRefused(f.code, f"peer rank {self.rank} refused the link: {f.detail}")
+        who = f"peer rank {self.rank}" if self.rank is not None else "a peer in its handshake"
+        raise HandshakeRefused(f.code, f"{who} refused the link: {f.detail}")
 
     def _hello_again(self, f: Hello) -> None:
-        if f.rank != self.rank or f.world_size != self.world_size or f.geometry_digest != self.digest:
+        if f != self._peer_hello:
             raise RemoteProtocolError(RejectCode.CONFLICT, f"a second, different HELLO from rank {self.rank}")
         self._stats["duplicates"] += 1
         return None
 
-    def _on_hello(self, f: Hello) -> PeerHello:
+    def _on_hello(self, f: Hello) -> None:
+        """A peer's HELLO: check what it claims, then challenge it (our nonce, our proof of the key)."""
         if not 1 <= f.rank < self.world_size:
             raise RemoteProtocolError(
                 RejectCode.BAD_RANK, f"HELLO from rank {f.rank}, peers are ranks 1..{self.world_size - 1}"
@@ -170,9 +191,31 @@ class LeaderLink(Link):
                 f"rank {f.rank} geometry digest {f.geometry_digest.hex()[:16]} != the leader's "
                 f"{self.digest.hex()[:16]} ({self.geometry})",
             )
-        self.rank = f.rank
+        self._peer_hello = f
+        self._send(encode(Challenge(step=0, nonce=self._nonce, proof=leader_proof(self._key, f, self._nonce))))
+        self.state = _L.CHALLENGED
+        return None
+
+    def _on_auth(self, f: Auth) -> PeerHello:
+        """The peer's proof of the key over its HELLO and our nonce: only now is it a rank."""
+        hello = self._peer_hello
+        assert hello is not None  # CHALLENGED
+        if f.rank != hello.rank or not proofs_match(peer_proof(self._key, hello, self._nonce), f.proof):
+            self._stats["auth_failed"] += 1
+            raise RemoteProtocolError(
+                RejectCode.BAD_AUTH,
+                f"HELLO as rank {hello.rank}, but no proof of the job's key (another key, or a replayed handshake)",
+            )
+        self.rank = hello.rank
+        self._auth = f
         self.state = _L.JOINING
-        return PeerHello(rank=f.rank, world_size=f.world_size, step=f.step)
+        return PeerHello(rank=hello.rank, world_size=hello.world_size, step=hello.step)
+
+    def _auth_again(self, f: Auth) -> None:
+        """The same AUTH again on this link (a duplicated frame): absorbed; another one: broken."""
+        if f != self._auth:
+            raise RemoteProtocolError(RejectCode.CONFLICT, f"a second, different AUTH from rank {self.rank}")
+        self._stats["duplicates"] += 1
 
     # -- votes
     def _on_vote(self, f: Ready | Reject) -> Ready | Reject | None:
@@ -254,13 +297,14 @@ class LeaderLink(Link):
         """Welcome the peer: queue our HELLO naming the first step we will PREPARE."""
         if self.state is not _L.JOINING:
             raise LocalProtocolError(RejectCode.UNEXPECTED_FRAME, f"accept() in state {self.state.value}")
-        self._send(encode(Hello(step=step, rank=0, world_size=self.world_size, geometry_digest=self.digest)))
+        self._send(encode(Hello(step=step, rank=0, world_size=self.world_size, geometry_digest=self.digest,
+                                nonce=self._nonce)))
         self.step = step
         self.state = _L.IDLE
 
     def refuse(self, code: int, detail: str) -> None:
         """Turn the peer away (e.g. its rank is taken): queue REJECT; the link is done."""
-        if self.state not in (_L.HANDSHAKE, _L.JOINING, _L.IDLE):
+        if self.state not in (*_UNJOINED, _L.IDLE):
             raise LocalProtocolError(RejectCode.UNEXPECTED_FRAME, f"refuse() in state {self.state.value}")
         self._send(encode(Reject(step=self.step or 0, rank=0, code=code, detail=detail)))
         self.state = _L.ERROR
@@ -317,8 +361,11 @@ _Handler = Callable[[LeaderLink, Any], Any]
 _LEADER_TABLE: dict[tuple[LeaderState, type], _Handler] = {
     (_L.HANDSHAKE, Hello): LeaderLink._on_hello,
     (_L.HANDSHAKE, Reject): LeaderLink._refused,
+    (_L.CHALLENGED, Auth): LeaderLink._on_auth,
+    (_L.CHALLENGED, Reject): LeaderLink._refused,
     (_L.JOINING, Reject): LeaderLink._refused,
     **{(st, k): LeaderLink._on_vote for st in _IN_STEP for k in (Ready, Reject)},
     **{(st, Hello): LeaderLink._hello_again for st in _IN_STEP},
+    **{(st, Auth): LeaderLink._auth_again for st in (_L.JOINING, *_IN_STEP)},
     **{(st, Complete): LeaderLink._on_complete for st in _IN_STEP},
 }

@@ -1,8 +1,12 @@
 """A peer's end of its link to the leader: a pure state machine (see ``protocol``).
 
+One piece: ``PeerLink``'s handlers share its fields (h11's ``Connection`` is one class too).
+
 Peer link states (``PeerState``); ``k`` is the link's current step:
 
-    CONNECTING ─start()─► HELLO_SENT ─HELLO ok─► IDLE(k)
+    CONNECTING ─start()─► HELLO_SENT ─CHALLENGE, the leader's proof ok─► AUTH_SENT (AUTH sent)
+    AUTH_SENT  ─HELLO ok (its nonce the CHALLENGE's)─► IDLE(k)
+    HELLO_SENT ─CHALLENGE with a bad proof─► ERROR (REJECT BAD_AUTH sent: this rank proves nothing)
     IDLE(k)     ─PREPARE(k) valid──► READY(k)      (READY sent)
     IDLE(k)     ─PREPARE(k) bad────► REJECTED(k)   (REJECT sent)
     READY(k)    ─LAUNCH(k, crc)────► IDLE(k+1)     event RunStep; step k is running
@@ -31,7 +35,7 @@ step number:
                            aborted: broken (CONFLICT)  the same crc            cannot precede READY)
     ABORT                  aborted: ignored;           DropStep                held until step k
                            launched: broken (CONFLICT)                          reaches it
-    HELLO                  identical: ignored; different: broken
+    HELLO, CHALLENGE       identical: ignored; different: broken
 """
 
 from __future__ import annotations
@@ -44,9 +48,12 @@ from typing import Any, cast
 from ..core import checks
 from ..core.errors import FrameError, HandshakeRefused, InvalidArgumentError, LocalProtocolError, RemoteProtocolError
 from ..core.events import Geometry
+from .auth import check_key, check_nonce, leader_proof, peer_proof, proofs_match
 from .codec import (
     DEFAULT_MAX_PAYLOAD,
     Abort,
+    Auth,
+    Challenge,
     Complete,
     Hello,
     Launch,
@@ -76,6 +83,7 @@ __all__ = ["PeerState", "PeerLink"]
 class PeerState(Enum):
     CONNECTING = "connecting"
     HELLO_SENT = "hello_sent"
+    AUTH_SENT = "auth_sent"
     IDLE = "idle"
     READY = "ready"
     REJECTED = "rejected"
@@ -89,8 +97,8 @@ _P = PeerState
 class PeerLink(Link):
     """A peer's end of its link to the leader (rank ``rank`` of ``world_size``).
 
-        link = PeerLink(geometry, rank=1, world_size=4)
-        link.start()                          # queues HELLO
+        link = PeerLink(geometry, rank=1, world_size=4, key=job_key, nonce=auth.new_nonce())
+        link.start()                          # queues HELLO; CHALLENGE / AUTH are answered by the link
         send(link.data_to_send())
         link.receive_data(recv())
         while (ev := link.next_event()) is not NEED_DATA:
@@ -108,8 +116,12 @@ class PeerLink(Link):
     page listed plus ``max_payload``), so a larger frame breaks the link from its
     header. ``sanitize``: this rank can run sanitize-mode steps (see above).
     After each ``RunStep`` call ``complete(step, ok, detail)``. Raises
-    ``InvalidArgumentError`` for a bad rank, world size or ``max_payload``,
-    ``ConfigurationError`` for a bad geometry.
+    ``InvalidArgumentError`` for a bad rank, world size, ``max_payload``, key or
+    nonce, ``ConfigurationError`` for a bad geometry.
+
+    ``key``: the job's shared key; ``nonce``: ``NONCE_BYTES`` fresh random bytes,
+    never used for another link (``kvledger.wire.auth``: the handshake proves the
+    key both ways; the link joins only after the leader proved it first).
     """
 
     def __init__(
@@ -118,12 +130,16 @@ class PeerLink(Link):
         *,
         rank: int,
         world_size: int,
+        key: bytes,
+        nonce: bytes,
         max_payload: int = DEFAULT_MAX_PAYLOAD,
         sanitize: bool = False,
         memory: int = 1024,
         held_limit: int = 64,
     ) -> None:
         check_world(rank, world_size, leader=False)
+        self._key = check_key(key)
+        self._nonce = check_nonce(nonce)
         if type(max_payload) is not int or max_payload < 0:
             raise InvalidArgumentError(f"max_payload must be an int >= 0, got {max_payload!r}")
         if type(sanitize) is not bool:
@@ -135,7 +151,10 @@ class PeerLink(Link):
         self.sanitize = sanitize
         self.state = _P.CONNECTING
         self.step: int | None = None
-        self._hello: Hello | None = None
+        self._hello: Hello | None = None  # the leader's welcome HELLO
+        self._sent_hello: Hello | None = None  # ours (what both proofs cover)
+        self._challenge: bytes | None = None  # the leader's nonce
+        self._challenge_frame: Challenge | None = None
         self._prepared: Prepare | None = None
         self._answer = b""
         self._decided: Decided[bool] = Decided(memory)
@@ -146,14 +165,17 @@ class PeerLink(Link):
         self._running: dict[int, int] = {}  # launched, not completed: step -> PREPARE checksum (the last `memory`)
         self._completed: Decided[bool] = Decided(memory)  # step -> ok, as reported
         self._events: deque[Any] = deque()
-        self._stats.update(ready=0, rejected=0, launched=0, aborted=0, held=0, completed=0, failed=0)
+        self._stats.update(ready=0, rejected=0, launched=0, aborted=0, held=0, completed=0, failed=0, auth_failed=0)
 
     # -- local actions
     def start(self, step: int = 0) -> None:
         """Queue our HELLO (``step``: the step we expect, informational)."""
         if self.state is not _P.CONNECTING:
             raise LocalProtocolError(RejectCode.UNEXPECTED_FRAME, f"start() in state {self.state.value}")
-        self._send(encode(Hello(step=step, rank=self.rank, world_size=self.world_size, geometry_digest=self.digest)))
+        hello = Hello(step=step, rank=self.rank, world_size=self.world_size, geometry_digest=self.digest,
+                      nonce=self._nonce)
+        self._send(encode(hello))
+        self._sent_hello = hello
         self.state = _P.HELLO_SENT
 
     def reject(self, code: int = RejectCode.PEER_FAILED, detail: str = "") -> None:
@@ -259,7 +281,28 @@ class PeerLink(Link):
             raise RemoteProtocolError(RejectCode.CONFLICT, "a second, different HELLO from the leader")
         self._stats["duplicates"] += 1
 
+    def _on_challenge(self, f: Challenge) -> None:
+        """The leader's nonce and its proof of the key: check it, then answer with ours (AUTH)."""
+        hello = self._sent_hello
+        assert hello is not None  # HELLO_SENT
+        if not proofs_match(leader_proof(self._key, hello, f.nonce), f.proof):
+            self._stats["auth_failed"] += 1
+            raise RemoteProtocolError(RejectCode.BAD_AUTH, "the leader did not prove the job's key "
+                                      "(another key, or a replayed CHALLENGE): this rank proves nothing to it")
+        self._challenge = f.nonce
+        self._challenge_frame = f
+        self._send(encode(Auth(step=0, rank=self.rank, proof=peer_proof(self._key, hello, f.nonce))))
+        self.state = _P.AUTH_SENT
+
+    def _challenge_again(self, f: Challenge) -> None:
+        """The same CHALLENGE again on this link (a duplicated frame): absorbed; another: broken."""
+        if f != self._challenge_frame:
+            raise RemoteProtocolError(RejectCode.CONFLICT, "a second, different CHALLENGE from the leader")
+        self._stats["duplicates"] += 1
+
     def _on_hello(self, f: Hello) -> None:
+        if f.nonce != self._challenge:
+            raise RemoteProtocolError(RejectCode.BAD_AUTH, "the leader's HELLO does not carry its CHALLENGE's nonce")
         if f.rank != 0:
             raise RemoteProtocolError(RejectCode.BAD_RANK, f"HELLO from rank {f.rank}, expected the leader (0)")
         if f.world_size != self.world_size:
@@ -466,10 +509,13 @@ _PEER_STEP: dict[tuple[PeerState, type], _Handler] = {
 # The code for a lookup miss when it is not UNEXPECTED_FRAME.
 _PEER_STEP_MISS: dict[tuple[PeerState, type], int] = {(_P.REJECTED, Launch): RejectCode.CONFLICT}
 
-# Every other frame a peer may get: the leader's HELLO, a refusal, a repeated HELLO.
+# Every other frame a peer may get: the leader's CHALLENGE and HELLO, a refusal, a repeated HELLO.
 _PEER_TABLE: dict[tuple[PeerState, type], _Handler] = {
-    (_P.HELLO_SENT, Hello): PeerLink._on_hello,
+    (_P.HELLO_SENT, Challenge): PeerLink._on_challenge,
     (_P.HELLO_SENT, Reject): PeerLink._refused,
+    (_P.AUTH_SENT, Hello): PeerLink._on_hello,
+    (_P.AUTH_SENT, Reject): PeerLink._refused,
     **{(st, Hello): PeerLink._hello_again for st in _JOINED},
+    **{(st, Challenge): PeerLink._challenge_again for st in (_P.AUTH_SENT, *_JOINED)},
     **{(st, Reject): PeerLink._refused for st in _JOINED},
 }

@@ -1,7 +1,8 @@
 """The peer's async driver: ``run_peer`` serves one remote rank over any byte stream.
 
-    run_peer(stream, geometry, rank=r, world_size=W, on_launch=..., on_drop=...)
-        HELLO ──► joined (hello_timeout) ──► for every frame from the leader:
+    run_peer(stream, geometry, rank=r, world_size=W, key=job_key, on_launch=..., on_drop=...)
+        HELLO, CHALLENGE, AUTH (the key proved both ways) ──► joined (hello_timeout)
+              ──► for every frame from the leader:
             PREPARE  validated and answered READY / REJECT by the link itself
             LAUNCH   on_launch(step, clear_pages, payload[, sanitize=lists]) ──► COMPLETE(ok)
                      (on_launch raised: COMPLETE(failed, detail), then the error propagates)
@@ -17,20 +18,22 @@ nothing here configures output.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import anyio
 import structlog
 from anyio.abc import ByteStream
 
-from ..core.errors import WireProtocolError
+from ..core.errors import ConfigurationError, WireProtocolError
 from ..core.events import Geometry
+from .auth import INSECURE_TEST_KEY, KEY_ENV, check_key, key_from_env, new_nonce
 from .codec import DEFAULT_MAX_PAYLOAD, RejectCode
 from .peer import PeerLink
 from .protocol import NEED_DATA, Answered, ConnectionClosed, DropStep, Joined, RunStep
 
-__all__ = ["run_peer", "OnLaunch", "OnDrop"]
+__all__ = ["run_peer", "peer_key", "OnLaunch", "OnDrop"]
 
 OnLaunch = Callable[..., None | Awaitable[None]]  # (step, clear_pages, payload[, *, sanitize])
 OnDrop = Callable[[int, int, int], None | Awaitable[None]]
@@ -39,9 +42,41 @@ OnDrop = Callable[[int, int, int], None | Awaitable[None]]
 STREAM_CLOSED = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
 
 
+class _Line(dict):
+    """An event dict that prints as ``event key=value ...`` (``kvledger.logs._EventDict``'s rule)."""
+
+    def __str__(self) -> str:
+        fields = " ".join(f"{k}={v!r}" for k, v in self.items() if k != "event")
+        return f"{self.get('event', '')} {fields}".rstrip()
+
+
+def _to_record(logger: Any, method_name: str, event_dict: MutableMapping[str, Any]) -> tuple:
+    return (_Line(event_dict),), {}
+
+
 def wire_logger(logger: Any) -> Any:
-    """``logger``, or ``kvledger.wire``'s structlog logger when it is None (shared with rank.py)."""
-    return logger if logger is not None else structlog.get_logger("kvledger.wire")
+    """``logger``, or ``kvledger.wire``'s logger when it is None (shared with rank.py): through the
+    standard ``logging`` module under ``kvledger.wire``, never structlog's global configuration,
+    so an application that configures nothing sees nothing below WARNING, and nothing on stdout.
+    (The same routing as ``kvledger.logs.get_logger``, which this package may not import: ``wire``
+    depends on ``core`` only; the engine passes its own logger from there.)"""
+    if logger is not None:
+        return logger
+    return structlog.stdlib.BoundLogger(logging.getLogger("kvledger.wire"),
+                                        [structlog.stdlib.filter_by_level, _to_record], {})
+
+
+def peer_key(key: bytes | None, log: Any) -> bytes:
+    """The job key a peer proves: ``key``, else ``$KVLEDGER_WIRE_KEY``. A peer cannot make one
+    up: ``ConfigurationError`` when there is neither. Warns when it is ``INSECURE_TEST_KEY``."""
+    key = check_key(key) if key is not None else key_from_env()
+    if key is None:
+        raise ConfigurationError(f"no wire key: pass key= (the leader's WireLeader.key) or set {KEY_ENV} "
+                                 "(hex) to the job's key; a rank joins only by proving it")
+    if key == INSECURE_TEST_KEY:
+        log.warning("wire.insecure_test_key", side="peer",
+                    detail="INSECURE_TEST_KEY is publicly known: this link authenticates no one")
+    return key
 
 
 class _PeerIO:
@@ -104,6 +139,7 @@ async def run_peer(
     rank: int,
     world_size: int,
     on_launch: OnLaunch,
+    key: bytes | None = None,
     on_drop: OnDrop | None = None,
     on_answer: Callable[[Answered], None] | None = None,
     hello_timeout: float = 30.0,
@@ -113,18 +149,17 @@ async def run_peer(
 ) -> dict[str, int]:
     """Run peer ``rank`` over ``stream`` until the leader closes it; return the link's counters.
 
-    Sends HELLO and waits up to ``hello_timeout`` s to be accepted (``TimeoutError``
-    otherwise). Then every PREPARE is validated and answered READY or REJECT by
-    the link, ``on_launch(step, clear_pages, payload)`` runs for each LAUNCH (may
-    be async; it clears the pages and runs the step) and is followed by a
-    COMPLETE, and ``on_drop(step, code, rank)`` runs for each ABORT (nothing to
-    clear). A PREPARE whose payload is over ``max_payload`` bytes is answered
-    REJECT FRAME_TOO_LARGE (the step aborts on every rank).
-
+    Sends HELLO, proves ``key`` (the job's; None: ``$KVLEDGER_WIRE_KEY``, else
+    ``ConfigurationError``) once the leader proved it (else REJECT BAD_AUTH), and
+    waits up to ``hello_timeout`` s to be accepted (``TimeoutError``). Then every
+    PREPARE is validated and answered READY or REJECT by the link, ``on_launch(step,
+    clear_pages, payload)`` runs for each LAUNCH (may be async; it clears the pages
+    and runs the step) and is followed by a COMPLETE, and ``on_drop(step, code,
+    rank)`` runs for each ABORT (nothing to clear). A PREPARE whose payload is
+    over ``max_payload`` bytes is answered REJECT FRAME_TOO_LARGE (the step aborts).
     ``sanitize=True``: this rank runs sanitize-mode steps, and ``on_launch`` gets
     them with a keyword ``sanitize=`` (a ``Sanitize``: the poison and committed
-    lists); without it such a PREPARE is answered REJECT UNSUPPORTED and
-    ``on_launch`` never sees one.
+    lists); without it such a PREPARE is answered REJECT UNSUPPORTED.
 
     Raises ``WireProtocolError`` when the leader breaks the protocol (after
     telling it why) or refuses us (``HandshakeRefused``). What ``on_launch``
@@ -133,9 +168,10 @@ async def run_peer(
     mid-step, and the leader also sees the link close. Closes ``stream`` on exit.
     """
     log = wire_logger(logger)
-    link = PeerLink(geometry, rank=rank, world_size=world_size, max_payload=max_payload, sanitize=sanitize)
-    io = _PeerIO(link, stream)
     try:
+        link = PeerLink(geometry, rank=rank, world_size=world_size, key=peer_key(key, log), nonce=new_nonce(),
+                        max_payload=max_payload, sanitize=sanitize)
+        io = _PeerIO(link, stream)
         await io.join(hello_timeout, log)
         while True:
             ev = await io.next_event()

@@ -29,9 +29,12 @@ partitioned) is reported missing by rank when the caller's deadline passes.
 
     leader (rank 0)                                   peer (rank r)
     ───────────────                                   ─────────────
-                       ◄────── HELLO(r, W, geometry)       connect
+                       ◄────── HELLO(r, W, geometry,       connect
+                                     nonce_p)
     check layout, W,
-    geometry, rank      ─────► HELLO(0, W, geometry,
+    geometry, rank      ─────► CHALLENGE(nonce_l, proof_l) check the leader's proof
+    check the peer's   ◄────── AUTH(r, proof_p)            of the job's key, prove ours
+    proof: now a rank   ─────► HELLO(0, W, geometry,
                                      first step s)         joined at step s
     seal_step(s) ─► validate plan locally
                         ─────► PREPARE(s, ids, [poison,    validate: step, lengths,
@@ -42,6 +45,14 @@ partitioned) is reported missing by rank when the caller's deadline passes.
     any REJECT, timeout,
     lost link            ─────► ABORT(s, code, rank)       clear nothing, run nothing
     Completed(s, r, ok)  ◄────── COMPLETE(s, r, crc, ok, detail)   after LAUNCH(s) ran
+
+Why a key (layout 9). Rank range, world size and geometry are public
+configuration: a HELLO proves nothing. A rank counts only after it proved the
+job's shared key on its own connection, an HMAC challenge over both ends' fresh
+nonces (``auth.py`` has the MACs, and what they protect and what they do not:
+frames are not encrypted). The links compute and check the proofs with the key
+and nonces their drivers pass in; the drivers bound how long and how many links
+may sit unproven (``WireLeader``).
 
 Each link's allowed transitions live in a table beside its class (h11's
 ``_state.py`` in small): ``_PEER_STEP`` and ``_PEER_TABLE`` in peer.py,

@@ -1,5 +1,8 @@
 """The leader's async driver: ``open_leader`` / ``WireLeader`` over any byte stream (memory or TCP).
 
+One piece: ``WireLeader``'s link tasks, step path and completions share its links and
+events; who may become a rank is its own object (``admission``).
+
 It moves bytes between the transports and the pure state machines (one
 ``LeaderLink`` per peer, the ``Leader`` decision rule, the ``Completions``
 ledger) and owns the leader's clocks: the vote deadline (``run_step(...,
@@ -15,13 +18,18 @@ importable from here).
         plan = ledger.seal_step(step)
         d = await leader.run_step(plan, payload, timeout=0.5)
         d.launch: clear plan.clear_list locally,     run_peer(stream, geometry, rank=r, world_size=W,
-                  run the step,                               on_launch=clear_and_run)
+                  run the step,                               key=leader.key, on_launch=clear_and_run)
                   c = await leader.wait_completed(    on LAUNCH: on_launch(step, clear_pages, payload),
                           step, timeout=1.0)                     then COMPLETE(ok, or failed + why)
                   ledger.complete_step(step, r)      on ABORT:  on_drop(step, code, rank)  (nothing cleared)
                       for r in c.completed
                   c.ok or ledger.abort_step(step)
         else:     ledger.abort_step(step)
+
+Who may be a rank (layout 9): every link proves the job's key before it counts
+(``kvledger.wire.auth``; the key is ``key=``, else ``$KVLEDGER_WIRE_KEY``, else a
+fresh one: ``WireLeader.key``). Links that have not are bounded in time and number,
+may be pinned to an address, and a failed accept (EMFILE) is survived: ``admission``.
 
 Per link the leader runs a reader task (frames in, votes to the decision rule,
 completions to the ledger of completions) and a writer task fed by a bounded
@@ -38,7 +46,7 @@ nothing here configures output.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -47,13 +55,15 @@ from anyio.abc import ByteStream, TaskStatus
 
 from ..core.errors import InvalidArgumentError, WireProtocolError
 from ..core.events import Geometry, StepPlan
+from .admission import Admission
+from .auth import INSECURE_TEST_KEY, check_key, key_from_env, new_key, new_nonce
 from .codec import RejectCode, Sanitize
 from .completion import Completions, StepCompletion
 from .decision import Leader
 from .leader import LeaderLink, LeaderState
 from .peer_driver import STREAM_CLOSED, OnDrop, OnLaunch, run_peer, wire_logger
 from .protocol import NEED_DATA, Completed, ConnectionClosed, Decision, PeerHello
-from .transport import accept, listen_tcp, listener_address
+from .transport import accept, listen_tcp, listener_address, memory_pipe
 
 __all__ = ["WireLeader", "open_leader", "run_peer", "OnLaunch", "OnDrop"]
 
@@ -61,7 +71,7 @@ _DECIDABLE = (LeaderState.IDLE, LeaderState.AWAITING, LeaderState.VOTED)  # a li
 
 
 class _Conn:
-    __slots__ = ("link", "stream", "out_send", "out_recv", "rank", "cancel", "alive", "writer_done")
+    __slots__ = ("link", "stream", "out_send", "out_recv", "rank", "cancel", "alive", "writer_done", "handshake")
 
     def __init__(self, link: LeaderLink, stream: ByteStream, outbox: int) -> None:
         self.link = link
@@ -71,6 +81,7 @@ class _Conn:
         self.cancel: anyio.CancelScope | None = None
         self.alive = True
         self.writer_done = anyio.Event()
+        self.handshake = anyio.CancelScope()  # the handshake deadline (set when the link's task starts)
 
 
 class WireLeader:
@@ -80,6 +91,13 @@ class WireLeader:
     time. ``wait_completed`` waits for the peers' COMPLETEs of a launched step
     (any number of launched steps may await theirs). ``statistics()`` gives the
     decision rule's counters, the completions' and the links'.
+
+    ``key``: the job's key (None: ``$KVLEDGER_WIRE_KEY``, else a fresh one; read it
+    back from ``key`` to hand it to the peers). ``handshake_timeout``: seconds a
+    link may take to prove the key and join; ``max_pending``: links held at once
+    that have not (module docstring); ``pinned``: {peer rank: IP address} each
+    such rank must connect from. Raises ``InvalidArgumentError`` for a bad value,
+    ``ConfigurationError`` for a ``$KVLEDGER_WIRE_KEY`` that is not a key.
     """
 
     def __init__(
@@ -91,13 +109,22 @@ class WireLeader:
         outbox_frames: int = 32,
         close_grace: float = 1.0,
         logger: Any = None,
+        key: bytes | None = None,
+        handshake_timeout: float = 5.0,
+        max_pending: int = 64,
+        pinned: Mapping[int, str] | None = None,
     ) -> None:
         self.geometry = geometry
         self.world_size = world_size
         self._rule = Leader(geometry, world_size=world_size, next_step=next_step)
+        env_key = key_from_env() if key is None else None
+        self._key = check_key(key) if key is not None else env_key if env_key is not None else new_key()
+        self._log = wire_logger(logger)
+        self._door = Admission(world_size, handshake_timeout=handshake_timeout, max_pending=max_pending,
+                               pinned=pinned, logger=self._log)
+        self._auth_failed = 0  # proofs that failed on links already closed
         self._outbox = outbox_frames
         self._close_grace = close_grace
-        self._log = wire_logger(logger)
         self._tg: anyio.abc.TaskGroup | None = None
         self._conns: dict[int, _Conn] = {}
         self._all: set[_Conn] = set()
@@ -107,16 +134,37 @@ class WireLeader:
         self._completions_changed = anyio.Event()
         self._step_lock = anyio.Lock()
         self._closing = False
+        if self._key == INSECURE_TEST_KEY:
+            self._log.warning("wire.insecure_test_key", side="leader",
+                              detail="INSECURE_TEST_KEY is publicly known: any process can be a rank")
+
+    @property
+    def key(self) -> bytes:
+        """The job's key every peer must prove (hand it to them: ``run_peer(..., key=)``, the
+        environment's ``KVLEDGER_WIRE_KEY`` as hex, or the rendezvous store)."""
+        return self._key
 
     # ------------------------------------------------------------------ links
 
     def attach(self, stream: ByteStream) -> None:
-        """Serve one peer over ``stream`` (any anyio byte stream); returns at once."""
+        """Serve one peer over ``stream`` (any anyio byte stream); returns at once. The link is
+        pending until its peer proved the key and joined (``admission``: a deadline, a cap)."""
         if self._tg is None or self._closing:
             raise InvalidArgumentError("attach() outside open_leader() or after it closed")
-        conn = _Conn(LeaderLink(self.geometry, world_size=self.world_size), stream, self._outbox)
+        link = LeaderLink(self.geometry, world_size=self.world_size, key=self._key, nonce=new_nonce())
+        conn = _Conn(link, stream, self._outbox)
+        self._door.admit(conn)
         self._all.add(conn)
         self._tg.start_soon(self._run_conn, conn)
+
+    async def run_local_peer(self, rank: int, on_launch: OnLaunch, **kwargs: Any) -> dict[str, int]:
+        """Run peer ``rank`` in this process over an in-memory pipe, proving this leader's key
+        (an in-process rank needs nothing handed to it). ``kwargs`` go to ``run_peer``;
+        returns its counters when the leader closes the link."""
+        mine, theirs = memory_pipe()
+        self.attach(mine)
+        return await run_peer(theirs, self.geometry, rank=rank, world_size=self.world_size, key=self._key,
+                              on_launch=on_launch, **kwargs)
 
     async def listen(self, listener: Any) -> tuple[str, int]:
         """Accept peers on ``listener`` (from ``listen_tcp``) until the leader closes; returns its address."""
@@ -132,6 +180,8 @@ class WireLeader:
     async def _serve(
         self, listener: Any, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
+        """Accept until the leader closes; a failed accept (EMFILE, ...) is retried after a pause
+        (``admission``) while the links already served go on."""
         async with listener:
             task_status.started()
             while True:
@@ -139,6 +189,10 @@ class WireLeader:
                     stream = await accept(listener)
                 except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                     return
+                except OSError as exc:
+                    await anyio.sleep(self._door.accept_failed(exc))
+                    continue
+                self._door.accepted()
                 if self._closing:
                     await stream.aclose()
                     return
@@ -226,12 +280,18 @@ class WireLeader:
             async with anyio.create_task_group() as tg:
                 conn.cancel = tg.cancel_scope
                 tg.start_soon(self._write_loop, conn)
-                await self._read_loop(conn)
+                with conn.handshake:  # lifted (deadline inf) once the peer proved the key and joined
+                    await self._read_loop(conn)
+                if conn.handshake.cancelled_caught and conn.rank is None:
+                    self._door.dropped(conn, conn.link.state.value)
+                    tg.cancel_scope.cancel()  # nothing owed to a link that never joined
                 conn.out_send.close()
                 with anyio.move_on_after(self._close_grace):
                     await conn.writer_done.wait()
                 tg.cancel_scope.cancel()
         finally:
+            self._door.gone(conn)
+            self._auth_failed += conn.link.statistics()["auth_failed"]
             self._drop(conn)
             self._all.discard(conn)
             with anyio.CancelScope(shield=True):
@@ -259,7 +319,11 @@ class WireLeader:
                 try:
                     ev = link.next_event()
                 except WireProtocolError as exc:
-                    self._log.warning("wire.peer_error", rank=conn.rank, code=int(exc.code), detail=exc.detail)
+                    if conn.rank is not None:
+                        self._log.warning("wire.peer_error", rank=conn.rank, code=int(exc.code), detail=exc.detail)
+                    elif self._door.quota("handshake_failed"):  # (a flood of them is one line a second)
+                        self._log.warning("wire.handshake_failed", code=int(exc.code), detail=exc.detail,
+                                          since_last=self._door.held_back("handshake_failed"))
                     self._flush(conn)
                     return
                 if ev is NEED_DATA:
@@ -273,12 +337,17 @@ class WireLeader:
             self._flush(conn)
 
     def _on_event(self, conn: _Conn, ev: Any) -> bool:
-        if type(ev) is PeerHello:
+        if type(ev) is PeerHello:  # (the peer proved the key: the link says so only then)
             r = ev.rank
             old = self._conns.get(r)
             if old is not None and old.alive:
                 conn.link.refuse(RejectCode.BAD_RANK, f"rank {r} is already connected")
                 return False
+            problem = self._door.pin_problem(r, conn.stream)
+            if problem is not None:
+                conn.link.refuse(RejectCode.BAD_AUTH, problem)
+                return False
+            self._door.joined(conn)
             rule = self._rule
             rule.join(r)
             conn.rank = r
@@ -402,9 +471,13 @@ class WireLeader:
         return self._rule.next_step
 
     def statistics(self) -> dict[str, int]:
-        """The decision rule's counters, the completions' (``complete.*``) and, per live rank, its link's."""
+        """The decision rule's counters, the completions' (``complete.*``), the handshake's
+        (``pending`` links now, ``evicted``, ``handshake_timeouts``, ``auth_failed``, ``pin_refused``,
+        ``accept_errors``) and, per live rank, its link's."""
         out = dict(self._rule.statistics())
         out.update({f"complete.{k}": v for k, v in self._done.statistics().items()})
+        out.update(self._door.statistics(),
+                   auth_failed=self._auth_failed + sum(c.link.statistics()["auth_failed"] for c in self._all))
         for r, c in sorted(self._conns.items()):
             for k, v in c.link.statistics().items():
                 out[f"rank{r}.{k}"] = v

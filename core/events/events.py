@@ -73,8 +73,8 @@ __all__ = [
 ClearPolicy = Literal["released_aliases", "cross_tenant", "all_reused"]
 CLEAR_POLICIES: tuple[str, ...] = ("released_aliases", "cross_tenant", "all_reused")
 # How the step a page is committed for first reads it (``PagesCommitted.reads``).
-CommitReads = Literal["tail", "whole"]
-COMMIT_READS: tuple[str, ...] = ("tail", "whole")
+CommitReads = Literal["tail", "whole", "none"]
+COMMIT_READS: tuple[str, ...] = ("tail", "whole", "none")
 
 MAX_ID = (1 << 63) - 1  # request, snapshot, step and rank ids are in [0, MAX_ID]
 MAX_PAGES = 1 << 32  # page ids travel as unsigned 32-bit integers on the wire
@@ -130,8 +130,12 @@ class PagesCommitted(_Event, frozen=True, kw_only=True, omit_defaults=True, tag=
     what it writes, and bytes past its last token only under a mask, so a mark of
     its own tenant's bytes is taken off without a clear. ``"whole"`` (a recurrent
     state, read before the step writes it): every mark is listed, whatever tenant
-    left it. Encoded only when not the default (the bytes of every other commit
-    are as before).
+    left it. ``"none"`` (the step writes every byte it reads before reading any: a
+    chunk that fills the page, a state copied in): marks come off unlisted, as a
+    restore into a request takes them off; if the step does not run for the page
+    (aborted, left before its seal, or the request's share dropped:
+    ``PagesUnwritten``) the mark comes back. Encoded only when not the default (the
+    bytes of every other commit are as before).
     """
 
     request: Id
@@ -251,9 +255,10 @@ class PagesReleased(_Event, frozen=True, kw_only=True, tag="pages_released"):
 
 
 class PagesUnwritten(_Event, frozen=True, kw_only=True, tag="pages_unwritten"):
-    """A record: ``request``'s pages committed for ``step`` were not written, because the step
-    ran without the request (an abort dropped its share of the step). Whoever hashed them
-    (an engine's prefix cache) withdrew the hashes; the fold changes nothing."""
+    """``request``'s pages committed for ``step`` were not written, because the step ran without
+    the request (an abort dropped its share of the step); whoever hashed them (an engine's
+    prefix cache) withdrew the hashes. A page a ``reads="none"`` commit took a mark off gets
+    it back (free: marked for everyone; still in a request's KV: listed for the open step)."""
 
     request: Id
     step: Id

@@ -7,18 +7,23 @@
         retain_segments     size passes ``retain_bytes`` or the count ``retain_segments``
 
     create(...)  ─► mkdir (0700, durable) ─► LOCK ─► segment 0 (header only, atomic)
+                    ─► the head (``HEAD.sync``) names segment 0
                     an existing directory that holds only what an interrupted create
                     leaves (``segments.unfinished_directory``) is finished, not refused
     roll(live, seq, checkpoint) ─► the live segment is synced whole ─► its successor is
                     created atomically and durably *with* its opening checkpoint
-                    (``LiveSegment.successor``) ─► the successor is stamped ─► the old
-                    segment's stamp is removed (its successor now proves it complete)
-                    ─► retention
+                    (``LiveSegment.successor``) ─► the successor is stamped ─► the head
+                    names it ─► the old segment's stamp is removed (its successor now
+                    proves it complete) ─► retention
     retain()        oldest first; a reader that mapped a deleted segment keeps it whole
 
 A crash at any point of a roll leaves either the old segment last (synced, its
 stamp in place) or the new one whole: the new segment never exists without its
-checkpoint, so reopening never appends behind a missing one. Every method raises
+checkpoint, so reopening never appends behind a missing one. The head never names
+a segment before it exists whole, so a head naming a segment that is not there
+means the directory lost it (``segments.missing_tail``); a writer that removes a
+last segment itself (``drop_empty_tail``, a torn opening checkpoint at reopen)
+moves the head back first. Every method raises
 ``OSError`` (or ``LogError`` from the layer); the caller (``durability.py``) fails
 the log with it.
 """
@@ -31,7 +36,14 @@ from ..errors import InvalidArgumentError, LogError, LogExistsError, LogIOError
 from .files import FileHandle, release_buffer
 from .format import SEGMENT_HEADER_SIZE, decode_header, decode_stamp, encode_segment_header, new_chain
 from .live import LiveSegment
-from .segments import LOCK_NAME, is_segment_name, list_segments, segment_name, unfinished_directory
+from .segments import (
+    LOCK_NAME,
+    is_segment_name,
+    list_segments,
+    segment_name,
+    unfinished_directory,
+    write_head,
+)
 
 __all__ = ["LogDirectory", "segment_options"]
 
@@ -97,17 +109,22 @@ class LogDirectory:
             lock = cls.take_lock(layer, directory)
         except OSError as exc:
             raise LogIOError(directory, "create", exc) from exc
+        hdr = decode_header(header, path, max_pages=max_pages)
         try:
             if list_segments(layer, directory):  # (someone else finished it meanwhile)
                 raise LogExistsError(f"{directory} already exists")
             handle = layer.create(path, header)
+            try:
+                write_head(layer, directory, hdr)
+            except BaseException:
+                handle.close()
+                raise
         except OSError as exc:
             lock.close()
             raise LogIOError(directory, "create", exc) from exc
         except BaseException:
             lock.close()
             raise
-        hdr = decode_header(header, path, max_pages=max_pages)
         chain = new_chain(hdr.log_id)
         chain.update(header)
         return cls(directory, layer, lock, **options), LiveSegment(handle, hdr, size=len(header), chain=chain)
@@ -133,12 +150,25 @@ class LogDirectory:
         stamp = decode_stamp(self.layer.read_stamp(last), header)
         if size != header.size or (stamp is not None and stamp.size > header.size):
             return paths
+        self.drop_last(paths)
+        return paths[:-1]
+
+    def drop_last(self, paths: list[str]) -> None:
+        """Remove the last of ``paths`` (a segment that holds nothing a crash did not leave torn),
+        moving the head back to the one before it first, so that the head never names a segment
+        this writer removed. Raises ``LogIOError``, ``LogError`` (the one before is no segment)."""
+        last, prev = paths[-1], paths[-2]
+        data = self.layer.read(prev)
         try:
+            prev_header = decode_header(data, prev, max_pages=1 << 32)
+        finally:
+            release_buffer(data)
+        try:
+            write_head(self.layer, self.path, prev_header)
             self.layer.remove(last)
             self.layer.remove_stamp(last)
         except OSError as exc:
             raise LogIOError(last, "remove", exc) from exc
-        return paths[:-1]
 
     # ------------------------------------------------------------------ writing
 
@@ -150,6 +180,7 @@ class LogDirectory:
         nxt = live.successor(self.layer, self.path, seq, checkpoint)
         live.close()
         nxt.stamp(self.layer, next_seq)
+        write_head(self.layer, self.path, nxt.header)
         self.layer.remove_stamp(live.path)
         self.retain()
         return nxt

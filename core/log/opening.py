@@ -3,9 +3,12 @@
     create_log   a file: header written atomically and durably (temp file, fsync, link,
                  directory fsync), locked for this writer; a directory: ``LogDirectory.create``
     open_log     lock ─► read ─► scan (CRC, chain, seq, the sync stamp; a directory: every
-                 segment, linked, and no stamp of a lost last segment) ─► [corruption: raise,
-                 nothing changed] ─► loader(view) (the ledger rebuilds its state; raising
-                 leaves the files as they were) ─► truncate a torn tail ─► fsync ─► stamp
+                 segment, linked, and no head or stamp naming a lost last segment) ─►
+                 [corruption: raise, nothing changed] ─► [a directory whose last segment's
+                 opening checkpoint is torn: the head moves back, that segment goes, scan
+                 again] ─► loader(view) (the ledger rebuilds its state; raising leaves the
+                 files as they were) ─► truncate a torn tail ─► fsync ─► stamp (─► the head
+                 names the last segment)
 
 Both return an ``Opened``: the live segment (``live.py``), the directory's write
 side (``directory.py``; None for a file), the next seq, and for an open what
@@ -26,7 +29,7 @@ from .format import HEADER_SIZE, decode_header, decode_stamp, encode_header, new
 from .live import LiveSegment
 from .reader import LogView, read_stamp
 from .scan import Scan, scan
-from .segments import combine, list_segments, missing_tail, scan_segments
+from .segments import Head, combine, head, list_segments, missing_tail, scan_segments, write_head
 
 __all__ = ["Opened", "create_log", "open_log"]
 
@@ -108,7 +111,7 @@ def open_log(path, *, layer, repair: bool, loader, max_pages: int, segments: dic
 
 
 def _open_directory(layer, directory: str, repair: bool, loader, max_pages: int, options: dict) -> Opened:
-    """Lock, verify every segment, repair, continue in the last."""
+    """Lock, verify every segment, repair, continue in the last; the head names it."""
     if not list_segments(layer, directory):  # (before the lock file: nothing is written into another directory)
         raise LogError(f"{directory} is a directory without log segments, not a kvledger log")
     try:
@@ -116,24 +119,38 @@ def _open_directory(layer, directory: str, repair: bool, loader, max_pages: int,
     except OSError as exc:
         raise LogIOError(directory, "open", exc) from exc
     d = LogDirectory(directory, layer, lock, **options)
+    dropped: tuple[int | None, int] | None = None
     try:
-        paths = d.drop_empty_tail(list_segments(layer, directory))
-        bufs, scans = scan_segments(layer, paths, max_pages=max_pages)
-        res = combine(directory, scans)
-        view = LogView(bufs[0], res, directory, bufs=bufs, paths=paths[: len(scans)])
-        try:
-            res.raise_error()
-            lost = missing_tail(layer, directory, paths, res.header)
-            if lost is not None:
-                raise lost
-            if res.torn_at is not None and not repair:
-                raise TornLogError(paths[-1], res.torn_at, res.torn_bytes)
-            loaded = loader(view) if loader is not None else None
-        finally:
-            view.close()
+        while True:
+            paths = d.drop_empty_tail(list_segments(layer, directory))
+            bufs, scans = scan_segments(layer, paths, max_pages=max_pages)
+            res = combine(directory, scans)
+            view = LogView(None, res, directory, bufs=bufs, paths=paths[: len(scans)])
+            try:
+                res.raise_error()
+                lost = missing_tail(layer, directory, paths, res.header)
+                if lost is not None:
+                    raise lost
+                if res.torn_at is not None and not repair:
+                    raise TornLogError(paths[-1], res.torn_at, res.torn_bytes)
+                if _torn_opening_checkpoint(scans, paths):
+                    dropped = (scans[-1].torn_at, scans[-1].torn_bytes)
+                    d.drop_last(paths)  # it held nothing else: continue in the segment before it
+                    continue
+                loaded = loader(view) if loader is not None else None
+            finally:
+                view.close()
+            break
         handle = layer.open(paths[-1])
         try:
             live = _continue(handle, res, layer)
+            if dropped is not None:  # reported as the torn tail it was (its offset in the segment removed)
+                res.torn_at, res.torn_bytes = dropped
+            if head(layer, directory, res.header.log_id) != Head(res.header.segment, res.header.first_seq):
+                write_head(layer, directory, res.header)  # (a directory of an older kvledger has none)
+        except OSError as exc:
+            handle.close()
+            raise LogIOError(paths[-1], "stamp", exc) from exc
         except BaseException:
             handle.close()
             raise
@@ -141,6 +158,17 @@ def _open_directory(layer, directory: str, repair: bool, loader, max_pages: int,
         lock.close()
         raise
     return Opened(live, d, res.next_seq, res, loaded)
+
+
+def _torn_opening_checkpoint(scans: list[Scan], paths: list[str]) -> bool:
+    """Whether the last segment (not the first) holds its header and a torn tail from there:
+    its opening checkpoint never made it whole (a roll of another writer, or damage nothing
+    proves was synced). Truncating it would leave a segment without its checkpoint, which
+    every later open refuses; removing it loses nothing (the checkpoint restates the state
+    the segment before it ends with) and appends continue in the segment before it."""
+    last = scans[-1]
+    return (len(scans) == len(paths) > 1 and not last.records and last.error is None
+            and last.torn_at == last.header.size)
 
 
 def _verify(handle, layer, path: str, repair: bool, loader, max_pages: int):

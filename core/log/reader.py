@@ -24,7 +24,7 @@ from .format import (
     decode_stamp,
 )
 from .scan import Scan, scan
-from .segments import combine, list_segments, missing_tail, scan_segments, segment_name
+from .segments import SegmentBuffers, combine, list_segments, missing_tail, scan_segments, segment_name
 
 __all__ = ["LogView", "open_view", "read_stamp"]
 
@@ -37,16 +37,18 @@ class LogView:
     ``scan.torn_at`` a torn tail. Decoding a payload can still raise
     ``CorruptLogError`` (an intact record whose payload does not decode).
 
-    A view of a log directory holds one buffer per segment (``paths``, in
-    order; ``RecordInfo.segment`` says which holds a record); ``first_seq`` is
-    the seq its first record starts at (0, unless retention deleted the first
-    segments or the view starts at a later segment: then fold from its first
-    checkpoint, ``start_state``).
+    A view of a log directory reads its segments (``paths``, in order;
+    ``RecordInfo.segment`` says which holds a record) through
+    ``segments.SegmentBuffers``: at most ``MAPPED_SEGMENTS`` mapped at once, so a
+    directory of any number of segments opens within a small file-descriptor
+    limit; ``first_seq`` is the seq its first record starts at (0, unless
+    retention deleted the first segments or the view starts at a later segment:
+    then fold from its first checkpoint, ``start_state``).
     """
 
-    def __init__(self, buf, result: Scan, path: str, *, bufs: list | None = None,
+    def __init__(self, buf, result: Scan, path: str, *, bufs: SegmentBuffers | None = None,
                  paths: list[str] | None = None) -> None:
-        self._bufs: list | None = [buf] if bufs is None else bufs
+        self._bufs: SegmentBuffers | _OneBuffer | None = _OneBuffer(buf) if bufs is None else bufs
         self.paths = [path] if paths is None else paths
         self.scan = result
         self.path = path
@@ -60,8 +62,8 @@ class LogView:
 
     def close(self) -> None:
         bufs, self._bufs = self._bufs, None
-        for buf in bufs or ():
-            release_buffer(buf)
+        if bufs is not None:
+            bufs.close()
 
     def __enter__(self) -> LogView:
         return self
@@ -72,7 +74,7 @@ class LogView:
     def _live(self, rec: RecordInfo):
         if self._bufs is None:
             raise LogClosedError(f"{self.path}: the view was released")
-        return self._bufs[rec.segment]
+        return self._bufs.get(rec.segment)
 
     def events(self, rec: RecordInfo) -> list:
         """The events of an events record, in seq order from ``rec.seq``."""
@@ -105,6 +107,21 @@ class LogView:
                     return
                 yield seq, ev, rec
                 seq += 1
+
+
+class _OneBuffer:
+    """The buffer of a one-file view (the ``SegmentBuffers`` interface)."""
+
+    __slots__ = ("buf",)
+
+    def __init__(self, buf) -> None:
+        self.buf = buf
+
+    def get(self, i: int):
+        return self.buf
+
+    def close(self) -> None:
+        release_buffer(self.buf)
 
 
 def read_stamp(layer, path: str) -> bytes | None:
@@ -183,10 +200,8 @@ def _open_directory(layer, directory: str, start: str | None, until: int | None,
             if isinstance(exc.__cause__, FileNotFoundError):
                 continue
             raise
-        for extra in bufs[len(scans) :]:
-            release_buffer(extra)
         res = combine(directory, scans)
         if res.error is None and not res.stopped and len(scans) == len(paths):
             res.error = missing_tail(layer, directory, paths, res.header)
-        return LogView(bufs[0], res, directory, bufs=bufs[: len(scans)], paths=paths[: len(scans)])
+        return LogView(None, res, directory, bufs=bufs, paths=paths[: len(scans)])
     raise LogError(f"{directory}: segments keep disappearing while being read")

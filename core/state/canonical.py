@@ -72,7 +72,7 @@ def canonical(st: LedgerState, version: int = DIGEST_VERSION) -> dict:
         "completed": sorted(st.completed.items()),
     }
     if version == 1:
-        if (st.page_hash or st.sharers or st.cached or st.aborted_steps or len(st.in_flight) > 1
+        if (st.page_hash or st.sharers or st.cached or st.aborted_steps or len(st.in_flight) > 1 or st.overwritten
                 or any(s != st.open_step for s in st.restored_since.values())):
             raise ConfigurationError("this state (prefix-cache data, or steps in flight) has no version-1 form")
         return out
@@ -84,6 +84,8 @@ def canonical(st: LedgerState, version: int = DIGEST_VERSION) -> dict:
     out["sharers"] = [[p, list(rs)] for p, rs in sorted(st.sharers.items())]
     out["cached"] = list(st.cached)  # least recently used first: the order is state
     out["aborted_steps"] = sorted(st.aborted_steps)
+    if st.overwritten:  # (present only while in use: every other state's digest is as before)
+        out["overwritten"] = sorted(st.overwritten.items())
     return out
 
 
@@ -148,4 +150,5 @@ def from_canonical(cls: type[LedgerState], data: dict) -> LedgerState:
         st.sharers = {p: sharer_set(rs) for p, rs in data["sharers"]}
         st.cached = OrderedDict.fromkeys(data["cached"])
         st.aborted_steps = set(data["aborted_steps"])
+        st.overwritten = dict(data.get("overwritten", ()))
     return st

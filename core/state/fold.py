@@ -65,8 +65,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "NO_EFFECTS", "allocated_one", "allocated_top", "cache_configured", "free_pages", "marked_effect",
-    "pages_committed", "pages_released", "pages_reserved", "record", "request_gone", "reservation_returned",
-    "reserved_top", "restore_completed", "restore_started", "snapshot_aliased", "snapshot_released", "take_from_stack",
+    "pages_committed", "pages_released", "pages_reserved", "record", "request_gone",
+    "reservation_returned", "reserved_top", "restore_completed", "restore_started", "snapshot_aliased",
+    "snapshot_released", "take_from_stack",
 ]
 
 NO_EFFECTS: tuple = ()
@@ -130,6 +131,18 @@ def free_pages(st: LedgerState, pages, tenant: str | None, dirty) -> list[int] |
             if p in pend:
                 # Listed for a step that has not been sealed: nothing zeroed it yet.
                 del pend[p]
+                marks[p] = MARK_ALL
+                residue.pop(p, None)
+                marked.append(p)
+    ow = st.overwritten
+    if ow and not ow.keys().isdisjoint(pages):
+        marks, residue, open_step = st.marks, st.residue, st.open_step
+        marked = list(marked)
+        for p in pages:
+            s = ow.get(p)
+            if s is not None and s >= open_step:
+                # Committed to be written whole by a step that has not been sealed: nothing wrote it.
+                del ow[p]
                 marks[p] = MARK_ALL
                 residue.pop(p, None)
                 marked.append(p)
@@ -274,6 +287,10 @@ def pages_committed(st: LedgerState, e: PagesCommitted, rec: RequestRecord | Non
         for p in pages:
             m = marks.pop(p, 0)
             if m:
+                if e.reads == "none":  # written whole before it is read: the mark comes off, unlisted
+                    residue.pop(p, None)
+                    st.overwritten[p] = step
+                    continue
                 if m == MARK_TENANT and residue.pop(p) == own:
                     continue  # the committing tenant's own bytes, read under a mask
                 if p not in pend:
@@ -309,7 +326,8 @@ def request_gone(st: LedgerState, e) -> tuple:
     if st.page_hash:  # (prefix caching in use: a shared page is hashed, so this covers them too)
         kv = _release_shares(st, rec)
     pages = reserved + kv if reserved else kv
-    if st.policy == "released_aliases" and not (st.pending and not st.pending.keys().isdisjoint(pages)):
+    if (st.policy == "released_aliases" and not (st.pending and not st.pending.keys().isdisjoint(pages))
+            and not st.overwritten):
         holder, free = st.holder, HOLDER_FREE  # (the usual case: _free_pages without marks, inline)
         for p in pages:
             holder[p] = free
@@ -368,7 +386,7 @@ def pages_released(st: LedgerState, e: PagesReleased) -> tuple:
 
 
 def record(st: LedgerState, e) -> tuple:
-    """A record-only event (``RequestLabelled``, ``PagesUnwritten``): the fold counts it, nothing more."""
+    """A record-only event (``RequestLabelled``): the fold counts it, nothing more."""
     st.seq += 1
     return NO_EFFECTS
 

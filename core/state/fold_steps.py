@@ -1,4 +1,4 @@
-"""The fold of the step book: seals, completions, aborts and sanitizer records.
+"""The fold of the step book: seals, completions, aborts, pages a step left unwritten, sanitizer records.
 
 As ``fold.py`` (its docstring says what an applier is): ``(state, event) -> effects``,
 for an event that passed its precondition. The step book is the open step, the
@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING
 
 from ..events.events import SanitizerViolation, StepAborted, StepCompleted, StepPlan, StepSealed
 from .fold import NO_EFFECTS, marked_effect
-from .table import MARK_ALL, MAX_IN_FLIGHT
+from .table import HOLDER_FREE, MARK_ALL, MAX_IN_FLIGHT
 
 if TYPE_CHECKING:
     from .state import LedgerState
 
-__all__ = ["completed", "sanitizer_violation", "sealed", "step_aborted", "step_completed", "step_sealed"]
+__all__ = ["completed", "in_kv", "pages_unwritten", "sanitizer_violation", "sealed", "step_aborted", "step_completed",
+           "step_sealed"]
 
 
 def step_sealed(st: LedgerState, e: StepSealed) -> tuple:
@@ -46,9 +47,11 @@ def _seal(st: LedgerState, step: int, clear_list: tuple) -> StepPlan:
     in_flight.append(plan)
     if len(in_flight) > MAX_IN_FLIGHT:
         del in_flight[0]  # too old to abort: its restore records go too
+        oldest = in_flight[0].step
         if st.restored_since:
-            oldest = in_flight[0].step
             st.restored_since = {p: s for p, s in st.restored_since.items() if s > oldest}
+        if st.overwritten:
+            st.overwritten = {p: s for p, s in st.overwritten.items() if s >= oldest}
     st.seq += 1
     return plan
 
@@ -76,6 +79,9 @@ def completed(st: LedgerState, e: StepCompleted) -> None:
             elif st.restored_since:  # a restore matters only to a plan sealed before it: the oldest bounds them
                 oldest = in_flight[0].step
                 st.restored_since = {p: s for p, s in st.restored_since.items() if s > oldest}
+        if st.overwritten:  # (a step that ran everywhere wrote its pages: nothing can give their marks back)
+            done = st.completed_step
+            st.overwritten = {p: s for p, s in st.overwritten.items() if s > done}
     st.seq += 1
 
 
@@ -120,6 +126,20 @@ def step_aborted(st: LedgerState, e: StepAborted) -> tuple:
             marks[p] = MARK_ALL
             residue.pop(p, None)
         st.aborted_steps.add(plan.step)
+    if st.overwritten:  # pages a commit of an aborted step was to write whole: nothing wrote them
+        gone = {plan.step for plan in aborted}
+        for p in sorted(q for q, s in st.overwritten.items() if s in gone):  # (page order: a checkpoint keeps no other)
+            del st.overwritten[p]
+            if in_kv(st, p, kv_of):
+                if p not in pend:
+                    pend[p] = step
+                    carry.append(p)
+            else:
+                if p not in seen:
+                    seen.add(p)
+                    marked.append(p)
+                marks[p] = MARK_ALL
+                residue.pop(p, None)
     if carry:
         listed = st.clear_lists.get(step)
         if listed:  # entries of a carried page there are stale (it was not pending): carried is its last listing
@@ -128,5 +148,38 @@ def step_aborted(st: LedgerState, e: StepAborted) -> tuple:
         st.clear_lists[step] = carry + listed if listed else carry
     if not st.in_flight:
         st.restored_since.clear()
+    st.seq += 1
+    return marked_effect(marked)
+
+
+def in_kv(st: LedgerState, p: int, kv_of: dict[int, set[int]]) -> bool:
+    """Is page ``p`` in some request's KV pages (``kv_of``: request -> its KV pages, built once)?"""
+    r = st.holder[p]
+    if r < 0:
+        return False
+    kv = kv_of.get(r)
+    if kv is None:
+        kv = kv_of[r] = set(st.requests[r].kv)
+    return p in kv
+
+
+def pages_unwritten(st: LedgerState, e) -> tuple:
+    """The step ran without the request: pages a ``reads="none"`` commit of it took a mark off for
+    that step get it back when they are free or reserved (marked for everyone). A page another
+    request committed since is left to that commit (an engine that reuses a page before it
+    learns of a dropped share commits it reading whole). Returns ``PagesMarked``."""
+    ow = st.overwritten
+    marked: list[int] = []
+    if ow:
+        kv_of: dict[int, set[int]] = {}
+        holder = st.holder
+        for p in e.page_ids:
+            if ow.get(p) != e.step:
+                continue
+            del ow[p]
+            if holder[p] == HOLDER_FREE or (holder[p] >= 0 and not in_kv(st, p, kv_of)):
+                st.marks[p] = MARK_ALL
+                st.residue.pop(p, None)
+                marked.append(p)
     st.seq += 1
     return marked_effect(marked)

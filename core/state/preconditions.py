@@ -174,7 +174,7 @@ def reservation_returned(st: LedgerState, e: ReservationReturned) -> None:
 
 def commit_reads_allowed(st: LedgerState, reads: str) -> None:
     """A commit that reads the whole page needs a policy that marks a request's bytes."""
-    if reads != "tail" and st.policy == "released_aliases":
+    if reads == "whole" and st.policy == "released_aliases":
         raise ConfigurationError(f"a commit that reads the whole page (reads={reads!r}) needs a clear policy "
                                  "that marks a request's bytes (cross_tenant or all_reused), not released_aliases")
 
@@ -184,7 +184,7 @@ def pages_committed(st: LedgerState, e: PagesCommitted) -> None:
     reads the whole page needs a policy that marks a request's bytes (``released_aliases`` does
     not: another request's state would be read unzeroed)."""
     pages = e.page_ids
-    if e.reads != "tail":
+    if e.reads == "whole":
         commit_reads_allowed(st, e.reads)
     rec = st.requests.get(e.request)
     # the usual commit, the head of r's reservation, needs no per-page check
@@ -219,11 +219,16 @@ def request_labelled(st: LedgerState, e: RequestLabelled) -> None:
 
 
 def pages_unwritten(st: LedgerState, e: PagesUnwritten) -> None:
-    """The step was sealed (it ran, without the request); the pages are valid and distinct. A
-    record: the request may have ended since."""
+    """The step was sealed (it ran, without the request); the pages are valid and distinct, and the
+    request (it ended, or lives on without them) holds none of them."""
     if not 0 <= e.step < st.open_step:
         raise StepOrderError(e.step, st.open_step, "pages unwritten by a step that was never sealed")
     _pages(st, e.page_ids)
+    rec = st.requests.get(e.request)
+    if rec is not None and not set(rec.kv).isdisjoint(e.page_ids):
+        held = [p for p in e.page_ids if p in set(rec.kv)]
+        raise InvalidArgumentError(f"request {e.request} still holds pages {held[:8]}: a step that ran without it "
+                                   "wrote none of its pages, and those it keeps would be read as written")
 
 
 def snapshot_aliased(st: LedgerState, e: SnapshotAliased) -> None:

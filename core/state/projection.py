@@ -29,7 +29,7 @@ def project_state(st: LedgerState, p: int) -> LedgerState:
     ps.holder = [HOLDER_FREE] * n
     ps.alias_count = [0] * n
     ps.holder[p], ps.alias_count[p] = st.holder[p], st.alias_count[p]
-    for name in ("marks", "residue", "restore_targets", "pending", "restored_since"):
+    for name in ("marks", "residue", "restore_targets", "pending", "restored_since", "overwritten"):
         table = getattr(st, name)
         setattr(ps, name, {p: table[p]} if p in table else {})
     ps.free_stack = [p] if st.holder[p] == HOLDER_FREE else []

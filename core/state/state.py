@@ -15,6 +15,9 @@ Sparse (a page is in the map only while the flag is set):
     restore_targets   p -> (into, target) while an inbound restore writes p
                       (the ``restoring`` flag)
     pending           page -> the unsealed step whose clear list it sits in
+    overwritten       page -> the step a ``reads="none"`` commit took its mark off for,
+                      while that step may still not run for it (not retired): an
+                      abort, a release before the seal or PagesUnwritten give it back
     restored_since    page -> the open step when a restore into a request last
                       overwrote it (an abort of a plan sealed before must not zero it)
     in_flight         the plans of the last sealed steps not aborted (at most
@@ -93,6 +96,7 @@ class LedgerState:
         self.restore_targets: dict[int, tuple[str, int]] = {}
         self.pending: dict[int, int] = {}
         self.restored_since: dict[int, int] = {}
+        self.overwritten: dict[int, int] = {}
         self.free_stack: list[int] = []
         self.stale_entries = 0  # stale entries in free_stack (see the module docstring)
         self.parked: list[list] = []  # [marker, pages]: free pages a restore is writing (the module docstring)

@@ -14,7 +14,8 @@ One row per event type, as in h11's ``_state.py``. The columns are data, not pro
     moves      the holders the pages move from and to (``""``: unchanged)
     marks      what happens to the mark: ``kept``, ``cleared``, ``set``, ``unchanged``,
                ``none``, ``policy`` (as the policy says for a page going free), ``relisted``
-               (an abort's pages) or ``by target`` (a restore)
+               (an abort's pages), ``restored`` (a mark a ``reads="none"`` commit took off
+               comes back) or ``by target`` (a restore)
     effects    the effect types the applier may return (``ClearPages``, ``StepPlan``, ...)
     unbounded  the fields no validation bounds (a durable log measures an event with one)
     validate   ``(state, event) -> None``: the precondition, raising the specific error
@@ -289,8 +290,10 @@ TRANSITIONS: dict[type, Transition] = {
         Marks("policy", words="as for a request's page going free under the policy"), (PagesMarked,), "",
         pre.pages_released, fold.pages_released),
     PagesUnwritten: _row(
-        ("r", "step", "pages"), "page_ids", Requires(step="sealed", also="pages valid"), Moves(), Marks("—"), (),
-        "— (a record: the step ran without the request)", pre.pages_unwritten, fold.record, unbounded=("reason",)),
+        ("r", "step", "pages"), "page_ids", Requires(step="sealed", also="pages valid"), Moves(),
+        Marks("restored", words="a mark a reads=none commit of the step took off comes back (in KV: listed "
+              "again; else set)"), (PagesMarked,), "", pre.pages_unwritten, fold_steps.pages_unwritten,
+        unbounded=("reason",)),
     RequestLabelled: _row(
         ("r", "label"), "", Requires(words="— (it may come before r's first event)"), Moves(), Marks("—"), (),
         "— (a record: the engine's name for r)", pre.request_labelled, fold.record),

@@ -43,7 +43,9 @@ The options of ``open_engine``:
                      "kvledger.engine" ("kvledger" for the log, "kvledger.wire" for the leader)
     remote           a RemoteRanks (remote.py): the engine becomes the wire leader of
                      remote.world_size - 1 peers, listening on remote.listen
-                     (engine.remote_address); every step then needs all of them READY; on
+                     (engine.remote_address); a peer counts once it proved the job's key
+                     (remote.key, else $KVLEDGER_WIRE_KEY, else a fresh one:
+                     engine.leader.key); every step then needs all of them READY; on
                      exit the links are closed (peers see the end of the stream and return)
     sanitize         debug mode (SPEC "The sanitizer", sanitizer.py): every local rank with
                      planes runs copies -> poison -> clear -> check -> graph; a violation is
@@ -381,6 +383,10 @@ async def _wire(ledger: Ledger, local: RankStrategy, remote: RemoteRanks | None,
         next_step=ledger.open_step,
         close_grace=remote.close_grace,
         logger=logger if logger is not None else get_logger("kvledger.wire"),
+        key=remote.key,
+        handshake_timeout=remote.handshake_timeout,
+        max_pending=remote.max_pending,
+        pinned=remote.pinned,
     ) as leader:
         address = await leader.listen_tcp(*remote.listen) if remote.listen is not None else None
         yield WireRanks(local, leader, remote, extras.decided, logger if logger is not None

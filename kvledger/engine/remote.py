@@ -5,11 +5,21 @@
     async with open_engine(g, ranks=[RankSpec(planes=p0)],
                            remote=RemoteRanks(world_size=3, listen=("127.0.0.1", 0))) as engine:
         host, port = engine.remote_address    ──►  await serve_remote_rank(host, port, g, rank=1,
-        await engine.wait_remote(timeout=5)            world_size=3, planes=p1)
+        key = engine.leader.key               ──►          world_size=3, planes=p1, key=key)
+        await engine.wait_remote(timeout=5)
         await engine.run_step(step)
             seal ─► PREPARE to every peer ─► READY from all ─► LAUNCH ─► local ranks: copies, clears, graph
                                          └─► REJECT / timeout / lost peer ─► ABORT ─► StepFailedError,
                                              nothing cleared anywhere, StepAborted recorded
+
+Who may be a rank: a peer counts only once it proved the job's key
+(``kvledger.wire.auth``). ``RemoteRanks.key`` is that key; without one the
+engine takes ``$KVLEDGER_WIRE_KEY`` (hex) or makes a fresh key per job, which
+``engine.leader.key`` hands to the peers (``serve_remote_rank(..., key=)``; a
+peer without ``key=`` reads ``$KVLEDGER_WIRE_KEY``; a rank in the engine's own
+process needs nothing: ``engine.leader.run_local_peer(rank, on_launch)``). Links that have not proved
+it are bounded (``handshake_timeout``, ``max_pending``), and ``pinned`` ties a
+rank to the IP address it must connect from.
 
 Wire ranks: the engine is wire rank 0 (the leader); peers are wire ranks
 ``1 .. world_size - 1``. In the engine's numbering (``StepFailedError.rank``) the
@@ -41,7 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -67,6 +77,11 @@ class RemoteRanks:
     are done, for every launched peer's COMPLETE; a peer silent that long is
     named as the rank that failed the step.
     ``close_grace``: seconds the links get to flush on close.
+    ``key``: the job's key every peer must prove (None: ``$KVLEDGER_WIRE_KEY``,
+    else a fresh one per engine: ``engine.leader.key``). ``handshake_timeout``:
+    seconds a link may take to prove it and join before it is closed;
+    ``max_pending``: links held at once that have not (one more closes the oldest);
+    ``pinned``: {wire rank: IP address} a rank must connect from.
 
     Raises ``InvalidArgumentError`` for a bad value (nothing opened).
     """
@@ -76,6 +91,10 @@ class RemoteRanks:
     timeout: float = 1.0
     complete_timeout: float = 5.0
     close_grace: float = 1.0
+    key: bytes | None = dataclasses.field(default=None, repr=False)
+    handshake_timeout: float = 5.0
+    max_pending: int = 64
+    pinned: Mapping[int, str] | None = None
 
     def __post_init__(self) -> None:
         if type(self.world_size) is not int or self.world_size < 2:
@@ -89,6 +108,18 @@ class RemoteRanks:
                                        f"got {self.complete_timeout!r}")
         if not isinstance(self.close_grace, (int, float)) or self.close_grace < 0:
             raise InvalidArgumentError(f"RemoteRanks.close_grace must be >= 0, got {self.close_grace!r}")
+        if self.key is not None:
+            from kvledger.wire.auth import check_key
+
+            check_key(self.key, "RemoteRanks.key")
+        if not isinstance(self.handshake_timeout, (int, float)) or not self.handshake_timeout > 0:
+            raise InvalidArgumentError("RemoteRanks.handshake_timeout must be a positive number of seconds, "
+                                       f"got {self.handshake_timeout!r}")
+        if type(self.max_pending) is not int or self.max_pending < 1:
+            raise InvalidArgumentError(f"RemoteRanks.max_pending must be an int >= 1, got {self.max_pending!r}")
+        if self.pinned is not None and not isinstance(self.pinned, Mapping):
+            raise InvalidArgumentError(f"RemoteRanks.pinned must be a mapping of rank to IP address, "
+                                       f"got {self.pinned!r}")
         if self.listen is not None:
             ok = isinstance(self.listen, tuple) and len(self.listen) == 2 and isinstance(self.listen[0], str) \
                 and type(self.listen[1]) is int and 0 <= self.listen[1] < 65536
@@ -179,6 +210,7 @@ async def serve_remote_rank(
     connect_timeout: float = 10.0,
     hello_timeout: float = 10.0,
     logger: Any = None,
+    key: bytes | None = None,
 ) -> dict:
     """Serve wire rank ``rank`` of an engine listening on ``host:port`` until it closes.
 
@@ -186,10 +218,12 @@ async def serve_remote_rank(
     ``backend`` (a name for ``kvledger.executors.backend.make_backend`` or a ready
     ``ClearBackend``), then calls ``on_step(step, clear_pages, payload)`` if given,
     then sends COMPLETE (ok); an ABORT clears nothing (``on_drop(step, code,
-    culprit_rank)``). Returns the link's counters. Raises ``TimeoutError`` /
-    ``OSError`` when the engine cannot be reached, ``HandshakeRefused`` when it
-    refuses this rank (another geometry, world size or a taken rank; nothing
-    cleared), and what the backend or ``on_step`` raises (sent first as a failed
+    culprit_rank)``). Returns the link's counters. ``key``: the job's key to prove
+    (``engine.leader.key``; None: ``$KVLEDGER_WIRE_KEY``). Raises ``TimeoutError`` /
+    ``OSError`` when the engine cannot be reached, ``ConfigurationError`` without a
+    key, ``HandshakeRefused`` when it refuses this rank (another key, geometry,
+    world size or a taken rank; nothing cleared), ``RemoteProtocolError`` BAD_AUTH
+    when the engine cannot prove the key itself, and what the backend or ``on_step`` raises (sent first as a failed
     COMPLETE naming the error; then the link closes and later steps abort).
     ``logger``: a structlog logger for the link's events (default: ``kvledger.wire``
     through ``kvledger.logs``).
@@ -216,6 +250,6 @@ async def serve_remote_rank(
     with anyio.fail_after(connect_timeout):
         stream = await connect_tcp(host, port)
     return await run_peer(
-        stream, geometry, rank=rank, world_size=world_size, on_launch=on_launch, on_drop=on_drop,
+        stream, geometry, rank=rank, world_size=world_size, key=key, on_launch=on_launch, on_drop=on_drop,
         hello_timeout=hello_timeout, logger=logger if logger is not None else get_logger("kvledger.wire"),
     )

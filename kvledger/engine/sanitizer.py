@@ -150,7 +150,8 @@ class SanitizerTracker(StepHook):
         """(A record: the engine's name for a request; no page.)"""
 
     def _on_pages_committed(self, seq: int, event: Any, effects: tuple) -> None:
-        self._committed.setdefault(event.step, []).extend(event.page_ids)
+        if event.reads != "none":  # (written whole by the graph: poison there is fine)
+            self._committed.setdefault(event.step, []).extend(event.page_ids)
         self._lines(seq, event, event.page_ids, effects)
 
     def _on_snapshot_aliased(self, seq: int, event: Any, effects: tuple) -> None:

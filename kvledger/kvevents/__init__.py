@@ -8,7 +8,8 @@ events vLLM publishes, so existing consumers read kvledger unchanged:
                   KVEventBatch) in vLLM's two layouts, the frame layout, encode / decode
     batcher.py    KVEventBatcher (sans-I/O): (seq, event, effects) in, one batch per step out;
                   u64 hashes, extra keys (tenant, cache salt)
-    endpoints.py  vLLM's endpoint rules: bind or connect, DP-rank offset, a dialable endpoint
+    endpoints.py  vLLM's endpoint rules: bind or connect, DP-rank offset, a dialable endpoint;
+                  a bind other hosts can reach only with allow_remote (the events name tenants)
     replay.py     ReplayService: the replay buffer and the answers owed, served a bounded
                   amount per turn
     publisher.py  KVEventPublisher: a ZMQ PUB socket and a replay socket, a bounded queue,
@@ -19,7 +20,7 @@ events vLLM publishes, so existing consumers read kvledger unchanged:
 
 Live::
 
-    pub = KVEventPublisher("tcp://*:5557", replay_endpoint="tcp://*:5558").start()
+    pub = KVEventPublisher(replay_endpoint="tcp://127.0.0.1:5558").start()   # binds 127.0.0.1:5557
     ledger = Ledger(geometry, observer=pub.observe)    # a batch leaves at every seal
     ...
     pub.stop()
@@ -49,9 +50,9 @@ publisher connects to one indexer that binds).
 only when a ``KVEventPublisher`` is made (``pip install kvledger[events]``).
 """
 
-from .batcher import KVEventBatcher, PendingBatch, to_kv_events
+from .batcher import OMITTABLE, KVEventBatcher, PendingBatch, to_kv_events
 from .config import make_publisher, publisher_options
-from .endpoints import binds, dialable, offset_endpoint
+from .endpoints import DEFAULT_ENDPOINT, binds, check_exposure, dialable, local_bind, offset_endpoint
 from .export import ExportSummary, JsonLinesSink, export_log
 from .publisher import KVEventPublisher, PublisherStatistics
 from .schema import (
@@ -75,8 +76,10 @@ from .schema import (
 )
 
 __all__ = [
+    "DEFAULT_ENDPOINT",
     "HASH_FORMS",
     "LAYOUTS",
+    "OMITTABLE",
     "MEDIUM_GPU",
     "REPLAY_FORMATS",
     "SEQ_END",
@@ -95,10 +98,12 @@ __all__ = [
     "PendingBatch",
     "PublisherStatistics",
     "binds",
+    "check_exposure",
     "decode_batch",
     "dialable",
     "encode_batch",
     "export_log",
+    "local_bind",
     "make_publisher",
     "offset_endpoint",
     "publisher_options",

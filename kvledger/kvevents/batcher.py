@@ -35,6 +35,12 @@ it has none of them, and the field is left out when no block of the event has
 any. Every block of a publish carries the same entry (``core.hashing`` applies the
 extra keys to every block too). The log records tenants but not salts: an export
 carries the tenant only, unless its caller passes the salts again.
+
+Leaving data out (``omit=``): ``"token_ids"`` sends every ``BlockStored`` with an
+empty ``token_ids`` list (a router that only matches hashes needs none; one that
+hashes tokens itself cannot work without them); ``"tenant"`` and ``"salt"`` keep
+those out of ``extra_keys`` (hashes computed with them as extra keys still differ,
+so prefixes stay apart; the consumer just cannot read who they belong to).
 """
 
 from __future__ import annotations
@@ -60,7 +66,23 @@ from kvledger.core.hashing import to_u64, to_u64_all
 
 from .schema import HASH_FORMS, MEDIUM_GPU, Layout, check_choice, get_layout
 
-__all__ = ["KVEventBatcher", "PendingBatch", "to_kv_events"]
+__all__ = ["OMITTABLE", "KVEventBatcher", "PendingBatch", "check_omit", "to_kv_events"]
+
+OMITTABLE = ("token_ids", "tenant", "salt")  # what ``omit=`` may leave out of the events
+
+
+def check_omit(omit: Iterable[str]) -> frozenset[str]:
+    """``omit`` as a set of names from ``OMITTABLE``; ``InvalidArgumentError`` otherwise."""
+    if isinstance(omit, str):
+        omit = (omit,)
+    try:
+        names = frozenset(omit)
+    except TypeError:
+        raise InvalidArgumentError(f"omit must be names from {OMITTABLE}, got {omit!r}") from None
+    bad = sorted(n for n in names if n not in OMITTABLE)
+    if bad:
+        raise InvalidArgumentError(f"omit: {bad} are not fields an event can leave out ({', '.join(OMITTABLE)})")
+    return names
 
 
 def _check_medium(medium) -> None:
@@ -104,25 +126,27 @@ _NOT_16 = (struct.error, IndexError)  # the joined bytes are not 16 x k (k <= 16
 _NOT_COMMON = (TypeError, *_NOT_16)  # ... or not all bytes
 
 
-def _convert(effects: Sequence, lay: Layout, medium: str | None, fold: bool, out: list) -> None:
+def _convert(effects: Sequence, lay: Layout, medium: str | None, fold: bool, out: list, tokens: bool = True) -> None:
     """Append the KV event of each effect to ``out``; ``fold``: hashes as u64.
 
     Two loops, because every batch takes this path and a Python op per event is what it
     costs (bench/bench_kvevents.py): ``_convert_common`` takes the shape nearly every
     event has when folding (16-byte hashes, no extra keys), and hands the first effect it
     cannot take, with the rest, to ``_convert_any``, which takes every shape. Int hashes
-    go there at once (the common loop would stop at the first, at the cost of an exception)."""
+    go there at once (the common loop would stop at the first, at the cost of an exception).
+    ``tokens`` False: every ``BlockStored`` with empty ``token_ids`` (``omit``)."""
     it = iter(effects)
     prev: tuple = (None, 0)
     if fold and not (effects and effects[0].hashes and type(effects[0].hashes[0]) is int):
-        first, prev = _convert_common(it, lay, medium, out)
+        first, prev = _convert_common(it, lay, medium, out, tokens)
         if first is None:
             return
         it = chain((first,), it)
-    _convert_any(it, lay, medium, fold, out, prev)
+    _convert_any(it, lay, medium, fold, out, prev, tokens)
 
 
-def _convert_common(it: Iterator, lay: Layout, medium: str | None, out: list) -> tuple[Any, tuple]:
+def _convert_common(it: Iterator, lay: Layout, medium: str | None, out: list, tokens: bool = True
+                    ) -> tuple[Any, tuple]:
     """Fold and convert effects from ``it`` while they are ``BlocksRemoved`` or ``BlocksStored``
     (no LoRA name) with one or more hashes of 16 bytes (``core.hashing.block_hash``'s): k of
     them in one ``struct`` call over their joined bytes, which raises unless they are bytes
@@ -155,11 +179,12 @@ def _convert_common(it: Iterator, lay: Layout, medium: str | None, out: list) ->
         if parent is not None:
             parent = prev_u64 if parent is prev_raw else to_u64(parent)
         prev_raw, prev_u64 = hs[-1], folded[-1]
-        append(stored(folded, parent, eff.token_ids, eff.page_tokens, eff.lora_id, medium, None))
+        append(stored(folded, parent, eff.token_ids if tokens else (), eff.page_tokens, eff.lora_id, medium, None))
     return None, (prev_raw, prev_u64)
 
 
-def _convert_any(it: Iterable, lay: Layout, medium: str | None, fold: bool, out: list, prev: tuple) -> None:
+def _convert_any(it: Iterable, lay: Layout, medium: str | None, fold: bool, out: list, prev: tuple,
+                 tokens: bool = True) -> None:
     """Convert every effect of ``it`` (``prev``: ``_convert_common``'s last publish). Folds:
     16-byte hashes as there, ints >= 0 to themselves (the ledger's are signed 64-bit),
     anything else by ``core.hashing.to_u64_all``."""
@@ -212,11 +237,12 @@ def _convert_any(it: Iterable, lay: Layout, medium: str | None, fold: bool, out:
         lora = eff.lora_name
         if lora is not None:
             keys = (lora, *keys) if keys else (lora,)
+        token_ids = eff.token_ids if tokens else ()
         if with_keys:
-            append(stored(hs, parent, eff.token_ids, eff.page_tokens, eff.lora_id, medium, lora,
+            append(stored(hs, parent, token_ids, eff.page_tokens, eff.lora_id, medium, lora,
                           (keys,) * len(hs) if keys else None))
         else:
-            append(stored(hs, parent, eff.token_ids, eff.page_tokens, eff.lora_id, medium, lora))
+            append(stored(hs, parent, token_ids, eff.page_tokens, eff.lora_id, medium, lora))
 
 
 class PendingBatch(NamedTuple):
@@ -236,15 +262,19 @@ class KVEventBatcher:
     ``clock``: the batch timestamp in seconds (``time.time``); ``auto_flush``:
     close a batch when a ``StepSealed`` is observed; ``deferred``: hand the sink a
     ``PendingBatch`` (stamped, not converted) and let a consumer thread ``build`` it,
-    so that the folding thread only collects effect objects. Not thread-safe: call
+    so that the folding thread only collects effect objects; ``omit``: names from
+    ``OMITTABLE`` to leave out of every event (module docstring). Not thread-safe: call
     ``observe`` / ``flush`` from the thread that folds (``build`` from any). ``sink``
     raising propagates out of ``observe`` / ``flush`` (that batch is then gone from here).
     """
 
     def __init__(self, sink: Callable[[Any], object], *, layout: str = "map", medium: str | None = MEDIUM_GPU,
                  data_parallel_rank: int | None = 0, clock: Callable[[], float] = time.time,
-                 auto_flush: bool = True, deferred: bool = False, hashes: str = "u64") -> None:
+                 auto_flush: bool = True, deferred: bool = False, hashes: str = "u64",
+                 omit: Iterable[str] = ()) -> None:
         _check_medium(medium)
+        self.omit = check_omit(omit)
+        self._tokens = "token_ids" not in self.omit
         if data_parallel_rank is not None and (type(data_parallel_rank) is not int or data_parallel_rank < 0):
             raise InvalidArgumentError(f"data_parallel_rank must be an int >= 0 or None, got {data_parallel_rank!r}")
         self._layout = get_layout(layout)
@@ -278,17 +308,18 @@ class KVEventBatcher:
         request that is not an int or a salt that is not a str."""
         if type(request) is not int:
             raise InvalidArgumentError(f"request must be an int, got {request!r}")
-        if salt is None:
-            self._salts.pop(request, None)
-        elif type(salt) is not str:
+        if salt is not None and type(salt) is not str:
             raise InvalidArgumentError(f"a cache salt is a str, got {salt!r}")
+        if salt is None or "salt" in self.omit:
+            self._salts.pop(request, None)
         else:
             self._salts[request] = salt
 
     def set_tenants(self, tenants: dict[int, str | None]) -> None:
         """Know these requests' tenants (``request -> tenant``; None entries skipped): an
         export that starts at a checkpoint seeds them from the checkpoint's state."""
-        self._tenants.update({r: t for r, t in tenants.items() if t is not None})
+        if "tenant" not in self.omit:
+            self._tenants.update({r: t for r, t in tenants.items() if t is not None})
 
     def _keys_of(self, request: int) -> tuple | None:
         tenant, salt = self._tenants.get(request), self._salts.get(request)
@@ -325,7 +356,7 @@ class KVEventBatcher:
             self.flush()
 
     def _tenant(self, event) -> None:
-        if event.tenant is not None:
+        if event.tenant is not None and "tenant" not in self.omit:
             self._tenants[event.request] = event.tenant
 
     def _gone(self, event) -> None:
@@ -353,5 +384,5 @@ class KVEventBatcher:
     def build(self, ts: float, effects: Iterable):
         """The batch (this batcher's layout, medium and rank) of collected effects, stamped ``ts``."""
         events: list = []
-        _convert(tuple(effects), self._layout, self._medium, self._fold, events)
+        _convert(tuple(effects), self._layout, self._medium, self._fold, events, self._tokens)
         return self._layout.batch(ts, tuple(events), self._rank)

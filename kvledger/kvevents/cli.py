@@ -32,6 +32,7 @@ from typing import IO
 
 from kvledger.core.errors import ConfigurationError, CorruptLogError, InvalidArgumentError, LogError
 
+from .batcher import OMITTABLE
 from .export import ExportSummary, JsonLinesSink, export_log
 from .schema import HASH_FORMS, LAYOUTS, MEDIUM_GPU, REPLAY_FORMATS
 
@@ -46,7 +47,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("log", metavar="LOG", help="the event log: a file, a log directory or one of its segments")
     out = ap.add_mutually_exclusive_group()
     out.add_argument("--jsonl", action="store_true", help="JSON lines, one batch a line (the default)")
-    out.add_argument("--zmq", metavar="ENDPOINT", help="publish on a PUB socket at ENDPOINT (tcp://*:5557)")
+    out.add_argument("--zmq", metavar="ENDPOINT", help="publish on a PUB socket at ENDPOINT (tcp://127.0.0.1:5557)")
     ap.add_argument("--objects", action="store_true",
                     help="JSON lines: an object per batch with its seq, not vLLM's [ts, events, dp_rank]")
     ap.add_argument("-o", "--output", metavar="PATH", help="JSON lines: write to PATH instead of stdout")
@@ -70,13 +71,18 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--medium", default=MEDIUM_GPU, help="the events' medium (default: GPU)")
     ap.add_argument("--dp-rank", type=int, default=0, metavar="N", help="data_parallel_rank of every batch")
     ap.add_argument("--until", type=int, default=None, metavar="SEQ", help="stop after the event with this seq")
+    ap.add_argument("--allow-remote", action="store_true",
+                    help="with --zmq: allow a bind other hosts can reach (a wildcard or routable address); the "
+                    "events name tenants, token ids and cache salts, and ZMQ authenticates no subscriber")
+    ap.add_argument("--omit", action="append", choices=OMITTABLE, default=[],
+                    help="leave this field out of every event (repeatable): token_ids, tenant, salt")
     return ap
 
 
 def _to_jsonl(ns: argparse.Namespace) -> ExportSummary:
     def run(out: IO[bytes]) -> ExportSummary:
         return export_log(ns.log, JsonLinesSink(out, objects=ns.objects), layout="map", medium=ns.medium,
-                          data_parallel_rank=ns.dp_rank, until=ns.until, hashes=ns.hashes)
+                          data_parallel_rank=ns.dp_rank, until=ns.until, hashes=ns.hashes, omit=ns.omit)
 
     if ns.output in (None, "-"):
         return run(sys.stdout.buffer)
@@ -89,14 +95,14 @@ def _to_zmq(ns: argparse.Namespace, prog: str) -> ExportSummary:
 
     pub = KVEventPublisher(ns.zmq, replay_endpoint=ns.replay, topic=ns.topic, layout=ns.layout, bind=ns.bind,
                            hashes=ns.hashes, replay_format=ns.replay_format, medium=ns.medium,
-                           data_parallel_rank=ns.dp_rank, auto_flush=False)
+                           data_parallel_rank=ns.dp_rank, auto_flush=False, allow_remote=ns.allow_remote)
     with pub:
         side = "bound at" if pub.binds else "connected to"
         replay = f", replay at {pub.replay_endpoint}" if pub.replay_endpoint else ""
         print(f"{prog}: PUB {side} {pub.endpoint}{replay}", file=sys.stderr, flush=True)
         time.sleep(max(0.0, ns.wait))
         summary = export_log(ns.log, pub.publish, layout=ns.layout, medium=ns.medium,
-                             data_parallel_rank=ns.dp_rank, until=ns.until, hashes=ns.hashes)
+                             data_parallel_rank=ns.dp_rank, until=ns.until, hashes=ns.hashes, omit=ns.omit)
         pub.wait_sent(pub.statistics().last_seq, timeout=60)
         time.sleep(max(0.0, ns.linger))
     return summary
@@ -105,8 +111,8 @@ def _to_zmq(ns: argparse.Namespace, prog: str) -> ExportSummary:
 def main(argv=None, prog: str = "kvledger events") -> int:
     """Run the export; returns the exit status (module docstring)."""
     ns = _parser(prog).parse_args(sys.argv[1:] if argv is None else list(argv))
-    if ns.zmq is None and (ns.replay is not None or ns.topic or ns.bind is not None):
-        print(f"{prog}: --replay, --topic, --bind and --connect need --zmq", file=sys.stderr)
+    if ns.zmq is None and (ns.replay is not None or ns.topic or ns.bind is not None or ns.allow_remote):
+        print(f"{prog}: --replay, --topic, --bind, --connect and --allow-remote need --zmq", file=sys.stderr)
         return EXIT_USAGE
     if ns.zmq is not None and (ns.output is not None or ns.objects):
         print(f"{prog}: --output and --objects are for JSON lines, not --zmq", file=sys.stderr)

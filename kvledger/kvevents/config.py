@@ -1,7 +1,7 @@
 """``make_publisher``: a KVEventPublisher from what an engine's caller hands over.
 
-    make_publisher("tcp://*:5557")                       an endpoint: the defaults (vLLM 0.33's wire)
-    make_publisher('{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557",
+    make_publisher("tcp://127.0.0.1:0")                  an endpoint: the defaults (vLLM 0.33's wire)
+    make_publisher('{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "allow_remote": true,
                      "replay_endpoint": "tcp://*:5558", "topic": "kv@pod-0@llama"}')
                                                          vLLM's --kv-events-config JSON
     make_publisher({"endpoint": ..., "buffer_steps": 1000, "layout": "array"})
@@ -13,7 +13,8 @@ vLLM's ``KVEventsConfig`` fields (0.33) and what they become:
 
     enable_kv_cache_events   False, or publisher "null": no publisher (returns None)
     publisher                "zmq" (or None: "zmq" when enabled, as vLLM decides)
-    endpoint                 endpoint            (default "tcp://*:5557", as vLLM's)
+    endpoint                 endpoint            (default: bind tcp://127.0.0.1:5557, this host only;
+                                                  vLLM's default, tcp://*:5557, needs allow_remote)
     replay_endpoint          replay_endpoint     (default None: no replay socket)
     buffer_steps             buffer_steps        (default 10,000)
     hwm                      hwm                 (default kvledger's 10,000; vLLM's is 100,000)
@@ -21,7 +22,9 @@ vLLM's ``KVEventsConfig`` fields (0.33) and what they become:
     topic                    topic               (default "")
 
 and kvledger's own: ``layout``, ``hashes``, ``replay_format``, ``medium``,
-``data_parallel_rank``, ``bind``, ``poll_interval`` (``KVEventPublisher``). A JSON
+``data_parallel_rank``, ``bind``, ``poll_interval``, ``allow_remote`` (a bind
+other hosts can reach) and ``omit`` (a list of ``token_ids``, ``tenant``,
+``salt``) (``KVEventPublisher``). A JSON
 string holding only ``endpoint`` and friends (no ``enable_kv_cache_events``) is
 taken as enabled, as is a mapping. An unknown field, a field of the wrong type or
 JSON that does not parse raises ``ConfigurationError`` naming it; nothing is opened.
@@ -60,6 +63,8 @@ KVLEDGER_FIELDS: dict[str, tuple[type, ...]] = {
     "bind": (bool, type(None)),
     "poll_interval": (int, float),
     "max_queue": (int,),
+    "allow_remote": (bool,),
+    "omit": (list, tuple),
 }
 
 

@@ -10,6 +10,12 @@
     dialable("tcp://0.0.0.0:41234")            "tcp://10.1.2.3:41234": a wildcard bind reported with
                                                this node's address ($KVLEDGER_HOST_IP, $VLLM_HOST_IP,
                                                the address of the default route, else 127.0.0.1)
+    check_exposure("tcp://*:5557", True, False)  ConfigurationError: a bind that other hosts can reach
+                                               (a wildcard, a routable address, an interface or
+                                               host name) must be asked for (``allow_remote``):
+                                               the events name tenants, their prompts' token ids
+                                               and cache salts. Loopback, ipc:// and inproc://
+                                               binds, and every connect, need nothing.
 
 Pure functions (``node_ip`` reads the environment and asks the kernel for a route,
 sending nothing); the publisher and the CLI use them.
@@ -23,7 +29,10 @@ import socket
 
 from kvledger.core.errors import ConfigurationError
 
-__all__ = ["binds", "check_endpoint", "dialable", "node_ip", "offset_endpoint"]
+__all__ = ["DEFAULT_ENDPOINT", "binds", "check_endpoint", "check_exposure", "dialable", "local_bind", "node_ip",
+           "offset_endpoint"]
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"  # what a publisher binds when given no endpoint: this host only
 
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
 _WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]", "::", "[*]")
@@ -68,6 +77,33 @@ def binds(endpoint: str) -> bool:
     connect to the rest; kvledger also binds a tcp endpoint whose port is 0 (nothing to dial)."""
     return ("*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
             or (endpoint.startswith("tcp://") and _port(endpoint) == "0"))
+
+
+def local_bind(endpoint: str) -> bool:
+    """Whether a bind of ``endpoint`` is reachable from this host only: a tcp endpoint on a
+    loopback address (``127.0.0.0/8``, ``[::1]``, ``localhost``), or any ipc:// or inproc://
+    one. A wildcard, any other address, an interface or a host name is not."""
+    if not endpoint.startswith("tcp://"):
+        return True
+    host = endpoint[6:].rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(endpoint: str, bind: bool, allow_remote: bool, what: str = "endpoint") -> None:
+    """``ConfigurationError`` for a bind of ``endpoint`` that other hosts can reach unless
+    ``allow_remote`` (module docstring); nothing for a connect or a local bind."""
+    if not bind or allow_remote or local_bind(endpoint):
+        return
+    raise ConfigurationError(
+        f"{what} {endpoint!r} binds where other hosts can reach it, and KV events name tenants, their prompts' "
+        "token ids and cache salts to whoever subscribes (no authentication). Bind a loopback address "
+        "(tcp://127.0.0.1:PORT, the default) and bring remote consumers in through a boundary you trust "
+        "(docs/SECURITY.md), or pass allow_remote=True to bind it anyway (omit= leaves fields out)")
 
 
 def node_ip(ipv6: bool = False) -> str:

@@ -32,7 +32,7 @@ or, with ``objects=True``, a richer object per line that also numbers the batche
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import IO, Any
 
 import msgspec
@@ -103,11 +103,11 @@ def _start(view: LogView, until: int | None):
 
 def export_log(path, sink: Callable[[Any], object], *, layout: str = "map", medium: str | None = MEDIUM_GPU,
                data_parallel_rank: int | None = 0, until: int | None = None, hashes: str = "u64",
-               clock: Callable[[], float] = time.time, layer=None) -> ExportSummary:
+               clock: Callable[[], float] = time.time, layer=None, omit: Iterable[str] = ()) -> ExportSummary:
     """Fold the log at ``path`` (a file, a log directory, or one segment of one) and hand every KV
     event batch to ``sink``, up to seq ``until``.
 
-    ``layout``, ``hashes``, ``medium``, ``data_parallel_rank``, ``clock``: as for
+    ``layout``, ``hashes``, ``medium``, ``data_parallel_rank``, ``clock``, ``omit``: as for
     ``KVEventBatcher``. Raises ``LogError`` for an unreadable file, ``CorruptLogError`` for a
     bad header, a corrupt record before ``until`` (before anything reaches the sink) or an
     event the fold rejects (naming its offset and seq; the batches before it were handed
@@ -116,7 +116,7 @@ def export_log(path, sink: Callable[[Any], object], *, layout: str = "map", medi
     """
     t0 = time.perf_counter()
     batcher = KVEventBatcher(sink, layout=layout, medium=medium, data_parallel_rank=data_parallel_rank,
-                             clock=clock, auto_flush=True, hashes=hashes)
+                             clock=clock, auto_flush=True, hashes=hashes, omit=omit)
     with open_view(path, layer=layer, until=until) as view:
         bad = view.scan.error
         if bad is not None and (until is None or bad.seq is None or until >= bad.seq):

@@ -1,4 +1,5 @@
 """KVEventPublisher: KV event batches on a ZMQ PUB socket, with a replay socket (vLLM 0.33's protocol).
+One piece: the publisher's thread owns the sockets, the queue and the counters it reports.
 
     step thread (the ledger's)                      publisher thread (owns the sockets), each turn:
     ledger observer ─► observe ─► KVEventBatcher     1. up to 256 queued batches: build, encode,
@@ -45,6 +46,16 @@ by vLLM's rule), ``tcp://127.0.0.1:0`` (binds an ephemeral port), ``ipc:///tmp/k
 ``inproc://name``. pyzmq is imported when a publisher is made
 (``pip install kvledger[events]``), never by ``import kvledger``.
 
+Who can read the events (they name tenants, their prompts' token ids and cache
+salts; ZMQ's PUB and ROUTER sockets authenticate nobody): with no endpoint the
+publisher *binds* ``tcp://127.0.0.1:5557`` (``endpoints.DEFAULT_ENDPOINT``), this
+host only; vLLM's default, ``tcp://*:5557``, binds every interface. A bind other
+hosts can reach (a wildcard, a routable address, a host or interface name, for
+the PUB or the replay socket) is refused unless ``allow_remote=True`` says so.
+``omit=("token_ids", "tenant", "salt")`` leaves any of those out of every event
+(``batcher``). docs/SECURITY.md says how to bring remote consumers in (a boundary
+you trust: an SSH tunnel, a proxy on the consumer's side, a private network).
+
 Failures: a bad endpoint or a missing pyzmq raises ``ConfigurationError`` and
 leaves nothing open; a send or encode failure in the thread is counted
 (``send_errors``) and the thread goes on; ``stop()`` returns within its
@@ -59,7 +70,7 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -67,7 +78,7 @@ import msgspec
 from kvledger.core.errors import ConfigurationError, InvalidArgumentError
 
 from .batcher import KVEventBatcher, PendingBatch
-from .endpoints import binds, check_endpoint, dialable, offset_endpoint
+from .endpoints import DEFAULT_ENDPOINT, binds, check_endpoint, check_exposure, dialable, offset_endpoint
 from .replay import PeerGone, ReplayService
 from .schema import MEDIUM_GPU, REPLAY_FORMATS, KVEventBatch, KVEventBatchMap, check_choice, encode_batch, seq_bytes
 
@@ -131,28 +142,39 @@ class KVEventPublisher:
     ``"vllm"`` or ``"legacy"``; ``poll_interval``: how long the idle thread waits
     for a batch before looking at the replay socket again (a replay is answered
     within about that); ``layout``, ``hashes``, ``medium``, ``data_parallel_rank``
-    (also the endpoints' offset), ``clock``, ``auto_flush``: see ``KVEventBatcher``.
-    Raises ``ConfigurationError`` for a bad endpoint or a missing pyzmq,
-    ``InvalidArgumentError`` for other bad arguments.
+    (also the endpoints' offset), ``clock``, ``auto_flush``, ``omit``: see
+    ``KVEventBatcher``. ``endpoint`` None binds ``tcp://127.0.0.1:5557``;
+    ``allow_remote``: allow a bind other hosts can reach (module docstring).
+    Raises ``ConfigurationError`` for a bad endpoint, a bind other hosts can reach
+    without ``allow_remote``, or a missing pyzmq, ``InvalidArgumentError`` for
+    other bad arguments.
     """
 
-    def __init__(self, endpoint: str = "tcp://*:5557", *, replay_endpoint: str | None = None, topic: str = "",
+    def __init__(self, endpoint: str | None = None, *, replay_endpoint: str | None = None, topic: str = "",
                  bind: bool | None = None, layout: str = "map", hashes: str = "u64", replay_format: str = "vllm",
                  medium: str | None = MEDIUM_GPU, data_parallel_rank: int | None = 0, buffer_steps: int = 10_000,
                  max_queue: int = 1024, hwm: int = 10_000, auto_flush: bool = True,
-                 clock: Callable[[], float] = time.time, poll_interval: float = 0.02) -> None:
+                 clock: Callable[[], float] = time.time, poll_interval: float = 0.02,
+                 allow_remote: bool = False, omit: Iterable[str] = ()) -> None:
         if type(topic) is not str:
             raise InvalidArgumentError(f"topic must be a str, got {topic!r}")
         if bind is not None and type(bind) is not bool:
             raise InvalidArgumentError(f"bind must be None, True or False, got {bind!r}")
+        if type(allow_remote) is not bool:
+            raise InvalidArgumentError(f"allow_remote must be a bool, got {allow_remote!r}")
         self._batcher = KVEventBatcher(self.publish_nowait, layout=layout, medium=medium, deferred=True,
                                        data_parallel_rank=data_parallel_rank, clock=clock, auto_flush=auto_flush,
-                                       hashes=hashes)
+                                       hashes=hashes, omit=omit)
         rank = data_parallel_rank or 0
+        if endpoint is None:
+            endpoint, bind = DEFAULT_ENDPOINT, True if bind is None else bind
         self._endpoint = offset_endpoint(check_endpoint(endpoint), rank)
         self._replay_endpoint = (None if replay_endpoint is None else
                                  offset_endpoint(check_endpoint(replay_endpoint, "replay_endpoint"), rank))
         self._bind = binds(self._endpoint) if bind is None else bind
+        check_exposure(self._endpoint, self._bind, allow_remote)
+        if self._replay_endpoint is not None:
+            check_exposure(self._replay_endpoint, True, allow_remote, "replay_endpoint")
         self._buffer_steps = _positive(buffer_steps, "buffer_steps")
         self._queue: queue.Queue = queue.Queue(maxsize=_positive(max_queue, "max_queue"))
         self._hwm = _positive(hwm, "hwm")
@@ -210,6 +232,11 @@ class KVEventPublisher:
     @property
     def replay_format(self) -> str:
         return self._replay_format
+
+    @property
+    def omit(self) -> frozenset[str]:
+        """The fields left out of every event (``batcher.OMITTABLE``)."""
+        return self._batcher.omit
 
     @property
     def running(self) -> bool:

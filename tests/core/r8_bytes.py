@@ -47,6 +47,7 @@ class Bytes:
         self.settled: dict[tuple[int, int], int] = {}  # (page, inc) -> the step in flight that zeroed it
         self.published: dict[int, object] = {}  # hashed page -> the KV it holds (its writer's)
         self.whole: set[tuple[int, int]] = set()  # (page, inc) committed to be read whole, not read yet
+        self.overwrite: set[tuple[int, int]] = set()  # (page, inc) committed to be written whole before a read
         self.shared_reads = 0
 
     def own(self, r):
@@ -91,11 +92,13 @@ class Bytes:
                 if p in self.published:
                     self.published[p] = self.content[p]
 
-    def committed(self, listed, step, r, whole=()):
-        """``whole``: the committed pages the step reads whole before writing them (a state)."""
+    def committed(self, listed, step, r, whole=(), none=()):
+        """``whole``: the committed pages the step reads whole before writing them (a state);
+        ``none``: the ones it writes whole before it reads them."""
         for p in listed:
             self.owed[(p, r.inc)] = step
         self.whole.update((p, r.inc) for p in whole)
+        self.overwrite.update((p, r.inc) for p in none)
 
     def left_kv(self, pages, r):
         for p in pages:
@@ -145,6 +148,10 @@ class Bytes:
             for p, s in r.kv:
                 if s > step:
                     continue
+                if (p, r.inc) in self.overwrite:  # the step writes it whole first
+                    self.overwrite.discard((p, r.inc))
+                    undo.setdefault(p, self.content[p])
+                    self.content[p] = self.own(r)
                 c = self.content[p]
                 if p in self.published:
                     assert c == self.published[p], (f"request {r.rid} reads shared page {p} holding {c!r}", step)

@@ -74,6 +74,7 @@ class Model:
         self.completed: dict[int, int] = {}  # rank -> highest step completed
         self.aborted: set[int] = set()
         self.marked: list[int] = []  # pages marked since ``take_marked`` last ran
+        self.overwritten: dict[int, int] = {}  # page -> the step a reads="none" commit took its mark off for
 
     # ------------------------------------------------------------------ queries
 
@@ -174,13 +175,18 @@ class Model:
         r.restored.difference_update(pages)
         self._dirty(dirty, r.tenant)
 
-    def commit(self, rid, step, pages, whole=False):
-        """``whole``: the step reads the whole page before writing it: every mark is listed."""
+    def commit(self, rid, step, pages, whole=False, none=False):
+        """``whole``: the step reads the whole page before writing it: every mark is listed.
+        ``none``: the step writes the page whole before reading it: marks come off, unlisted,
+        until the step can no longer fail to write it."""
         r = self.requests[rid]
         listed = []
         for p in pages:
             m = self.mark[p]
             self.mark[p] = None
+            if m is not None and none:
+                self.overwritten[p] = step
+                continue
             if m is None or (m == ("tenant", r.tenant) and not whole):
                 continue
             listed.append(p)
@@ -210,6 +216,7 @@ class Model:
                 # listed, never zeroed: the mark comes back
                 self.listings = [x for x in self.listings if x[1] != p]
                 self._mark_all([p])
+        self._unwritten_before_seal(freed)
         for p in r.reserved:
             self.held[p] = []
         self._dirty(freed + [p for p in r.reserved if p in r.restored], r.tenant)
@@ -230,8 +237,18 @@ class Model:
             if any(x[1] == p and x[2] == r.inc for x in self.listings):
                 self.listings = [x for x in self.listings if x[1] != p]
                 self._mark_all([p])
+        self._unwritten_before_seal(freed)
         self._dirty(freed, r.tenant)
         return freed
+
+    def _unwritten_before_seal(self, freed):
+        """Pages going free that a reads="none" commit of a step not sealed yet was to write: nothing
+        wrote them, the mark comes back."""
+        for p in freed:
+            s = self.overwritten.get(p)
+            if s is not None and s >= self.open_step:
+                del self.overwritten[p]
+                self._mark_all([p])
 
     def alias(self, sid, pages):
         for p in pages:
@@ -267,6 +284,8 @@ class Model:
         dropped = None
         if len(self.in_flight) > MAX_IN_FLIGHT:
             dropped = self.in_flight.pop(0)[0]
+            oldest = self.in_flight[0][0]
+            self.overwritten = {p: s for p, s in self.overwritten.items() if s >= oldest}
         return plan, dropped
 
     def complete(self, step, rank):
@@ -274,6 +293,7 @@ class Model:
         self.completed[rank] = max(self.completed.get(rank, -1), step)
         retired = [s for s, _ in self.in_flight if s <= self.done()]
         self.in_flight = [x for x in self.in_flight if x[0] > self.done()]
+        self.overwritten = {p: s for p, s in self.overwritten.items() if s > self.done()}
         return retired
 
     def abort(self, step):
@@ -290,6 +310,15 @@ class Model:
                     self._mark_all([p])
                 elif not self.listed(p) and all(c[1] != p for c in carry):
                     carry.append([self.open_step, p, self.first(p).inc])
+        gone = {s for s, _ in aborted}
+        for p, s in list(self.overwritten.items()):  # a reads="none" commit of an aborted step wrote nothing
+            if s not in gone:
+                continue
+            del self.overwritten[p]
+            if self.kind(p) != "kv":
+                self._mark_all([p])
+            elif not self.listed(p) and all(c[1] != p for c in carry):
+                carry.append([self.open_step, p, self.first(p).inc])
         self.listings = carry + self.listings
         return [s for s, _ in aborted], [c[1] for c in carry]
 

@@ -51,6 +51,7 @@ class _Writes(ast.NodeVisitor):
         self.path = path
         self.found: list[str] = []
         self.held: set[str] = set()
+        self.own_state = False  # the function is a method of a class whose ``self.state`` is its own (not a ledger's)
 
     def check_function(self, fn: ast.FunctionDef | ast.AsyncFunctionDef | ast.Module) -> None:
         derived: set[str] = set()
@@ -105,7 +106,10 @@ class _Writes(ast.NodeVisitor):
         node = expr
         while True:
             if isinstance(node, ast.Attribute):
-                if node.attr == "state" or (isinstance(node.value, ast.Name) and ast.unparse(node) in self.held):
+                if node.attr == "state" and not (self.own_state and isinstance(node.value, ast.Name)
+                                                 and node.value.id == "self"):
+                    return True
+                if isinstance(node.value, ast.Name) and ast.unparse(node) in self.held:
                     return True
                 node = node.value
             elif isinstance(node, ast.Subscript):
@@ -161,15 +165,36 @@ def writes_in(source: str, path: str = "<snippet>") -> list[str]:
     tree = ast.parse(source)
     v = _Writes(path)
     functions = [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]
+    own = {id(fn) for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef) and _own_state(cls)
+           for fn in ast.walk(cls) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+    def check_all() -> None:
+        for fn in functions:
+            v.own_state = id(fn) in own
+            v.check_function(fn)
+
     held = -1
     while held != len(v.held):  # the attributes bound to the state anywhere in the module, first
         held = len(v.held)
-        for fn in functions:
-            v.check_function(fn)
+        check_all()
         v.found.clear()
-    for fn in functions:
-        v.check_function(fn)
+    check_all()
     return sorted(set(v.found))
+
+
+def _own_state(cls: ast.ClassDef) -> bool:
+    """The class keeps a ``self.state`` of its own: it assigns it a literal container (a dict of
+    tensors, say), which a ledger's state never is."""
+    for node in ast.walk(cls):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Attribute) and t.attr == "state" and isinstance(t.value, ast.Name)
+                   and t.value.id == "self" for t in targets):
+                v = node.value
+                if isinstance(v, (ast.Dict, ast.List, ast.Set, ast.Tuple, ast.DictComp, ast.ListComp)) or (
+                        isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id in ("dict", "list")):
+                    return True
+    return False
 
 
 def library_modules():
@@ -199,6 +224,8 @@ def test_no_module_outside_core_state_writes_the_state():
     "def f(self):\n    st, n = self.state, 3\n    st.marks.update({n: 1})\n",
     "class A:\n    def __init__(self, led):\n        self.ps = LedgerState()\n"
     "    def g(self):\n        self.ps.transitions = {}\n",
+    "class Ledger:\n    def __init__(self):\n        self.state = LedgerState()\n"
+    "    def f(self):\n        self.state.seq += 1\n",
 ])
 def test_the_source_test_catches_each_kind_of_write(snippet):
     assert writes_in(snippet), snippet
@@ -208,6 +235,8 @@ def test_the_source_test_catches_each_kind_of_write(snippet):
     "def f(self):\n    st = self.state\n    return st.holder[3], len(st.free_stack), st.requests.get(1)\n",
     "def f(self):\n    pages = list(self.state.free_stack)\n    out = []\n    out.append(pages[0])\n",
     "def f(self):\n    self.state = object()\n",
+    "class Memory:\n    def __init__(self):\n        self.state: dict = {}\n"
+    "    def put(self, gid, t):\n        self.state[gid] = t\n",
 ])
 def test_reading_the_state_is_not_a_write(snippet):
     assert not writes_in(snippet), snippet

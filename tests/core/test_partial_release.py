@@ -162,7 +162,9 @@ def test_records_change_nothing_but_the_sequence():
     L.allocate(1, 0, pages=(0,), tenant="g1")
     step = ran(L)
     before = replay(L.events).digest()
-    L.record_unwritten(1, step, (0,), "aborted before its step ran")
+    with pytest.raises(InvalidArgumentError, match="still holds"):
+        L.record_unwritten(1, step, (0,), "it keeps the page: it ran")
+    L.record_unwritten(1, step, (3,), "aborted before its step ran")  # (not a page it holds)
     L.label(1, "cmpl-7")
     assert L.seq == 8 and L.holder_of(0) == "kv(1)"
     assert L.state.marks == replay(L.events).marks
@@ -193,12 +195,99 @@ def test_a_durable_log_of_the_new_events_reopens_and_replays(tmp_path):
         L.release(1, (1,))
         L.allocate(2, L.open_step, pages=(1,), tenant="g1", reads="whole")
         step = ran(L)
+        L.cancel(2)
         L.record_unwritten(2, step, (1,), "dropped")
         digest = L.digest()
     with open_ledger(path, G, policy="cross_tenant") as L:
         assert L.digest() == digest
-        assert L.kv_pages(1) == (0, 2) and L.kv_pages(2) == (1,)
+        assert L.kv_pages(1) == (0, 2) and L.holder_of(1) == "free"
     for trusted in (False, True):
         summary = replay_log(path, trusted=trusted)
         assert summary.error is None and summary.digest == digest, summary
     assert {PagesReleased, PagesUnwritten, RequestLabelled} <= {type(e) for e in L.events or ()} or True
+
+
+# --------------------------------------------------------------------------- reads="none"
+
+def test_a_page_written_whole_before_it_is_read_is_not_listed_and_its_mark_is_gone_once_the_step_ran():
+    """Kills: an overwritten page listed anyway (vLLM's prefill blocks zeroed for nothing)."""
+    L = make("cross_tenant")
+    L.allocate(1, 0, pages=(0,), tenant="g1")
+    ran(L)
+    L.finish(1)  # page 0: marked for tenants other than g1
+    assert L.allocate(2, L.open_step, pages=(0,), tenant="g0", reads="none") == (0,)
+    assert 0 not in L.state.marks
+    step = ran(L)
+    assert L.state.overwritten == {}  # the step ran everywhere: nothing can give the mark back
+    L.release(2, (0,))
+    L.record_unwritten(2, step, (0,))  # (news that comes after the step retired changes nothing)
+    assert L.state.marks.get(0) == 2 and L.state.residue.get(0) == "g0"  # its own bytes, for others than g0
+    same_replay(L)
+
+
+def test_an_aborted_step_gives_an_overwritten_page_its_clear_back():
+    """Kills: an abort that forgets the pages a reads="none" commit of it was to write (their old
+    bytes would be read unzeroed by the next step)."""
+    L = make("cross_tenant")
+    L.allocate(1, 0, pages=(0, 1), tenant="g1")
+    ran(L)
+    L.finish(1)
+    L.allocate(2, L.open_step, pages=(0,), tenant="g0", reads="none")
+    step = L.open_step
+    assert L.seal_step(step).clear_list == ()
+    L.abort_step(step, "rank 1 failed")
+    assert L.seal_step(L.open_step).clear_list == (0,)  # still its KV page: zeroed before its next read
+    same_replay(L)
+
+
+def test_a_page_left_before_the_seal_that_was_to_be_written_whole_is_marked_again():
+    L = make("cross_tenant")
+    L.allocate(1, 0, pages=(0, 1), tenant="g1")
+    ran(L)
+    L.finish(1)
+    L.allocate(2, L.open_step, pages=(0, 1), tenant="g0", reads="none")
+    L.release(2, (0,))  # before its step is sealed: nothing wrote it
+    assert L.state.marks.get(0) == 1 and 1 not in L.state.marks  # (MARK_ALL)
+    same_replay(L)
+
+
+def test_a_dropped_share_gives_an_overwritten_page_its_mark_back():
+    """Kills: PagesUnwritten that changes nothing (a dropped request's page, written by nobody,
+    would reach the next holder of its tenant unzeroed)."""
+    L = make("cross_tenant")
+    L.allocate(1, 0, pages=(0, 1, 2), tenant="g1")
+    ran(L)
+    L.finish(1)
+    L.allocate(2, L.open_step, pages=(0, 1), tenant="g0", reads="none")
+    L.allocate(3, L.open_step, pages=(2,), tenant="g0", reads="none")
+    step = L.open_step
+    L.seal_step(step)
+    L.finish(2)  # aborted after its step was sealed: its pages go free (marked for others than g0)
+    with pytest.raises(InvalidArgumentError, match="still holds"):
+        L.record_unwritten(3, step, (2,), "request 3 lives on with page 2")
+    L.record_unwritten(2, step, (0, 1), "aborted before its step ran")
+    assert L.state.marks.get(0) == 1 and L.state.marks.get(1) == 1
+    L.allocate(4, L.open_step, pages=(0,), tenant="g0")  # its own tenant: listed all the same
+    assert L.seal_step(L.open_step).clear_list == (0,)
+    same_replay(L)
+
+
+def test_overwrite_records_live_in_checkpoints_and_leave_other_digests_unchanged(tmp_path):
+    from kvledger.core.state.canonical import canonical
+
+    L = make("cross_tenant")
+    L.allocate(1, 0, pages=(0,), tenant="g1")
+    assert "overwritten" not in canonical(L.state)  # (every state without one digests as before)
+    path = tmp_path / "x.kvlog"
+    with open_ledger(path, G, policy="cross_tenant", checkpoint_every=4) as D:
+        D.allocate(1, 0, pages=(0,), tenant="g1")
+        ran(D)
+        D.finish(1)
+        D.allocate(2, D.open_step, pages=(0,), tenant="g0", reads="none")
+        D.seal_step(D.open_step)
+        for r in range(5, 12):  # events past a checkpoint taken while the overwrite is open
+            D.label(r, f"r{r}")
+        digest = D.digest()
+        assert D.state.overwritten
+    with open_ledger(path, G, policy="cross_tenant") as D:
+        assert D.digest() == digest and D.state.overwritten == {0: 1}

@@ -315,6 +315,24 @@ class LedgerMachine(PrefixRules, RuleBasedStateMachine):
         self.stats["listed"] += len(listed)
         self.stats["committed whole"] += len(pages)
 
+    @precondition(lambda self: self._with_reserved())
+    @rule(data=st.data(), ahead=st.integers(0, 2))
+    def commit_none(self, data, ahead):
+        """A commit whose step writes the pages whole before reading them (a chunk filling them, a
+        state copied in): marks come off unlisted; an abort, or a release before the seal, gives
+        them back."""
+        r = data.draw(st.sampled_from(self._with_reserved()))
+        pages = self.draw_subset(data, r.reserved)
+        step = self.m.open_step + ahead
+        call = lambda L: L.commit(r.rid, step, pages=list(pages), reads="none")  # noqa: E731
+        if any(p in self.m.restoring for p in pages):
+            self.rejected(call, RestoringPageError)
+            return
+        assert self.both(call) == ()
+        assert self.m.commit(r.rid, step, list(pages), none=True) == []
+        self.b.committed([], step, r, none=pages)
+        self.stats["committed none"] += len(pages)
+
     def _with_kv(self):
         return [r for r in self.m.requests.values() if len(r.kv) > 1]
 

@@ -191,7 +191,8 @@ async def test_metrics_time_the_wire_handshake_of_an_engine_with_a_peer():
         async with anyio.create_task_group() as tg:
             ours, theirs = memory_pipe()
             engine.leader.attach(ours)
-            tg.start_soon(lambda: run_peer(theirs, G, rank=1, world_size=2, on_launch=lambda *a: None))
+            tg.start_soon(lambda: run_peer(theirs, G, rank=1, world_size=2, key=engine.leader.key,
+                                           on_launch=lambda *a: None))
             await engine.wait_remote(5)
             for step in (1, 2):
                 await engine.run_step(step)

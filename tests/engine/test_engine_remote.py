@@ -118,10 +118,10 @@ class Peer:
     def on_drop(self, step, code, rank):
         self.dropped.append(step)
 
-    async def run(self, host, port, geometry=G):
+    async def run(self, host, port, geometry=G, key=None):
         self.stream = Pausable(await connect_tcp(host, port))
         return await run_peer(
-            self.stream, geometry, rank=self.rank, world_size=WORLD, on_launch=self.on_launch,
+            self.stream, geometry, rank=self.rank, world_size=WORLD, key=key, on_launch=self.on_launch,
             on_drop=self.on_drop, hello_timeout=5,
         )
 
@@ -156,7 +156,7 @@ async def test_remote_peers_over_tcp_clear_the_same_pages():
     ):
         host, port = engine.remote_address
         for peer in peers.values():
-            tg.start_soon(peer.run, host, port)
+            tg.start_soon(peer.run, host, port, G, engine.leader.key)
         await engine.wait_remote(5)
         assert engine.remote_ranks == frozenset({1, 2})
         everyone = [local] + [p.planes for p in peers.values()]
@@ -207,7 +207,7 @@ async def test_two_dispatched_local_ranks_and_two_peers_complete_every_step():
     ):
         host, port = engine.remote_address
         for peer in peers.values():
-            tg.start_soon(peer.run, host, port)
+            tg.start_soon(peer.run, host, port, G, engine.leader.key)
         await engine.wait_remote(5)
         assert engine.remote_ranks == frozenset({2, 3})
         everyone = locals_ + [p.planes for p in peers.values()]
@@ -235,7 +235,7 @@ async def test_silent_peer_aborts_the_step_nothing_cleared_next_step_carries_it(
     ):
         host, port = engine.remote_address
         for peer in peers.values():
-            tg.start_soon(peer.run, host, port)
+            tg.start_soon(peer.run, host, port, G, engine.leader.key)
         await engine.wait_remote(5)
         everyone = [local] + [p.planes for p in peers.values()]
         rows0 = await snapshot_tail(engine, everyone, snapshot=1, request=1, step=0)
@@ -288,10 +288,10 @@ async def test_peer_refused_at_hello_aborts_until_the_right_peer_joins():
 
         async def wrong_geometry():
             with pytest.raises(HandshakeRefused) as info:
-                await wrong.run(host, port, geometry=Geometry(num_pages=64, page_tokens=4))
+                await wrong.run(host, port, geometry=Geometry(num_pages=64, page_tokens=4), key=engine.leader.key)
             refused["code"] = info.value.code
 
-        tg.start_soon(good.run, host, port)
+        tg.start_soon(good.run, host, port, G, engine.leader.key)
         tg.start_soon(wrong_geometry)
         with pytest.raises(TimeoutError):
             await engine.wait_remote(1.0)
@@ -311,6 +311,7 @@ async def test_peer_refused_at_hello_aborts_until_the_right_peer_joins():
         write_rows(late, rows)
         late_steps = []
         tg.start_soon(lambda: serve_remote_rank(host, port, G, rank=2, world_size=WORLD, planes=late,
+                                                key=engine.leader.key,
                                                 on_step=lambda step, ids, payload: late_steps.append(step)))
         await engine.wait_remote(5)
         result = await engine.run_step(1)
@@ -337,7 +338,7 @@ async def test_with_a_log_a_cancelled_handshake_is_recorded_and_a_reopened_engin
     ):
         host, port = engine.remote_address
         for peer in peers.values():
-            tg.start_soon(peer.run, host, port)
+            tg.start_soon(peer.run, host, port, G, engine.leader.key)
         await engine.wait_remote(5)
         everyone = [local] + [p.planes for p in peers.values()]
         rows = await snapshot_tail(engine, everyone, snapshot=4, request=4, step=0)
@@ -365,7 +366,7 @@ async def test_with_a_log_a_cancelled_handshake_is_recorded_and_a_reopened_engin
     ):
         host, port = engine.remote_address
         for peer in again.values():
-            tg.start_soon(peer.run, host, port)
+            tg.start_soon(peer.run, host, port, G, engine.leader.key)
         await engine.wait_remote(5)
         result = await engine.run_step(1)
         assert sorted(result.clear_list) == sorted(rows)
@@ -388,7 +389,7 @@ async def test_steps_cancelled_at_any_point_keep_the_wire_in_step_with_the_ledge
     ):
         host, port = engine.remote_address
         for peer in peers.values():
-            tg.start_soon(peer.run, host, port)
+            tg.start_soon(peer.run, host, port, G, engine.leader.key)
         await engine.wait_remote(5)
         cancelled_sealed = 0
         for i in range(12):
@@ -425,9 +426,9 @@ class FailingPeer(Peer):
             raise RuntimeError(f"peer {self.rank} broke in step {step}")
         super().on_launch(step, clear_pages, payload)
 
-    async def run(self, host, port, geometry=G):
+    async def run(self, host, port, geometry=G, key=None):
         with pytest.raises(RuntimeError, match="broke in step"):  # run_peer re-raises after COMPLETE
-            await super().run(host, port, geometry)
+            await super().run(host, port, geometry, key)
 
 
 @pytest.mark.asyncio
@@ -441,7 +442,7 @@ async def test_a_peer_that_fails_after_its_launch_fails_the_step_and_the_others_
     ):
         host, port = engine.remote_address
         for peer in peers.values():
-            tg.start_soon(peer.run, host, port)
+            tg.start_soon(peer.run, host, port, G, engine.leader.key)
         await engine.wait_remote(5)
         everyone = [local] + [p.planes for p in peers.values()]
         await snapshot_tail(engine, everyone, snapshot=1, request=1, step=0)

@@ -173,12 +173,12 @@ def test_the_stream_switch_makes_the_model_stream_current_and_restores_the_calle
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
 
 
-def test_short_lists_read_from_pinned_memory_zero_exactly_what_the_reference_zeroes():
+def test_lists_by_value_and_copied_zero_exactly_what_the_reference_zeroes():
     pytest.importorskip("cuda.bindings")
     pytest.importorskip("triton")
     import random
 
-    from kvledger.executors.triton_backend import ZERO_COPY_IDS, TritonClearBackend
+    from kvledger.executors.triton_backend import TritonClearBackend
 
     rng = random.Random(11)
     pages = 256
@@ -186,9 +186,11 @@ def test_short_lists_read_from_pinned_memory_zero_exactly_what_the_reference_zer
     want = [p.cpu() for p in planes]
     stream = torch.cuda.Stream()
     b = TritonClearBackend(planes, stream=stream)
+    most = b.ids.param_max  # lists up to it travel by value
+    assert most > 0
     short = long = 0
     for i in range(300):  # many in a row: every slot of the ring reused many times, the device busy meanwhile
-        n = rng.choice([1, 2, 3, ZERO_COPY_IDS]) if i % 50 else ZERO_COPY_IDS + 1  # a few copied lists too
+        n = rng.choice([1, 2, 3, most]) if i % 50 else most + 1  # a few copied lists too
         ids = tuple(rng.sample(range(pages), n))
         b.clear_checked(ids)
         for w in want:
@@ -199,8 +201,9 @@ def test_short_lists_read_from_pinned_memory_zero_exactly_what_the_reference_zer
                 for p, w in zip(planes, want, strict=True):
                     p[page].fill_(i % 250 + 1)
                     w[page] = i % 250 + 1
-        short += n <= ZERO_COPY_IDS
-        long += n > ZERO_COPY_IDS
+        short += n <= most
+        long += n > most
     torch.cuda.synchronize()
     assert all(torch.equal(p.cpu(), w) for p, w in zip(planes, want, strict=True))
-    assert b.statistics()["list_copies"] == long and short > 250
+    stats = b.statistics()
+    assert stats["list_copies"] == long and stats["by_value_launches"] == short and short > 250

@@ -55,7 +55,8 @@ async def _group(tg, leader, launchers: dict, world: int, *, wait: bool = True) 
         async def peer(stream=b, r=r, on_launch=on_launch):
             # a failing rank re-raises its error after sending the failed COMPLETE
             with contextlib.suppress(RuntimeError):
-                await run_peer(stream, G, rank=r, world_size=world, on_launch=on_launch, hello_timeout=2)
+                await run_peer(stream, G, rank=r, world_size=world, key=leader.key, on_launch=on_launch,
+                               hello_timeout=2)
 
         tg.start_soon(peer)
     if wait:
@@ -118,7 +119,7 @@ async def test_a_lost_peer_is_named_at_once_and_wire_ranks_follow_the_local_rank
 
     async def peer2(stream):
         with scope:
-            await run_peer(stream, G, rank=2, world_size=3, on_launch=dies, hello_timeout=2)
+            await run_peer(stream, G, rank=2, world_size=3, key=leader.key, on_launch=dies, hello_timeout=2)
 
     ledger = Ledger(G)
     remote = RemoteRanks(world_size=3, listen=None, complete_timeout=10.0)
@@ -169,7 +170,8 @@ async def test_served_ranks_clear_their_planes_and_the_audit_sees_each_rank_over
         async with open_leader(G, world_size=3, close_grace=0.2) as leader:
             host, port = await leader.listen_tcp("127.0.0.1", 0)
             for r in (1, 2):
-                tg.start_soon(lambda r=r: serve_remote_rank(host, port, G, rank=r, world_size=3, planes=planes[r]))
+                tg.start_soon(lambda r=r: serve_remote_rank(host, port, G, rank=r, world_size=3, planes=planes[r],
+                                                                  key=leader.key))
             with anyio.fail_after(10):
                 await leader.wait_joined()
             cleared = []

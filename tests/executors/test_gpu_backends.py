@@ -31,7 +31,7 @@ from kvledger import (
 )
 
 BACKENDS = ["torch", "cuda", "cuda-per-page", "triton", "triton-jit", "triton-launcher", "triton-chunked",
-            "triton-graph"]
+            "triton-graph", "triton-by-value", "triton-copied", "triton-on-stream", "triton-mapped"]
 SLEEP_CYCLES = 40_000_000  # ~20 ms at ~2 GHz: long enough for the host to enqueue everything after it
 
 
@@ -58,12 +58,16 @@ def make_backend(name, planes, stream=None):
         return CudaClearBackend(planes, stream=stream, mode="per_page" if name == "cuda-per-page" else "coalesced")
     pytest.importorskip("cuda.bindings")
     pytest.importorskip("triton")
-    from kvledger.executors.triton_backend import FillConfig, TritonClearBackend
+    from kvledger.executors.triton_backend import FillConfig, IdsPlan, TritonClearBackend
 
     knobs: dict = {
         "triton-jit": {"fast_launch": False},  # Triton's JIT launch, list copied on the model stream
         "triton-launcher": {"launch": "triton", "prefetch": False},  # the compiled kernel's own launcher
         "triton-chunked": {"config": FillConfig(block_bytes=2048, chunked=True, plane_major=True, programs_per_sm=2)},
+        "triton-by-value": {"ids": IdsPlan(128, "side")},  # every list up to 128 ids in the parameters
+        "triton-copied": {"ids": IdsPlan(0, "side")},  # every list copied on the side stream
+        "triton-on-stream": {"ids": IdsPlan(0, "stream")},  # every list copied on the model stream
+        "triton-mapped": {"ids": IdsPlan(0, "mapped")},  # the kernel reads the pinned row (measured only)
     }.get(name, {})
     backend = TritonClearBackend(planes, stream=stream, **knobs)
     return _GraphClear(backend) if name == "triton-graph" else backend
@@ -338,8 +342,9 @@ def _check_listed_zero_and_inputs(planes, idx, dev_in, want_in, flag):
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("checked", [False, True], ids=["user-list", "sealed-plan"])
 @pytest.mark.parametrize("name", ["cuda", "triton", "triton-graph"])
-async def test_rank_executor_runs_copies_clear_graph_in_stream_order(name):
+async def test_rank_executor_runs_copies_clear_graph_in_stream_order(name, checked):
     """The engine's RankExecutor with the GPU backends: copies -> clear -> graph on the model stream."""
     ex_mod = pytest.importorskip("kvledger.executors.executor")
     import anyio
@@ -386,7 +391,8 @@ async def test_rank_executor_runs_copies_clear_graph_in_stream_order(name):
             as_bytes(p).index_fill_(0, idx, 0x7F)
     replies = ex_mod.StepReplies(1)
     job = ex_mod.StepJob(StepPlan(step=0, clear_list=tuple(listed)),
-                         ex_mod.StepInputs(copies=[(host_in, dev_in)]), anyio.CancelScope(), replies)
+                         ex_mod.StepInputs(copies=[(host_in, dev_in)]), anyio.CancelScope(), replies,
+                         checked=checked)  # sealed plan: the backend's clear_checked (triton-graph: stage_checked)
     outcome = await ex.run_job(job)
     assert outcome.status == "ok", outcome.error
     s.synchronize()

@@ -137,7 +137,9 @@ def _profile_a_few_steps(backend, step, graph, stream, rng):
 
 
 def test_graph_clear_and_the_eager_ring_never_wait_for_the_device():
-    """With the GPU held by a long sleep, 64 eager clears and 64 graph clears return at once (the ring grows)."""
+    """With the GPU held by a long sleep, 36 eager clears (by value and copied) and 32 graph clears
+    return at once: the list ring grows, and graph_clear stages its lists once its rows are all
+    in use (its graphs were all captured at its first call)."""
     pytest.importorskip("cuda.bindings")
     pytest.importorskip("triton")
     import time
@@ -147,20 +149,69 @@ def test_graph_clear_and_the_eager_ring_never_wait_for_the_device():
     _, planes = make_planes()
     stream = torch.cuda.Stream()
     backend = TritonClearBackend(planes, stream=stream)
+    long = backend.ids.param_max + 1  # a list that is copied, not passed by value
     backend.clear([1])
+    backend.clear(list(range(40, 40 + long)))
     backend.graph_clear([2])
     stream.synchronize()
-    slots = backend.statistics()["ring_slots"]
+    before = backend.statistics()
     with torch.cuda.stream(stream):
         torch.cuda._sleep(1_000_000_000)  # ~0.5 s
     t0 = time.perf_counter()
     for i in range(32):
         backend.clear([i, 100 + i])
+        if i % 8 == 0:
+            backend.clear(list(range(40, 40 + long)))
         backend.graph_clear([200 + i])
     host = time.perf_counter() - t0
     assert not stream.query(), f"the GPU finished a 0.5 s sleep during {host * 1e3:.1f} ms of enqueuing"
-    assert backend.statistics()["ring_slots"] > slots  # the ring grew instead of waiting
+    after = backend.statistics()
+    assert after["ring_slots"] > before["ring_slots"]  # the ring grew instead of waiting
+    assert after["graphs_captured"] == before["graphs_captured"] > 0  # nothing captured meanwhile
+    assert after["list_copies"] > before["list_copies"] + 4  # graph rows in use: staged instead
+    assert after["by_value_launches"] >= before["by_value_launches"] + 32
     stream.synchronize()
-    listed = torch.tensor(list(range(32)) + list(range(100, 132)) + list(range(200, 232)), device="cuda")
+    listed = torch.tensor(list(range(32)) + list(range(100, 132)) + list(range(200, 232)) + list(range(40, 40 + long)),
+                          device="cuda")
     for p in planes:
         assert as_bytes(p).index_select(0, listed).count_nonzero().item() == 0
+
+
+def test_graph_clear_rows_and_size_classes_zero_exactly_the_listed_pages():
+    """graph_clear over lists of every size class, rows reused many times with the device busy, a
+    page rewritten after its clear on the same stream: every plane ends as a host mirror says, the
+    host launched no kernel, and a replay never re-clears an older list."""
+    pytest.importorskip("cuda.bindings")
+    pytest.importorskip("triton")
+    from kvledger.executors.triton_backend import TritonClearBackend
+
+    _, planes = make_planes()
+    stream = torch.cuda.Stream()
+    backend = TritonClearBackend(planes, stream=stream)
+    backend.graph_clear([0])
+    stream.synchronize()
+    launches = backend.statistics()["kernel_launches"]
+    mirror = [as_bytes(p).cpu().clone() for p in planes]
+    rng = random.Random(31)
+    for i in range(400):
+        n = rng.choice([1, 2, 15, 16, 17, 31, 33, 100, NUM_PAGES])
+        ids = rng.sample(range(NUM_PAGES), n)
+        if i % 50 == 0:
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(2_000_000)
+        backend.graph_clear(ids)
+        for m in mirror:
+            m[torch.tensor(ids)] = 0
+        if i % 3 == 0:  # rewrite a page after its clear, on the model stream
+            page = rng.randrange(NUM_PAGES)
+            with torch.cuda.stream(stream):
+                for p, m in zip(planes, mirror, strict=True):
+                    as_bytes(p)[page].fill_(1 + i % 250)
+                    m[page] = 1 + i % 250
+    stream.synchronize()
+    for k, (p, m) in enumerate(zip(planes, mirror, strict=True)):
+        diff = (as_bytes(p).cpu() != m).any(1).nonzero().flatten().tolist()
+        assert not diff, f"plane {k} pages {diff[:8]} differ from the mirror"
+    stats = backend.statistics()
+    assert stats["kernel_launches"] == launches
+    assert stats["graphs_captured"] >= 5  # the per-row graphs (a busy row: the staged graph)

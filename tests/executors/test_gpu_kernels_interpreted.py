@@ -108,6 +108,44 @@ def test_fill_kernel_matches_torch_indexing(layout, config):
             assert torch.equal(as_bytes(p), e), f"plane {k} (unit {t.unit}, block {t.block}, chunks {t.chunks})"
 
 
+def run_fill_by_value(planes, ids, config, fill, grid, k):
+    """``param_fill_kernel(k)``: the list in the parameters, stale ids in the slots past it."""
+    anchor = planes[0].reshape(-1).view(torch.uint8)
+    ptrs = [p.data_ptr() for p in planes]
+    pb = [as_bytes(p).shape[1] for p in planes]
+    t = K.plane_tables(anchor.data_ptr(), ptrs, pb, pb, config)
+    tabs = [torch.tensor(v, dtype=torch.int64) for v in (t.deltas, t.strides, t.lengths)]
+    slots = [*ids, *random.Random(len(ids)).choices(range(planes[0].shape[0]), k=k - len(ids))]
+    K.param_fill_kernel(k)[(grid,)](anchor, *tabs, len(planes), t.chunks, len(ids), *slots,
+                                    **K.fill_constants(t, config, fill))
+    return t
+
+
+@child_only
+@pytest.mark.parametrize("k", K.PARAM_SLOTS[:2])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.tag().replace(" ", "-"))
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_fill_by_value_matches_torch_indexing(layout, config, k):
+    """The by-value kernel picks each slot's id from its parameters: the same bytes as the list
+    kernel's reference, whatever the slots after ``count`` hold."""
+    rng = random.Random(f"value/{layout}/{config.tag()}/{k}")
+    num_pages, planes = planes_for(layout, rng.randrange(1 << 20))
+    for fill, value in ((0, 0), (-1, 255)):
+        ids = rng.sample(range(num_pages), rng.randrange(1, min(k, num_pages) + 1))
+        expected = [as_bytes(p).clone() for p in planes]
+        for e in expected:
+            e[torch.tensor(ids)] = value
+        t = run_fill_by_value(planes, ids, config, fill, rng.choice([1, 3, 7]), k)
+        for j, (p, e) in enumerate(zip(planes, expected, strict=True)):
+            assert torch.equal(as_bytes(p), e), f"plane {j} (unit {t.unit}, block {t.block}, chunks {t.chunks})"
+
+
+def test_by_value_kernels_exist_only_for_the_listed_slot_counts():
+    with pytest.raises(ValueError):
+        K.param_fill_kernel(17)
+    assert K.param_fill_kernel(16) is K.param_fill_kernel(16)  # one kernel per slot count
+
+
 @child_only
 def test_fill_of_an_empty_list_touches_nothing():
     num_pages, planes = planes_for("small-odd", 1)

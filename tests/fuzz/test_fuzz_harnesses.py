@@ -79,3 +79,21 @@ def test_the_log_harness_oracle_fails_when_the_folds_disagree_or_a_foreign_error
     monkeypatch.setattr(fold, "rebuild_state", broken)
     with pytest.raises(ValueError):
         harness.one_input(valid)
+
+
+def test_the_wire_auth_harness_accepts_its_seed_corpus_and_every_truncation():
+    harness = _harness("fuzz_wire_auth")
+    corpus = harness.seed_corpus()
+    assert len(corpus) == 14
+    for data in corpus:
+        for end in range(0, len(data) + 1, 5):
+            harness.one_input(data[:end])
+
+
+def test_the_wire_auth_harness_oracle_fails_when_a_link_takes_a_bad_proof(monkeypatch):
+    harness = _harness("fuzz_wire_auth")
+    import kvledger.wire.leader as leader
+
+    monkeypatch.setattr(leader, "proofs_match", lambda expected, got: True)  # the leader takes any AUTH
+    with pytest.raises(AssertionError, match="never proved the key"):
+        harness.one_input(harness.seed_corpus()[2])  # the recorded AUTH with a flipped byte

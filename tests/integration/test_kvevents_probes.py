@@ -130,6 +130,8 @@ def test_a_replay_flood_starves_no_live_batch_and_stop_ends_the_thread(ctx):
         while not want <= got and time.monotonic() < deadline:
             if sub.poll(100):
                 got.add(int.from_bytes(sub.recv_multipart()[1], "big"))
+        # the readers' whole answers (each a full buffer, served round robin beside the others)
+        assert wait_for(lambda: pub.statistics().replay_answers > 0, 60)
         t0 = time.monotonic()
         pub.stop()  # while the flood goes on
         took = time.monotonic() - t0
@@ -145,6 +147,117 @@ def test_a_replay_flood_starves_no_live_batch_and_stop_ends_the_thread(ctx):
     assert lost == 0 and s.batches_dropped == 0
     assert counts["answers"] > 0  # the readers were answered, whole
     assert not pub.thread.is_alive() and took < 1.0 + 0.5  # 1 s, and a little for a loaded box's scheduler
+
+
+_MANY = textwrap.dedent("""
+    import sys, time
+    import zmq
+    from kvledger.kvevents import seq_bytes
+    ctx = zmq.Context()
+    socks = []
+    for _ in range(int(sys.argv[2])):  # more requesters than the publisher serves at once
+        d = ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.SNDHWM, 100_000)
+        d.setsockopt(zmq.RCVHWM, 4)
+        d.connect(sys.argv[1])
+        socks.append(d)
+    readers = socks[:8]  # eight read their answers (and ask again); the rest never read
+    print("flooding", flush=True)
+    t0 = time.monotonic()
+    sent = 0
+    while time.monotonic() - t0 < float(sys.argv[3]):
+        for d in socks:
+            try:
+                d.send_multipart([b"", seq_bytes(0)], zmq.NOBLOCK)
+                sent += 1
+            except zmq.Again:
+                pass
+        for d in readers:
+            while d.poll(0):
+                d.recv_multipart()
+        time.sleep(0.001)
+    print("stopped", sent, flush=True)
+    sys.stdin.read()  # the sockets stay connected, unread, until the test is done
+""")
+
+
+def _replay(ctx, endpoint: str, first: int, seconds: float = 10) -> tuple[list[int], bool, float]:
+    """A consumer's replay request from ``first``: the seqs it got, whether the end marker came, and
+    how long the whole answer took."""
+    d = ctx.socket(zmq.DEALER)
+    d.connect(endpoint)
+    t0 = time.monotonic()
+    d.send_multipart([b"", seq_bytes(first)])
+    seqs, end = [], False
+    try:
+        while time.monotonic() - t0 < seconds:
+            if d.poll(50):
+                frames = d.recv_multipart()  # [b"", topic, seq, payload]
+                if frames[2] == SEQ_END:
+                    end = True
+                    break
+                seqs.append(int.from_bytes(frames[2], "big"))
+    finally:
+        d.close(linger=0)
+    return seqs, end, time.monotonic() - t0
+
+
+def test_a_legitimate_replay_during_and_after_a_flood_gets_its_batches_and_the_end_marker(ctx):
+    """Issue 32, finding 6 (e388c64: right after 100 requesters flooded the replay socket with
+    full-replay requests and stopped reading, a consumer's request for the last 10 batches got
+    nothing at all: no batches, no end marker, no error). Eight flooders read their answers and
+    ask again (they would take every turn of a first-come server), the rest never read and hold
+    their sockets open; the consumer is answered whole, during the flood and after it."""
+    steps = 2000
+    pub = KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", buffer_steps=steps).start()
+    for i in range(steps):
+        assert pub.publish(batch(first=i), timeout=30) is not None
+    assert pub.wait_sent(steps - 1, 30)
+    flood = subprocess.Popen([sys.executable, "-c", _MANY, pub.replay_endpoint, "100", "3"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert flood.stdout.readline().strip() == "flooding"
+        assert wait_for(lambda: pub.statistics().replay_requests > 1000, 30)
+        during = _replay(ctx, pub.replay_endpoint, steps - 10)
+        flood.stdout.readline()  # "stopped": the flood is over, its 100 sockets still open and unread
+        after = _replay(ctx, pub.replay_endpoint, steps - 10)
+        s = pub.statistics()
+    finally:
+        flood.communicate("", timeout=30)
+        pub.stop()
+    want = list(range(steps - 10, steps))
+    print(f"replay flood of 100 requesters: {s.replay_requests} requests ({s.replay_refused} refused or cut off); "
+          f"a consumer's request for the last 10 batches got {len(during[0])} batches + end marker {during[1]} in "
+          f"{during[2] * 1000:.0f} ms during it, {len(after[0])} + {after[1]} in {after[2] * 1000:.0f} ms after it")
+    assert during[:2] == (want, True) and after[:2] == (want, True)
+
+
+def test_a_job_whose_range_left_the_buffer_still_gets_its_end_marker():
+    """A replay job waiting its turn while live batches push its range out of the buffer ends with
+    the end marker (e388c64 left such a job pending for ever, never sending it: no answer at all,
+    and a requester slot held)."""
+    from kvledger.kvevents.replay import ReplayService
+
+    svc = ReplayService(4, topic=b"t")
+    for seq in range(4):
+        svc.record(seq, b"p%d" % seq)
+    svc.request([b"id", b"", seq_bytes(1)])  # owed 1..3
+    for seq in range(4, 12):
+        svc.record(seq, b"p%d" % seq)  # the buffer now holds 8..11: none of 1..3
+    sent: list = []
+    assert svc.serve(lambda frames: sent.append(frames) or True, 64) == 1
+    assert sent == [(b"id", b"", b"", SEQ_END, b"")] and svc.pending == 0 and svc.answers == 1
+    # and one whose range left the buffer halfway through gets what is left, then the marker
+    svc = ReplayService(4, topic=b"t")
+    for seq in range(4):
+        svc.record(seq, b"p%d" % seq)
+    svc.request([b"id", b"", seq_bytes(0)])  # owed 0..3
+    sent = []
+    svc.serve(lambda frames: sent.append(frames) or True, 2)  # 0 and 1 go out
+    for seq in range(4, 7):
+        svc.record(seq, b"p%d" % seq)  # 2 left the buffer, 3 is still there
+    svc.serve(lambda frames: sent.append(frames) or True, 64)
+    assert [int.from_bytes(f[3], "big", signed=True) for f in sent] == [0, 1, 3, -1]
 
 
 def test_stop_returns_within_its_timeout_when_a_subscriber_stopped_reading(ctx):
@@ -326,7 +439,7 @@ def test_vllms_endpoint_rules():
 
 def test_a_wildcard_bind_reports_an_endpoint_a_subscriber_can_dial(ctx, monkeypatch):
     monkeypatch.setenv("KVLEDGER_HOST_IP", "127.0.0.1")
-    with KVEventPublisher("tcp://*:0", replay_endpoint="tcp://*:0") as pub:
+    with KVEventPublisher("tcp://*:0", replay_endpoint="tcp://*:0", allow_remote=True) as pub:
         assert pub.binds and pub.endpoint.startswith("tcp://127.0.0.1:") and pub.endpoint != "tcp://127.0.0.1:0"
         d = ctx.socket(zmq.DEALER)
         d.connect(pub.replay_endpoint)
@@ -338,7 +451,7 @@ def test_a_wildcard_bind_reports_an_endpoint_a_subscriber_can_dial(ctx, monkeypa
 def test_data_parallel_ranks_publish_on_offset_ports(ctx):
     with KVEventPublisher("tcp://127.0.0.1:0", bind=True) as probe:
         port = int(probe.endpoint.rpartition(":")[2])
-    pubs = [KVEventPublisher(f"tcp://*:{port}", data_parallel_rank=r) for r in (0, 1)]
+    pubs = [KVEventPublisher(f"tcp://*:{port}", data_parallel_rank=r, allow_remote=True) for r in (0, 1)]
     try:
         for p in pubs:
             p.start()

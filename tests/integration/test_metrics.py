@@ -457,7 +457,8 @@ async def test_engine_with_a_remote_peer_serves_the_leaders_link_counters():
         async with anyio.create_task_group() as tg:
             assert engine.remote_address is not None
             stream = await connect_tcp(*engine.remote_address)
-            tg.start_soon(lambda: run_peer(stream, G, rank=1, world_size=2, on_launch=lambda *a: None))
+            tg.start_soon(lambda: run_peer(stream, G, rank=1, world_size=2, key=engine.leader.key,
+                                           on_launch=lambda *a: None))
             await engine.wait_remote(5)
             for step in (1, 2):
                 m.step_completed(await engine.run_step(step))

@@ -24,6 +24,7 @@ import pytest
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from support import wait_for  # noqa: E402
 from kvledger import ConfigurationError, Geometry, InvalidArgumentError, Ledger  # noqa: E402
 from kvledger.core.events import EVENT_TYPES  # noqa: E402
 from kvledger.core.state.table import HOLDER_NAMES  # noqa: E402
@@ -206,6 +207,76 @@ def test_an_idle_client_blocks_no_scrape_and_close_returns_at_once():
             server.close()
     print(f"close() with a half-sent request open: {took * 1000:.0f} ms")
     assert not closer.is_alive() and took < 1.0
+
+
+def _trickle(port: int, stop: threading.Event, every: float, log: list, again: bool = False) -> None:
+    """A client sending its request one byte per ``every`` seconds (never finishing it); records
+    how long the server kept each connection. ``again``: connect anew each time it is cut off."""
+    request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: " + b"a" * 10_000
+    while not stop.is_set():
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        except OSError:
+            continue
+        t0 = time.monotonic()
+        try:
+            for b in request:
+                if stop.wait(every):
+                    return
+                s.sendall(bytes([b]))
+        except OSError:  # the server cut it off
+            log.append(time.monotonic() - t0)
+        finally:
+            s.close()
+        if not again:
+            return
+
+
+def test_sixteen_trickling_clients_do_not_block_a_scrape():
+    """Issue 32, finding 5 (e388c64: 16 clients sending a byte a second held every slot, and
+    every scrape was refused: the idle timeout was per read). With every slot held by a
+    trickler (each connecting again as soon as it is cut off), a scrape takes the slot of the
+    oldest one and is answered; and a trickler that keeps sending is cut off at
+    ``request_timeout``, however often it sends."""
+    reg, m = fresh()
+    led = Ledger(G, observer=m.observe)
+    m.track_ledger(led)
+    stop = threading.Event()
+    cut: list = []
+    with MetricsServer(reg, port=0, idle_timeout=5, max_clients=16, request_timeout=60) as server:
+        threads = [threading.Thread(target=_trickle, args=(server.port, stop, 0.25, cut, True), daemon=True)
+                   for _ in range(16)]
+        for t in threads:
+            t.start()
+        answered, took = 0, 0.0
+        try:
+            for _ in range(5):
+                # every slot held by a trickler (the one cut off for the last scrape is back)
+                assert wait_for(lambda: server.statistics()["reading"] == 16, 10)
+                t0 = time.monotonic()
+                answered += v(parse(get(server.url)), "kvledger_kv_cache_pages") == G.num_pages
+                took = max(took, time.monotonic() - t0)
+            evicted = server.statistics()["evicted"]
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(10)
+    print(f"16 trickling clients holding every slot (reconnecting when cut off): {answered}/5 scrapes answered, "
+          f"the slowest in {took * 1000:.0f} ms; {evicted} trickling connections evicted for them")
+    assert answered == 5 and evicted == 5
+    # the total bound: one byte every 0.1 s keeps every read under idle_timeout, not the request
+    stop, cut = threading.Event(), []
+    with MetricsServer(reg, port=0, idle_timeout=5, request_timeout=1.0) as server:
+        t = threading.Thread(target=_trickle, args=(server.port, stop, 0.1, cut), daemon=True)
+        t.start()
+        t.join(20)
+        stop.set()
+    print(f"a client sending a byte every 0.1 s (idle_timeout 5 s, request_timeout 1 s): cut off after "
+          f"{cut[0]:.2f} s")
+    assert len(cut) == 1 and 0.9 < cut[0] < 5.0
+    for bad in (0, -1, "10"):
+        with pytest.raises(InvalidArgumentError):
+            MetricsServer(reg, port=0, request_timeout=bad)  # type: ignore[arg-type]
 
 
 def get_until_served(url: str, deadline_s: float) -> str:

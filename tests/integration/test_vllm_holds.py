@@ -1,12 +1,15 @@
 """PageHolds: vLLM's anonymous block references as ledger requests (no vLLM needed).
 
 Pins the mapping ``LedgerBlockPool`` relies on: references become holds whose
-pages the ledger holds in kv(R) with |R| = vLLM's ref_cnt; a partial release
-splits a hold without a page ever being marked under released_aliases; the
-marking policies get one page per hold; unhashed touches are pins; duplicate
-vLLM hashes get distinct ledger hashes; a hash vLLM drops while a page is held
-is evicted once it is released; publishes wait for their step to complete.
-Also that ``import kvledger.integrations.vllm`` imports neither vLLM nor torch.
+pages the ledger holds in kv(R) with |R| = vLLM's ref_cnt; a named hold is one
+vLLM request in one KV cache group (labelled, with its group's tenant), releases
+what vLLM frees (``PagesReleased``) and finishes when it holds nothing; pins go
+first; a block moves to another group with a clear, back to its own without one;
+unhashed touches are pins; duplicate vLLM hashes get distinct ledger hashes; a hash
+vLLM drops while a page is held is evicted once it is released; publishes wait for
+their step (manager only: seal and complete it; fenced: until ``complete``), a
+dropped request's blocks are unwritten and their hashes withdrawn. Also that
+``import kvledger.integrations.vllm`` imports neither vLLM nor torch.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import sys
 
 import pytest
 
-from kvledger import ConfigurationError, Geometry, InvalidArgumentError, Ledger, PageNotHeldError
+from kvledger import Geometry, InvalidArgumentError, Ledger, PageNotHeldError
 from kvledger.integrations.vllm.holds import NULL_HOLD, PageHolds
 
 G = Geometry(num_pages=16, page_tokens=4)
@@ -25,6 +28,9 @@ G = Geometry(num_pages=16, page_tokens=4)
 def holds(policy="released_aliases", **kw):
     ledger = Ledger(G, policy=policy, check=True, record=True)
     return ledger, PageHolds(ledger, **kw)
+
+
+# (ledger.events are recorded; ``Ledger.kv_pages`` / ``holders_of`` / ``is_marked`` read the state)
 
 
 def toks(p):
@@ -52,31 +58,176 @@ def test_references_are_holds_and_ref_counts_match():
     assert ledger.cached_count == 2 and ledger.holder_of(3).startswith("cached(")
 
 
-def test_partial_release_splits_a_hold_without_a_mark():
+def test_a_partial_release_lets_go_of_those_pages_only():
+    """A sliding window lets go of one block: ``PagesReleased`` (no split of the hold, no mark under
+    released_aliases); the hold keeps the rest."""
     ledger, h = holds()
     h.allocate([1, 2, 3, 4])  # one hold
     h.seal()
     h.publish([(1, b"a", toks(1), None)])
-    h.release([2])  # a sliding window lets go of one block
-    assert h.splits == 1
+    h.release([2])
     assert ledger.holder_of(2) == "free"
     assert all(h.refs(p) == 1 for p in (1, 3, 4))
     assert not any(ledger.is_marked(p) for p in range(16))
-    kinds = [type(e).__name__ for e in ledger.events[-4:]]
-    assert kinds == ["RequestFinished", "PagesShared", "PagesReserved", "PagesCommitted"]
+    assert type(ledger.events[-1]).__name__ == "PagesReleased" and ledger.events[-1].page_ids == (2,)
 
 
-def test_marking_policies_take_one_page_per_hold_and_list_reuse():
+def test_marking_policies_release_without_splits_and_list_reuse():
     ledger, h = holds("all_reused")
-    assert h.per_page
     h.allocate([1, 2])
     assert h.take_clear_list() == []  # never used: zero since the cache was allocated
-    h.release([2])  # no split: page 2 was its own hold
-    assert h.splits == 0 and ledger.is_marked(2) and not ledger.is_marked(1)
+    h.release([2])
+    assert ledger.is_marked(2) and not ledger.is_marked(1)
     h.allocate([2])
     assert h.take_clear_list() == [2]
-    with pytest.raises(ConfigurationError, match="per_page=True"):
-        PageHolds(Ledger(G, policy="all_reused"), per_page=False)
+
+
+# --------------------------------------------------------------------------- named holds (vLLM requests)
+
+def named(policy="cross_tenant", **kw):
+    ledger, h = holds(policy, **kw)
+    h.set_groups({0: "g0:full_attention:float16", 1: "g1:mamba:float32"}, {1})
+    return ledger, h
+
+
+def test_a_requests_calls_in_one_group_are_one_hold_labelled_and_of_the_groups_tenant():
+    ledger, h = named()
+    h.allocate([1, 2], ("req-a", 0))
+    h.allocate([3], ("req-a", 0))
+    h.allocate([4], ("req-a", 1))
+    (h0,) = h.holds_of(1)
+    assert h.holds_of(3) == (h0,) and h.holds_of(4) != (h0,)
+    labels = [e for e in ledger.events if type(e).__name__ == "RequestLabelled"]
+    assert [(e.request, e.label) for e in labels] == [(h0, "req-a"), (h.holds_of(4)[0], "req-a")]
+    assert ledger.state.requests[h0].tenant == "g0:full_attention:float16"
+    assert ledger.kv_pages(h0) == (1, 2, 3)
+
+
+def test_a_named_hold_releases_what_vllm_frees_and_finishes_when_it_holds_nothing():
+    ledger, h = named()
+    h.allocate([1, 2, 3], ("r", 0))
+    (h0,) = h.holds_of(1)
+    h.release([1], [1], ("r", 0))  # a window moved on
+    assert type(ledger.events[-1]).__name__ == "PagesReleased" and ledger.kv_pages(h0) == (2, 3)
+    h.release([3, 2], [1, 1], ("r", 0))  # the request ends
+    assert type(ledger.events[-1]).__name__ == "RequestFinished"
+    h.allocate([5], ("r", 0))  # a new incarnation: a new hold, labelled again
+    assert h.holds_of(5) != (h0,) and type(ledger.events[-3]).__name__ == "RequestLabelled"
+
+
+def test_a_named_release_lets_pins_go_first():
+    """vLLM counts a reference its manager took itself (a copy-on-write endpoint): the request's
+    free drops that one, and the page stays held in the ledger until the last reference goes."""
+    ledger, h = named()
+    h.allocate([4], ("r", 0))
+    h.release([4], [2], ("r", 0))  # two references before the free: one is a pin
+    assert h.refs(4) == 1 and ledger.holder_of(4) != "free"
+    h.release([4], [1])  # the endpoint's, freed by nobody named
+    assert ledger.holder_of(4) == "free"
+
+
+def test_a_state_groups_page_moving_to_attention_is_listed_and_a_fresh_state_reads_whole():
+    ledger, h = named()
+    h.allocate([1], ("m", 1), "whole")
+    h.seal()
+    h.release([1], [1], ("m", 1))  # the state block goes free: marked for other groups than Mamba
+    h.allocate([1], ("a", 0))  # attention takes it: another group's bytes under its mask
+    assert h.take_clear_list() == [1]
+    h.release([1], [1], ("a", 0))
+    h.allocate([1], ("a2", 0))  # back to the group that wrote it: nothing to zero
+    assert h.take_clear_list() == []
+    h.release([1], [1], ("a2", 0))
+    h.allocate([1], ("m2", 1), "whole")  # a fresh state reads before it writes: any bytes are zeroed
+    assert h.take_clear_list() == [1]
+    h.release([1], [1], ("m2", 1))
+    h.allocate([1], ("m3", 1), "none")  # a state copied in: written whole first, nothing to zero
+    assert h.take_clear_list() == []
+
+
+# --------------------------------------------------------------------------- the fence (a scheduler drives)
+
+def fenced(**kw):
+    ledger, h = named(**kw)
+    h.fenced = True
+    withdrawn: list[int] = []
+    h.withdraw = withdrawn.append
+    return ledger, h, withdrawn
+
+
+def test_fenced_publishes_wait_for_the_step_that_writes_them():
+    """Kills: a block published (shareable in the ledger) before the step that writes it ran."""
+    ledger, h, _ = fenced()
+    h.allocate([1], ("r", 0))
+    h.publish([(1, b"x", toks(1), None)])  # vLLM hashes it when it schedules the step that writes it
+    assert h.waiting(1) and h.key_of(1) is None and not h.hidden(1)  # attention: vLLM may hit it
+    step = ledger.open_step
+    h.take_clear_list()  # schedule() seals the step
+    assert h.key_of(1) is None
+    h.complete(step)  # update_from_output: it ran
+    assert h.key_of(1) == b"x" and not h.waiting(1)
+    assert [type(e).__name__ for e in ledger.events[-2:]] == ["StepCompleted", "PagesPublished"]
+
+
+def test_a_state_block_waiting_for_its_step_is_hidden_and_an_attention_hit_is_a_pin_until_then():
+    ledger, h, _ = fenced()
+    h.allocate([1], ("m", 1), "whole")
+    h.allocate([2], ("a", 0))
+    h.publish([(1, b"s", toks(1), None), (2, b"k", toks(2), None)])
+    assert h.hidden(1) and not h.hidden(2)
+    step = ledger.open_step
+    h.take_clear_list()
+    h.share([2], ("b", 0))  # another request hits the attention block before its step ran
+    assert h.refs(2) == 2 and len(ledger.holders_of(2)) == 1  # a pin: the ledger shares published pages only
+    h.complete(step)
+    assert len(ledger.holders_of(2)) == 2 and h.refs(2) == 2  # the pin became a share
+
+
+def test_a_writer_that_lets_go_before_its_step_completed_keeps_the_block_until_then():
+    ledger, h, _ = fenced()
+    h.allocate([1], ("r", 0))
+    h.publish([(1, b"x", toks(1), None)])
+    step = ledger.open_step
+    h.take_clear_list()
+    h.release([1], [1], ("r", 0))  # preempted (vLLM: a cached block, ref 0)
+    assert h.refs(1) == 0 and ledger.holder_of(1) != "free" and h.deferred_count == 1
+    h.complete(step)
+    assert ledger.holder_of(1).startswith("cached(") and h.deferred_count == 0
+
+
+def test_a_dropped_requests_blocks_are_unwritten_and_their_hashes_withdrawn():
+    """Kills: a dropped request's block published (a later hit would read bytes nobody wrote:
+    vLLM PR #56525's mechanism), or its overwrite trusted (its old bytes unmarked)."""
+    ledger, h, withdrawn = fenced()
+    h.allocate([1], ("old", 0))  # an earlier holder of another group's bytes
+    h.take_clear_list()
+    h.complete(ledger.open_step - 1)
+    h.release([1], [1], ("old", 0))
+    h.allocate([1, 2], ("r", 1), "none")  # to be written whole by its step
+    h.publish([(1, b"s", toks(1), None)])
+    step = ledger.open_step
+    h.take_clear_list()
+    h.release([2, 1], [1, 1], ("r", 1))  # aborted after it was scheduled; its share is dropped
+    h.complete(step, dropped={"r"})
+    assert withdrawn == [1] and h.key_of(1) is None and not h.waiting(1)
+    unwritten = [e for e in ledger.events if type(e).__name__ == "PagesUnwritten"]
+    assert [(e.step, set(e.page_ids)) for e in unwritten] == [(step, {1, 2})]
+    assert ledger.state.marks.get(1) == 1  # written whole by nobody: its old bytes, marked for everyone
+    assert ledger.state.marks.get(2) == 2  # (never used: zeros, marked as the policy marks a release)
+    h.allocate([1], ("m", 1))  # even its own group lists it now
+    assert 1 in h.take_clear_list()
+
+
+def test_a_page_reused_before_its_overwrite_is_confirmed_is_read_whole():
+    ledger, h, _ = fenced()
+    h.allocate([1], ("a", 0))
+    h.take_clear_list()
+    h.complete(ledger.open_step - 1)
+    h.release([1], [1], ("a", 0))
+    h.allocate([1], ("r", 0), "none")  # step N is to write it whole
+    h.take_clear_list()
+    h.release([1], [1], ("r", 0))  # (async) freed before N's output came back ...
+    h.allocate([1], ("s", 0))  # ... and taken at once by the same group: its tail read must not trust N
+    assert ledger.events[-1].reads == "whole" and h.take_clear_list() == [1]
 
 
 def test_unhashed_touch_is_a_pin_and_a_free_one_is_adopted():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -133,3 +134,77 @@ def test_example_drives_vllm_and_prints_the_audit_of_one_block(tmp_path):
     text = out.stdout
     assert "on LedgerBlockPool" in text and "result       OK" in text and "no lifecycle faults" in text
     assert "pages_published" in text and "pages_shared" in text, text
+
+
+# --------------------------------------------------------------------------- a failing log disk
+
+def _faults():
+    import errno
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+    from support.simdisk import FaultInjector
+
+    def err(code):
+        return lambda op, n: OSError(code, f"injected {os.strerror(code)} on {op} #{n}")
+
+    return {
+        "eio_fsync": lambda: FaultInjector(fail_sync=2),
+        "enospc_write": lambda: FaultInjector(fail_write=3, partial=True, error=err(errno.ENOSPC)),
+        "erofs_write": lambda: FaultInjector(fail_write=3, error=err(errno.EROFS)),
+    }
+
+
+@pytest.mark.parametrize("fault", ["eio_fsync", "enospc_write", "erofs_write"])
+def test_a_failing_log_disk_detaches_the_ledger_and_vllm_keeps_scheduling(tmp_path, fault, caplog):
+    """A full disk, an EIO on fsync, a file system gone read-only, during a driven run: vLLM schedules
+    exactly as on its own pool, the ledger stops recording with one ERROR and a metric, and what the
+    log acknowledged replays and audits. Kills: a LogError raised into vLLM's scheduler."""
+    import logging
+
+    from prometheus_client import REGISTRY
+
+    _, base = run(True)
+    before = REGISTRY.get_sample_value("kvledger_vllm_detached_total", {"reason": "LogIOError"}) or 0
+    path = tmp_path / "x.kvlog"
+    caplog.set_level(logging.ERROR, logger="kvledger")
+    with install(log=str(path), layer=_faults()[fault]()):
+        manager = make_manager(NUM_BLOCKS, enable_caching=True, enable_kv_cache_events=True)
+        stats = run_trace(manager, TRACE, collect_events=True, collect_blocks=True, max_running=16)
+        pool = manager.block_pool
+        assert pool.detached is not None and "LogIOError" in pool.detached, pool.detached
+    assert stats.block_ids == base.block_ids and stats.events == base.events  # vLLM never noticed
+    errors = [r for r in caplog.records if r.name.startswith("kvledger") and r.levelno >= logging.ERROR
+              and "stopped recording" in r.getMessage()]
+    assert len(errors) == 1, [r.getMessage() for r in caplog.records]
+    after = REGISTRY.get_sample_value("kvledger_vllm_detached_total", {"reason": "LogIOError"})
+    assert after == before + 1
+    for args in (["replay", str(path)], ["audit", str(path), "--check"]):
+        proc = subprocess.run([sys.executable, "-m", "kvledger", *args], capture_output=True, text=True)
+        assert proc.returncode == 0, (args, proc.stdout[-2000:], proc.stderr[-2000:])
+
+
+def test_a_log_that_cannot_be_opened_leaves_vllm_on_its_own_pool(tmp_path):
+    import errno
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+    from support.simdisk import FaultInjector
+
+    layer = FaultInjector(fail_op=1, error=lambda op, n: OSError(errno.EROFS, "read-only file system"))
+    with install(log=str(tmp_path / "x.kvlog"), layer=layer):
+        manager = make_manager(NUM_BLOCKS, enable_caching=True)
+        stats = run_trace(manager, TRACE, max_running=16)
+        assert manager.block_pool.detached is not None and stats.finished == len(TRACE)
+
+
+def test_a_restart_with_the_same_log_goes_on_in_a_new_epoch(tmp_path):
+    """Kills: a reopened log whose old holds refuse the new process's first block (PageNotHeldError)."""
+    path = tmp_path / "x.kvlog"
+    for epoch in range(3):
+        with install(log=str(path)):
+            manager = make_manager(NUM_BLOCKS, enable_caching=True)
+            run_trace(manager, TRACE[: 10 + epoch], max_running=8)
+            if epoch == 1:
+                manager.block_pool.ledger.close()  # (a crash: steps and requests left open)
+    proc = subprocess.run([sys.executable, "-m", "kvledger", "audit", str(path), "--check"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:]

@@ -99,10 +99,82 @@ def test_planes_alias_the_cache_and_cover_it_once(layout):
     assert len(kv_cache_planes(views + views[:1], 12)) == len(planes)
 
 
-def test_block_outermost_layout_needs_every_layer():
-    _, _, views = vllm_views("BLHNC")
-    with pytest.raises(ConfigurationError, match="every layer"):
-        KVCacheZeroer(views[1:], 12)
+def test_a_block_owns_its_whole_tile_when_only_some_layers_are_given():
+    """Block-outermost layouts: one block's tile holds every layer; given some layers' views, the
+    listed blocks' whole tiles are zeroed (vLLM's rule: a new block owns its whole tile)."""
+    buf, cache, views = vllm_views("BLHNC")
+    fill(buf)
+    before = cache.clone()
+    KVCacheZeroer(views[1:], 12).zero_block_ids([4, 9])
+    check_zeroed(cache, before, {4, 9}, 12)
+
+
+def hybrid_views(*, layers=2, blocks=10, heads=2, tokens=4, width=16, dtype=torch.float16, device="cpu",
+                 states=(((3, 6), torch.float32), ((2, 4, 4), torch.float32))):
+    """An attention group and a Mamba group overlaid on one buffer as vLLM 0.33 lays out a hybrid
+    model with a uniform page (``get_kv_cache_config_from_groups``, layer-compact ``LBHNC``: both
+    groups' layer ``l`` alias the same region; ``MambaBase.bind_kv_cache``: a Mamba layer's states
+    packed from the start of its page, the rest of the page padding). Returns the buffer, each
+    layer's pages ``[B, page]`` (uint8), the attention views and the Mamba layers' state tuples."""
+    el = torch.empty((), dtype=dtype).element_size()
+    page = heads * tokens * width * el
+    state_bytes = sum(torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size() for shape, dt in states)
+    assert state_bytes < page, "the Mamba states fit in the (padded) page"
+    buf = torch.zeros(layers * blocks * page, dtype=torch.uint8, device=device)
+    pages = buf.view(layers, blocks, page)
+    attention = [pages[layer].view(dtype).view(blocks, heads, tokens, width) for layer in range(layers)]
+    mamba = []
+    for layer in range(layers):
+        out, offset = [], 0
+        for shape, dt in states:
+            n = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
+            out.append(pages[layer][:, offset : offset + n].view(dt).view(-1, *shape))
+            offset += n
+        mamba.append(tuple(out))
+    return buf, pages, attention, mamba
+
+
+def check_pages(pages, before, ids):
+    for b in range(pages.shape[1]):
+        if b in ids:
+            assert int(pages[:, b].count_nonzero()) == 0, f"block {b} not zeroed"
+        else:
+            assert torch.equal(pages[:, b], before[:, b]), f"block {b} changed"
+
+
+@pytest.mark.parametrize("given", ["mamba", "attention", "both"])
+def test_a_hybrid_models_overlaid_groups_zero_the_same_blocks_through_any_group(given):
+    """Kills: Mamba state tuples refused or skipped (vLLM's KVBlockZeroer skips them), and a state's
+    padding left holding another group's bytes (the next attention holder reads it under a mask)."""
+    buf, pages, attention, mamba = hybrid_views()
+    fill(buf)
+    before = pages.clone()
+    caches = {"attention": {f"attn.{i}": v for i, v in enumerate(attention)},
+              "mamba": {f"mamba.{i}": v for i, v in enumerate(mamba)}}
+    chosen = caches["attention"] | caches["mamba"] if given == "both" else caches[given]
+    zeroer = KVCacheZeroer(chosen, 10)
+    assert len(zeroer.planes) == 2  # one per layer: the groups share their tiles
+    zeroer.zero_block_ids([7, 2, 9])
+    check_pages(pages, before, {7, 2, 9})
+
+
+def test_views_that_overlap_with_another_block_numbering_are_refused():
+    """An overlay kvledger cannot map: a view whose block 0 is another view's block 1."""
+    buf, pages, attention, _ = hybrid_views(blocks=10)
+    shifted = buf[pages.shape[2]:].view(-1)[: 9 * pages.shape[2]].view(9, pages.shape[2])
+    shifted = torch.cat([shifted, shifted[:1]])  # (a copy: another storage, fine)
+    assert KVCacheZeroer([attention[0], shifted], 10)  # another storage: no overlap
+    sneaky = pages[0][1:].as_strided((10, pages.shape[2]), (pages.shape[2], 1))
+    with pytest.raises(ConfigurationError, match="overlay"):
+        kv_cache_planes([attention[0], attention[1], sneaky], 10)
+
+
+def test_a_view_whose_block_leaves_its_tile_is_refused():
+    buf, pages, _, _ = hybrid_views(blocks=10)
+    page = pages.shape[2]
+    straddle = buf[page // 2 :].as_strided((10, page), (page, 1))  # each row crosses into the next tile
+    with pytest.raises(ConfigurationError, match="past the tile"):
+        kv_cache_planes([straddle], 10)
 
 
 def test_bad_input_is_refused_before_any_byte_moves():

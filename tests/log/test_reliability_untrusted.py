@@ -323,7 +323,8 @@ def test_r21_files_that_are_not_segments_inside_a_log_directory(tmp_path):
             led.reserve(step, 1)
             led.seal_step(step)
     segs = list_segments(default_layer, str(real))
-    modes = {p: stat.S_IMODE(os.stat(p).st_mode) for p in [str(real), *segs, f"{segs[-1]}.sync"]}
+    modes = {p: stat.S_IMODE(os.stat(p).st_mode) for p in [str(real), *segs, f"{segs[-1]}.sync",
+                                                             str(real / "HEAD.sync")]}
     outcomes = {}
     for kind in ("symlink", "fifo", "directory"):
         d = tmp_path / kind

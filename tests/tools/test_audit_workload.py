@@ -134,20 +134,23 @@ class _Serving:
             ready = [p for p in rec.reserved if p not in st.restore_targets]
             if not ready or rng.random() < 0.15:
                 continue
-            whole = st.policy != "released_aliases" and rng.random() < 0.1  # (a recurrent state's page)
-            led.commit(r, step, pages=ready[: rng.randint(1, len(ready))], reads="whole" if whole else "tail")
+            x = rng.random()  # (a recurrent state's page read whole; a page the step writes whole first)
+            reads = "whole" if x < 0.1 and st.policy != "released_aliases" else "none" if x < 0.2 else "tail"
+            led.commit(r, step, pages=ready[: rng.randint(1, len(ready))], reads=reads)
             if rng.random() < 0.1:
                 rest = [p for p in rec.reserved if p not in st.restore_targets]
                 if rest:
                     led.return_reservation(r, rest)
 
     def _unwritten(self, step: int) -> None:
-        """Now and then a request's share of the step just sealed is dropped (an engine's abort)."""
+        """Now and then a request is aborted and its share of the step just sealed dropped."""
         led, st, rng = self.led, self.st, self.rng
         if rng.random() < 0.1:
             for r, rec in sorted(st.requests.items()):
                 mine = [p for p, s in zip(rec.kv, rec.kv_steps, strict=True) if s == step]
                 if mine:
+                    led.cancel(r)
+                    self._ended(r)
                     led.record_unwritten(r, step, mine, "aborted before its step ran")
                     return
 

@@ -28,6 +28,8 @@ from support import HEAVY
 from kvledger import Geometry, InvalidArgumentError, WireProtocolError
 from kvledger.wire.codec import (
     DEFAULT_MAX_BODY,
+    Auth,
+    Challenge,
     FLAG_SANITIZE,
     HEADER_SIZE,
     LAYOUT,
@@ -59,60 +61,79 @@ G = Geometry(num_pages=1024, page_tokens=16)
 # ---------------------------------------------------------------------------- golden bytes
 
 GEOMETRY_DIGEST = "2e6a243801ce9e7eb420fcbe8f16ed4bd3b2c65fdad9d9913cd8a8fd43b461cc"
-PREPARE_CRC = 0x43064B22
-SANITIZE_CRC = 0x09CEE43A
+PREPARE_CRC = 0xCE8EB6C0
+SANITIZE_CRC = 0x086B4D8C
 SANITIZE = Sanitize(poison_pages=[5, 9], committed_pages=[1])
+NONCE = bytes(range(0x40, 0x60))
+PROOF = bytes(range(0xA0, 0xC0))
 
-# Layout 8 (a versioned change from layout 7: the layout byte, the COMPLETE kind and the
-# SANITIZE flag of PREPARE). Every frame type, with its header and body bytes.
+# Layout 9: a versioned change from layout 8, decided in issue 32 (the handshake proves the job's
+# key): the layout byte (so every CRC below moved), the HELLO's nonce (body 40 -> 72 bytes) and two
+# new kinds, CHALLENGE (8) and AUTH (9). Layout 8 itself was the layout byte, the COMPLETE kind and
+# the SANITIZE flag of PREPARE over layout 7. Every frame type, with its header and body bytes.
 GOLDEN = [
     (
-        Hello(step=0, rank=1, world_size=4, geometry_digest=bytes.fromhex(GEOMETRY_DIGEST)),
-        "4b564c5708010000280000000000000000000000312a9ae9"
-        "01000000040000002e6a243801ce9e7eb420fcbe8f16ed4bd3b2c65fdad9d9913cd8a8fd43b461cc",
+        Hello(step=0, rank=1, world_size=4, geometry_digest=bytes.fromhex(GEOMETRY_DIGEST), nonce=NONCE),
+        "4b564c57090100004800000000000000000000009efe1244"
+        "01000000040000002e6a243801ce9e7eb420fcbe8f16ed4bd3b2c65fdad9d9913cd8a8fd43b461cc"
+        "404142434445464748494a4b4c4d4e4f505152535455565758595a5b5c5d5e5f",
+    ),
+    (
+        # the leader's nonce, then its HMAC-SHA256 proof (wire/auth.py)
+        Challenge(step=0, nonce=NONCE, proof=PROOF),
+        "4b564c570908000040000000000000000000000056b861f1"
+        "404142434445464748494a4b4c4d4e4f505152535455565758595a5b5c5d5e5f"
+        "a0a1a2a3a4a5a6a7a8a9aaabacadaeafb0b1b2b3b4b5b6b7b8b9babbbcbdbebf",
+    ),
+    (
+        # rank 1, its proof
+        Auth(step=0, rank=1, proof=PROOF),
+        "4b564c57090900002400000000000000000000002858c3fe"
+        "01000000a0a1a2a3a4a5a6a7a8a9aaabacadaeafb0b1b2b3b4b5b6b7b8b9babbbcbdbebf",
     ),
     (
         Prepare(step=7, clear_pages=[3, 1, 4], payload=b"kv"),
-        "4b564c5708020000160000000700000000000000224b0643"
+        "4b564c5709020000160000000700000000000000c0b68ece"
         "03000000020000000300000001000000040000006b76",
     ),
     (
         # flags 0x0001; counts 2 clear, 2 payload bytes, 2 poison, 1 committed; ids 3 1 | 5 9 | 1; "kv"
         Prepare(step=8, clear_pages=[3, 1], payload=b"kv", sanitize=SANITIZE),
-        "4b564c57080201002600000008000000000000003ae4ce09"
+        "4b564c57090201002600000008000000000000008c4d6b08"
         "0200000002000000020000000100000003000000010000000500000009000000010000006b76",
     ),
     (
         Ready(step=7, rank=2, prepare_checksum=PREPARE_CRC),
-        "4b564c57080300000800000007000000000000009e80697d" "02000000224b0643",
+        "4b564c57090300000800000007000000000000005761755d" "02000000c0b68ece",
     ),
     (
         Reject(step=7, rank=3, code=RejectCode.DUPLICATE_PAGE, detail="page ids [4] listed more than once"),
-        "4b564c57080400002a00000007000000000000009160bf16"
+        "4b564c57090400002a0000000700000000000000026f785c"
         "030000000c0022007061676520696473205b345d206c6973746564206d6f7265207468616e206f6e6365",
     ),
     (
         Abort(step=7, code=RejectCode.TIMEOUT, rank=3),
-        "4b564c570805000008000000070000000000000033b8ded1" "0300000013000000",
+        "4b564c570905000008000000070000000000000014ddfb50" "0300000013000000",
     ),
     (
         Launch(step=7, prepare_checksum=PREPARE_CRC),
-        "4b564c570806000004000000070000000000000016cde770" "224b0643",
+        "4b564c5709060000040000000700000000000000be72b9b4" "c0b68ece",
     ),
     (
         # rank 2, PREPARE crc, status 0 (ok), detail_len 0
         Complete(step=7, rank=2, prepare_checksum=PREPARE_CRC),
-        "4b564c57080700000c00000007000000000000007e7a220f" "02000000224b064300000000",
+        "4b564c57090700000c0000000700000000000000f01c5e71" "02000000c0b68ece00000000",
     ),
     (
         # rank 3, PREPARE crc, status 1 (failed), detail_len 16, "poison at page 5"
         Complete(step=8, rank=3, prepare_checksum=SANITIZE_CRC, ok=False, detail="poison at page 5"),
-        "4b564c57080700001c0000000800000000000000e83299e3"
-        "030000003ae4ce0901001000706f69736f6e20617420706167652035",
+        "4b564c57090700001c0000000800000000000000af1c1234"
+        "030000008c4d6b0801001000706f69736f6e20617420706167652035",
     ),
 ]
 GOLDEN_IDS = [
-    "Hello", "Prepare", "Prepare-sanitize", "Ready", "Reject", "Abort", "Launch", "Complete", "Complete-failed",
+    "Hello", "Challenge", "Auth", "Prepare", "Prepare-sanitize", "Ready", "Reject", "Abort", "Launch", "Complete",
+    "Complete-failed",
 ]
 
 
@@ -127,7 +148,7 @@ def test_golden_bytes(frame, hexbytes):
     assert data.hex() == hexbytes
     # The header layout, field by field, from the module docstring.
     magic, layout, kind, flags, body_len, step, crc = struct.unpack_from("<4sBBHIQI", data)
-    assert (magic, layout, LAYOUT) == (MAGIC, 8, 8)
+    assert (magic, layout, LAYOUT) == (MAGIC, 9, 9)
     assert flags == (FLAG_SANITIZE if getattr(frame, "sanitize", None) is not None else 0)
     assert FrameKind(kind).name == type(frame).__name__.upper()
     assert body_len == len(data) - 24 and step == frame.step
@@ -140,14 +161,16 @@ def test_golden_bytes(frame, hexbytes):
 
 def test_every_kind_has_a_golden_frame():
     assert {FrameKind[type(f).__name__.upper()] for f, _ in GOLDEN} == set(FrameKind)
-    assert len(FrameKind) == 7 and FrameKind.COMPLETE == 7
+    assert len(FrameKind) == 9 and FrameKind.COMPLETE == 7 and FrameKind.AUTH == 9
 
 
 def test_prepare_checksum_is_what_ready_launch_and_complete_echo():
-    data = encode(GOLDEN[1][0])
+    golden = dict(zip(GOLDEN_IDS, GOLDEN, strict=True))
+    data = encode(golden["Prepare"][0])
     assert frame_checksum(data) == PREPARE_CRC
     assert decode(data).checksum == PREPARE_CRC
-    assert frame_checksum(encode(GOLDEN[2][0])) == decode(encode(GOLDEN[2][0])).checksum == SANITIZE_CRC
+    sanitize = encode(golden["Prepare-sanitize"][0])
+    assert frame_checksum(sanitize) == decode(sanitize).checksum == SANITIZE_CRC
 
 
 def test_sanitize_prepare_fields():
@@ -179,7 +202,12 @@ frames_st = st.one_of(
         rank=st.integers(0, 2**32 - 1),
         world_size=st.integers(0, 2**32 - 1),
         geometry_digest=st.binary(min_size=32, max_size=32),
+        nonce=st.binary(min_size=32, max_size=32),
     ),
+    st.builds(Challenge, step=st.integers(0, 2**64 - 1), nonce=st.binary(min_size=32, max_size=32),
+              proof=st.binary(min_size=32, max_size=32)),
+    st.builds(Auth, step=st.integers(0, 2**64 - 1), rank=st.integers(0, 2**32 - 1),
+              proof=st.binary(min_size=32, max_size=32)),
     st.builds(
         Prepare,
         step=st.integers(0, 2**64 - 1),
@@ -349,18 +377,21 @@ def test_bad_magic():
     assert info.value.code == RejectCode.BAD_MAGIC
 
 
-@pytest.mark.parametrize("old,why", [(6, "no clear list"), (7, "sends no COMPLETE")])
+@pytest.mark.parametrize("old,why", [(6, "no clear list"), (7, "sends no COMPLETE"), (8, "cannot prove the job's key")])
 def test_older_layout_frames_are_refused_naming_the_layout(old, why):
     hello = encode(Hello(step=0, rank=1, world_size=2, geometry_digest=bytes(32), layout=old))
     err = _codes(hello)
     assert err.code == RejectCode.BAD_LAYOUT and f"layout {old}" in err.detail and "HELLO" in err.detail
-    assert why in err.detail and "speaks layout 8" in err.detail
+    assert why in err.detail and "speaks layout 9" in err.detail
     assert err.step == 0 and err.kind == FrameKind.HELLO
 
 
 def test_unknown_kind_flags_and_lengths():
-    assert _codes(encode_frame(9, 1, b"")).code == RejectCode.BAD_KIND
-    assert _codes(encode_frame(8, 1, b"")).code == RejectCode.BAD_KIND  # the next kind is not COMPLETE
+    assert _codes(encode_frame(11, 1, b"")).code == RejectCode.BAD_KIND
+    assert _codes(encode_frame(10, 1, b"")).code == RejectCode.BAD_KIND  # the next kind is not AUTH
+    assert _codes(encode_frame(FrameKind.AUTH, 1, b"\0" * 35)).code == RejectCode.BAD_LENGTH
+    assert _codes(encode_frame(FrameKind.CHALLENGE, 1, b"\0" * 65)).code == RejectCode.BAD_LENGTH
+    assert _codes(encode_frame(FrameKind.HELLO, 1, b"\0" * 40)).code == RejectCode.BAD_LENGTH  # a layout-8 body
     assert _codes(encode_frame(FrameKind.LAUNCH, 1, b"\0" * 4, flags=1)).code == RejectCode.BAD_FLAGS
     # SANITIZE is a PREPARE flag only; every other bit is reserved everywhere
     for kind in FrameKind:
@@ -499,32 +530,46 @@ def test_page_id_problem_names_the_ids():
 # ---------------------------------------------------------------------------- a layout-7 rank refuses, never ignores
 
 LAYOUT7_COMMIT = "4b3035a72cc2752b23bd91eadafed94773785320"  # the tree before layout 8: wire/ at layout 7
+LAYOUT8_COMMIT = "e388c64ec352e5d1d8988b1f296089d2fa911e10"  # the tree before layout 9: wire/ at layout 8
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _old_wire(tmp_path_factory, commit: str, layout: int):
+    """The wire of ``layout`` as it shipped: ``core/`` and ``wire/`` of ``commit`` out of git,
+    imported as the package ``kvl{layout}`` (its modules are dropped again afterwards)."""
+    name = f"kvl{layout}"
+    probe = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True)
+    if probe.returncode:
+        pytest.skip(f"commit {commit[:12]} (layout {layout}) is not in this checkout (a shallow clone?)")
+    dest = tmp_path_factory.mktemp(f"layout{layout}")
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "core", "wire"],
+                             capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(dest / name, filter="data")
+    (dest / name / "__init__.py").write_text("")
+    sys.path.insert(0, str(dest))
+    try:
+        old = importlib.import_module(f"{name}.wire")
+    finally:
+        sys.path.remove(str(dest))
+    assert layout == old.LAYOUT
+    yield old
+    for mod in [m for m in sys.modules if m == name or m.startswith(f"{name}.")]:
+        del sys.modules[mod]
 
 
 @pytest.fixture(scope="module")
 def layout7(tmp_path_factory):
-    """The layout-7 wire as it shipped: ``core/`` and ``wire/`` of ``LAYOUT7_COMMIT`` out of git,
-    imported as the package ``kvl7`` (its modules are dropped again afterwards)."""
-    probe = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{LAYOUT7_COMMIT}^{{commit}}"],
-                           capture_output=True)
-    if probe.returncode:
-        pytest.skip(f"commit {LAYOUT7_COMMIT[:12]} (layout 7) is not in this checkout (a shallow clone?)")
-    dest = tmp_path_factory.mktemp("layout7")
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", LAYOUT7_COMMIT, "core", "wire"],
-                             capture_output=True, check=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(dest / "kvl7", filter="data")
-    (dest / "kvl7" / "__init__.py").write_text("")
-    sys.path.insert(0, str(dest))
-    try:
-        old = importlib.import_module("kvl7.wire")
-    finally:
-        sys.path.remove(str(dest))
-    assert old.LAYOUT == 7 and not hasattr(old, "Complete")
-    yield old
-    for name in [m for m in sys.modules if m == "kvl7" or m.startswith("kvl7.")]:
-        del sys.modules[name]
+    for old in _old_wire(tmp_path_factory, LAYOUT7_COMMIT, 7):
+        assert not hasattr(old, "Complete")
+        yield old
+
+
+@pytest.fixture(scope="module")
+def layout8(tmp_path_factory):
+    for old in _old_wire(tmp_path_factory, LAYOUT8_COMMIT, 8):
+        assert not hasattr(old, "Auth")
+        yield old
 
 
 def _old_verdict(old, data: bytes):
@@ -575,26 +620,31 @@ def test_a_layout_7_decoder_refuses_a_sanitize_prepare_at_every_layer(layout7):
     print("layout-7 decoder on", trials, "sanitize PREPAREs:", named)
 
 
-def test_a_layout_7_peer_and_a_layout_8_leader_refuse_each_other_at_hello(layout7):
-    from kvledger.wire import LeaderLink, PeerLink
+@pytest.mark.parametrize("old_layout", [7, 8])
+def test_an_older_peer_and_a_layout_9_leader_refuse_each_other_at_hello(old_layout, request):
+    """A layout-7 or layout-8 build (the real code of that commit) and this one refuse each other
+    at the first frame: neither can join the other's group, whatever its key."""
+    from support.wirekeys import leader_link, peer_link
 
-    g7 = layout7.codec.Geometry(num_pages=G.num_pages, page_tokens=G.page_tokens)  # its own core's Geometry
-    assert layout7.geometry_digest(g7) == geometry_digest(G)  # the geometry is not what differs
-    old_peer = layout7.PeerLink(g7, rank=1, world_size=2)
+    old = request.getfixturevalue(f"layout{old_layout}")
+    g_old = old.codec.Geometry(num_pages=G.num_pages, page_tokens=G.page_tokens)  # its own core's Geometry
+    assert old.geometry_digest(g_old) == geometry_digest(G)  # the geometry is not what differs
+    old_peer = old.PeerLink(g_old, rank=1, world_size=2)
     old_peer.start()
-    leader = LeaderLink(G, world_size=2)
-    leader.receive_data(old_peer.data_to_send())  # the layout-7 build's own HELLO
+    leader = leader_link(G, 2)
+    leader.receive_data(old_peer.data_to_send())  # the older build's own HELLO
     with pytest.raises(WireProtocolError) as info:
         leader.next_event()
-    assert info.value.code == RejectCode.BAD_LAYOUT and "layout 7" in info.value.detail
-    # and a layout-7 peer cannot take our HELLO for its leader's
-    peer = PeerLink(G, rank=1, world_size=2)
+    assert info.value.code == RejectCode.BAD_LAYOUT and f"layout {old_layout}" in info.value.detail
+    assert leader.statistics()["frames_out"] == 1  # the REJECT; no CHALLENGE for it
+    # and an older leader cannot take our HELLO for a peer's
+    peer = peer_link(G, 1, 2)
     peer.start()
-    old_leader = layout7.LeaderLink(g7, world_size=2)
+    old_leader = old.LeaderLink(g_old, world_size=2)
     old_leader.receive_data(peer.data_to_send())
-    with pytest.raises(layout7.decoder.FrameError) as info7:
+    with pytest.raises(old.decoder.FrameError) as info_old:
         old_leader.next_event()
-    assert info7.value.code == RejectCode.BAD_LAYOUT and "layout 8" in info7.value.detail
+    assert info_old.value.code == RejectCode.BAD_LAYOUT and "layout 9" in info_old.value.detail
 
 
 # ---------------------------------------------------------------------------- R7: fuzzing

@@ -151,10 +151,8 @@ async def _start(tg, leader, world, hooks=None, max_chunks=64):
         async def peer(r=r, stream=peer_end, scope=scope):
             with scope:
                 try:
-                    await run_peer(
-                        stream, G, rank=r, world_size=world, on_launch=ranks[r].on_launch, on_drop=ranks[r].on_drop,
-                        hello_timeout=2,
-                    )
+                    await run_peer(stream, G, key=leader.key, rank=r, world_size=world, on_launch=ranks[r].on_launch,
+                                   on_drop=ranks[r].on_drop, hello_timeout=2)
                 except (WireProtocolError, TimeoutError) as exc:
                     ranks[r].error = exc
 
@@ -216,8 +214,8 @@ async def test_tcp_transport_every_rank_clears_the_same_pages():
         for r in range(1, world):
             stream = await connect_tcp(host, port)
             tg.start_soon(
-                lambda s=stream, r=r: run_peer(s, G, rank=r, world_size=world, on_launch=ranks[r].on_launch,
-                                               hello_timeout=5)
+                lambda s=stream, r=r: run_peer(s, G, key=leader.key, rank=r, world_size=world,
+                                               on_launch=ranks[r].on_launch, hello_timeout=5)
             )
         with anyio.fail_after(5):
             await leader.wait_joined()
@@ -243,10 +241,11 @@ async def test_tcp_peer_with_another_geometry_or_an_older_layout_is_refused_at_h
         async def wrong_geometry():
             s = await connect_tcp(host, port)
             with pytest.raises(HandshakeRefused) as info:
-                await run_peer(s, Geometry(num_pages=256, page_tokens=16), rank=1, world_size=world, on_launch=print)
+                await run_peer(s, Geometry(num_pages=256, page_tokens=16), key=leader.key, rank=1, world_size=world,
+                               on_launch=print)
             outcomes["geometry"] = info.value.code
 
-        # a layout-6 or layout-7 build: its HELLO has that layout byte
+        # a layout-6, 7 or 8 build: its HELLO has that layout byte
         async def old_layout(layout, rank):
             s = await connect_tcp(host, port)
             hello = Hello(step=0, rank=rank, world_size=world, geometry_digest=geometry_digest(G), layout=layout)
@@ -261,6 +260,7 @@ async def test_tcp_peer_with_another_geometry_or_an_older_layout_is_refused_at_h
         tg.start_soon(wrong_geometry)
         tg.start_soon(old_layout, 6, 2)
         tg.start_soon(old_layout, 7, 3)
+        tg.start_soon(old_layout, 8, 1)
         with anyio.move_on_after(1.0):
             await leader.wait_joined()
         assert leader.ranks == frozenset()
@@ -271,6 +271,7 @@ async def test_tcp_peer_with_another_geometry_or_an_older_layout_is_refused_at_h
         "geometry": RejectCode.GEOMETRY_MISMATCH,
         "layout6": RejectCode.BAD_LAYOUT,
         "layout7": RejectCode.BAD_LAYOUT,
+        "layout8": RejectCode.BAD_LAYOUT,
     }
 
 
@@ -281,7 +282,7 @@ async def test_a_second_link_for_a_taken_rank_is_refused():
         a, b = memory_pipe()
         leader.attach(a)
         with pytest.raises(HandshakeRefused) as info:
-            await run_peer(b, G, rank=1, world_size=2, on_launch=print, hello_timeout=5)
+            await run_peer(b, G, key=leader.key, rank=1, world_size=2, on_launch=print, hello_timeout=5)
         assert info.value.code == RejectCode.BAD_RANK
         d = (await _steps(leader, ranks, 1))[0][0]
         assert d.launch  # the first link is untouched
@@ -314,7 +315,7 @@ async def _serve(tg, leader, world, on_launch, results, kwargs=None):
 
         async def peer(r=r, stream=b):
             try:
-                results[r] = await run_peer(stream, G, rank=r, world_size=world, on_launch=on_launch[r],
+                results[r] = await run_peer(stream, G, key=leader.key, rank=r, world_size=world, on_launch=on_launch[r],
                                             hello_timeout=2, **kwargs.get(r, {}))
             except Exception as exc:
                 results[r] = exc
@@ -376,7 +377,7 @@ async def test_a_peer_lost_before_its_complete_is_missing_at_once_not_at_the_dea
 
     async def peer2(stream):
         with scope:
-            await run_peer(stream, G, rank=2, world_size=3, on_launch=dies, hello_timeout=2)
+            await run_peer(stream, G, key=leader.key, rank=2, world_size=3, on_launch=dies, hello_timeout=2)
 
     async with anyio.create_task_group() as tg:
         async with open_leader(G, world_size=3, close_grace=0.1) as leader:
@@ -384,7 +385,8 @@ async def test_a_peer_lost_before_its_complete_is_missing_at_once_not_at_the_dea
             a2, b2 = memory_pipe()
             leader.attach(a1)
             leader.attach(a2)
-            tg.start_soon(lambda: run_peer(b1, G, rank=1, world_size=3, on_launch=lambda *a: None, hello_timeout=2))
+            tg.start_soon(lambda: run_peer(b1, G, key=leader.key, rank=1, world_size=3, on_launch=lambda *a: None,
+                                           hello_timeout=2))
             tg.start_soon(peer2, b2)
             with anyio.fail_after(5):
                 await leader.wait_joined()

@@ -150,7 +150,7 @@ if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "peer":
 import pytest  # noqa: E402  (the peer script above does not need it)
 from support import HEAVY  # noqa: E402
 
-from kvledger.wire import open_leader  # noqa: E402
+from kvledger.wire import KEY_ENV, key_to_text, open_leader  # noqa: E402
 
 PHASES = ["before_prepare", "after_prepare", "after_ready", "after_decision", "after_run"]
 # Quick profile: a kill at every phase, a pause or a partition at each phase once (two peer
@@ -179,7 +179,8 @@ async def _schedule(tmp: Path, fault: str, phase: str, *, world=3, steps=3, fste
                         "--log", str(logs[r]), "--heal", str(heal)]
                 if r == faulty:
                     args += ["--fault", fault, "--phase", phase, "--step", str(fstep)]
-                procs[r] = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                env = {**os.environ, KEY_ENV: key_to_text(leader.key)}  # the job's key, as torchrun would pass it
+                procs[r] = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
             with anyio.fail_after(30):
                 await leader.wait_joined()
             for s in range(steps):

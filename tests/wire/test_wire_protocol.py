@@ -20,6 +20,7 @@ from collections import deque
 import pytest
 torch = pytest.importorskip("torch")  # (the ranks clear real torch planes)
 from support import HEAVY
+from support.wirekeys import challenge, joined_peer, leader_link, peer_link, prove, welcome
 
 from kvledger import (
     DuplicatePageError,
@@ -55,12 +56,9 @@ from kvledger.wire import (
     Completions,
     ConnectionClosed,
     DropStep,
-    Joined,
     Leader,
-    LeaderLink,
     LeaderState,
     PeerHello,
-    PeerLink,
     PeerState,
     RunStep,
 )
@@ -90,8 +88,8 @@ class Sim:
         self.peers = list(range(1, world_size))
         self.rule = Leader(geometry, world_size=world_size)
         self.done = Completions()  # the leader's record of the peers' COMPLETEs
-        self.llink = {r: LeaderLink(geometry, world_size=world_size) for r in self.peers}
-        self.plink = {r: PeerLink(geometry, rank=r, world_size=world_size, sanitize=sanitize) for r in self.peers}
+        self.llink = {r: leader_link(geometry, world_size) for r in self.peers}
+        self.plink = {r: peer_link(geometry, r, world_size, sanitize=sanitize) for r in self.peers}
         self.down = {r: deque() for r in self.peers}  # leader -> peer r
         self.up = {r: deque() for r in self.peers}  # peer r -> leader
         self.hist_down = {r: [] for r in self.peers}
@@ -369,8 +367,8 @@ def test_two_ranks_launch_on_the_one_ready():
 # ---------------------------------------------------------------------------- handshake
 
 
-def _hello_pair(peer_geometry=G, leader_geometry=G, peer_world=3, leader_world=3, rank=1, layout=8):
-    leader = LeaderLink(leader_geometry, world_size=leader_world)
+def _hello_pair(peer_geometry=G, leader_geometry=G, peer_world=3, leader_world=3, rank=1, layout=9):
+    leader = leader_link(leader_geometry, leader_world)
     digest = geometry_digest(peer_geometry)
     hello = Hello(step=0, rank=rank, world_size=peer_world, geometry_digest=digest, layout=layout)
     leader.receive_data(encode(hello))
@@ -382,6 +380,7 @@ def _hello_pair(peer_geometry=G, leader_geometry=G, peer_world=3, leader_world=3
     [
         (dict(layout=6), RejectCode.BAD_LAYOUT),
         (dict(layout=7), RejectCode.BAD_LAYOUT),
+        (dict(layout=8), RejectCode.BAD_LAYOUT),
         (dict(peer_geometry=Geometry(num_pages=65, page_tokens=16)), RejectCode.GEOMETRY_MISMATCH),
         (dict(peer_geometry=Geometry(num_pages=64, page_tokens=32)), RejectCode.GEOMETRY_MISMATCH),
         (dict(peer_world=4), RejectCode.WORLD_SIZE_MISMATCH),
@@ -396,7 +395,7 @@ def test_leader_refuses_a_bad_hello(kwargs, code):
     assert info.value.code == code and info.value.remote
     assert leader.state is LeaderState.ERROR
     (reply,) = split_frames(leader.data_to_send())
-    peer = PeerLink(G, rank=1, world_size=3)
+    peer = peer_link(G, 1, 3)
     peer.start()
     peer.receive_data(reply)
     with pytest.raises(HandshakeRefused) as info2:
@@ -407,13 +406,13 @@ def test_leader_refuses_a_bad_hello(kwargs, code):
         leader.next_event()
 
 
-@pytest.mark.parametrize("old", [6, 7])
+@pytest.mark.parametrize("old", [6, 7, 8])
 def test_an_older_layout_peer_never_joins_the_group(old):
     sim = Sim(3)
     sim.plink[1].start()
     sim.flush_peer(1)
     raw = bytearray(sim.up[1][0])
-    raw[4] = old  # the same HELLO from a layout-6 or layout-7 build
+    raw[4] = old  # the same HELLO from a layout-6, 7 or 8 build
     sim.up[1][0] = _fix_crc(bytes(raw))
     sim.plink[2].start()
     sim.flush_peer(2)
@@ -431,11 +430,12 @@ def test_an_older_layout_peer_never_joins_the_group(old):
 
 
 def test_peer_refuses_a_leader_with_another_geometry():
-    peer = PeerLink(G, rank=1, world_size=2)
-    peer.start()
+    peer = peer_link(G, 1, 2)
+    nonce = challenge(peer)
+    assert peer.next_event() is NEED_DATA
     peer.data_to_send()
     other = Geometry(num_pages=128, page_tokens=16)
-    peer.receive_data(encode(Hello(step=0, rank=0, world_size=2, geometry_digest=geometry_digest(other))))
+    peer.receive_data(encode(welcome(other, 2, nonce)))
     with pytest.raises(WireProtocolError) as info:
         peer.next_event()
     assert info.value.code == RejectCode.GEOMETRY_MISMATCH
@@ -457,13 +457,13 @@ def test_a_rank_cannot_join_twice():
 
 
 def test_frames_before_hello_are_refused():
-    peer = PeerLink(G, rank=1, world_size=2)
+    peer = peer_link(G, 1, 2)
     peer.start()
     peer.receive_data(encode(Prepare(step=0, clear_pages=[1])))
     with pytest.raises(WireProtocolError) as info:
         peer.next_event()
     assert info.value.code == RejectCode.UNEXPECTED_FRAME
-    leader = LeaderLink(G, world_size=2)
+    leader = leader_link(G, 2)
     leader.receive_data(encode(Ready(step=0, rank=1, prepare_checksum=0)))
     with pytest.raises(WireProtocolError):
         leader.next_event()
@@ -521,11 +521,11 @@ def test_local_reject_aborts_the_step():
 
 
 def test_local_misuse_is_a_local_error():
-    link = LeaderLink(G, world_size=2)
+    link = leader_link(G, 2)
     with pytest.raises(WireProtocolError) as info:
         link.accept(0)
     assert not info.value.remote
-    peer = PeerLink(G, rank=1, world_size=2)
+    peer = peer_link(G, 1, 2)
     with pytest.raises(WireProtocolError):
         peer.reject()
     ready = _joined_peer()
@@ -537,7 +537,7 @@ def test_local_misuse_is_a_local_error():
     with pytest.raises(WireProtocolError):
         peer.start()
     with pytest.raises(InvalidArgumentError):
-        PeerLink(G, rank=0, world_size=2)
+        peer_link(G, 0, 2)
     with pytest.raises(InvalidArgumentError):
         Leader(G, world_size=0)
     sim = Sim(2)
@@ -551,12 +551,7 @@ def test_local_misuse_is_a_local_error():
 
 
 def _joined_peer(step=5):
-    peer = PeerLink(G, rank=1, world_size=2)
-    peer.start()
-    peer.data_to_send()
-    peer.receive_data(encode(Hello(step=step, rank=0, world_size=2, geometry_digest=geometry_digest(G))))
-    assert type(peer.next_event()) is Joined
-    return peer
+    return joined_peer(G, 1, 2, step)
 
 
 def _feed(peer, *frames):
@@ -646,11 +641,7 @@ def test_max_payload_caps_the_payload_not_the_body():
     """A peer's ``max_payload`` is the largest PREPARE payload it READYs: one byte more is
     REJECT FRAME_TOO_LARGE for that step (the link stays up), even though the frame's body
     is far under the decoder's cap (which leaves room for every page id)."""
-    peer = PeerLink(G, rank=1, world_size=2, max_payload=100)
-    peer.start()
-    peer.data_to_send()
-    peer.receive_data(encode(Hello(step=0, rank=0, world_size=2, geometry_digest=geometry_digest(G))))
-    assert type(peer.next_event()) is Joined
+    peer = joined_peer(G, max_payload=100)
     evs, sent = _feed(peer, Prepare(step=0, clear_pages=[1], payload=bytes(101)))
     assert sent == ["Reject"] and peer.state is PeerState.REJECTED
     assert evs[0].code == RejectCode.FRAME_TOO_LARGE and "101 bytes" in evs[0].detail
@@ -659,13 +650,12 @@ def test_max_payload_caps_the_payload_not_the_body():
     evs, sent = _feed(peer, Prepare(step=1, clear_pages=[1], payload=bytes(100)))
     assert sent == ["Ready"] and peer.state is PeerState.READY
     with pytest.raises(InvalidArgumentError):
-        PeerLink(G, rank=1, world_size=2, max_payload=-1)
+        peer_link(G, 1, 2, max_payload=-1)
 
 
 def test_leader_link_votes():
-    link = LeaderLink(G, world_size=2)
-    link.receive_data(encode(Hello(step=0, rank=1, world_size=2, geometry_digest=geometry_digest(G))))
-    assert type(link.next_event()) is PeerHello
+    link = leader_link(G, 2)
+    assert type(prove(link)) is PeerHello
     link.accept(3)
     data = encode_prepare(3, [1, 2])
     crc = frame_checksum(data)
@@ -689,9 +679,8 @@ def test_leader_link_votes():
 
 
 def test_a_reject_naming_a_garbled_step_still_votes_against_the_step_in_flight():
-    link = LeaderLink(G, world_size=2)
-    link.receive_data(encode(Hello(step=0, rank=1, world_size=2, geometry_digest=geometry_digest(G))))
-    link.next_event()
+    link = leader_link(G, 2)
+    prove(link)
     link.accept(0)
     data = encode_prepare(0, [1])
     link.prepare(0, data, frame_checksum(data))
@@ -751,12 +740,7 @@ def test_a_peer_runs_the_next_step_before_completing_the_last():
 
 
 def _sanitizing_peer(sanitize=True):
-    peer = PeerLink(G, rank=1, world_size=2, sanitize=sanitize)
-    peer.start()
-    peer.data_to_send()
-    peer.receive_data(encode(Hello(step=5, rank=0, world_size=2, geometry_digest=geometry_digest(G))))
-    peer.next_event()
-    return peer
+    return joined_peer(G, step=5, sanitize=sanitize)
 
 
 @pytest.mark.parametrize(
@@ -809,9 +793,8 @@ def test_leader_begin_checks_the_sanitizer_lists_before_sending():
 
 def _launched_link(step=3, crc_of=(1, 2)):
     """A leader link whose peer (rank 1) READYed and was LAUNCHed at ``step``."""
-    link = LeaderLink(G, world_size=2)
-    link.receive_data(encode(Hello(step=0, rank=1, world_size=2, geometry_digest=geometry_digest(G))))
-    link.next_event()
+    link = leader_link(G, 2)
+    prove(link)
     link.accept(step)
     data = encode_prepare(step, list(crc_of))
     crc = frame_checksum(data)
@@ -945,7 +928,7 @@ def _bad_prepare(cls: str, rng, step: int, ids: list, payload: bytes):
         return encode_prepare(step, sorted(ids), payload, sanitize=lists), False, RejectCode.UNSUPPORTED
     if cls == "wrong_layout":
         raw = bytearray(good)
-        raw[4] = rng.choice([0, 1, 5, 6, 7, 9, 255])
+        raw[4] = rng.choice([0, 1, 5, 6, 7, 8, 10, 255])
         return _fix_crc(bytes(raw)), False, RejectCode.BAD_LAYOUT
     if cls == "bad_length":
         raw = bytearray(good)

@@ -20,9 +20,7 @@ Needs vLLM (the ``vllm`` extra, versions in ``VLLM_VERSIONS``) only for the pool
 
 from __future__ import annotations
 
-from .install import Installation, install
-
-VLLM_VERSIONS: tuple[str, ...] = ("0.33.0",)
+from .install import VLLM_VERSIONS, Installation, install
 
 _LAZY = {
     "LedgerBlockPool": ("kvledger.integrations.vllm.pool", "LedgerBlockPool"),

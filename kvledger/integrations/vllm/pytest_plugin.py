@@ -9,7 +9,7 @@ every pool call is followed by a page-by-page comparison of vLLM's blocks and
 the ledger, and with ``check`` every ledger invariant runs after every event.
 ``scripts/vllm-conformance`` uses it. Environment:
 
-    KVLEDGER_VLLM_POLICY   the clear policy (default released_aliases)
+    KVLEDGER_VLLM_POLICY   the clear policy (default groups)
     KVLEDGER_VLLM_VERIFY   0 to skip verify() after every pool call (default 1)
     KVLEDGER_VLLM_CHECK    0 to skip the ledger's invariants after every event (default 1)
 
@@ -29,8 +29,9 @@ _state: dict = {}
 def pytest_configure(config) -> None:
     verify = os.environ.get("KVLEDGER_VLLM_VERIFY", "1") != "0"
     check = os.environ.get("KVLEDGER_VLLM_CHECK", "1") != "0"
-    policy = os.environ.get("KVLEDGER_VLLM_POLICY", "released_aliases")
-    _state["inst"] = install(policy=policy, check=check, verify=verify)
+    policy = os.environ.get("KVLEDGER_VLLM_POLICY", "groups")
+    # on_error="fail": a transition the ledger refuses is the test's failure, never a silent detach
+    _state["inst"] = install(policy=policy, check=check, verify=verify, on_error="fail")
     _state["events"] = 0
     _state["pools"] = 0
 
@@ -42,6 +43,7 @@ def pytest_runtest_teardown(item) -> None:
     for pool in inst.forget_pools():
         _state["events"] += pool.ledger.seq
         _state["pools"] += 1
+        pool.close()
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

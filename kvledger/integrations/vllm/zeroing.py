@@ -8,6 +8,11 @@ layer-compact ``LBHNC`` / ``LBNHC`` / ``LHBNC``, or block-outermost ``BLHNC`` /
 Block ids are global pool indices: a block handed to a request owns its whole
 tile in every layer of its group.
 
+Recurrent layers (Mamba, linear attention) keep a tuple of states per layer (vLLM's
+``MambaBase.bind_kv_cache``: conv, SSM / recurrent state, ... packed from the start of
+the block's page, each ``[B, *shape]``); a tuple is taken as its states' views, so the
+state groups' blocks are zeroed too (vLLM's own ``KVBlockZeroer`` skips them).
+
 ``kv_cache_planes`` turns those views into the planes a clear backend takes
 (contiguous ``[num_blocks, page_bytes]`` byte tensors over the same memory, no
 copy), one per contiguous run of a block's bytes:
@@ -15,10 +20,10 @@ copy), one per contiguous run of a block's bytes:
     view [B, H, N, C] ─► bytes of block b in that view: outer dims (physically
     outside the block dim: heads under LHBNC) each start a segment; inner dims
     span  el + sum((shape_d - 1) * stride_d)  bytes from  base + b * block_stride
-    segments of one block stride, sorted by base, whose spans cover a whole tile
-    [base, base + block_stride) without a gap ─► one plane [num_blocks, block_stride]
-    (layer-compact layouts: each segment is its own tile; block-outermost ones:
-    every layer's segment lies in one tile, so all layers must be given)
+    each segment lies in its block's tile: block_stride bytes aligned to the storage's
+    start ─► one plane [num_blocks, block_stride] per tile start (layer-compact
+    layouts: each layer is its own; block-outermost ones: every layer's segment
+    lies in one; a Mamba layer's states share their layer's), zeroed whole
 
 ``KVCacheZeroer(kv_caches, num_blocks, backend=...)`` builds the backend once
 (``torch`` on any device, ``cuda`` or ``triton`` on CUDA; kvledger's registry)
@@ -62,22 +67,38 @@ def _segments(t: Any, num_blocks: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def kv_cache_planes(kv_caches: Mapping[str, Any] | Iterable[Any], num_blocks: int) -> list[Any]:
-    """Planes (contiguous uint8 ``[num_blocks, bytes]`` views, no copy) covering every block's bytes in
-    every given KV cache view; overlapping views (layers that share memory) give one plane.
+def _views(kv_caches: Mapping[str, Any] | Iterable[Any]) -> list[Any]:
+    """Every tensor among ``kv_caches``' values: a layer's view, or each state of a recurrent
+    layer's tuple (Mamba: conv, SSM / recurrent state, ...)."""
+    out: list[Any] = []
+    for v in (kv_caches.values() if isinstance(kv_caches, Mapping) else kv_caches):
+        if isinstance(v, (tuple, list)):
+            out.extend(v)
+        else:
+            out.append(v)
+    return out
 
-    Raises ``ConfigurationError`` for a view that does not index blocks at dim 0,
-    or whose block tile cannot be one contiguous plane inside its storage.
+
+def kv_cache_planes(kv_caches: Mapping[str, Any] | Iterable[Any], num_blocks: int) -> list[Any]:
+    """Planes (contiguous uint8 ``[num_blocks, bytes]`` views, no copy) covering every block's tile in
+    every given KV cache view; views that share a tile (layers of overlaid groups, a block-outermost
+    block holding every layer, a Mamba layer's states) give one plane.
+
+    A block's *tile* in a view is its block stride's run of bytes, aligned to the storage's start:
+    block ``b`` owns all of it (vLLM's rule, "a newly allocated block owns its whole tile"), so a
+    tile the views cover only in part (a Mamba state's padding, a block-outermost tile given only
+    some layers) is zeroed whole. Raises ``ConfigurationError`` for a view that does not index
+    blocks at dim 0, one whose bytes of a block leave its tile, tiles that run past their storage,
+    or planes that overlap without being the same (an overlay whose block numbering differs).
     """
     import torch
 
-    views = list(kv_caches.values() if isinstance(kv_caches, Mapping) else kv_caches)
+    views = _views(kv_caches)
     if type(num_blocks) is not int or num_blocks < 1:
         raise ConfigurationError(f"num_blocks must be a positive int, got {num_blocks!r}")
     if not views:
         raise ConfigurationError("no KV cache views to zero")
-    # storage of each view: [start, end) and the tensor to view it through
-    tiles: dict[int, list[tuple[int, int, Any]]] = {}  # block stride -> [(base, span, view)]
+    planes: dict[tuple[int, int, int], Any] = {}  # (storage, tile start, stride) -> a tensor of that storage
     seen: set[int] = set()
     for t in views:
         if not isinstance(t, torch.Tensor):
@@ -85,34 +106,28 @@ def kv_cache_planes(kv_caches: Mapping[str, Any] | Iterable[Any], num_blocks: in
         if id(t) in seen:
             continue
         seen.add(id(t))
+        storage = t.untyped_storage()
+        sbase = storage.data_ptr()
         for base, stride, span in _segments(t, num_blocks):
-            tiles.setdefault(stride, []).append((base, span, t))
-    planes: list[Any] = []
-    for stride, segs in sorted(tiles.items()):
-        segs.sort(key=lambda s: s[0])
-        i = 0
-        while i < len(segs):
-            a, _, t = segs[i]
-            covered = 0  # the tile [a, a + stride) is covered up to a + covered
-            while i < len(segs) and segs[i][0] < a + stride:
-                base, span, _ = segs[i]
-                if base - a > covered or base - a + span > stride:
-                    raise ConfigurationError(
-                        f"block tiles of {stride} bytes hold bytes of no given view (at offset {covered}): pass every "
-                        "layer's view of the KV cache buffer")
-                covered = max(covered, base - a + span)
-                i += 1
-            if covered != stride:
-                raise ConfigurationError(f"block tiles of {stride} bytes end in {stride - covered} bytes of no given "
-                                         "view: pass every layer's view of the KV cache buffer")
-            storage = t.untyped_storage()
-            offset = a - storage.data_ptr()
-            if offset < 0 or offset + num_blocks * stride > storage.nbytes():
+            start = sbase + (base - sbase) // stride * stride
+            if base - start + span > stride:
+                raise ConfigurationError(f"a KV cache view of shape {tuple(t.shape)} holds {span} bytes of a block "
+                                         f"from offset {base - start} of its {stride}-byte tile: past the tile")
+            if start - sbase + num_blocks * stride > storage.nbytes():
                 raise ConfigurationError(f"{num_blocks} blocks of {stride} bytes run past their storage")
-            plane = torch.empty(0, dtype=torch.uint8, device=t.device)
-            plane.set_(storage, offset, (num_blocks, stride), (stride, 1))
-            planes.append(plane)
-    return planes
+            planes.setdefault((sbase, start, stride), t)
+    spans = sorted((start, start + num_blocks * stride, stride, sbase) for sbase, start, stride in planes)
+    for (a0, a1, s0, _), (b0, _b1, s1, _) in zip(spans, spans[1:], strict=False):
+        if b0 < a1:
+            raise ConfigurationError(f"KV cache views overlap without sharing their block tiles ({s0}-byte tiles "
+                                     f"from {a0:#x}, {s1}-byte tiles from {b0:#x}): an overlay kvledger cannot map "
+                                     "to block ids")
+    out: list[Any] = []
+    for (sbase, start, stride), t in sorted(planes.items(), key=lambda kv: kv[0][1]):
+        plane = torch.empty(0, dtype=torch.uint8, device=t.device)
+        plane.set_(t.untyped_storage(), start - sbase, (num_blocks, stride), (stride, 1))
+        out.append(plane)
+    return out
 
 
 class KVCacheZeroer:

@@ -14,6 +14,8 @@ ran).
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvledger.core.errors import KVLedgerError, ReplayMismatchError, UnknownRequestError, UnknownSnapshotError
 from kvledger.core.events.events import RequestCancelled, RequestFinished, SnapshotReleased, StepAborted, StepSealed
 from kvledger.core.state import LedgerState
@@ -38,10 +40,11 @@ class CheckedAudit:
     from a checkpoint, else after seq 0 (``CacheConfigured``).
     """
 
-    def __init__(self, st: LedgerState, rep: AuditReport, *, page: int | None, request: int | None,
+    def __init__(self, st: LedgerState, rep: AuditReport, *, page: int | None, request: int | str | None,
                  snapshot: int | None, check: bool, svg_pages: list[int], since: int) -> None:
         self.st, self.rep = st, rep
-        self.subject = {"page": page, "request": request, "snapshot": snapshot}
+        self.subject: dict[str, Any] = {"page": page, "request": request, "snapshot": snapshot}
+        self.page = page
         self.check = check
         self.svg_pages = svg_pages
         self.since = since
@@ -63,7 +66,7 @@ class CheckedAudit:
         self.model = ContentModel(st, self.faults) if self.check else None
         self.views = Timelines(st, **self.subject)
         self.steps = StepTable(st)
-        page = self.subject["page"]
+        page = self.page
         self.wanted = ({page} if page is not None else set()) | set(self.svg_pages)
         self.started = True
         if self.svg is not None:
@@ -84,7 +87,7 @@ class CheckedAudit:
 
     def _page_start(self) -> None:
         """The page's window-start row (as in the fold of one page)."""
-        page = self.subject["page"]
+        page = self.page
         if not self.started_page and page is not None:
             self.started_page = True
             self.views.rows.append(start_row(self.st, page, self.since, self.views.names))
@@ -96,7 +99,7 @@ class CheckedAudit:
         want = [p for p in pages if p in self.wanted] if self.wanted else ()
         before = {p: page_view(st, p) for p in want}
         open_step = st.open_step
-        page = self.subject["page"]
+        page = self.page
         plan_step = plan_step_of(st, page, ev) if t is StepAborted and page is not None and page in before else None
         pre = model.pre(ev, t) if model is not None else None
         try:

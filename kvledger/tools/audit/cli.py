@@ -55,7 +55,10 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                       help="timeline of page N; by default over the log's last segment (from the checkpoint it "
                            "opens with: the page's state there, then every transition), the fold of that one page; "
                            "the report's 'window' line says what it covered; --since SEQ goes further back")
-    what.add_argument("--request", type=int, metavar="R", help="timeline of request R")
+    what.add_argument("--request", type=_request_id, metavar="R",
+                      help="timeline of request R (a ledger request id; anything else is a label, as --label)")
+    what.add_argument("--label", metavar="ID", help="timeline of every ledger request an engine labelled ID (a vLLM "
+                                                    "request id: its blocks in every KV cache group)")
     what.add_argument("--snapshot", type=int, metavar="S", help="timeline of snapshot S and the pages it marked")
     what.add_argument("--steps", action="store_true",
                       help="every step: the ranks that completed it, aborts and the steps aborted with them")
@@ -74,9 +77,15 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     return ap
 
 
+def _request_id(text: str) -> int | str:
+    """``--request``'s value: a ledger request id when it is a number, else an engine's label."""
+    return int(text) if text.isdigit() else text
+
+
 def _run(ns: argparse.Namespace) -> int:
     log = get_logger("kvledger.audit").bind(log=ns.log)
-    kw = dict(page=ns.page, request=ns.request, snapshot=ns.snapshot, steps=ns.steps, check=ns.check,
+    request = ns.label if ns.label is not None else ns.request
+    kw = dict(page=ns.page, request=request, snapshot=ns.snapshot, steps=ns.steps, check=ns.check,
               since=ns.since, until=ns.until)
     gc.disable()  # a batch run: decoded events and the state hold no reference cycles
     try:

@@ -76,7 +76,7 @@ class ContentModel:
         self.inc_req: dict[int, int] = {}
         self.inc_tenant: dict[int, object] = {}
         self.next_inc = 0
-        self.reads: dict[int, list] = {}  # step -> [(page, incarnation, commit seq, reads it whole)]
+        self.reads: dict[int, list] = {}  # step -> [(page, incarnation, commit seq, how the step reads it)]
         self.in_flight: list[tuple] = []  # (step, clears saved, reads done) of the seals an abort may undo
         self.shadow: dict[int, set] = {}  # incarnation -> pages its events gave it
         self.ended: set[int] = set()
@@ -147,7 +147,7 @@ class ContentModel:
             lst = self.reads.setdefault(step, [])
             for p in pages:
                 if p in st.pending and p in holder:
-                    lst.append((p, self.inc_of.get(holder[p], -1), None, False))
+                    lst.append((p, self.inc_of.get(holder[p], -1), None, "tail"))
                     self.content[p] = STALE  # listed: it was marked when its request committed it
         for plan in st.in_flight:  # seals an abort may still undo
             saved, done = [], []
@@ -155,7 +155,7 @@ class ContentModel:
                 saved.append((p, (STALE, None, None, None, 1), self._content_of(p)))
                 r = holder.get(p)
                 if r is not None and holds_kv(st, p, r):
-                    done.append((p, self.inc_of.get(r, -1), None, False))
+                    done.append((p, self.inc_of.get(r, -1), None, "tail"))
             self.in_flight.append((plan.step, saved, done))
 
     # ------------------------------------------------------------------ describing contents
@@ -236,9 +236,9 @@ class ContentModel:
 
     def _on_pages_committed(self, seq: int, ev, pre) -> None:
         lst = self.reads.setdefault(ev.step, [])
-        inc, dirty, whole = self.inc_of[ev.request], self.dirty, ev.reads == "whole"
+        inc, dirty, reads = self.inc_of[ev.request], self.dirty, ev.reads
         for p in ev.page_ids:
-            lst.append((p, inc, seq, whole))
+            lst.append((p, inc, seq, reads))
             dirty[p] = 1
 
     def _on_pages_released(self, seq: int, ev, pre) -> None:
@@ -377,11 +377,11 @@ class ContentModel:
         done = []
         st, content, dirty = self.st, self.content, self.dirty
         for item in self.reads.pop(ev.step, ()):
-            p, inc, cseq, whole = item
+            p, inc, cseq, reads = item
             r = self.inc_req.get(inc)
             if r is None or self.inc_of.get(r) != inc or not holds_kv(st, p, r):
                 continue  # the request let go of the page before its step ran: no read
-            if self._foreign(p, inc, whole):
+            if reads != "none" and self._foreign(p, inc, reads == "whole"):  # ("none": written whole first)
                 self.faults.add("unzeroed_read", seq, ev.step,
                                 f"request {r} reads page {p} in step {ev.step} (committed at seq {cseq}) while it "
                                 f"holds {self.describe(p)}; step {ev.step}'s plan did not zero it",

@@ -4,7 +4,7 @@ A vLLM run records each hold (a ledger request) with its KV cache group as the
 tenant and the vLLM request id as its label (``RequestLabelled``), so a page's
 timeline can say which group held a block and for which request:
 
-    kv(17)   ─►  kv(17 req-8 [g1:mamba])        reserved({3,5})  ─►  reserved({3 a [g0], 5 b [g0]})
+    kv(17)   ─►  kv(17 req-8 [g1:mamba])        kv({3,5})  ─►  kv({3 a [g0],5 b [g0]})
 
 Requests without a label (every log not written by an engine that names them) read
 as before. Tenants come from the state (a window
@@ -60,7 +60,7 @@ class HolderNames:
             return text
 
         def sub(m: re.Match) -> str:
-            ids = ", ".join(self.name(int(r)) for r in m.group(3).split(","))
+            ids = ",".join(self.name(int(r)) for r in m.group(3).split(","))
             return f"{m.group(1)}({m.group(2)}{ids}{m.group(4)})"
 
         return _HOLDER.sub(sub, text)

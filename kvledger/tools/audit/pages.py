@@ -129,6 +129,8 @@ def _note(p: int, ev, t, b: tuple, a: tuple, listed: bool, plan_step: int | None
         if a[1]:
             return "last alias released: still marked"
     if t is PagesCommitted:
+        if ev.reads == "none" and b[1]:
+            return f"written whole by step {ev.step} before any read: mark removed without a clear"
         whole = " (the step reads the whole page before writing it)" if ev.reads == "whole" else ""
         if listed:
             return f"marked: listed for step {ev.step}'s clear list" + whole

@@ -36,14 +36,16 @@ MIN_WINDOW_EVENTS = 10_000
 _LAST = 1 << 62
 
 
-def audit_log(path, *, page: int | None = None, request: int | None = None, snapshot: int | None = None,
+def audit_log(path, *, page: int | None = None, request: int | str | None = None, snapshot: int | None = None,
               steps: bool = False, check: bool = False, svg_pages: list[int] | None = None,
               since: int | None = None, until: int | None = None, trusted: bool | None = None, layer=None,
               state_factory=LedgerState) -> AuditReport:
     """Audit the log at ``path`` (a file, a log directory or one of its segments; see
     ``kvledger.tools.audit``); never raises for what is in the records.
 
-    ``trusted``: the engine of a page view without ``check`` or ``svg_pages``
+    ``request``: a ledger request id, or a label (a str: an engine's name for its requests,
+    ``RequestLabelled``; every ledger request with it). ``trusted``: the engine of a page
+    view without ``check`` or ``svg_pages``
     (None: the fold of one page; False: the checked engine). ``state_factory``
     builds the fold the checked engine watches from seq 0 (``LedgerState``; a
     test hands it a deliberately broken one to show the independent checks

@@ -5,7 +5,9 @@
     --page N        every transition of page N: holder before -> after, mark and
                     restoring flags, and a note saying why
     --request R     R's events, the pages its commits listed and the step plans
-                    that zeroed them
+                    that zeroed them; R an engine's label (``--label``, or a --request
+                    that is not a number): every ledger request labelled with it
+                    (a vLLM request's holds, in each KV cache group)
     --snapshot S    S's aliases, restores and release, then what became of every
                     page the release marked, until a plan zeroed it
 
@@ -18,8 +20,11 @@ from kvledger.core.events.events import (
     PagesCommitted,
     PagesMarked,
     PagesPublished,
+    PagesReleased,
     PagesReserved,
     PagesShared,
+    PagesUnwritten,
+    RequestLabelled,
     RequestCancelled,
     RequestFinished,
     ReservationReturned,
@@ -43,10 +48,15 @@ __all__ = ["Timelines", "render"]
 class Timelines:
     """Rows for the chosen page, request or snapshot, one folded event at a time."""
 
-    def __init__(self, st: LedgerState, *, page: int | None, request: int | None, snapshot: int | None) -> None:
+    def __init__(self, st: LedgerState, *, page: int | None, request: int | str | None,
+                 snapshot: int | None) -> None:
         self.st = st
         self.page = page
+        # ``request``: a ledger request id, or an engine's label (a vLLM request id: every ledger
+        # request labelled with it, each from its ``RequestLabelled`` on)
         self.request = request
+        self.label = request if isinstance(request, str) else None
+        self.following: set[int] = set() if self.label is not None or request is None else {int(request)}
         self.snapshot = snapshot
         self.rows: list[Row] = []
         self.follow: dict[int, int] = {}  # snapshot view: page marked by S's release -> release seq
@@ -63,7 +73,14 @@ class Timelines:
             p = self.page
             self.rows.append(page_row(seq, ev, t, p, before[p], page_view(self.st, p), step, p in listed,
                                       plan_step, self.names))
-        if self.request is not None:
+        if self.label is not None and t is RequestLabelled:
+            if ev.label == self.label:
+                self.following.add(ev.request)
+                self.rows.append(Row(seq=seq, step=open_step, event=event_tag(ev), page_ids=[],
+                                     note=f"ledger request {ev.request} is {self.label!r}"))
+            else:
+                self.following.discard(ev.request)
+        if self.following:
             self._request_rows(seq, ev, t, step, listed, pages, _marked_by(effects))
         if self.snapshot is not None:
             self._snapshot_rows(seq, ev, t, step, pages, listed)
@@ -73,17 +90,20 @@ class Timelines:
 
     def _request_rows(self, seq: int, ev, t, step: int, listed, pages, marked: list[int]) -> None:
         """R's own events (``marked``: the pages the fold's ``PagesMarked`` effect says the event marked)."""
-        r = self.request
+        mine = self.following
         if t is StepSealed:
-            mine = [p for p in ev.clear_list if p in self.req_listed]
-            if mine:
-                for p in mine:
+            zeroed = [p for p in ev.clear_list if p in self.req_listed]
+            if zeroed:
+                for p in zeroed:
                     del self.req_listed[p]
-                self.rows.append(Row(seq=seq, step=ev.step, event=event_tag(ev), page_ids=mine,
-                                     note=f"step {ev.step}'s plan zeroes {len(mine)} page(s) request {r} committed"))
+                self.rows.append(Row(seq=seq, step=ev.step, event=event_tag(ev), page_ids=zeroed,
+                                     note=f"step {ev.step}'s plan zeroes {len(zeroed)} page(s) request "
+                                          f"{self.request} committed"))
             return
-        restore_into_r = t in (RestoreStarted, RestoreCompleted) and ev.into == "request" and ev.target == r
-        if getattr(ev, "request", None) != r and not restore_into_r:
+        if t is RequestLabelled:
+            return  # (its row is the label view's own)
+        restore_into_r = t in (RestoreStarted, RestoreCompleted) and ev.into == "request" and ev.target in mine
+        if getattr(ev, "request", None) not in mine and not restore_into_r:
             return
         ids = list(getattr(ev, "page_ids", ()) or ())
         note = ""
@@ -111,6 +131,11 @@ class Timelines:
             note = f"published {len(ids)} block(s): other requests may share them"
         elif t is PagesShared:
             note = f"shares {len(ids)} page(s) of published KV: read-only, never listed"
+        elif t is PagesReleased:
+            note = f"lets go of {len(ids)} page(s), keeps the rest" + (
+                f"; {len(marked)} marked by the clear policy: {marked[:16]}" if marked else "")
+        elif t is PagesUnwritten:
+            note = f"step {ev.step} ran without it: {len(ids)} page(s) never written ({ev.reason})"
         elif t is RestoreStarted:
             note = "inbound restore into the request: pages overwritten whole, never listed"
         self.rows.append(Row(seq=seq, step=step, event=event_tag(ev), page_ids=ids, note=note))
