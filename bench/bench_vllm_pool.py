@@ -1,9 +1,10 @@
-"""kvledger's ``Ledger`` beside vLLM 0.33.0's own ``BlockPool`` and a plain pool, in one run.
+"""kvledger's ``Ledger`` beside vLLM 0.33.0's and 0.34.0's own ``BlockPool`` and a plain pool, in one run.
 
 vLLM's ``vllm/v1/core/block_pool.py`` and ``kv_cache_utils.py`` are read at run
-time out of vLLM 0.33.0's source distribution (``tests/support/upstream.py``: a cache folder,
+time out of each version's source distribution (``tests/support/upstream.py``: a cache folder,
 ``$KVLEDGER_UPSTREAM_CACHE`` or ``~/.cache/kvledger/upstream``, filled from the
-package registry once; never committed). The modules they import (the config,
+package registry once; never committed). Both versions are timed in the same run,
+as two sides (``vllm`` and ``vllm034``); ``--vllm 0.33.0`` times one. The modules they import (the config,
 the logger, the KV-event structs, the request, ...) are replaced by empty stubs
 here: none of them runs on the paths timed (KV events and metrics are off, as
 vLLM's defaults). Without the cached files and without a registry, the module
@@ -109,15 +110,14 @@ PER_OP_CALLS = 2_000
 SINK_ROW = ", events to a sink"
 OP_ROWS = ("allocate(1)", "free 1 block", "lookup hit", "touch cached", "lookup + touch", "publish 1 block",
            "allocate(1) evicting", "bulk 64", "bulk 256",
-           *(row + SINK_ROW for row in ("allocate(1)", "free 1 block", "touch cached", "publish 1 block",
-                                        "allocate(1) evicting", "bulk 64")))
+           *(row + SINK_ROW for row in ("allocate(1)", "free 1 block", "lookup hit", "touch cached",
+                                        "publish 1 block", "allocate(1) evicting", "bulk 64")))
+# Issue 30's targets: with a recording sink, >= 1.2 x vLLM 0.33 and >= 1.0 x vLLM 0.34 on the trace,
+# caching off and on; per op (allocate(1), free, lookup, touch, publish) <= 1.5 x vLLM 0.33.
 TARGETS = {
-    "op_allocate1_ratio": ("<=", 1.5),
-    "op_free1_ratio": ("<=", 1.5),
-    "op_lookup_ratio": ("<=", 1.5),
-    "op_touch_ratio": ("<=", 1.5),
-    **{f"trace_{b}_{c}_ratio": (">=", 1.2) for b in ("10k", "1m") for c in ("off", "on")},
+    **{f"op_{key}_sink_ratio": ("<=", 1.5) for key in ("allocate1", "free1", "lookup", "touch", "publish1")},
     **{f"trace_{b}_{c}_sink_ratio": (">=", 1.2) for b in ("10k", "1m") for c in ("off", "on")},
+    **{f"trace_{b}_{c}_sink_ratio_034": (">=", 1.0) for b in ("10k", "1m") for c in ("off", "on")},
 }
 
 
@@ -129,16 +129,19 @@ class CheckError(AssertionError):
 
 _STUBBED = (
     "vllm", "vllm.envs", "vllm.config", "vllm.logger", "vllm.multimodal", "vllm.multimodal.utils",
-    "vllm.utils", "vllm.utils.hashing", "vllm.utils.math_utils", "vllm.distributed",
+    "vllm.utils", "vllm.utils.hashing", "vllm.utils.math_utils", "vllm.utils.gc_utils", "vllm.distributed",
     "vllm.distributed.kv_events", "vllm.v1", "vllm.v1.core", "vllm.v1.core.kv_cache_metrics",
     "vllm.v1.kv_cache_interface", "vllm.v1.kv_cache_spec_registry", "vllm.v1.request", "vllm.v1.utils",
+    "vllm.v1.token_buffer",
 )
 _STUB_VALUES = {
     "vllm.envs": {"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": False},
     "vllm.logger": {"init_logger": logging.getLogger},
     "vllm.distributed.kv_events": {"MEDIUM_GPU": "GPU"},
     "vllm.utils.math_utils": {"cdiv": lambda a, b: -(-a // b)},
+    "vllm.utils.gc_utils": {"gc_untrack": lambda obj: obj},  # (0.34: a dict the collector skips; same dict here)
 }
+VLLM_VERSIONS = ("0.33.0", "0.34.0")
 
 
 def _stub(name: str) -> types.ModuleType:
@@ -158,13 +161,18 @@ def _stub(name: str) -> types.ModuleType:
     return mod
 
 
-def load_block_pool() -> types.ModuleType:
-    """vLLM 0.33.0's ``vllm.v1.core.block_pool`` module, loaded from the cached source files
-    with stubs for what it imports. Raises ``UpstreamUnavailable`` when the files are not
-    cached and the registry cannot be reached. Leaves ``sys.modules`` as it found it."""
+def _core_file(name: str, version: str):
+    """``vllm/v1/core/<name>.py`` of vLLM ``version``, out of its source distribution."""
     from tests.support.upstream import source_file
 
-    files = {name: source_file(f"vllm/v1/core/{name}.py") for name in ("kv_cache_utils", "block_pool")}
+    return source_file(f"vllm/v1/core/{name}.py", version)
+
+
+def load_block_pool(version: str = "0.33.0") -> types.ModuleType:
+    """vLLM ``version``'s ``vllm.v1.core.block_pool`` module, loaded from the cached source
+    files with stubs for what it imports. Raises ``UpstreamUnavailable`` when the files are
+    not cached and the registry cannot be reached. Leaves ``sys.modules`` as it found it."""
+    files = {name: _core_file(name, version) for name in ("kv_cache_utils", "block_pool")}
     saved = {name: sys.modules.get(name) for name in (*_STUBBED, "vllm.v1.core.kv_cache_utils",
                                                       "vllm.v1.core.block_pool")}
     try:
@@ -392,8 +400,37 @@ def _ledger_state(L: Ledger) -> tuple:
     return L.free_count + L.cached_count, len(L.state.requests)
 
 
-def recording_sink() -> tuple[Callable[[int, object], None], list]:
-    """A sink that records every event (a list append: what a sink costs at least) and the list."""
+SINK_KINDS = {
+    "journal": "an EventList journal: every event kept in a list the ledger appends to itself",
+    "callable": "a callable sink: sink(seq, event) appends the event to a list",
+}
+SINK = ["journal"]  # which recording sink the "+ sink" side and rows use (``--sink``)
+
+
+def _event_list():
+    """``kvledger.core.journal.EventList``, or None for a kvledger without journals (an older tree,
+    timed for a before/after figure: its ``Ledger`` takes callable sinks only)."""
+    from kvledger.core import ledger
+
+    if getattr(ledger, "Journal", None) is None:
+        return None
+    from kvledger.core.journal import EventList
+
+    return EventList
+
+
+def sink_kind() -> str:
+    return SINK[0] if SINK[0] == "callable" or _event_list() is not None else "callable"
+
+
+def recording_sink() -> tuple[Any, list]:
+    """A sink that records every event, and the list it records them in: an ``EventList`` journal
+    (the ledger appends each event to its list itself, the durable log's face), or with
+    ``--sink callable`` (or a kvledger without journals) a callable that appends each event
+    (``sink(seq, event)``: a call per event)."""
+    if sink_kind() == "journal":
+        journal = _event_list()()  # type: ignore[misc]
+        return journal, journal.events
     events: list = []
     append = events.append
 
@@ -414,17 +451,19 @@ def _sunk_state(handle) -> tuple:
     return _ledger_state(handle[0])
 
 
-VLLM_SIDE = "vllm"
-SIDE_NAMES = ("vllm", "plain", "kvledger", "kvledger_sink")
+VLLM_SIDES = {"0.33.0": "vllm", "0.34.0": "vllm034"}  # version -> side name
+SIDE_NAMES = ("vllm", "vllm034", "plain", "kvledger", "kvledger_sink")
 
 
-def make_sides(pool_module) -> dict[str, Side]:
-    return {
-        "vllm": Side(_vllm_prepare, _vllm_build(pool_module), _vllm_state),
+def make_sides(pools: dict) -> dict[str, Side]:
+    """The sides, one per vLLM version in ``pools`` (version -> its ``block_pool`` module)."""
+    sides = {VLLM_SIDES[v]: Side(_vllm_prepare, _vllm_build(m), _vllm_state) for v, m in pools.items()}
+    sides.update({
         "plain": Side(_plain_prepare, _plain_build, _plain_state),
         "kvledger": Side(_plain_prepare, _ledger_build, _ledger_state),
         "kvledger_sink": Side(_plain_prepare, _sunk_build, _sunk_state),
-    }
+    })
+    return sides
 
 
 # --------------------------------------------------------------------------- the trace, checked and timed
@@ -490,10 +529,15 @@ def _timed_side(side: Side, trace: Trace, ops: list, n_segments: int):
     return build
 
 
-def run_trace(pool_module, blocks: int, caching: bool, order: str, allocations: int, repeats: int) -> dict:
+def _suffix(side: str) -> str:
+    """Figure-name suffix of a vLLM side: "" for 0.33 (the pin), "_034" for 0.34."""
+    return "" if side == "vllm" else "_" + side[len("vllm"):]
+
+
+def run_trace(pools: dict, blocks: int, caching: bool, order: str, allocations: int, repeats: int) -> dict:
     """Generate, verify and time one trace on every side. Returns its figures (unprefixed)."""
     trace = make_trace(blocks, caching=caching, order=order, allocations=allocations)
-    sides = make_sides(pool_module)
+    sides = make_sides(pools)
     prepared = {name: side.prepare(trace) for name, side in sides.items()}
     checked = verify(trace, sides, prepared)
     n_segments = max(1, len(trace.ops) // SEGMENT_OPS)
@@ -506,14 +550,16 @@ def run_trace(pool_module, blocks: int, caching: bool, order: str, allocations: 
         out[f"{name}_s"] = t[name].best
         out[f"{name}_block_ops_per_s"] = ops / t[name].best
         out[f"{name}_spread"] = t[name].runs.spread
-    vl, led, sunk = t["vllm"], t["kvledger"], t["kvledger_sink"]
-    out["ratio"] = vl.best / led.best
-    paired = [v / k for v, k in zip(vl.runs.samples, led.runs.samples, strict=True)]
-    out["ratio_run_median"] = statistics.median(paired)
-    out["sink_ratio"] = vl.best / sunk.best
-    paired = [v / k for v, k in zip(vl.runs.samples, sunk.runs.samples, strict=True)]
-    out["sink_ratio_run_median"] = statistics.median(paired)
-    out["plain_ratio"] = vl.best / t["plain"].best
+    led, sunk = t["kvledger"], t["kvledger_sink"]
+    for side in (VLLM_SIDES[v] for v in pools):
+        vl, x = t[side], _suffix(side)
+        out["ratio" + x] = vl.best / led.best
+        paired = [v / k for v, k in zip(vl.runs.samples, led.runs.samples, strict=True)]
+        out["ratio_run_median" + x] = statistics.median(paired)
+        out["sink_ratio" + x] = vl.best / sunk.best
+        paired = [v / k for v, k in zip(vl.runs.samples, sunk.runs.samples, strict=True)]
+        out["sink_ratio_run_median" + x] = statistics.median(paired)
+        out["plain_ratio" + x] = vl.best / t["plain"].best
     return out
 
 
@@ -711,18 +757,34 @@ OP_KEYS = {"allocate(1)": "allocate1", "free 1 block": "free1", "lookup hit": "l
 OP_KEYS.update({row + SINK_ROW: key + "_sink" for row, key in list(OP_KEYS.items())})
 
 
-def run_ops(pool_module, repeats: int, calls: int = PER_OP_CALLS) -> tuple[dict, list]:
+def _op_row(pools: dict, row: str, k: int) -> dict[str, Callable[[], float]]:
+    """One per-op row's cases: each vLLM version's and kvledger's."""
+    cases: dict[str, Callable[[], float]] = {}
+    for version, module in pools.items():
+        c = _op_cases(module, row, k)
+        cases[VLLM_SIDES[version]] = c["vllm"]
+        cases.setdefault("kvledger", c["kvledger"])
+    return cases
+
+
+def run_ops(pools: dict, repeats: int, calls: int = PER_OP_CALLS) -> tuple[dict, list]:
     figures: dict = {}
     rows = []
+    vsides = [VLLM_SIDES[v] for v in pools]
     for row in OP_ROWS:
-        t = interleaved(_op_cases(pool_module, row, calls), repeats)
-        v, led = t["vllm"].best, t["kvledger"].best
+        t = interleaved(_op_row(pools, row, calls), repeats)
+        led = t["kvledger"].best
         key = OP_KEYS[row]
-        figures[f"op_{key}_vllm_us"] = v * 1e6
         figures[f"op_{key}_kvledger_us"] = led * 1e6
-        figures[f"op_{key}_ratio"] = led / v
-        rows.append((row, f"{v * 1e6:.3f}", f"{led * 1e6:.3f}", f"{led / v:.2f}",
-                     "faster" if led < v else "slower"))
+        cells = []
+        for side in vsides:
+            v, x = t[side].best, _suffix(side)
+            figures[f"op_{key}_vllm{x}_us"] = v * 1e6
+            figures[f"op_{key}_ratio{x}"] = led / v
+            cells.append(f"{v * 1e6:.3f}")
+        cells.append(f"{led * 1e6:.3f}")
+        cells += [f"{led / t[side].best:.2f}" for side in vsides]
+        rows.append((row, *cells))
     return figures, rows
 
 
@@ -734,49 +796,57 @@ def _label(blocks: int) -> str:
 
 
 def run(quick: bool, *, only: str | None = None, blocks: tuple[int, ...] = BLOCKS,
-        caching: tuple[bool, ...] = (False, True)) -> dict:
+        caching: tuple[bool, ...] = (False, True), versions: tuple[str, ...] = VLLM_VERSIONS) -> dict:
     """The serving trace and the per-op table; prints both. Skipped without vLLM's files."""
     from tests.support.upstream import UpstreamUnavailable
 
     try:
-        pool_module = load_block_pool()
+        pools = {v: load_block_pool(v) for v in versions}
     except UpstreamUnavailable as exc:
-        return {"skipped": f"vLLM 0.33.0's files are not cached and the registry is unreachable: {exc}"}
+        return {"skipped": f"vLLM's files are not cached and the registry is unreachable: {exc}"}
     repeats = 3 if quick else 5
     allocations = QUICK_ALLOCATIONS if quick else ALLOCATIONS
+    vsides = [VLLM_SIDES[v] for v in versions]
+    names = {side: f"vLLM {v[:4]}" for v, side in zip(versions, vsides, strict=True)}
     figures: dict = {"repeats": repeats, "allocations": allocations, "segment_ops": SEGMENT_OPS,
-                     "vllm": "0.33.0 BlockPool (files from the sdist)", "gc": "disabled while timed"}
+                     "vllm": ", ".join(f"{v} BlockPool" for v in versions) + " (files from the sdist)",
+                     "gc": "disabled while timed", "sink": SINK_KINDS[sink_kind()]}
     if only in (None, "trace"):
         rows = []
         for n in blocks:
             for cache_on in caching:
-                worst = None
-                worst_sink = None
+                worst: dict = {}
                 for order in ORDERS:
-                    f = run_trace(pool_module, n, cache_on, order, allocations, repeats)
+                    f = run_trace(pools, n, cache_on, order, allocations, repeats)
                     key = f"trace_{_label(n)}_{'on' if cache_on else 'off'}_{order}"
                     figures.update({f"{key}_{k}": v for k, v in f.items()})
-                    worst = f["ratio"] if worst is None else min(worst, f["ratio"])
-                    worst_sink = f["sink_ratio"] if worst_sink is None else min(worst_sink, f["sink_ratio"])
+                    for side in vsides:
+                        for what in ("ratio", "sink_ratio"):
+                            name = what + _suffix(side)
+                            worst[name] = min(worst.get(name, f[name]), f[name])
                     rows.append((f"{n:,}", "on" if cache_on else "off", order, f"{f['ops']:,}",
-                                 fmt_rate(f["vllm_block_ops_per_s"]), fmt_rate(f["plain_block_ops_per_s"]),
-                                 fmt_rate(f["kvledger_block_ops_per_s"]), f"{f['ratio']:.2f}",
-                                 f"{f['ratio_run_median']:.2f}", fmt_rate(f["kvledger_sink_block_ops_per_s"]),
-                                 f"{f['sink_ratio']:.2f}", f"{f['hit_rate']:.0%}"))
-                figures[f"trace_{_label(n)}_{'on' if cache_on else 'off'}_ratio"] = worst
-                figures[f"trace_{_label(n)}_{'on' if cache_on else 'off'}_sink_ratio"] = worst_sink
+                                 *(fmt_rate(f[f"{side}_block_ops_per_s"]) for side in vsides),
+                                 fmt_rate(f["plain_block_ops_per_s"]), fmt_rate(f["kvledger_block_ops_per_s"]),
+                                 fmt_rate(f["kvledger_sink_block_ops_per_s"]),
+                                 *(f"{f['ratio' + _suffix(side)]:.2f}" for side in vsides),
+                                 *(f"{f['sink_ratio' + _suffix(side)]:.2f}" for side in vsides),
+                                 f"{f['hit_rate']:.0%}"))
+                for name, value in worst.items():
+                    figures[f"trace_{_label(n)}_{'on' if cache_on else 'off'}_{name}"] = value
         print_table(f"serving trace: {allocations:,} allocations, 8 growing requests, chunks of 1-16 blocks "
-                    f"({repeats} repeats, segments of {SEGMENT_OPS} ops)",
-                    ("blocks", "caching", "order", "ops", "vLLM block-ops/s", "plain", "kvledger",
-                     "kvledger / vLLM", "per run (median)", "kvledger + sink", "+ sink / vLLM", "hit rate"), rows)
-        print("kvledger / vLLM = vLLM time / kvledger time (> 1: kvledger is faster); + sink: every event "
-              "recorded (a list-append sink); block-ops = blocks allocated, freed, shared, published, probed")
+                    f"({repeats} repeats, segments of {SEGMENT_OPS} ops), block-ops/s and ratios",
+                    ("blocks", "caching", "order", "ops", *names.values(), "plain", "kvledger", "kvledger + sink",
+                     *(f"kvledger / {names[s]}" for s in vsides), *(f"+ sink / {names[s]}" for s in vsides),
+                     "hit rate"), rows)
+        print(f"kvledger / vLLM = vLLM time / kvledger time (> 1: kvledger is faster); + sink: every event "
+              f"recorded ({SINK_KINDS[sink_kind()]}); block-ops = blocks allocated, freed, shared, published, probed")
     if only in (None, "ops"):
-        op_figures, rows = run_ops(pool_module, repeats)
+        op_figures, rows = run_ops(pools, repeats)
         figures.update(op_figures)
         print_table(f"per operation, us per call (batches of {PER_OP_CALLS}, best of {repeats})",
-                    ("operation", "vLLM", "kvledger", "kvledger / vLLM", ""), rows)
-        print("kvledger / vLLM = kvledger time / vLLM time (< 1: kvledger is faster; target <= 1.5 for the first four)")
+                    ("operation", *names.values(), "kvledger", *(f"kvledger / {names[s]}" for s in vsides)), rows)
+        print("kvledger / vLLM = kvledger time / vLLM time (< 1: kvledger is faster; target <= 1.5 x vLLM 0.33 "
+              "with a sink for allocate(1), free, lookup, touch, publish)")
     return figures
 
 
@@ -787,10 +857,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", help="comma-separated pool sizes (default 10000,1048576)")
     parser.add_argument("--caching", choices=("off", "on"), help="only the trace with caching off or on")
     parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH")
+    parser.add_argument("--sink", choices=tuple(SINK_KINDS), default="journal",
+                        help="the recording sink of the '+ sink' side and rows (default journal)")
+    parser.add_argument("--vllm", help=f"comma-separated vLLM versions (default {','.join(VLLM_VERSIONS)})")
     args = parser.parse_args(argv)
+    versions = tuple(args.vllm.split(",")) if args.vllm else VLLM_VERSIONS
+    SINK[0] = args.sink
     blocks = tuple(int(b) for b in args.blocks.split(",")) if args.blocks else BLOCKS
     caching = (False, True) if args.caching is None else (args.caching == "on",)
-    figures = run(args.quick, only=args.only, blocks=blocks, caching=caching)
+    figures = run(args.quick, only=args.only, blocks=blocks, caching=caching, versions=versions)
     if "skipped" in figures:
         print(f"SKIPPED: {figures['skipped']}")
     elif TARGETS:

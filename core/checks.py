@@ -31,15 +31,17 @@ from .errors import (
     InvalidArgumentError,
     PageOutOfRangeError,
 )
-from .events.events import COMMIT_READS, MAX_ID, MAX_PAGES, Geometry
+from .events.events import COMMIT_READS, MAX_ID, MAX_PAGES, BlockHash, Geometry
 
 __all__ = [
     "MAX_ID",
     "MAX_PAGES",
+    "MAX_TENANT_CHARS",
     "OUT_OF_RANGE",
     "DUPLICATE",
     "Problem",
     "all_ints",
+    "publish_args",
     "block_hash_list",
     "commit_reads",
     "count",
@@ -58,6 +60,7 @@ __all__ = [
 ]
 
 OUT_OF_RANGE, DUPLICATE = "out_of_range", "duplicate"
+MAX_TENANT_CHARS = 1 << 16  # a tenant name this long or shorter (every event that names one stays small)
 _INT_ONLY = {int}
 _BYTES_ONLY = {bytes}
 
@@ -70,6 +73,14 @@ class _Ints(msgspec.Struct, array_like=True, gc=False):
 
 
 _HASH_MIN, _HASH_MAX = -(1 << 63), (1 << 63) - 1  # an int block hash is a signed 64-bit value
+
+
+class _Published(msgspec.Struct, array_like=True, gc=False):
+    """A publish's hashes, parent hash and tokens, checked in one ``msgspec.convert`` (``publish_args``)."""
+
+    hashes: tuple[BlockHash, ...]
+    parent_hash: BlockHash | None
+    token_ids: tuple[int, ...]
 
 
 class Problem(NamedTuple):
@@ -98,9 +109,11 @@ def count(value, what: str) -> int:
 
 
 def tenant(value) -> str | None:
-    """A tenant: a str or None."""
-    if value is not None and type(value) is not str:
-        raise InvalidArgumentError(f"tenant must be a str or None, got {value!r}")
+    """A tenant: None, or a str of at most ``MAX_TENANT_CHARS`` characters."""
+    if value is not None and (type(value) is not str or len(value) > MAX_TENANT_CHARS):
+        shown = repr(value) if type(value) is not str else f"a str of {len(value)} characters"
+        raise InvalidArgumentError(f"tenant must be a str of at most {MAX_TENANT_CHARS} characters or None, "
+                                   f"got {shown}")
     return value
 
 
@@ -254,6 +267,17 @@ def block_hash_list(hashes, what: str) -> tuple:
             if not ok:
                 raise InvalidArgumentError(f"{what}: a block hash is a signed 64-bit int or 1-64 bytes, got {h!r}")
     return out
+
+
+def publish_args(hashes: tuple, parent_hash, token_ids: tuple) -> bool:
+    """A publish's arguments have their types: block hashes (signed 64-bit ints, 1-64 bytes), an
+    optional parent hash, int tokens (not bools, floats or numpy scalars). One C pass over them
+    all; False for anything else (the caller's slow path names it)."""
+    try:
+        msgspec.convert((hashes, parent_hash, token_ids), _Published)
+    except msgspec.ValidationError:
+        return False
+    return True
 
 
 def all_ints(values: tuple) -> bool:

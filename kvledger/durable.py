@@ -123,7 +123,7 @@ def _debug_enabled(logger) -> bool:
 
 
 class DurableLedger(Ledger):
-    """A ``Ledger`` whose sink is an ``EventLog``: every event is appended before it is folded.
+    """A ``Ledger`` whose sink is an ``EventLog`` (a ``Journal``): every event is appended before it is folded.
 
     Built by ``open_ledger``. ``log`` is the ``EventLog``, ``recovery`` what open
     found. ``close()`` (or leaving a ``with`` block) writes a final checkpoint,
@@ -164,7 +164,7 @@ class DurableLedger(Ledger):
         self._next_checkpoint = start + checkpoint_every if checkpoint_every else 1 << 62
         log.call_at(self._next_checkpoint, self._when_due)
         own = self._observe if self._debug else None
-        super().__init__(log.header.geometry, policy=policy, check=check, sink=log.sink, state=state,
+        super().__init__(log.header.geometry, policy=policy, check=check, sink=log, state=state,
                          observer=chain_observers(own, observer))
         if self.state.seq != log.seq:
             raise ConfigurationError(f"state at seq {self.state.seq} for a log at seq {log.seq}")

@@ -2,7 +2,9 @@
 
     Batch
         events       the events appended since the last hand-off, as objects (appending one is
-                     a ``list.append``: encoding is the writer's, ``live.py``)
+                     a ``list.append``: encoding is the writer's, ``live.py``). One list for the
+                     batch's life: a ledger appends to it directly (``EventLog.events``), and
+                     closing the events copies them out and empties it
         first_seq    the seq of ``events[0]``; ``next_seq`` = first_seq + len(events)
         pending      records queued for the next hand-off, in log order: ``(kind, seq, count, body)``
                      with body the events list of an events record or the payload of any other;
@@ -49,10 +51,10 @@ class Batch:
         events = self.events
         if events:
             n = len(events)
-            self.pending.append((KIND_EVENTS, self.first_seq, n, events))
+            self.pending.append((KIND_EVENTS, self.first_seq, n, events.copy()))
             self.pending_events += n
             self.first_seq += n
-            self.events = []
+            events.clear()
 
     def add_record(self, kind: int, seq: int, payload: bytes) -> None:
         """Queue a record (or a writer instruction) after the events appended so far."""

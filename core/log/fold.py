@@ -23,31 +23,16 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
 from ..errors import CorruptLogError, InvalidArgumentError, KVLedgerError
-from ..events.events import (
-    CacheConfigured,
-    PagesCommitted,
-    PagesEvicted,
-    PagesReleased,
-    PagesUnwritten,
-    PagesPublished,
-    PagesReserved,
-    PagesShared,
-    ReservationReturned,
-    RestoreCompleted,
-    RestoreStarted,
-    SanitizerViolation,
-    SnapshotAliased,
-    StepAborted,
-    StepCompleted,
-    StepSealed,
-)
+from ..events.events import CacheConfigured, PagesCommitted, StepSealed
 from ..state.canonical import digest_of
 from ..state.invariants import check_invariants, check_page_ids
 from ..state.state import LedgerState
+from ..state.transitions import TRANSITIONS, Transition, event_name
 from .format import KIND_CHECKPOINT, KIND_EVENTS, Checkpoint, LogHeader, RecordInfo
 from .reader import LogView
 
@@ -193,53 +178,63 @@ def _pages_in_range(st: LedgerState, ev, field: str = "page_ids") -> None:
         raise _Impossible(field, f"page ids {bad} outside the geometry's [0, {st.num_pages})")
 
 
-def _commit_bounds(st: LedgerState, ev) -> None:
-    _pages_in_range(st, ev)
-    if ev.step < st.open_step:
-        raise _Impossible("step", f"commit for step {ev.step}, older than the open step {st.open_step}")
+def _page_id_in_range(st: LedgerState, ev) -> None:
+    if not 0 <= ev.page_id < st.num_pages:
+        raise _Impossible("page_id", f"page id {ev.page_id} outside the geometry's [0, {st.num_pages})")
 
 
-def _seal_bounds(st: LedgerState, ev) -> None:
-    if ev.step != st.open_step:
-        raise _Impossible("step", f"seal of step {ev.step}, the open step is {st.open_step}")
-    _pages_in_range(st, ev, "clear_list")
+def _step(rule: str) -> Callable[[LedgerState, Any], None]:
+    """The check of an event's step against the open step and the steps in flight, by the table's
+    ``requires.step`` (``transitions.STEP_RULES``)."""
+    def not_older(st: LedgerState, ev) -> None:
+        if ev.step < st.open_step:
+            raise _Impossible("step", f"{event_name(type(ev))} for step {ev.step}, older than the open step "
+                                      f"{st.open_step}")
+
+    def is_open(st: LedgerState, ev) -> None:
+        if ev.step != st.open_step:
+            raise _Impossible("step", f"{event_name(type(ev))} of step {ev.step}, the open step is {st.open_step}")
+
+    def sealed(st: LedgerState, ev) -> None:
+        if ev.step >= st.open_step:
+            raise _Impossible("step", f"{event_name(type(ev))} of step {ev.step}, never sealed (the open step is "
+                                      f"{st.open_step})")
+
+    def in_flight(st: LedgerState, ev) -> None:
+        if not any(plan.step == ev.step for plan in st.in_flight):
+            raise _Impossible("step", f"{event_name(type(ev))} of step {ev.step}, not in flight (the open step is "
+                                      f"{st.open_step})")
+
+    return {"not older": not_older, "open": is_open, "sealed": sealed, "in flight": in_flight}[rule]
 
 
-def _completed_bounds(st: LedgerState, ev) -> None:
-    if ev.step >= st.open_step:
-        raise _Impossible("step", f"completion of step {ev.step}, never sealed (the open step is {st.open_step})")
+def _bounds(row: Transition) -> Callable[[LedgerState, Any], None] | None:
+    """What a trusted fold checks of an event of ``row`` before applying it: the page ids its
+    ``touches`` column names against the geometry, its step by its ``requires.step``."""
+    pages = row.touches if row.touches in ("page_ids", "clear_list") else None
+    page_id = row.touches == "page_id"
+    step = _step(row.requires.step) if row.requires.step else None
+    if pages is None and not page_id and step is None:
+        return None
+    if step is None:
+        return _pages_in_range if pages == "page_ids" else None
+
+    def check(st: LedgerState, ev) -> None:
+        if pages is not None:
+            _pages_in_range(st, ev, pages)
+        if page_id:
+            _page_id_in_range(st, ev)
+        step(st, ev)
+
+    return check
 
 
-def _aborted_bounds(st: LedgerState, ev) -> None:
-    if not any(plan.step == ev.step for plan in st.in_flight):
-        raise _Impossible("step", f"abort of step {ev.step}, not in flight (the open step is {st.open_step})")
-
-
-def _violation_bounds(st: LedgerState, ev) -> None:
-    if ev.step >= st.open_step or not 0 <= ev.page_id < st.num_pages:
-        raise _Impossible("step" if ev.step >= st.open_step else "page_id",
-                          f"violation at step {ev.step}, page {ev.page_id} (open step {st.open_step}, "
-                          f"{st.num_pages} pages)")
-
-
-def _unwritten_bounds(st: LedgerState, ev) -> None:
-    _pages_in_range(st, ev)
-    if ev.step >= st.open_step:
-        raise _Impossible("step", f"pages unwritten by step {ev.step}, not sealed (open step {st.open_step})")
-
-
-# What a trusted fold still checks of every event before it applies it: page ids against the
-# geometry, step numbers against the open step and the steps in flight. O(ids) and a few compares:
-# the bounds a CRC-valid but forged or buggy record could break to reach a state no validated
-# history reaches (a negative page id indexing the page table from its end, a completion of a step
-# never sealed that would let its pages be published before their clear ran).
-_BOUNDS: dict[type, Callable] = {
-    PagesReserved: _pages_in_range, ReservationReturned: _pages_in_range, PagesCommitted: _commit_bounds,
-    SnapshotAliased: _pages_in_range, RestoreStarted: _pages_in_range, RestoreCompleted: _pages_in_range,
-    StepSealed: _seal_bounds, StepCompleted: _completed_bounds, StepAborted: _aborted_bounds,
-    SanitizerViolation: _violation_bounds, PagesPublished: _pages_in_range, PagesShared: _pages_in_range,
-    PagesEvicted: _pages_in_range, PagesReleased: _pages_in_range, PagesUnwritten: _unwritten_bounds,
-}
+# What a trusted fold still checks of every event before it applies it, from the transition table:
+# page ids against the geometry, step numbers against the open step and the steps in flight. O(ids)
+# and a few compares: the bounds a CRC-valid but forged or buggy record could break to reach a state no
+# validated history reaches (a negative page id indexing the page table from its end, a completion of
+# a step never sealed that would let its pages be published before their clear ran).
+_BOUNDS: dict[type, Callable] = {t: check for t, row in TRANSITIONS.items() if (check := _bounds(row)) is not None}
 
 
 def bounds_problem(st: LedgerState, ev) -> str | None:
@@ -247,7 +242,8 @@ def bounds_problem(st: LedgerState, ev) -> str | None:
     ``"field: detail"``, or None. For folds of their own (``audit --page``'s projection)."""
     check = _BOUNDS.get(type(ev))
     if check is None:
-        return "type: CacheConfigured after seq 0" if type(ev) is CacheConfigured and st.geometry is not None else None
+        first = TRANSITIONS[type(ev)].requires.first
+        return f"type: {type(ev).__name__} after seq 0" if first and st.geometry is not None else None
     try:
         check(st, ev)
     except _Impossible as exc:
@@ -261,10 +257,11 @@ _PAGES, _COMMIT_B, _OTHER, _FIRST = 1, 2, 3, 4
 
 
 def _bounds_kind(t: type) -> int:
-    if t is PagesCommitted:
-        return _COMMIT_B
-    if t is CacheConfigured:
+    row = TRANSITIONS[t]
+    if row.requires.first:
         return _FIRST
+    if row.touches == "page_ids" and row.requires.step == "not older":
+        return _COMMIT_B
     check = _BOUNDS.get(t)
     return 0 if check is None else _PAGES if check is _pages_in_range else _OTHER
 
@@ -299,7 +296,7 @@ class _TrustedFold:
                 elif kind == _COMMIT_B:
                     ids = ev.page_ids
                     if ids and (min(ids) < 0 or max(ids) >= n) or ev.step < st.open_step:
-                        _commit_bounds(st, ev)
+                        _BOUNDS[type(ev)](st, ev)
                 elif kind == _OTHER:
                     _BOUNDS[type(ev)](st, ev)
                 elif kind == _FIRST and (st.geometry is not None or rec.seq):

@@ -19,16 +19,10 @@ from typing import Any
 
 import msgspec
 
+from ..checks import MAX_TENANT_CHARS
 from ..errors import InvalidArgumentError
-from ..events.events import (
-    EVENT_TYPES,
-    CacheConfigured,
-    PagesPublished,
-    PagesReserved,
-    PagesShared,
-    StepAborted,
-    StepSealed,
-)
+from ..events.events import EVENT_TYPES, StepSealed
+from ..state.transitions import TRANSITIONS
 
 __all__ = ["APPENDABLE", "BATCH_EVENTS", "DEFAULT_MAX_LAG_BYTES", "FSYNC_POLICIES", "SIZE_RISKS", "TENANT_CHARS",
            "TENANT_TYPES", "LogStatistics", "policy_mode"]
@@ -43,12 +37,16 @@ _POLICIES = {"background": (_SEALS, True), "per_step": (_SEALS, False), "per_eve
              "none": (_NONE, False)}  # commit after these types, in the writer thread?
 
 
-TENANT_CHARS = 1 << 16  # a tenant up to this long cannot make an event pass max_event_bytes
-TENANT_TYPES = (PagesReserved, PagesShared)
+TENANT_CHARS = MAX_TENANT_CHARS  # a tenant up to this long cannot make an event pass max_event_bytes (the
+# ledger refuses longer ones: the events its commands append straight to the batch are bounded)
 
 
-def _tenant(ev) -> bool:
-    return ev.tenant is not None and len(ev.tenant) > TENANT_CHARS
+def _long(field: str) -> Callable[[Any], bool]:
+    def risky(ev) -> bool:
+        value = getattr(ev, field)
+        return value is not None and len(value) > TENANT_CHARS
+
+    return risky
 
 
 def _always(ev) -> bool:
@@ -56,11 +54,13 @@ def _always(ev) -> bool:
 
 
 # A validated event's page lists hold at most num_pages ids, well inside ``format.max_event_bytes``;
-# only these fields are unbounded: an event whose predicate says so is encoded once to be measured
-# (``RecordTooLargeError`` before anything changed).
+# only the fields the transition table calls unbounded may pass it: an event whose predicate says so
+# is encoded once to be measured (``RecordTooLargeError`` before anything changed). A name (a
+# tenant, a reason) is measured by its length; anything else (a publish's tokens, a geometry) always.
 SIZE_RISKS: dict[type, Callable[[Any], bool]] = {
-    PagesReserved: _tenant, PagesShared: _tenant, StepAborted: lambda ev: len(ev.reason) > TENANT_CHARS,
-    PagesPublished: _always, CacheConfigured: _always}
+    t: (_long(row.unbounded[0]) if row.unbounded in (("tenant",), ("reason",)) else _always)
+    for t, row in TRANSITIONS.items() if row.unbounded}
+TENANT_TYPES = tuple(t for t, row in TRANSITIONS.items() if row.unbounded == ("tenant",))
 
 
 class LogStatistics(msgspec.Struct, frozen=True, kw_only=True, gc=False):

@@ -18,9 +18,15 @@ below, each in its own module, and nothing here reaches into them.
     LiveSegment  (live.py)        the file appends go to: seal, write, sync, stamp, successor
     LogDirectory (directory.py)   a directory's lock, its roll to the next segment, retention
 
-``append`` (and ``sink``, for an owner that validated its events) has the
-signature of a ``Ledger`` sink. The policy says when the
-batch is handed off and fsynced (group commit):
+An ``EventLog`` is a ``Journal`` (``core/journal.py``): a ``Ledger`` given one as its sink
+appends each event it folds to ``events`` (the open batch) itself while the event's seq
+is below ``due``, and hands the others to ``put`` (``sink``), which runs the gate first
+when it is due (a checkpoint the owner asked for with ``call_at``, a full batch, a roll, a
+failure or a close: ``due`` follows them), measures an event whose fields may be
+unbounded, and commits when the policy says so (every ``StepSealed``: a ledger hands
+its seals to ``put``; every event under ``"per_event"``, where ``due`` stays -1).
+``append`` is the same for an owner that did not validate its events. The policy says
+when the batch is handed off and fsynced (group commit):
 
     "background" (default) a ``StepSealed`` hands the step's events to the writer
                  thread and returns at once; the thread encodes, writes and fsyncs,
@@ -84,6 +90,7 @@ import msgspec
 
 from ..errors import InvalidArgumentError, LogClosedError, LogError, LogIOError, RecordTooLargeError
 from ..events.events import Geometry
+from ..journal import Journal
 from .batch import FLUSH, ROLL, Batch
 from .directory import segment_options
 from .durability import Background, Durability, Inline
@@ -129,7 +136,7 @@ def _unclosed(durability: Durability, path: str) -> None:
     durability.abandon()
 
 
-class EventLog:
+class EventLog(Journal):
     """An open, appendable event log. Build it with ``create`` or ``open``.
 
     After ``open``, ``recovery`` is the ``Scan`` of what was found (records,
@@ -138,10 +145,10 @@ class EventLog:
     """
 
     __slots__ = ("fsync", "background", "path", "header", "recovery", "loaded", "notify", "max_lag_bytes",
-                 "rotation_due", "_sync_types", "_cap_sync", "_batch", "_events", "_durability", "_directory",
+                 "rotation_due", "_sync_types", "_cap_sync", "_batch", "events", "_durability", "_directory",
                  "_enc", "_event_cap", "_record_cap", "_ok", "_closed", "_reported", "_start_seq",
-                 "_checkpoints", "_checkpoint_seq", "_stalls", "_segment", "_segment_size", "_finalizer", "_due",
-                 "_owner_due", "_when_due", "_kinds", "__weakref__")
+                 "_checkpoints", "_checkpoint_seq", "_stalls", "_segment", "_segment_size", "_finalizer", "due",
+                 "_owner_due", "_when_due", "_kinds", "_put_each", "__weakref__")
 
     def __init__(self, opened: Opened, *, path: str, layer, fsync: str = "background",
                  background: bool | None = None, max_lag_bytes: int = DEFAULT_MAX_LAG_BYTES) -> None:
@@ -157,10 +164,12 @@ class EventLog:
         self.loaded = opened.loaded
         self.notify: Callable[[str, dict], object] | None = None  # how the log tells its owner what happened
         self.rotation_due = False  # a log directory's live segment reached segment_bytes: rotate()
-        # sink's one gate: before appending event _due or later, _gate runs (the log failed or closed,
-        # the batch is full, the owner's call_at is due, a roll is due); _reset_due recomputes it
+        # the one gate: before appending event ``due`` or later, _gate runs (the log failed or closed,
+        # the batch is full, the owner's call_at is due, a roll is due); _reset_due recomputes it. A
+        # ledger appends events below it to ``events`` itself (the Journal face).
         self._owner_due = 1 << 62
-        self._due = BATCH_EVENTS + opened.next_seq
+        self._put_each = self._sync_types == APPENDABLE  # ("per_event": every event commits, through put)
+        self.due = -1 if self._put_each else BATCH_EVENTS + opened.next_seq
         self._when_due: Callable[[int], object] | None = None
         self._cap_sync = bool(self._sync_types)  # a full batch is fsynced too (all policies but "none")
         self._kinds = {t: (_MEASURE if t in SIZE_RISKS else 0) | (_COMMIT if t in self._sync_types else 0)
@@ -169,14 +178,14 @@ class EventLog:
             if self._kinds[t] == _MEASURE:
                 self._kinds[t] = _TENANT
         self._batch = Batch(opened.next_seq)
-        self._events = self._batch.events
+        self.events: list = self._batch.events  # the open batch (one list: Batch copies out of it)
         self._directory = opened.directory
         self._segment = live.index  # the segment appends go to once every roll asked for is done
         self._segment_size = float(live.size)  # its size once everything handed off is written (estimated)
         self._enc = msgspec.msgpack.Encoder()
         self._event_cap = max_event_bytes(self.header.geometry.num_pages)
         self._record_cap = max_record_bytes(self.header.geometry.num_pages)
-        self._ok = True  # open and not failed (the hot path reads _due, which follows it)
+        self._ok = True  # open and not failed (the hot path reads due, which follows it)
         self._closed = self._reported = False
         self._start_seq = opened.next_seq
         self._checkpoints = self._stalls = 0
@@ -289,7 +298,7 @@ class EventLog:
         d = self._durability
         if not d.background:
             return True
-        return 2 * (d.lag + len(self._events) * d.event_bytes) > self.max_lag_bytes
+        return 2 * (d.lag + len(self.events) * d.event_bytes) > self.max_lag_bytes
 
     def statistics(self) -> LogStatistics:
         d = self._durability
@@ -318,7 +327,7 @@ class EventLog:
     def _writer_failed(self, op: str, exc: BaseException) -> None:
         """The writer side failed (any thread): no more appends; tell the owner."""
         self._ok = False
-        self._due = -1
+        self.due = -1
         if self.notify is not None:
             self.notify("write_failed", {"op": op, "errno": getattr(exc, "errno", None),
                                          "durable_seq": self._durability.durable_seq, "error": str(exc)})
@@ -341,16 +350,17 @@ class EventLog:
         if type(event) not in APPENDABLE:
             raise InvalidArgumentError(f"not a kvledger event: {type(event).__name__}")
         self._check_size(seq, event)  # (unvalidated events: page lists of any length)
-        self.sink(seq, event)
+        self.put(seq, event)
 
-    def sink(self, seq: int, event) -> None:
-        """``append`` for an owner that hands only validated kvledger events, in seq order: the
-        ``Ledger`` sink of ``DurableLedger``. No seq or type check; only the events whose fields a
-        validation leaves unbounded are measured (``policy.SIZE_RISKS``); the owner's ``call_at``
-        callback runs first when it is due. Raises as ``append``."""
-        if seq >= self._due:
+    def put(self, seq: int, event) -> None:
+        """``append`` for an owner that hands only validated kvledger events, in seq order (the
+        ``Journal`` face: a ``Ledger``'s events at or past ``due``, its seals, its publishes). No
+        seq or type check; only the events whose fields a validation leaves unbounded are measured
+        (``policy.SIZE_RISKS``); the owner's ``call_at`` callback runs first when it is due. Raises
+        as ``append``."""
+        if seq >= self.due:
             self._gate(seq)
-        self._events.append(event)
+        self.events.append(event)
         kind = self._kinds[type(event)]  # one lookup: 0, _TENANT, or _MEASURE | _COMMIT
         if kind:
             if kind != _TENANT:
@@ -358,23 +368,25 @@ class EventLog:
             elif event.tenant is not None and len(event.tenant) > TENANT_CHARS:  # (the commonest event)
                 self._sink_more(seq, event, _MEASURE)
 
+    sink = put  # (the name of a ``Ledger`` sink)
+
     def _gate(self, seq: int) -> None:
-        """What must happen before event ``seq`` is appended (see ``_due``), rarely anything."""
+        """What must happen before event ``seq`` is appended (see ``due``), rarely anything."""
         if not self._ok:
             self._refuse()
-        if len(self._events) >= BATCH_EVENTS:
+        if len(self.events) >= BATCH_EVENTS:
             self._commit(self._cap_sync)
         if self._when_due is not None and (seq >= self._owner_due or self.rotation_due):
             self._when_due(seq)
         self._reset_due()
 
     def _reset_due(self) -> None:
-        if not self._ok:
-            self._due = -1
+        if not self._ok or self._put_each:
+            self.due = -1
         elif self.rotation_due and self._when_due is not None:
-            self._due = -1  # (the owner is told before the next append)
+            self.due = -1  # (the owner is told before the next append)
         else:
-            self._due = min(self._owner_due, self._batch.first_seq + BATCH_EVENTS)
+            self.due = min(self._owner_due, self._batch.first_seq + BATCH_EVENTS)
 
     def _sink_more(self, seq: int, event, kind: int) -> None:
         """The rare part of ``sink``: measure an event whose fields may be unbounded (taking it back
@@ -383,7 +395,7 @@ class EventLog:
             try:
                 self._check_size(seq, event)
             except RecordTooLargeError:
-                self._events.pop()
+                self.events.pop()
                 raise
         if kind & _COMMIT:
             self._commit(True)
@@ -426,7 +438,6 @@ class EventLog:
         """
         payload = self._checkpoint_payload(seq, digest, state, False)
         self._batch.add_record(KIND_CHECKPOINT, seq, payload)
-        self._events = self._batch.events
         self._checkpoints += 1
         self._checkpoint_seq = seq
 
@@ -529,7 +540,7 @@ class EventLog:
     def _release(self) -> None:
         self._closed = True
         self._ok = False
-        self._due = -1
+        self.due = -1
         self._finalizer.detach()
         self._durability.abandon()
 
@@ -546,7 +557,6 @@ class EventLog:
         returns; in the background, queued (then back-pressure may wait)."""
         batch = self._batch
         items, events, payload = batch.take()
-        self._events = batch.events
         if not items and not sync:
             return
         d = self._durability

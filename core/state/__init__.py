@@ -4,8 +4,10 @@
     state.py          LedgerState: the page table, its queries, the allocator, dispatch
     transitions.py    THE TABLE: every event's rule, its precondition and its applier
     preconditions.py  one precondition per event (raises the specific error)
-    fold.py           one applier per event (returns the effects)
-    fold_prefix.py    the prefix-caching appliers (publish, share, evict)
+    fold.py           the appliers of pages, requests and snapshot rows (return the effects)
+    fold_steps.py     the appliers of the step book (seal, complete, abort, sanitizer records)
+    fold_prefix.py    the appliers of the prefix index (publish, share, evict)
+    projection.py     a state projected onto one page (the audit's page fold)
     canonical.py      the canonical form: digest and checkpoints
     invariants.py     SPEC invariants 1-4, checked over the whole state
 """

@@ -1,9 +1,34 @@
-"""The fold: one applier per event, ``(state, event) -> effects``.
+"""The fold of pages, requests and snapshot rows: one applier per event, ``(state, event) -> effects``.
+
+The fold has three modules, one per seam of the state: this one (the page table,
+the allocator's free stack, requests and snapshot rows, marks), ``fold_steps.py``
+(the step book: the open step, clear lists, plans in flight, completions, aborts)
+and ``fold_prefix.py`` (the prefix index: hashes, sharers, the cache).
 
 An applier assumes its event passed its precondition (``preconditions.py``) and
 never raises for one. It advances ``state.seq`` and returns the event's effects:
 ``(ClearPages,)`` for a commit that listed marked pages, ``(StepPlan,)`` for a
 seal, ``()`` otherwise. Pure: no I/O, no logging, no clock, no object per page.
+The fold modules (this one and ``fold_prefix.py``) are the only code that writes
+a ``LedgerState`` (``tests/core/test_fold_writes.py`` reads every other module's
+source and fails on a write).
+
+The table's appliers (one per event, ``transitions.py``) serve replay and every
+command outside its common case. The commands' fast paths (``core/ledger.py``)
+decide their events in the common case of the precondition and fold them
+through the appliers of that case, each named for its events and taking them
+(plus the request's record the command already looked up), never a hand copy:
+
+    reserved_top(st, rec, reserved)                the top of a clean free stack
+    allocated_one(st, rec, reserved, committed)    one page: the top, unmarked
+    allocated_top(st, rec, reserved, committed)    the top n, none marked
+    pages_committed(st, committed, rec)            the head of r's reservation (the table's
+                                                   applier, given the record the command has)
+(``fold_steps.py``: ``sealed``, the seal with its clear list derived once, and
+``completed``; ``fold_prefix.py``: ``published``, ``shared``, ``shared_cached``,
+``evicted``, ``taken_from_cache``.) Each equals the table's applier (or two of them, in
+order) on the same events in that case: R8 drives ledgers of every mode and a
+ledger whose state has its own table through the same commands and compares them.
 
 Every applier that sets marks returns ``PagesMarked`` with those pages (the
 sanitizer poisons them before the next plan's clear).
@@ -29,33 +54,30 @@ from typing import TYPE_CHECKING
 
 from ..events.events import (
     CacheConfigured, ClearPages, PagesCommitted, PagesMarked, PagesReleased, PagesReserved, ReservationReturned,
-    RestoreCompleted, RestoreStarted, SanitizerViolation, SnapshotAliased, SnapshotReleased, StepAborted,
-    StepCompleted, StepPlan, StepSealed,
+    RestoreCompleted, RestoreStarted, SnapshotAliased, SnapshotReleased,
 )
 from .table import (
-    HOLDER_ALIAS, HOLDER_CACHED, HOLDER_FREE, MARK_ALL, MARK_TENANT, MAX_IN_FLIGHT, SHARERS_ORDERED, RequestRecord,
+    HOLDER_ALIAS, HOLDER_CACHED, HOLDER_FREE, MARK_ALL, MARK_TENANT, SHARERS_ORDERED, RequestRecord,
 )
 
 if TYPE_CHECKING:
     from .state import LedgerState
 
 __all__ = [
-    "allocate_top", "cache_configured", "commit_pages", "complete", "pages_unwritten", "release_pages",
-    "release_request", "record",
-    "reserve_top", "seal", "pages_committed", "pages_released", "pages_reserved", "request_gone",
-    "reservation_returned",
-    "restore_completed", "restore_started", "sanitizer_violation", "snapshot_aliased", "snapshot_released",
-    "step_aborted", "step_completed", "step_sealed",
+    "NO_EFFECTS", "allocated_one", "allocated_top", "cache_configured", "free_pages", "marked_effect",
+    "pages_committed", "pages_released", "pages_reserved", "record", "request_gone",
+    "reservation_returned", "reserved_top", "restore_completed", "restore_started", "snapshot_aliased",
+    "snapshot_released", "take_from_stack",
 ]
 
-_NO_EFFECTS: tuple = ()
+NO_EFFECTS: tuple = ()
 _NOBODY = object()  # a tenant no residue names (a commit that reads the whole page lists every mark)
 
 
-# ---------------------------------------------------------------------- shared pieces
+# ---------------------------------------------------------------------- shared pieces (fold_prefix uses them too)
 
 
-def _take_from_stack(st: LedgerState, pages) -> None:
+def take_from_stack(st: LedgerState, pages) -> None:
     """Pages that were free (their holder already changed) leave the free stack.
 
     The top is deleted in place. Pages deeper down leave stale entries (O(1) each);
@@ -90,7 +112,7 @@ def _remove(seq: list[int], pages) -> None:
     seq[:] = [p for p in seq if p not in gone]
 
 
-def _free_pages(st: LedgerState, pages, tenant: str | None, dirty) -> list[int] | tuple:
+def free_pages(st: LedgerState, pages, tenant: str | None, dirty) -> list[int] | tuple:
     """Pages leave a request for the free stack; marks follow the policy. Returns the pages
     it marked (a listed page that never got its clear, and the policy's marks).
 
@@ -100,7 +122,7 @@ def _free_pages(st: LedgerState, pages, tenant: str | None, dirty) -> list[int] 
     holder, free = st.holder, HOLDER_FREE
     for p in pages:
         holder[p] = free
-    marked: list[int] | tuple = _NO_EFFECTS
+    marked: list[int] | tuple = NO_EFFECTS
     pend = st.pending
     if pend and not pend.keys().isdisjoint(pages):
         marks, residue = st.marks, st.residue
@@ -140,9 +162,9 @@ def _free_pages(st: LedgerState, pages, tenant: str | None, dirty) -> list[int] 
     return marked
 
 
-def _marked(pages) -> tuple:
+def marked_effect(pages) -> tuple:
     """The effect for pages that just got a mark (nothing when there are none)."""
-    return (PagesMarked(page_ids=tuple(pages)),) if pages else _NO_EFFECTS
+    return (PagesMarked(page_ids=tuple(pages)),) if pages else NO_EFFECTS
 
 
 # ---------------------------------------------------------------------- one per event
@@ -158,7 +180,7 @@ def cache_configured(st: LedgerState, e: CacheConfigured) -> tuple:
     # Lowest ids on top: the first reservation of a fresh cache takes pages 0, 1, ...
     st.free_stack = list(range(n - 1, -1, -1))
     st.seq += 1
-    return _NO_EFFECTS
+    return NO_EFFECTS
 
 
 def pages_reserved(st: LedgerState, e: PagesReserved) -> tuple:
@@ -172,57 +194,67 @@ def pages_reserved(st: LedgerState, e: PagesReserved) -> tuple:
     holder = st.holder
     for p in pages:
         holder[p] = r
-    _take_from_stack(st, pages)
+    take_from_stack(st, pages)
     st.seq += 1
-    return _NO_EFFECTS
+    return NO_EFFECTS
 
 
-def reserve_top(st: LedgerState, rec: RequestRecord | None, request: int, n: int, tenant: str | None) -> tuple:
-    """The allocator's pick and its PagesReserved in one: the top ``n`` entries of a free
-    stack without stale entries and with no page restoring become ``reserved(request)``
-    (``rec``: the request's record, None for a new request, created with ``tenant``).
-    Returns the pages, top of the stack first (what ``pick_free(n)`` gives)."""
+def reserved_top(st: LedgerState, rec: RequestRecord | None, e: PagesReserved) -> tuple:
+    """PagesReserved of the top ``len(e.page_ids)`` entries of a free stack without stale entries,
+    top first (the allocator's pick: ``pick_free``), into ``rec``'s request (None: a new one, made
+    with ``e.tenant``)."""
+    pages = e.page_ids
     stack = st.free_stack
-    pages = stack[-n:]
-    del stack[-n:]
+    del stack[-len(pages):]
     if st.parked and st.parked[-1][0] > len(stack):
         st.clamp_parked()
-    pages.reverse()
-    holder = st.holder
+    holder, r = st.holder, e.request
     for p in pages:
-        holder[p] = request
+        holder[p] = r
     if rec is None:
-        st.requests[request] = RequestRecord(request, tenant, pages, [], [])
+        st.requests[r] = RequestRecord(r, e.tenant, list(pages), [], [])
     else:
         rec.reserved += pages
     st.seq += 1
-    return tuple(pages)
+    return NO_EFFECTS
 
 
-def allocate_top(st: LedgerState, rec: RequestRecord | None, request: int, step: int, n: int,
-                 tenant: str | None) -> tuple | None:
-    """``reserve_top`` then ``commit_pages`` in one pass, for a request without reserved pages
-    (``rec``; None: a new one, with ``tenant``), when none of the top ``n`` pages is marked (no
-    clear list, no effects). Returns the pages, or None (nothing changed) when one is marked."""
+def allocated_top(st: LedgerState, rec: RequestRecord | None, r: PagesReserved, c: PagesCommitted) -> tuple:
+    """PagesReserved then PagesCommitted of the same pages in one pass: the top of a free stack
+    without stale entries, none marked (so nothing is listed: no effects), for a request without
+    reserved pages (``rec``; None: a new one, made with ``r.tenant``)."""
+    pages = r.page_ids
+    n = len(pages)
     stack = st.free_stack
-    pages = stack[-n:]
-    marks = st.marks
-    if marks and not marks.keys().isdisjoint(pages):
-        return None
-    del stack[-n:]  # (reserve_top's pop, written out: a call here cost the lifecycle bench ~5 %)
+    del stack[-n:]
     if st.parked and st.parked[-1][0] > len(stack):
         st.clamp_parked()
-    pages.reverse()
-    holder = st.holder
+    holder, request = st.holder, r.request
     for p in pages:
         holder[p] = request
     if rec is None:
-        st.requests[request] = RequestRecord(request, tenant, [], pages, [step] * n)
+        st.requests[request] = RequestRecord(request, r.tenant, [], list(pages), [c.step] * n)
     else:
         rec.kv += pages
-        rec.kv_steps += [step] * n
+        rec.kv_steps += [c.step] * n
     st.seq += 2
-    return tuple(pages)
+    return NO_EFFECTS
+
+
+def allocated_one(st: LedgerState, rec: RequestRecord | None, r: PagesReserved, c: PagesCommitted) -> None:
+    """``allocated_top`` of one page (vLLM's ``get_new_blocks(1)``, the commonest allocation)."""
+    del st.free_stack[-1]
+    request = r.request
+    p = r.page_ids[0]
+    st.holder[p] = request
+    if rec is None:
+        st.requests[request] = RequestRecord(request, r.tenant, [], [p], [c.step])
+    else:
+        rec.kv.append(p)
+        rec.kv_steps.append(c.step)
+    if st.parked and st.parked[-1][0] > len(st.free_stack):
+        st.clamp_parked()
+    st.seq += 2
 
 
 def reservation_returned(st: LedgerState, e: ReservationReturned) -> tuple:
@@ -233,30 +265,29 @@ def reservation_returned(st: LedgerState, e: ReservationReturned) -> tuple:
     if rec.restored:
         dirty = [p for p in pages if p in rec.restored]
         rec.restored.difference_update(pages)
-    marked = _free_pages(st, pages, rec.tenant, dirty)
+    marked = free_pages(st, pages, rec.tenant, dirty)
     st.seq += 1
-    return _marked(marked)
+    return marked_effect(marked)
 
 
-def pages_committed(st: LedgerState, e: PagesCommitted) -> tuple:
-    return commit_pages(st, st.requests[e.request], e.step, e.page_ids, e.reads)
-
-
-def commit_pages(st: LedgerState, rec: RequestRecord, step: int, pages: tuple, reads: str = "tail") -> tuple:
-    """``pages`` (reserved by ``rec``'s request, none restoring, ``step`` not sealed) join its
-    block table; marked ones are listed for ``step`` (``reads="tail"``: except those marked for
-    other tenants only and left by its own; ``"whole"``: all of them). Returns
-    ``(ClearPages,)`` or ``()``."""
+def pages_committed(st: LedgerState, e: PagesCommitted, rec: RequestRecord | None = None) -> tuple:
+    """``e.page_ids`` (reserved by the request, none restoring, ``e.step`` not sealed) join its block
+    table; marked ones are listed for the step (``e.reads == "tail"``: except those marked for
+    other tenants only and left by its own; ``"whole"``: all of them). Returns ``(ClearPages,)`` or
+    ``()``. ``rec``: the request's record, when the caller (a command's fast path) has it."""
+    if rec is None:
+        rec = st.requests[e.request]
+    pages, step = e.page_ids, e.step
     marks = st.marks
     listed = None
     if marks and not marks.keys().isdisjoint(pages):
         residue, pend = st.residue, st.pending
         listed = []
-        own = rec.tenant if reads == "tail" else _NOBODY
+        own = rec.tenant if e.reads == "tail" else _NOBODY
         for p in pages:
             m = marks.pop(p, 0)
             if m:
-                if reads == "none":  # written whole before it is read: the mark comes off, unlisted
+                if e.reads == "none":  # written whole before it is read: the mark comes off, unlisted
                     residue.pop(p, None)
                     st.overwritten[p] = step
                     continue
@@ -276,7 +307,7 @@ def commit_pages(st: LedgerState, rec: RequestRecord, step: int, pages: tuple, r
     rec.kv_steps += [step] * k
     st.seq += 1
     if not listed:
-        return _NO_EFFECTS
+        return NO_EFFECTS
     cl = st.clear_lists.get(step)
     if cl is None:
         st.clear_lists[step] = listed
@@ -285,16 +316,12 @@ def commit_pages(st: LedgerState, rec: RequestRecord, step: int, pages: tuple, r
     return (ClearPages(step=step, page_ids=tuple(listed)),)
 
 
-def request_gone(st: LedgerState, e) -> tuple:  # RequestCancelled / RequestFinished
-    return release_request(st, e.request)
-
-
-def release_request(st: LedgerState, request: int) -> tuple:
-    """Request ``request`` (known) goes: reserved pages go free; each KV page loses r as a
-    holder: still held by others, it stays kv(R - {r}); hashed, it goes cached(h) (the
-    request's last block first in line for eviction); otherwise free. Returns the effects
-    (``PagesMarked`` when the policy or a pending clear marked pages)."""
-    rec = st.requests.pop(request)
+def request_gone(st: LedgerState, e) -> tuple:
+    """RequestCancelled / RequestFinished: the request (known) goes: reserved pages go free; each
+    KV page loses r as a holder: still held by others, it stays kv(R - {r}); hashed, it goes
+    cached(h) (the request's last block first in line for eviction); otherwise free. Returns
+    the effects (``PagesMarked`` when the policy or a pending clear marked pages)."""
+    rec = st.requests.pop(e.request)
     kv, reserved = rec.kv, rec.reserved
     if st.page_hash:  # (prefix caching in use: a shared page is hashed, so this covers them too)
         kv = _release_shares(st, rec)
@@ -306,24 +333,22 @@ def release_request(st: LedgerState, request: int) -> tuple:
             holder[p] = free
         st.push_free(pages)
         st.seq += 1
-        return _NO_EFFECTS
+        return NO_EFFECTS
     dirty: tuple | list = ()
     if st.policy != "released_aliases":
         dirty = kv + [p for p in reserved if rec.restored and p in rec.restored]
-    marked = _free_pages(st, pages, rec.tenant, dirty)
+    marked = free_pages(st, pages, rec.tenant, dirty)
     st.seq += 1
-    return (PagesMarked(page_ids=tuple(marked)),) if marked else _NO_EFFECTS
+    return (PagesMarked(page_ids=tuple(marked)),) if marked else NO_EFFECTS
 
 
 def pages_released(st: LedgerState, e: PagesReleased) -> tuple:
-    return release_pages(st, st.requests[e.request], e.page_ids)
-
-
-def release_pages(st: LedgerState, rec: RequestRecord, pages: tuple) -> tuple:
-    """Request ``rec`` (live) lets go of ``pages``, some of its KV pages: they leave its block
-    table, and each goes where ``release_request`` sends a page of a request that ends (still
+    """Request ``e.request`` (live) lets go of ``e.page_ids``, some of its KV pages: they leave its
+    block table, and each goes where ``request_gone`` sends a page of a request that ends (still
     shared: the others keep it; hashed: cached, the last released first in line for eviction;
     else free, marked as the policy marks a request's bytes). Returns ``PagesMarked`` or ``()``."""
+    rec = st.requests[e.request]
+    pages = e.page_ids
     r, gone = rec.request, set(pages)
     kv, steps = rec.kv, rec.kv_steps
     if tuple(kv[-len(pages):]) == pages:  # (the commonest: the tail, in order)
@@ -350,53 +375,20 @@ def release_pages(st: LedgerState, rec: RequestRecord, pages: tuple) -> tuple:
             to_cache.append(p)
         else:
             freed.append(p)
-    if to_cache:
-        to_cache.reverse()
-        st.cached.update(dict.fromkeys(to_cache))
+    cache = st.cached
+    for p in reversed(to_cache):
+        cache[p] = None
     marked: list[int] | tuple = ()
     if freed:
-        marked = _free_pages(st, freed, rec.tenant, freed if st.policy != "released_aliases" else ())
+        marked = free_pages(st, freed, rec.tenant, freed if st.policy != "released_aliases" else ())
     st.seq += 1
-    return _marked(marked)
+    return marked_effect(marked)
 
 
 def record(st: LedgerState, e) -> tuple:
     """A record-only event (``RequestLabelled``): the fold counts it, nothing more."""
     st.seq += 1
-    return _NO_EFFECTS
-
-
-def _back_in_kv(st: LedgerState, p: int, kv_of: dict[int, set[int]]) -> bool:
-    """Is page ``p`` in some request's KV pages (``kv_of``: request -> its KV pages, built once)?"""
-    r = st.holder[p]
-    if r < 0:
-        return False
-    kv = kv_of.get(r)
-    if kv is None:
-        kv = kv_of[r] = set(st.requests[r].kv)
-    return p in kv
-
-
-def pages_unwritten(st: LedgerState, e) -> tuple:
-    """The step ran without the request: pages a ``reads="none"`` commit of it took a mark off for
-    that step get it back when they are free or reserved (marked for everyone). A page another
-    request committed since is left to that commit (an engine that reuses a page before it
-    learns of a dropped share commits it reading whole). Returns ``PagesMarked``."""
-    ow = st.overwritten
-    marked: list[int] = []
-    if ow:
-        kv_of: dict[int, set[int]] = {}
-        holder = st.holder
-        for p in e.page_ids:
-            if ow.get(p) != e.step:
-                continue
-            del ow[p]
-            if holder[p] == HOLDER_FREE or (holder[p] >= 0 and not _back_in_kv(st, p, kv_of)):
-                st.marks[p] = MARK_ALL
-                st.residue.pop(p, None)
-                marked.append(p)
-    st.seq += 1
-    return _marked(marked)
+    return NO_EFFECTS
 
 
 def _release_shares(st: LedgerState, rec: RequestRecord) -> list[int]:
@@ -426,8 +418,9 @@ def _release_shares(st: LedgerState, rec: RequestRecord) -> list[int]:
             freed = list(filterfalse(hashed.__contains__, rec.kv))
         for p in to_cache:
             holder[p] = cached
-    to_cache.reverse()  # the last block first: the first to be evicted
-    st.cached.update(dict.fromkeys(to_cache))
+    cache = st.cached
+    for p in reversed(to_cache):  # the last block first: the first to be evicted (a loop: an
+        cache[p] = None           # OrderedDict's update() of many keys costs twice as much)
     return freed
 
 
@@ -443,14 +436,14 @@ def snapshot_aliased(st: LedgerState, e: SnapshotAliased) -> tuple:
         else:
             count[p] += 1
     if newly:
-        _take_from_stack(st, newly)
+        take_from_stack(st, newly)
     mine = st.snapshots.get(e.snapshot)
     if mine is None:
         st.snapshots[e.snapshot] = list(pages)
     else:
         mine.extend(pages)
     st.seq += 1
-    return _NO_EFFECTS
+    return NO_EFFECTS
 
 
 def snapshot_released(st: LedgerState, e: SnapshotReleased) -> tuple:
@@ -467,7 +460,7 @@ def snapshot_released(st: LedgerState, e: SnapshotReleased) -> tuple:
             marked.append(p)
     st.push_free(marked)  # (the pages that went free are the ones marked)
     st.seq += 1
-    return _marked(marked)
+    return marked_effect(marked)
 
 
 def restore_started(st: LedgerState, e: RestoreStarted) -> tuple:
@@ -488,7 +481,7 @@ def restore_started(st: LedgerState, e: RestoreStarted) -> tuple:
                 rec.restored = set()
             rec.restored.update(pages)
     st.seq += 1
-    return _NO_EFFECTS
+    return NO_EFFECTS
 
 
 def restore_completed(st: LedgerState, e: RestoreCompleted) -> tuple:
@@ -498,129 +491,4 @@ def restore_completed(st: LedgerState, e: RestoreCompleted) -> tuple:
     if st.parked:
         st.unpark(e.page_ids)  # free pages it was writing go back into the stack where they sit
     st.seq += 1
-    return _NO_EFFECTS
-
-
-def step_sealed(st: LedgerState, e: StepSealed) -> tuple:
-    return (seal(st, e.step),)
-
-
-def seal(st: LedgerState, step: int) -> StepPlan:
-    """Seal ``step`` (the open step): its plan joins the steps in flight (the last
-    ``MAX_IN_FLIGHT`` sealed and not aborted)."""
-    if step in st.clear_lists:
-        clear_list = st.derive_clear_list(step)
-        del st.clear_lists[step]
-        pend = st.pending
-        for p in clear_list:
-            del pend[p]
-    else:
-        clear_list = ()
-    st.open_step = step + 1
-    plan = StepPlan(step=step, clear_list=clear_list)
-    in_flight = st.in_flight
-    in_flight.append(plan)
-    if len(in_flight) > MAX_IN_FLIGHT:
-        del in_flight[0]  # too old to abort: its restore records go too
-        oldest = in_flight[0].step
-        if st.restored_since:
-            st.restored_since = {p: s for p, s in st.restored_since.items() if s > oldest}
-        if st.overwritten:
-            st.overwritten = {p: s for p, s in st.overwritten.items() if s >= oldest}
-    st.seq += 1
-    return plan
-
-
-def step_completed(st: LedgerState, e: StepCompleted) -> tuple:
-    complete(st, e.step, e.rank)
-    return _NO_EFFECTS
-
-
-def complete(st: LedgerState, step: int, rank: int) -> None:
-    """A rank ran the step. Once every rank that reports completions has completed a step,
-    its plan leaves the steps in flight: it can no longer be aborted (its pages may be
-    published from now on)."""
-    if step > st.completed.get(rank, -1):
-        st.completed[rank] = step
-        in_flight = st.in_flight
-        if in_flight and in_flight[0].step <= step:
-            done = st.completed_step
-            while in_flight and in_flight[0].step <= done:
-                del in_flight[0]
-            if not in_flight:
-                if st.restored_since:
-                    st.restored_since.clear()
-            elif st.restored_since:  # a restore matters only to a plan sealed before it: the oldest bounds them
-                oldest = in_flight[0].step
-                st.restored_since = {p: s for p, s in st.restored_since.items() if s > oldest}
-        if st.overwritten:  # (a step that ran everywhere wrote its pages: nothing can give their marks back)
-            done = st.completed_step
-            st.overwritten = {p: s for p, s in st.overwritten.items() if s > done}
-    st.seq += 1
-
-
-def sanitizer_violation(st: LedgerState, e: SanitizerViolation) -> tuple:
-    """A record only: the step it names is aborted by its own event."""
-    st.seq += 1
-    return _NO_EFFECTS
-
-
-def step_aborted(st: LedgerState, e: StepAborted) -> tuple:
-    """Step ``e.step`` and every later step in flight did not run everywhere: nothing of them
-    can be assumed zeroed. Their pages still in KV are listed again for the open step
-    (first in its clear list, the oldest plan's first), the others get their mark back,
-    except pages a restore into a request rewrote whole after the plan was sealed."""
-    aborted = [plan for plan in st.in_flight if plan.step >= e.step]
-    st.in_flight = [plan for plan in st.in_flight if plan.step < e.step]
-    marks, residue, pend = st.marks, st.residue, st.pending
-    carry: list[int] = []
-    step = st.open_step
-    restored = st.restored_since
-    kv_of: dict[int, set[int]] = {}  # request -> its KV pages, built once per request
-    holder, requests = st.holder, st.requests
-    marked: list[int] = []
-    seen: set[int] = set()  # a page in two aborted plans is named once
-    for plan in aborted:
-        for p in plan.clear_list:
-            if restored.get(p, -1) > plan.step:
-                continue  # a restore into a request rewrote it whole after this plan was sealed
-            r = holder[p]
-            if r >= 0:
-                kv = kv_of.get(r)
-                if kv is None:
-                    kv = kv_of[r] = set(requests[r].kv)
-                if p in kv:
-                    if p not in pend:
-                        pend[p] = step
-                        carry.append(p)
-                    continue
-            if p not in seen:
-                seen.add(p)
-                marked.append(p)
-            marks[p] = MARK_ALL
-            residue.pop(p, None)
-        st.aborted_steps.add(plan.step)
-    if st.overwritten:  # pages a commit of an aborted step was to write whole: nothing wrote them
-        gone = {plan.step for plan in aborted}
-        for p in [q for q, s in st.overwritten.items() if s in gone]:
-            del st.overwritten[p]
-            if _back_in_kv(st, p, kv_of):
-                if p not in pend:
-                    pend[p] = step
-                    carry.append(p)
-            else:
-                if p not in seen:
-                    seen.add(p)
-                    marked.append(p)
-                marks[p] = MARK_ALL
-                residue.pop(p, None)
-    if carry:
-        listed = st.clear_lists.get(step)
-        if listed:  # entries of a carried page there are stale (it was not pending): carried is its last listing
-            moved = set(carry)
-            listed = [q for q in listed if q not in moved]
-        st.clear_lists[step] = carry + listed if listed else carry
-    if not st.in_flight:
-        st.restored_since.clear()
-    st.seq += 1
-    return _marked(marked)
+    return NO_EFFECTS

@@ -82,7 +82,9 @@ class LedgerState:
 
     transitions: dict[type, Transition] = TRANSITIONS
 
-    def __init__(self) -> None:
+    def __init__(self, transitions: dict[type, Transition] | None = None) -> None:
+        if transitions is not None and transitions is not self.transitions:
+            self.transitions = transitions  # (an instance's own table: dispatch below follows it)
         self.geometry: Geometry | None = None
         self.policy = "released_aliases"
         self.seq = 0

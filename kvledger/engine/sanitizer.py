@@ -1,12 +1,16 @@
 """The engine's side of the sanitizer (SPEC "The sanitizer"): what every rank poisons and checks, and why.
 
-    ledger observer (sanitize mode only)   SanitizerTracker.observe(seq, event, effects)
+    ledger observer (sanitize mode only)   SanitizerTracker.observe(seq, event, effects): one handler
+                                           per event type (``_on_<event>``), the dispatch built from
+                                           the transition table (a new event without one fails at import)
       PagesMarked effects                  pages marked since the last plan: candidates for poison
       RestoreStarted                       its pages leave the candidates (the restore rewrites them)
       PagesCommitted                       the step's committed pages: to check for poison
       StepSealed                           the plan's two lists (below), handed to take(step)
       StepAborted                          the aborted plans' poison becomes a candidate again
-      every event                          one line in the history of each page it touched
+      every event                          one line in the history of each page it touched (the
+                                           table's ``touches``: the pages it names; those of the
+                                           request or snapshot it ends, kept from their events)
 
     at the seal of step s:
       poison    = candidates still marked for everyone, or in s's clear list (zeroed right after);
@@ -25,8 +29,12 @@
 Pages marked under ``cross_tenant`` for one tenant only are not poisoned: that tenant may
 read them back without a clear. The history keeps the last ``HISTORY`` events per page
 that touched it, as ``(seq, event, holder before, holder after, note)``, formatted only
-when an error is raised. Memory: O(pages touched x HISTORY) and one set of pages per
-live request and snapshot. Nothing here runs unless the engine was opened with
+when an error is raised (a line's holder before is the last line's holder after). What
+it knows of the ledger it reads through the ledger's read API (``holder_of``,
+``mark_of``, ``is_restoring``, ``request_of``, ``holders_of``, ...) and the effects, never
+its state. Memory: O(pages touched x HISTORY) and one set of pages per live request and
+snapshot (an observer sees a request's end after the fold: its pages are gone from
+the ledger by then). Nothing here runs unless the engine was opened with
 ``sanitize=True``. Remote peers are not sanitized (the wire carries clear lists only).
 """
 
@@ -37,30 +45,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvledger.core.errors import SanitizerError, StepFailedError
-from kvledger.core.events import (
-    CacheConfigured,
-    ClearPages,
-    PagesCommitted,
-    PagesEvicted,
-    PagesReleased,
-    PagesUnwritten,
-    PagesMarked,
-    PagesPublished,
-    PagesReserved,
-    PagesShared,
-    RequestCancelled,
-    RequestFinished,
-    ReservationReturned,
-    RestoreCompleted,
-    RestoreStarted,
-    SanitizerViolation,
-    SnapshotAliased,
-    SnapshotReleased,
-    StepAborted,
-    StepPlan,
-    StepSealed,
-)
-from kvledger.core.state.table import MARK_ALL, MAX_IN_FLIGHT
+from kvledger.core.events import ClearPages, PagesMarked, SanitizerViolation, StepAborted, StepPlan
+from kvledger.core.state.table import MAX_IN_FLIGHT
+from kvledger.core.state.transitions import event_name, handlers
 
 from .plugins import StepHook
 from .records import SealedStep
@@ -69,8 +56,6 @@ __all__ = ["HISTORY", "SanitizerTracker"]
 
 HISTORY = 16  # events kept per page
 _KIND_ORDER = {"not_zero": 0, "poison": 1}
-_PAGE_EVENTS = (PagesReserved, ReservationReturned, PagesCommitted, PagesShared, SnapshotAliased,
-                RestoreStarted, RestoreCompleted, PagesPublished, PagesEvicted, PagesReleased, PagesUnwritten)
 
 
 class _Found:
@@ -91,10 +76,6 @@ class _Found:
         return f"the sanitizer found {what}, before step {self.step}'s graph"
 
 
-def _tag(event: object) -> str:
-    return type(event).__struct_config__.tag  # type: ignore[attr-defined]
-
-
 class SanitizerTracker(StepHook):
     """The sanitize-mode ledger observer and step hook (module docstring). ``attach(ledger)``
     once the ledger exists; as a hook: ``sealed`` hands each plan its poison and committed
@@ -102,7 +83,7 @@ class SanitizerTracker(StepHook):
     ``SanitizerError`` (``error``)."""
 
     def __init__(self) -> None:
-        self._state: Any = None
+        self._ledger: Any = None
         self.policy = ""
         self._fresh = False  # saw CacheConfigured: an untouched page was free
         self._pending: dict[int, int] = {}  # candidates for poison -> seq of the mark
@@ -112,45 +93,94 @@ class SanitizerTracker(StepHook):
         self._requests: dict[int, dict[int, None]] = {}  # request -> its pages, in order
         self._snapshots: dict[int, dict[int, None]] = {}
         self._history: dict[int, deque] = {}
-        self._holder: dict[int, str] = {}  # page -> its holder after the last event that touched it
         self._marked_at: dict[int, tuple[int, str]] = {}  # page -> (seq, event) of its last mark
         self._listed: dict[int, int] = {}  # page -> the step whose clear list last named it
 
     def attach(self, ledger: Any) -> None:
-        """Read ``ledger``'s state from now on. A ledger opened on an existing log starts with
-        its marked pages as candidates (the bytes behind them are nobody's) and its requests'
+        """Read ``ledger`` (its read API) from now on. A ledger opened on an existing log starts
+        with its marked pages as candidates (the bytes behind them are nobody's) and its requests'
         and snapshots' pages known."""
-        st = self._state = ledger.state
-        self.policy = st.policy
-        for p, mark in st.marks.items():
-            if mark == MARK_ALL:
-                self._pending.setdefault(p, st.seq)
-        for r, rec in st.requests.items():
-            self._requests[r] = dict.fromkeys([*rec.reserved, *rec.kv])
-        for s, pages in st.snapshots.items():
-            self._snapshots[s] = dict.fromkeys(pages)
+        self._ledger = ledger
+        self.policy = ledger.policy
+        for p, mark in ledger.marked_pages().items():
+            if mark == "all":
+                self._pending.setdefault(p, ledger.seq)
+        for r in ledger.requests():
+            self._requests[r] = dict.fromkeys([*ledger.reserved_pages(r), *ledger.kv_pages(r)])
+        for s in ledger.snapshots():
+            self._snapshots[s] = dict.fromkeys(ledger.snapshot_pages(s))
 
     # ------------------------------------------------------------------ the observer
 
     def observe(self, seq: int, event: Any, effects: tuple) -> None:
-        """The ``Ledger`` observer: candidates, committed pages, plans, histories. Never raises
-        for an event the ledger folded."""
-        t = type(event)
-        if t is StepSealed:
-            self._seal(seq, effects[0])
-            return
-        if t is StepAborted:
-            self._abort(seq, event, effects)
-            return
-        if t is CacheConfigured:
-            self._fresh = True
-            return
-        if t is SanitizerViolation:
-            self._violation(seq, event)
-            return
-        pages = self._pages_of(event, t)
-        if pages is None:
-            return
+        """The ``Ledger`` observer: candidates, committed pages, plans, histories (the event's
+        handler). Never raises for an event the ledger folded."""
+        _OBSERVE[type(event)](self, seq, event, effects)
+
+    def _on_step_sealed(self, seq: int, event: Any, effects: tuple) -> None:
+        self._seal(seq, effects[0])
+
+    def _on_step_aborted(self, seq: int, event: Any, effects: tuple) -> None:
+        self._abort(seq, event, effects)
+
+    def _on_cache_configured(self, seq: int, event: Any, effects: tuple) -> None:
+        self._fresh = True
+
+    def _on_sanitizer_violation(self, seq: int, event: Any, effects: tuple) -> None:
+        self._violation(seq, event)
+
+    def _on_step_completed(self, seq: int, event: Any, effects: tuple) -> None:
+        """(A completion touches no page.)"""
+
+    def _on_pages_reserved(self, seq: int, event: Any, effects: tuple) -> None:
+        self._requests.setdefault(event.request, {}).update(dict.fromkeys(event.page_ids))
+        self._lines(seq, event, event.page_ids, effects)
+
+    _on_pages_shared = _on_pages_reserved
+
+    def _on_reservation_returned(self, seq: int, event: Any, effects: tuple) -> None:
+        held = self._requests.get(event.request, {})
+        for p in event.page_ids:
+            held.pop(p, None)
+        self._lines(seq, event, event.page_ids, effects)
+
+    _on_pages_released = _on_reservation_returned
+
+    def _on_request_labelled(self, seq: int, event: Any, effects: tuple) -> None:
+        """(A record: the engine's name for a request; no page.)"""
+
+    def _on_pages_committed(self, seq: int, event: Any, effects: tuple) -> None:
+        if event.reads != "none":  # (written whole by the graph: poison there is fine)
+            self._committed.setdefault(event.step, []).extend(event.page_ids)
+        self._lines(seq, event, event.page_ids, effects)
+
+    def _on_snapshot_aliased(self, seq: int, event: Any, effects: tuple) -> None:
+        self._snapshots.setdefault(event.snapshot, {}).update(dict.fromkeys(event.page_ids))
+        self._lines(seq, event, event.page_ids, effects)
+
+    def _on_restore_started(self, seq: int, event: Any, effects: tuple) -> None:
+        for p in event.page_ids:
+            self._pending.pop(p, None)  # the restore rewrites it: its bytes are the restore's
+        self._lines(seq, event, event.page_ids, effects)
+
+    def _on_restore_completed(self, seq: int, event: Any, effects: tuple) -> None:
+        self._lines(seq, event, event.page_ids, effects)
+
+    _on_pages_published = _on_restore_completed
+    _on_pages_evicted = _on_restore_completed
+    _on_pages_unwritten = _on_restore_completed
+
+    def _on_request_finished(self, seq: int, event: Any, effects: tuple) -> None:
+        self._lines(seq, event, tuple(self._requests.pop(event.request, ())), effects)
+
+    _on_request_cancelled = _on_request_finished
+
+    def _on_snapshot_released(self, seq: int, event: Any, effects: tuple) -> None:
+        self._lines(seq, event, tuple(self._snapshots.pop(event.snapshot, ())), effects)
+
+    def _lines(self, seq: int, event: Any, pages: Sequence[int], effects: tuple) -> None:
+        """One history line for each page ``event`` touched, noting the marks and listings its
+        effects name."""
         marked: set[int] = set()
         listed: dict[int, int] = {}
         for eff in effects:
@@ -159,7 +189,7 @@ class SanitizerTracker(StepHook):
                 marked.update(eff.page_ids)
             elif te is ClearPages:
                 listed.update(dict.fromkeys(eff.page_ids, eff.step))
-        tag = _tag(event)
+        tag = event_name(type(event))
         for p in pages:
             note = ""
             if p in marked:
@@ -171,47 +201,23 @@ class SanitizerTracker(StepHook):
                 self._listed[p] = listed[p]
             self._line(p, seq, tag, note)
 
-    def _pages_of(self, event: Any, t: type) -> Sequence[int] | None:
-        """The pages ``event`` touched (None: none to note), keeping the request and snapshot maps."""
-        if t in _PAGE_EVENTS:
-            pages = event.page_ids
-            if t is PagesReserved or t is PagesShared:
-                self._requests.setdefault(event.request, {}).update(dict.fromkeys(pages))
-            elif t is ReservationReturned or t is PagesReleased:
-                held = self._requests.get(event.request, {})
-                for p in pages:
-                    held.pop(p, None)
-            elif t is PagesCommitted and event.reads != "none":  # (written whole by the graph: poison there is fine)
-                self._committed.setdefault(event.step, []).extend(pages)
-            elif t is SnapshotAliased:
-                self._snapshots.setdefault(event.snapshot, {}).update(dict.fromkeys(pages))
-            elif t is RestoreStarted:
-                for p in pages:
-                    self._pending.pop(p, None)  # the restore rewrites it: its bytes are the restore's
-            return pages
-        if t is RequestCancelled or t is RequestFinished:
-            return tuple(self._requests.pop(event.request, ()))
-        if t is SnapshotReleased:
-            return tuple(self._snapshots.pop(event.snapshot, ()))
-        return None
-
     def _seal(self, seq: int, plan: StepPlan) -> None:
         """The plan's poison and committed lists (module docstring), ready for ``take``."""
-        st, step = self._state, plan.step
-        marks, restoring, holder = st.marks, st.restore_targets, st.holder
+        led, step = self._ledger, plan.step
+        mark_of, restoring, request_of = led.mark_of, led.is_restoring, led.request_of
         clear = plan.clear_list
         in_clear = set(clear)
         poison: list[int] = []
         keep: dict[int, int] = {}
         for p, at in self._pending.items():
-            if p in restoring:
-                if p in marks:
+            if restoring(p):
+                if mark_of(p) is not None:
                     keep[p] = at  # poisoned in a later plan, once the restore is done with it
-            elif marks.get(p) == MARK_ALL or p in in_clear:
+            elif mark_of(p) == "all" or p in in_clear:
                 poison.append(p)
         self._pending = keep
         committed = [p for p in dict.fromkeys(self._committed.pop(step, ()))
-                     if p not in marks and holder[p] >= 0 and p not in restoring]
+                     if mark_of(p) is None and request_of(p) is not None and not restoring(p)]
         self._ready = (step, tuple(poison), tuple(committed))
         self._plans[step] = (clear, self._ready[1])
         if len(self._plans) > MAX_IN_FLIGHT:
@@ -255,14 +261,13 @@ class SanitizerTracker(StepHook):
         self._line(e.page_id, seq, "sanitizer_violation", found)
 
     def _line(self, page: int, seq: int, tag: str, note: object) -> None:
-        before = self._holder.get(page)
-        if before is None:
-            before = "free" if self._fresh else "?"
-        after = self._state.holder_of(page) if self._state is not None else before
-        self._holder[page] = after
         lines = self._history.get(page)
         if lines is None:
             lines = self._history[page] = deque(maxlen=HISTORY)
+            before = "free" if self._fresh else "?"
+        else:
+            before = lines[-1][3]  # (the holder after the line before)
+        after = self._ledger.holder_of(page) if self._ledger is not None else before
         lines.append((seq, tag, before, after, note))
 
     # ------------------------------------------------------------------ the engine's side
@@ -300,9 +305,8 @@ class SanitizerTracker(StepHook):
             order.setdefault(p, len(order))
         rank, v = min(found, key=lambda rv: (rv[0], order.get(rv[1].page, len(order)), rv[1].plane,
                                               _KIND_ORDER.get(rv[1].kind, 2)))
-        holders = self._state.holders_of(v.page)
-        request = holders[0] if holders else (self._state.holder[v.page] if self._state.holder[v.page] >= 0
-                                              else None)
+        holders = self._ledger.holders_of(v.page)
+        request = holders[0] if holders else self._ledger.request_of(v.page)
         lines = [*self.history(v.page), self._verdict(plan, v.page)]
         return SanitizerError(rank=rank, plane=v.plane, page_id=v.page, step=plan.step, kind=v.kind,
                               request=request, lifecycle=lines, policy=self.policy,
@@ -318,3 +322,6 @@ class SanitizerTracker(StepHook):
         if listed is not None and listed != plan.step:
             return f"{when}; step {listed}'s clear list named it, and that clear should have zeroed it"
         return f"{when}; no clear list named it, yet step {plan.step} commits it to a request"
+
+
+_OBSERVE = handlers(SanitizerTracker, "_on_")  # one handler per event type of the table (TypeError here otherwise)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from support.journals import GatedJournal
 
 from kvledger import (
     DuplicatePageError,
@@ -79,12 +80,13 @@ def test_allocate_one_marked_page_lists_it_on_every_path(attached):
 
 
 @pytest.mark.parametrize("n", [1, 2])
-@pytest.mark.parametrize("attached", ["nothing", "sink"])
+@pytest.mark.parametrize("attached", ["nothing", "sink", "journal"])
 def test_allocate_into_a_sealed_step_is_refused_on_every_path(n, attached):
-    """The fast paths (one page inline, nothing attached or only a sink) check the step too:
-    committing into a sealed step raises ``StepOrderError``, the reservation stands."""
+    """The fast paths (one page inline, nothing attached, a callable sink or a journal sink) check
+    the step too: committing into a sealed step raises ``StepOrderError``, the reservation stands."""
     events: list = []
-    L = Ledger(G, sink=(lambda seq, ev: events.append(ev)) if attached == "sink" else None)
+    sink = {"nothing": None, "sink": lambda seq, ev: events.append(ev), "journal": GatedJournal()}[attached]
+    L = Ledger(G, sink=sink)
     L.allocate(1, 0, 1)
     L.seal_step(0)
     with pytest.raises(StepOrderError):
@@ -101,12 +103,14 @@ class _TableOnly(LedgerState):
 
 
 def _ledgers():
-    """The paths a command can take: nothing attached, a sink only (the durable log's case),
-    recorded with check mode, and the table's path (a state with its own table)."""
+    """The paths a command can take: nothing attached, a callable sink, a journal sink (the
+    durable log's case), recorded with check mode, and the table's path (a state with its own
+    table)."""
     sunk: list = []
     table = _TableOnly()
     table.fold(CacheConfigured(geometry=G, policy="released_aliases"))
     return {"plain": Ledger(G), "sink": Ledger(G, sink=lambda seq, ev: sunk.append(ev)),
+            "journal": Ledger(G, sink=GatedJournal()),
             "checked": Ledger(G, record=True, check=True), "table": Ledger(G, state=table, record=True)}, sunk
 
 

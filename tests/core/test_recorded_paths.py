@@ -1,14 +1,17 @@
-"""The serving commands with a sink and nothing watched (the durable log's case): the fast paths
-put each event to the sink before its fold, exactly as the table's path does.
+"""The serving commands with a sink and nothing watched: the fast paths record each event
+before its fold, exactly as the table's path does.
 
-A ledger with only a sink (no record, observer or check) takes the commands' fast paths,
-which build each event just for the sink (``Ledger._put``); a ledger over a state with its
-own copy of the transition table takes none (every event through ``_submit``). Driven through
-the same commands, both sinks must receive the same events with the same sequence numbers,
-and both states must end with the same digest. A sink that refuses an event (raises) refuses
-it on both: the command raises, that event and everything after it in the command is not
-folded, the events before it stand (allocate's reservation before its commit, an eviction
-before the allocation it made room for). Every refusal point of every scenario is tried.
+A ledger with only a sink (no record, observer or check) takes the commands' fast paths: with
+a ``Journal`` sink (the durable log's case: ``GatedJournal`` moves its ``due`` as the log
+does) the lean path appends events to the journal itself and the events at its gates go
+through ``put``; with a callable sink every event goes through the sink. A ledger over a state
+with its own copy of the transition table takes no fast path (every event through
+``_submit``). Driven through the same commands, both sinks must receive the same events with
+the same sequence numbers, and both states must end with the same digest. A sink that
+refuses an event (raises) refuses it on both: the command raises, that event and everything
+after it in the command is not folded, the events before it stand (allocate's reservation
+before its commit, an eviction before the allocation it made room for). Every refusal point
+of every scenario is tried, with both kinds of sink.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+from support.journals import GatedJournal
+from support.journals import Refused as JournalRefused
 
 from kvledger import Geometry, Ledger, check_invariants, replay
 from kvledger.core.events import CacheConfigured, PagesEvicted, PagesReserved
@@ -30,8 +35,7 @@ class TableOnly(LedgerState):
     transitions = dict(TRANSITIONS)
 
 
-class Refused(Exception):
-    pass
+Refused = JournalRefused
 
 
 class Sink:
@@ -50,13 +54,34 @@ class Sink:
         self.got.append((seq, event))
 
 
-def fast_and_table(refuse_at: int | None = None, policy: str = "released_aliases") -> tuple:
-    fast_sink, table_sink = Sink(), Sink()
-    fast = Ledger(G, policy=policy, sink=fast_sink)
+class JournalSink:
+    """A ``GatedJournal`` and its ledger, seen as a ``Sink`` is: ``got`` is [(seq, event)]."""
+
+    def __init__(self, refuse_at: int | None) -> None:
+        self.journal = GatedJournal(refuse_at=refuse_at)
+
+    @property
+    def got(self) -> list[tuple[int, object]]:
+        return list(enumerate(self.journal.events))
+
+
+SINKS = ("journal", "callable")
+
+
+def fast_and_table(refuse_at: int | None = None, policy: str = "released_aliases", kind: str = "journal") -> tuple:
+    table_sink = Sink()
+    at = None if refuse_at is None else refuse_at + 1
+    if kind == "journal":
+        fast_sink: Sink | JournalSink = JournalSink(at)
+        fast = Ledger(G, policy=policy, sink=fast_sink.journal)
+        fast_sink.journal.ledger_seq = lambda: fast.seq
+    else:
+        fast_sink = Sink(at)
+        fast = Ledger(G, policy=policy, sink=fast_sink)
     state = TableOnly()
     state.fold(CacheConfigured(geometry=G, policy=policy))
     table = Ledger(G, state=state, sink=table_sink)
-    fast_sink.refuse_at = table_sink.refuse_at = None if refuse_at is None else refuse_at + 1
+    table_sink.refuse_at = at
     table_sink.offered = 1  # (the table ledger's state was configured without its sink)
     return fast, fast_sink, table, table_sink
 
@@ -145,9 +170,10 @@ SCENARIOS: dict[str, Callable[[Ledger], None]] = {
 }
 
 
+@pytest.mark.parametrize("kind", SINKS)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_a_sink_gets_what_the_tables_path_gives_it(scenario):
-    fast, fast_sink, table, table_sink = fast_and_table()
+def test_a_sink_gets_what_the_tables_path_gives_it(scenario, kind):
+    fast, fast_sink, table, table_sink = fast_and_table(kind=kind)
     SCENARIOS[scenario](fast)
     SCENARIOS[scenario](table)
     assert fast_sink.got[1:] == table_sink.got and fast_sink.got[0][0] == 0
@@ -157,22 +183,24 @@ def test_a_sink_gets_what_the_tables_path_gives_it(scenario):
     assert replay([ev for _, ev in fast_sink.got], check=True).digest() == fast.digest()
 
 
-def test_the_evicting_scenario_evicts_one_page_per_allocation():
-    fast, sink, _, _ = fast_and_table()
+@pytest.mark.parametrize("kind", SINKS)
+def test_the_evicting_scenario_evicts_one_page_per_allocation(kind):
+    fast, sink, _, _ = fast_and_table(kind=kind)
     allocate_evicting(fast)
     kinds = [type(ev).__name__ for _, ev in sink.got[-9:]]
     assert kinds == ["PagesEvicted", "PagesReserved", "PagesCommitted"] * 3
     assert all(len(ev.page_ids) == 1 for _, ev in sink.got[-9:] if type(ev) in (PagesEvicted, PagesReserved))
 
 
+@pytest.mark.parametrize("kind", SINKS)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_a_sink_refusing_any_event_leaves_what_the_tables_path_leaves(scenario):
+def test_a_sink_refusing_any_event_leaves_what_the_tables_path_leaves(scenario, kind):
     """Every refusal point: the same command raises on both, the same events stand."""
-    fast, fast_sink, _, _ = fast_and_table()
+    fast, fast_sink, _, _ = fast_and_table(kind=kind)
     SCENARIOS[scenario](fast)
     total = len(fast_sink.got) - 1
     for n in range(total):
-        fast, fast_sink, table, table_sink = fast_and_table(refuse_at=n)
+        fast, fast_sink, table, table_sink = fast_and_table(refuse_at=n, kind=kind)
         outcomes = []
         for L in (fast, table):
             with pytest.raises(Refused):
@@ -184,8 +212,9 @@ def test_a_sink_refusing_any_event_leaves_what_the_tables_path_leaves(scenario):
         check_invariants(fast.state)
 
 
-def test_a_refused_commit_leaves_the_one_page_reservation_standing():
-    fast, sink, _, _ = fast_and_table(refuse_at=1)  # the first allocate's PagesCommitted
+@pytest.mark.parametrize("kind", SINKS)
+def test_a_refused_commit_leaves_the_one_page_reservation_standing(kind):
+    fast, sink, _, _ = fast_and_table(refuse_at=1, kind=kind)  # the first allocate's PagesCommitted
     with pytest.raises(Refused):
         fast.allocate(1, 0, 1)
     assert [type(ev) for _, ev in sink.got[1:]] == [PagesReserved]

@@ -9,14 +9,16 @@ of an older step in flight does to it and every later one, which completions
 retire plans, which pages ``reserve`` / ``alias_snapshot`` evict, every
 ``BlocksStored`` / ``BlocksRemoved`` effect and every page a ``PagesMarked``
 effect names. It never reads the ledger's state to decide anything. The machine
-drives four ledgers with the same commands: one that records its events
-(replayed at the end of every run; its commands take their fast paths, events
-built and sunk), one on the hot path (no check, no record, no sink, no observer:
-the fast paths skip the events), one with only a sink (the durable log's case:
-the fast paths build each event for the sink and watch nothing) and one whose
-state has its own copy of the transition table (every command through
-``_submit``: validate, apply); all must agree with each other (digests, events,
-errors) and with the model after every step, and ``check_invariants`` must pass.
+drives five ledgers with the same commands: one that records its events and
+has an observer (replayed at the end of every run; its commands' events each
+put, folded by the table's appliers and observed), one on the hot path (no
+check, no record, no sink, no observer: the lean path, every event built and
+kept in the quiet journal), one with a callable sink (every event through it),
+one with a journal sink that gates as the durable log does (the durable log's
+case: the lean path between its gates, ``put`` at them) and one whose state has
+its own copy of the transition table (every command through ``_submit``:
+validate, apply); all must agree with each other (digests, events, errors) and
+with the model after every step, and ``check_invariants`` must pass.
 
 On top of the model, a second, semantic oracle (``support.r8.bytes_oracle.Bytes``) follows
 what every page physically holds and asserts RELIABILITY.md's promises at every
@@ -37,6 +39,7 @@ from support.r8.bytes_oracle import Bytes
 from support.r8.invalid import invalid_commands
 from support.r8.model import MAX_IN_FLIGHT, Model
 from support.r8.prefix import PrefixRules
+from support.journals import GatedJournal
 
 from kvledger import (
     ConfigurationError,
@@ -82,6 +85,9 @@ class LedgerMachine(PrefixRules, RuleBasedStateMachine):
         self.hot = Ledger(GEOMETRY, policy=self.policy)  # the plain hot path
         self.sunk_events: list = []  # what a ledger with only a sink gets (the durable log's case)
         self.sunk = Ledger(GEOMETRY, policy=self.policy, sink=self._sunk_put)
+        self.journal = GatedJournal()  # the durable log's case: lean between gates, put at them
+        self.gated = Ledger(GEOMETRY, policy=self.policy, sink=self.journal)
+        self.journal.ledger_seq = lambda: self.gated.seq
         table = TableOnly()  # a state with its own copy of the table: every command through _submit
         table.fold(CacheConfigured(geometry=GEOMETRY, policy=self.policy))
         self.table = Ledger(GEOMETRY, state=table, record=True)
@@ -114,22 +120,27 @@ class LedgerMachine(PrefixRules, RuleBasedStateMachine):
                 call(self.table)
             with pytest.raises(type(e)):
                 call(self.sunk)
+            with pytest.raises(type(e)):
+                call(self.gated)
             raise
         assert call(self.hot) == got
         assert call(self.table) == got
         assert call(self.sunk) == got
+        assert call(self.gated) == got
         return got
 
     def rejected(self, call, exc):
         """``call`` must raise ``exc`` and change nothing, on every ledger."""
         digest, seq, n_events, n_seen = self.L.digest(), self.L.seq, len(self.L.events), len(self.seen)
         hot_digest, table_digest, sunk = self.hot.digest(), self.table.digest(), len(self.sunk_events)
+        gated = len(self.journal.events)
         with pytest.raises(exc) as ei:
             self.both(call)
         assert type(ei.value) is exc, (type(ei.value), exc)
         assert (self.L.digest(), self.L.seq, len(self.L.events), len(self.seen)) == (digest, seq, n_events, n_seen)
         assert self.hot.digest() == hot_digest and self.table.digest() == table_digest
         assert self.sunk.digest() == hot_digest and len(self.sunk_events) == sunk
+        assert self.gated.digest() == hot_digest and len(self.journal.events) == gated
         self.stats["rejected"] += 1
 
     def draw_subset(self, data, pool, max_size=None):
@@ -554,6 +565,7 @@ class LedgerMachine(PrefixRules, RuleBasedStateMachine):
         assert self.hot.digest() == L.digest() == self.table.digest()
         assert self.table.events == L.events[1:]  # (the table ledger's state was configured before it)
         assert self.sunk_events == L.events and self.sunk.digest() == L.digest()
+        assert self.journal.events == L.events and self.gated.digest() == L.digest()
         for p in range(NUM_PAGES):
             assert L.holder_of(p) == m.holder(p), (p, L.holder_of(p), m.holder(p))
             # (a tenant mark vs a mark for everyone shows in which commits list the page)

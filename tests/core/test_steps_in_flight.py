@@ -128,3 +128,46 @@ def test_a_carried_page_sits_where_the_abort_put_it_not_where_a_stale_listing_wa
     L.abort_step(1, "rank failed")  # step 2 is open now: they are carried into it
     assert L.seal_step(2).clear_list == (z, y, x)
     assert replay(L.events, check=True).digest() == L.digest()
+
+
+@pytest.mark.parametrize("journal", ["quiet", "checked"])
+def test_a_step_every_rank_completed_leaves_the_steps_in_flight(journal):
+    """A completion on every reporting rank retires the step (and the older ones): it can no longer
+    be aborted. Both roads of ``complete_step``: the lean path of a quiet ledger (``fold_steps.completed``)
+    and the table's applier under check mode."""
+    L = Ledger(Geometry(num_pages=32, page_tokens=4)) if journal == "quiet" else make()
+    for step in range(3):
+        L.allocate(step + 1, step, 1)
+        L.seal_step(step)
+    assert [plan.step for plan in L.state.in_flight] == [0, 1, 2]
+    L.complete_step(1, 0)
+    L.complete_step(1, 1)  # steps 0 and 1 ran on both reporting ranks
+    assert [plan.step for plan in L.state.in_flight] == [2]
+    with pytest.raises(StepOrderError):
+        L.abort_step(1)
+    L.complete_step(2, 0)
+    assert [plan.step for plan in L.state.in_flight] == [2]  # rank 1 has not completed step 2
+    L.abort_step(2)
+    assert not L.state.in_flight
+
+
+def test_an_abort_carries_overwritten_pages_in_an_order_a_checkpoint_keeps():
+    """Pages a ``reads="none"`` commit took the mark off come back on an abort of their step; the
+    order they are carried in is part of the next plan, so it must not depend on the order they
+    were committed in (a checkpoint keeps ``overwritten`` sorted). Kills: carrying them in the
+    dict's insertion order, which a state rebuilt from a checkpoint does not have (a replay from a
+    middle segment then derived another clear list than the live run recorded)."""
+    from kvledger import LedgerState
+
+    L = Ledger(Geometry(num_pages=32, page_tokens=4))
+    pages = marked_pages(L, 4)
+    L.reserve(1, 4)
+    for p in sorted(L.reserved_pages(1), reverse=True):  # committed against page order, one at a time
+        L.commit(1, 0, pages=(p,), reads="none")
+    assert not any(L.is_marked(p) for p in pages)
+    L.seal_step(0)
+    twin = Ledger(L.geometry, state=LedgerState.from_canonical(L.state.canonical()))
+    for led in (L, twin):
+        led.abort_step(0)
+    assert L.seal_step(1).clear_list == twin.seal_step(1).clear_list == tuple(sorted(pages))
+    assert L.digest() == twin.digest()

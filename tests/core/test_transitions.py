@@ -116,3 +116,70 @@ def test_an_event_without_a_row_is_refused_by_name():
     st = LedgerState()
     with pytest.raises(InvalidArgumentError, match="NotAnEvent"):
         st.validate(NotAnEvent())
+
+
+# ---------------------------------------------------------------------- the table as data (issue 30, item 4)
+
+
+def test_docs_transitions_md_is_the_table_rendered():
+    """docs/TRANSITIONS.md is generated from the rows (``python scripts/transitions``)."""
+    from pathlib import Path
+
+    from kvledger.core.state import transitions
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "TRANSITIONS.md"
+    assert doc.read_text() == transitions.document(), "regenerate it: python scripts/transitions"
+    for t in TRANSITIONS:
+        assert f"`{transitions.event_cell(t)}`" in doc.read_text()
+
+
+def test_the_spec_cells_are_rendered_from_the_structured_columns():
+    """Change a column, the cell changes: the words are derived, not stored beside the data."""
+    from kvledger.core.state.transitions import Requires, spec_rows
+
+    row = TRANSITIONS[PagesReserved]
+    assert row.requires.holders == ("free",) and row.requires.flags == ("not restoring",)
+    changed = row._replace(requires=row.requires._replace(flags=("not restoring", "not stale")))
+    assert changed.precondition == "each page free, not restoring, not stale"
+    either = changed._replace(requires=Requires(holders=("free", "alias(S)")))
+    assert either.precondition == "each page free or alias(S)"
+    assert changed._replace(moves=row.moves._replace(to="kv(r)")).pages == "→ kv(r)"
+    cells = {cell[0]: cell[1:] for cell in spec_rows()}
+    assert cells["PagesReserved(r, pages)"] == (row.precondition, row.pages, row.mark, row.effect)
+    assert set(cells) == {f"{t.__name__}({', '.join(r.names)})" for t, r in TRANSITIONS.items()}
+
+
+def test_touched_follows_the_rows_touches_column():
+    from kvledger.core.events import SnapshotReleased, StepSealed
+    from kvledger.core.state.transitions import touched
+
+    g = Geometry(num_pages=8, page_tokens=4)
+    L = Ledger(g)
+    L.allocate(1, 0, 3)
+    L.alias_snapshot(5, 2)
+    st = L.state
+    assert touched(st, PagesReserved(request=2, page_ids=(6, 7))) == (6, 7)
+    assert touched(st, RequestFinished(request=1)) == L.kv_pages(1)
+    assert touched(st, SnapshotReleased(snapshot=5)) == L.snapshot_pages(5)
+    assert touched(st, StepSealed(step=0, clear_list=(4,))) == (4,)
+    assert touched(st, CacheConfigured(geometry=g)) == ()
+    kinds = {row.touches for row in TRANSITIONS.values()}
+    assert kinds <= {"page_ids", "page_id", "clear_list", "request", "snapshot", "plans", ""}
+
+
+def test_handlers_are_built_from_the_table_and_a_missing_one_fails_where_it_is_built():
+    from kvledger.core.state.transitions import event_name, handlers
+
+    names = {f"on_{event_name(t)}": (lambda t=t: t) for t in TRANSITIONS}
+    got = handlers(names, "on_")
+    assert set(got) == set(TRANSITIONS) and all(got[t]() is t for t in TRANSITIONS)
+    del names["on_pages_evicted"]
+    with pytest.raises(TypeError, match="on_pages_evicted .PagesEvicted."):
+        handlers(names, "on_")
+
+    class Partial:
+        def on_pages_reserved(self):
+            pass
+
+    with pytest.raises(TypeError, match="Partial has no handler for .*on_cache_configured"):
+        handlers(Partial, "on_")

@@ -82,9 +82,9 @@ async def test_the_ledger_gets_exactly_the_observers_it_needs(tmp_path):
         seen.append(seq)
 
     async with open_engine(G) as engine:
-        assert engine.ledger._observer is None
+        assert engine.ledger.observer is None
     async with open_engine(G, extras=ExtraOptions(observers=[mine])) as engine:
-        assert engine.ledger._observer is mine
+        assert engine.ledger.observer is mine
         await engine.reserve(1, 2)
         assert seen == [0, 1]  # CacheConfigured, then the reservation
     seen.clear()

@@ -35,6 +35,7 @@ from kvledger.engine import ExtraOptions
 from kvledger.core.events import SanitizerViolation, StepAborted, StepCompleted
 from kvledger.engine import RankSpec, StepInputs, open_engine
 from kvledger.executors.backend import ClearBackendBase, default_backend, make_backend
+from kvledger.core.journal import Ring
 
 G = Geometry(num_pages=24, page_tokens=4)
 RESTORED = 0x22
@@ -362,7 +363,7 @@ async def test_without_sanitize_nothing_of_it_runs_and_the_ledger_has_no_observe
     all_planes = [rank_planes(), rank_planes()]
     work = Workload(7, all_planes)
     async with open_engine(G, ranks=specs_for(all_planes, lambda r, p: Refuses(p))) as engine:
-        assert not engine.sanitize and engine.ledger._observer is None and engine.ledger._plain
+        assert not engine.sanitize and engine.ledger.observer is None and isinstance(engine.ledger.journal, Ring)
         for step in range(20):
             result = await work.step(engine, step)
             assert all(t.sanitize_s == 0.0 for t in result.ranks)

@@ -14,19 +14,11 @@ ran).
 
 from __future__ import annotations
 
+
 from kvledger.core.errors import KVLedgerError, ReplayMismatchError, UnknownRequestError, UnknownSnapshotError
-from kvledger.core.events.events import (
-    CacheConfigured,
-    RequestCancelled,
-    RequestFinished,
-    RequestLabelled,
-    SanitizerViolation,
-    SnapshotReleased,
-    StepAborted,
-    StepCompleted,
-    StepSealed,
-)
+from kvledger.core.events.events import RequestCancelled, RequestFinished, SnapshotReleased, StepAborted, StepSealed
 from kvledger.core.state import LedgerState
+from kvledger.core.state.transitions import touched
 
 from .ending import open_at_end
 from .model import ContentModel, is_free
@@ -36,25 +28,7 @@ from .steps import StepTable
 from .svg import SvgTrack
 from .views import Timelines
 
-__all__ = ["CheckedAudit", "touched"]
-
-
-def touched(st: LedgerState, ev, t) -> tuple:
-    """The pages an event touches, read before it is folded (an abort: every plan it takes down)."""
-    if t is RequestCancelled or t is RequestFinished:
-        rec = st.requests.get(ev.request)
-        return () if rec is None else tuple(rec.reserved) + tuple(rec.kv)
-    if t is SnapshotReleased:
-        return tuple(st.snapshots.get(ev.snapshot, ()))
-    if t is StepSealed:
-        return tuple(ev.clear_list)
-    if t is StepAborted:
-        return tuple(p for plan in st.in_flight if plan.step >= ev.step for p in plan.clear_list)
-    if t is SanitizerViolation:
-        return (ev.page_id,)
-    if t is StepCompleted or t is CacheConfigured or t is RequestLabelled:
-        return ()
-    return ev.page_ids
+__all__ = ["CheckedAudit"]
 
 
 class CheckedAudit:
@@ -119,7 +93,7 @@ class CheckedAudit:
     def _event(self, seq: int, ev) -> None:
         st, model = self.st, self.model
         t = type(ev)
-        pages = touched(st, ev, t)
+        pages = touched(st, ev)  # (the table's touches column: read before the fold)
         want = [p for p in pages if p in self.wanted] if self.wanted else ()
         before = {p: page_view(st, p) for p in want}
         open_step = st.open_step

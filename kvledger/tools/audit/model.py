@@ -15,23 +15,13 @@ log, and what is left open).
 from __future__ import annotations
 
 from kvledger.core.events.events import (
-    PagesCommitted,
-    PagesReleased,
-    PagesReserved,
-    PagesShared,
     RequestCancelled,
     RequestFinished,
-    ReservationReturned,
-    RestoreCompleted,
-    RestoreStarted,
-    SanitizerViolation,
-    SnapshotAliased,
-    SnapshotReleased,
     StepAborted,
-    StepCompleted,
     StepSealed,
 )
 from kvledger.core.state import CACHED, FREE, KV, MARK_TENANT, LedgerState
+from kvledger.core.state.transitions import handlers
 
 from .report import Faults
 
@@ -227,52 +217,86 @@ class ContentModel:
         return None
 
     def post(self, seq: int, ev, t, pre) -> None:
-        """Follow a folded event into the contents; seals, aborts and completions have their own."""
-        if t is PagesReserved:
-            inc = self.inc_of.get(ev.request)
-            if inc is None:
-                inc = self._new_inc(ev.request, ev.tenant)
-                self.shadow[inc] = set()
-            self.shadow[inc].update(ev.page_ids)
-        elif t is ReservationReturned:
-            inc = self.inc_of.get(ev.request)
-            if inc is not None:
-                self.shadow[inc].difference_update(ev.page_ids)
-        elif t is PagesCommitted:
-            lst = self.reads.setdefault(ev.step, [])
-            inc, dirty, reads = self.inc_of[ev.request], self.dirty, ev.reads
-            for p in ev.page_ids:
-                lst.append((p, inc, seq, reads))
-                dirty[p] = 1
-        elif t is PagesReleased:
-            self._pages_released(seq, ev)
-        elif t is RequestFinished or t is RequestCancelled:
-            self._request_gone(seq, ev.request, pre)
-        elif t is SnapshotAliased:
-            for p in ev.page_ids:
-                self._put_row(p, ev.snapshot)
-                self.dirty[p] = 1
-        elif t is SnapshotReleased:
-            self.released.add(ev.snapshot)
-        elif t is RestoreStarted:
-            self._restore_started(seq, ev)
-        elif t is RestoreCompleted:
-            for p in ev.page_ids:
-                self.restore_seq.pop(p, None)
-        elif t is StepSealed:
-            self._seal(seq, ev, pre)
-        elif t is StepAborted:
-            self._abort(ev, *pre)
-        elif t is StepCompleted:
-            self._completed(ev)
-        elif t is PagesShared:
-            inc = self.inc_of.get(ev.request)
-            if inc is None:
-                inc = self._new_inc(ev.request, self.st.requests[ev.request].tenant)
-                self.shadow[inc] = set()
-            self.shadow[inc].update(ev.page_ids)
-        elif t is SanitizerViolation:
-            self._violation(seq, ev)
+        """Follow a folded event into the contents (its handler: ``_on_<event>``, one per row of
+        the transition table, checked when the module is imported); seals, aborts and
+        completions have their own."""
+        _POST[t](self, seq, ev, pre)
+
+    def _on_pages_reserved(self, seq: int, ev, pre) -> None:
+        inc = self.inc_of.get(ev.request)
+        if inc is None:
+            inc = self._new_inc(ev.request, ev.tenant)
+            self.shadow[inc] = set()
+        self.shadow[inc].update(ev.page_ids)
+
+    def _on_reservation_returned(self, seq: int, ev, pre) -> None:
+        inc = self.inc_of.get(ev.request)
+        if inc is not None:
+            self.shadow[inc].difference_update(ev.page_ids)
+
+    def _on_pages_committed(self, seq: int, ev, pre) -> None:
+        lst = self.reads.setdefault(ev.step, [])
+        inc, dirty, reads = self.inc_of[ev.request], self.dirty, ev.reads
+        for p in ev.page_ids:
+            lst.append((p, inc, seq, reads))
+            dirty[p] = 1
+
+    def _on_pages_released(self, seq: int, ev, pre) -> None:
+        self._pages_released(seq, ev)
+
+    def _on_pages_unwritten(self, seq: int, ev, pre) -> None:
+        """(A record: the step ran without the request; the bytes are what they were.)"""
+
+    def _on_request_labelled(self, seq: int, ev, pre) -> None:
+        """(A record: the engine's name for a request.)"""
+
+    def _on_request_finished(self, seq: int, ev, pre) -> None:
+        self._request_gone(seq, ev.request, pre)
+
+    _on_request_cancelled = _on_request_finished
+
+    def _on_snapshot_aliased(self, seq: int, ev, pre) -> None:
+        for p in ev.page_ids:
+            self._put_row(p, ev.snapshot)
+            self.dirty[p] = 1
+
+    def _on_snapshot_released(self, seq: int, ev, pre) -> None:
+        self.released.add(ev.snapshot)
+
+    def _on_restore_started(self, seq: int, ev, pre) -> None:
+        self._restore_started(seq, ev)
+
+    def _on_restore_completed(self, seq: int, ev, pre) -> None:
+        for p in ev.page_ids:
+            self.restore_seq.pop(p, None)
+
+    def _on_step_sealed(self, seq: int, ev, pre) -> None:
+        self._seal(seq, ev, pre)
+
+    def _on_step_aborted(self, seq: int, ev, pre) -> None:
+        self._abort(ev, *pre)
+
+    def _on_step_completed(self, seq: int, ev, pre) -> None:
+        self._completed(ev)
+
+    def _on_pages_shared(self, seq: int, ev, pre) -> None:
+        inc = self.inc_of.get(ev.request)
+        if inc is None:
+            inc = self._new_inc(ev.request, self.st.requests[ev.request].tenant)
+            self.shadow[inc] = set()
+        self.shadow[inc].update(ev.page_ids)
+
+    def _on_sanitizer_violation(self, seq: int, ev, pre) -> None:
+        self._violation(seq, ev)
+
+    def _on_cache_configured(self, seq: int, ev, pre) -> None:
+        """(Every page starts zero: the model's initial state.)"""
+
+    def _on_pages_published(self, seq: int, ev, pre) -> None:
+        """(A hash names the bytes a page holds; it changes none.)"""
+
+    def _on_pages_evicted(self, seq: int, ev, pre) -> None:
+        """(Evicted pages go free holding what they held: no byte changes.)"""
 
     def check_pages(self, seq: int, pages) -> None:
         """After an event: none of the pages it touched may be cached and marked (a cached page
@@ -425,3 +449,6 @@ class ContentModel:
             self.first_done[rank] = ev.step
         self.done[rank].add(ev.step)
         self._prune()
+
+
+_POST = handlers(ContentModel, "_on_")  # one handler per event type of the table (TypeError here otherwise)

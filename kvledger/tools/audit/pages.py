@@ -36,7 +36,6 @@ page p exactly when p's history says so; a log that breaks them is corrupt.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 
 import msgspec
 
@@ -57,15 +56,14 @@ from kvledger.core.events.events import (
     RestoreCompleted,
     RestoreStarted,
     SanitizerViolation,
-    SnapshotAliased,
     SnapshotReleased,
     StepAborted,
-    StepCompleted,
-    StepPlan,
     StepSealed,
 )
 from kvledger.core.log.fold import bounds_problem
-from kvledger.core.state import HOLDER_FREE, LedgerState, RequestRecord
+from kvledger.core.state import LedgerState
+from kvledger.core.state.projection import project_state
+from kvledger.core.state.transitions import TRANSITIONS
 from kvledger.core.state.state import hash_text
 
 from ..replay import record_of
@@ -74,11 +72,13 @@ from .report import Row, event_tag
 
 __all__ = ["PageFold", "page_row", "page_view", "plan_step_of", "project_state", "start_row"]
 
-_KEEPS_MARK = (PagesReserved, ReservationReturned, RequestCancelled, RequestFinished, SnapshotAliased)
-_NAMES_PAGES = frozenset({PagesReserved, ReservationReturned, PagesCommitted, SnapshotAliased, RestoreStarted,
-                          RestoreCompleted, PagesPublished, PagesShared, PagesEvicted, PagesReleased,
-                          PagesUnwritten})
-_STEP_EVENTS = frozenset({StepSealed, StepCompleted, StepAborted, SanitizerViolation})
+# From the transition table's columns: the events that keep a mark, that name their pages, that
+# end a request, that act on a step (without naming pages), and those that carry a tenant.
+_KEEPS_MARK = tuple(t for t, row in TRANSITIONS.items() if row.marks.change == "kept")
+_NAMES_PAGES = frozenset(t for t, row in TRANSITIONS.items() if row.touches == "page_ids")
+_ENDS = tuple(t for t, row in TRANSITIONS.items() if row.touches == "request")
+_STEP_EVENTS = frozenset(t for t, row in TRANSITIONS.items() if row.requires.step and row.touches != "page_ids")
+_CREATES = tuple(t for t in _NAMES_PAGES if "tenant" in t.__struct_fields__)  # type: ignore[attr-defined]
 
 
 def page_view(st: LedgerState, p: int) -> tuple:
@@ -193,41 +193,6 @@ def _prefix_cache_note(p: int, ev, t, b: tuple, a: tuple) -> str | None:
 # ---------------------------------------------------------------------- the fold of one page
 
 
-def project_state(st: LedgerState, p: int) -> LedgerState:
-    """A state holding only what page ``p``'s transitions read (see the module docstring)."""
-    ps = LedgerState()
-    ps.transitions = st.transitions
-    ps.geometry, ps.policy, ps.num_pages = st.geometry, st.policy, st.num_pages
-    ps.seq, ps.open_step = st.seq, st.open_step
-    n = st.num_pages
-    ps.holder = [HOLDER_FREE] * n
-    ps.alias_count = [0] * n
-    ps.holder[p], ps.alias_count[p] = st.holder[p], st.alias_count[p]
-    for name in ("marks", "residue", "restore_targets", "pending", "restored_since", "overwritten"):
-        table = getattr(st, name)
-        setattr(ps, name, {p: table[p]} if p in table else {})
-    ps.free_stack = [p] if st.holder[p] == HOLDER_FREE else []
-    for r in dict.fromkeys([*st.sharers.get(p, ()), *([st.holder[p]] if st.holder[p] >= 0 else [])]):
-        rec = st.requests[r]
-        kv = [(q, s) for q, s in zip(rec.kv, rec.kv_steps, strict=True) if q == p]
-        ps.requests[r] = RequestRecord(r, rec.tenant, [q for q in rec.reserved if q == p], [q for q, _ in kv],
-                                       [s for _, s in kv], {p} if rec.restored and p in rec.restored else None)
-    ps.snapshots = {s: [p] for s in st.snapshot_ids_of(p)} if st.alias_count[p] else {}
-    ps.clear_lists = {s: [q for q in pages if q == p] for s, pages in st.clear_lists.items() if p in pages}
-    ps.in_flight = [StepPlan(step=plan.step, clear_list=(p,) if p in plan.clear_list else ())
-                    for plan in st.in_flight]
-    ps.completed = dict(st.completed)
-    if p in st.page_hash:
-        h = st.page_hash[p]
-        ps.page_hash, ps.hash_page = {p: h}, {h: p}
-        if p in st.hash_tenant:
-            ps.hash_tenant = {p: st.hash_tenant[p]}
-    ps.sharers = {p: st.sharers[p].copy()} if p in st.sharers else {}  # (an ordered set: core.state.table)
-    ps.cached = OrderedDict({p: None}) if p in st.cached else OrderedDict()
-    ps.aborted_steps = set(st.aborted_steps)
-    return ps
-
-
 class PageFold:
     """``apply(seq, event)`` for ``fold_records``: page ``p``'s rows from seq ``since`` on (module docstring).
 
@@ -242,8 +207,7 @@ class PageFold:
         if st.geometry is not None:
             self.ps = project_state(st, p)
         else:  # from seq 0: CacheConfigured comes first
-            self.ps = LedgerState()
-            self.ps.transitions = st.transitions
+            self.ps = LedgerState(st.transitions)
         self.tenants = {r: rec.tenant for r, rec in st.requests.items()}
         self.names = HolderNames(st)
         self.apply = self._hook()
@@ -251,9 +215,7 @@ class PageFold:
     def _hook(self):
         """``apply(seq, event)``: the per-event test, kept to a few lookups (it runs for every event)."""
         p, tenants, fold, narrow, bounds = self.p, self.tenants, self._fold, self._narrow, bounds_problem
-        names_pages, step_events, names = _NAMES_PAGES, _STEP_EVENTS, self.names
-        creates = (PagesReserved, PagesShared)
-        ends = (RequestFinished, RequestCancelled)
+        names_pages, step_events, creates, ends, names = _NAMES_PAGES, _STEP_EVENTS, _CREATES, _ENDS, self.names
 
         def apply(seq: int, ev) -> None:
             problem = bounds(self.ps, ev)
@@ -326,14 +288,15 @@ class PageFold:
             self.rows.append(start_row(self.ps, self.p, self.since, self.names))
 
     def _touches(self, ev, t) -> bool:
-        p = self.p
-        if t is StepSealed:
+        """Whether the (projected) event touches page p: by its row's ``touches`` column."""
+        p, how = self.p, TRANSITIONS[t].touches
+        if how == "clear_list":
             return p in ev.clear_list
-        if t is StepAborted:
+        if how == "plans":
             return any(plan.step >= ev.step and plan.clear_list for plan in self.ps.in_flight)
-        if t is SanitizerViolation:
+        if how == "page_id":
             return ev.page_id == p
-        if t is RequestFinished or t is RequestCancelled:
+        if how == "request":
             rec = self.ps.requests[ev.request]  # (it may have let go of p before it ended)
             return bool(rec.reserved or rec.kv)
-        return t is not StepCompleted
+        return how != ""  # its page_ids cut to p, or a snapshot the projection holds only p of

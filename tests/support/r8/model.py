@@ -311,9 +311,9 @@ class Model:
                 elif not self.listed(p) and all(c[1] != p for c in carry):
                     carry.append([self.open_step, p, self.first(p).inc])
         gone = {s for s, _ in aborted}
-        for p, s in list(self.overwritten.items()):  # a reads="none" commit of an aborted step wrote nothing
-            if s not in gone:
-                continue
+        # a reads="none" commit of an aborted step wrote nothing; its pages come back in page order
+        # (the order a checkpoint keeps them in, so a replay from any segment derives the same list)
+        for p in sorted(q for q, s in self.overwritten.items() if s in gone):
             del self.overwritten[p]
             if self.kind(p) != "kv":
                 self._mark_all([p])
