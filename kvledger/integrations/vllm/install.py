@@ -9,7 +9,7 @@ What it patches (in memory, restored by ``uninstall``; nothing on disk changes):
                                                      state groups); a group kind the policy does not
                                                      know is refused there, naming it
     SingleTypeKVCacheManager (and subclasses):    -> the pool's calls name the vLLM request and the
-      allocate_new_blocks, free, cache_blocks,       group (``who``); a state group's request with no
+      allocate_new_blocks, free,                     group (``who``); a state group's request with no
       add_local_computed_blocks, ...                 state yet commits its block reading it whole
     KVCacheManager.take_new_block_ids             -> each scheduler step seals the ledger step; with
                                                      ``zeroing`` the ledger's clear list is vLLM's
@@ -50,9 +50,11 @@ VLLM_VERSIONS: tuple[str, ...] = ("0.33.0", "0.34.0")
 _PATCHED_MODULES = ("vllm.v1.core.block_pool", "vllm.v1.core.kv_cache_coordinator")
 # The single-type managers' methods that call the pool on behalf of one request (first argument:
 # a request id, or a Request).
+# (not ``cache_blocks`` / ``_cache_partial_tail_block``: the pool calls they make, ``cache_full_blocks``,
+# ``cache_partial_block``, ``_maybe_evict_cached_block``, need no holder; vLLM calls ``cache_blocks`` for
+# every running request every step, three wrapped calls each that were three quarters of the wrapper's cost)
 _MANAGER_METHODS = ("allocate_new_blocks", "allocate_external_computed_blocks", "add_local_computed_blocks",
-                    "cache_blocks", "free", "remove_skipped_blocks", "_remove_blocks_in_range",
-                    "_cache_partial_tail_block", "_claim_ring_block")
+                    "free", "remove_skipped_blocks", "_remove_blocks_in_range", "_claim_ring_block")
 # The parameters (after self) of every vLLM method kvledger overrides or wraps, as written for.
 _SIGNATURES: dict[str, dict[str, tuple[str, ...]]] = {
     "vllm.v1.core.block_pool:BlockPool": {
@@ -77,7 +79,6 @@ _SIGNATURES: dict[str, dict[str, tuple[str, ...]]] = {
     "vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager": {
         "allocate_new_blocks": ("request_id", "num_tokens", "num_tokens_main_model"),
         "free": ("request_id",),
-        "cache_blocks": ("request", "num_tokens", "retention_interval", "replay_boundaries"),
         "remove_skipped_blocks": ("request_id", "processed_computed_tokens", "num_prompt_tokens"),
         "add_local_computed_blocks": ("request_id", "new_computed_blocks", "num_local_computed_tokens",
                                       "num_external_computed_tokens"),

@@ -128,12 +128,13 @@ class _Worker:
             new.computed = nr.num_computed_tokens
             self.reqs[nr.req_id] = new
         cached = out.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", ())  # (0.34 resends a resumed request as a new one)
         for i, rid in enumerate(cached.req_ids):
             known = self.reqs.get(rid)
             if known is None:
                 continue
             ids_by_group = cached.new_block_ids[i]
-            if rid in cached.resumed_req_ids:
+            if rid in resumed:
                 known.blocks = [list(b) for b in ids_by_group] if ids_by_group is not None else known.blocks
                 known.state_at.clear()
             elif ids_by_group is not None:
