@@ -171,7 +171,9 @@ def test_a_failing_log_disk_detaches_the_ledger_and_vllm_keeps_scheduling(tmp_pa
         manager = make_manager(NUM_BLOCKS, enable_caching=True, enable_kv_cache_events=True)
         stats = run_trace(manager, TRACE, collect_events=True, collect_blocks=True, max_running=16)
         pool = manager.block_pool
-        assert pool.detached is not None and "LogIOError" in pool.detached, pool.detached
+    # (the writer thread meets the fault in the background: the pool learns of it at the log's next
+    # gate during the run, or at the close at the latest, which uninstall makes)
+    assert pool.detached is not None and "LogIOError" in pool.detached, pool.detached
     assert stats.block_ids == base.block_ids and stats.events == base.events  # vLLM never noticed
     errors = [r for r in caplog.records if r.name.startswith("kvledger") and r.levelno >= logging.ERROR
               and "stopped recording" in r.getMessage()]

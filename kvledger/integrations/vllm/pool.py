@@ -171,10 +171,19 @@ class LedgerBlockPool(BlockPool):
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Close the durable log (flushes it); an in-memory ledger has nothing to close. Idempotent."""
+        """Close the durable log (flushes it); an in-memory ledger has nothing to close. Idempotent.
+        A log error the close meets (a write the writer thread had not reached when the last gate
+        passed: a full disk found at the end) detaches the pool as anywhere else, once."""
         close = getattr(self.ledger, "close", None) if self.ledger is not None else None
-        if close is not None:
+        if close is None:
+            return
+        if self.detached is not None:
             close()
+            return
+        try:
+            close()
+        except KVLedgerError as exc:
+            self._detach(exc)
 
     def set_groups(self, kv_cache_groups: list) -> None:
         """vLLM's KV cache groups (the coordinator's config): each group's holds get its tenant, and
