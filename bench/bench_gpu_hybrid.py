@@ -2,7 +2,7 @@
 and a Mamba group overlaid on one cache, beside vLLM's own ``KVBlockZeroer`` on the same blocks.
 
 The layout is vLLM 0.33's for a hybrid model with a uniform page
-(``tests/integration/test_vllm_zeroing.hybrid_views``): each of ``LAYERS`` cache
+(``tests/vllm/test_vllm_zeroing.hybrid_views``): each of ``LAYERS`` cache
 tensors is shared by one attention layer (``[B, H, N, C]`` bfloat16) and one Mamba
 layer (a conv state and an SSM state packed from the start of the page, the rest
 padding); ``NUM_BLOCKS`` blocks of ``PAGE_BYTES``. kvledger's zeroer is given both
