@@ -10,6 +10,7 @@ stall in any configuration (F4), and nothing leaked by a ledger dropped without 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import pathlib
@@ -44,10 +45,8 @@ def _fds(under: pathlib.Path | None = None) -> int:
     prefix = str(under.resolve()) + os.sep
     n = 0
     for fd in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(OSError):  # (closed since listed)
             n += os.readlink(f"/proc/self/fd/{fd}").startswith(prefix)
-        except OSError:  # (closed since listed)
-            pass
     return n
 
 
