@@ -319,6 +319,10 @@ def _wrap_managers(inst: Installation, base: type, pool_cls: type) -> None:
     """Every single-type manager's pool calls name the vLLM request and the group (``pool.who``)."""
     for cls in _subclasses(base):
         for name in _MANAGER_METHODS:
+            if cls is base and name == "remove_skipped_blocks":
+                # (the base's frees only through _remove_blocks_in_range, wrapped: vLLM calls it for every
+                # running request every step, and for full attention it frees nothing)
+                continue
             fn = cls.__dict__.get(name)
             if fn is not None and callable(fn):
                 inst.patch(cls, name, _named_call(fn, pool_cls, name == "allocate_new_blocks"))
