@@ -364,8 +364,9 @@ def _steps_and_check(v: _VLLM, trace: list[TraceRequest], config: tuple[str, boo
 
 def fenced(config: tuple[str, bool, bool]) -> bool:
     """Whether kvledger's fence may change vLLM's decisions in ``config``: with prefix caching, a
-    block whose writing step has not completed is not a hit yet, for a state group always (the
-    hybrid model) and for every group under async scheduling (docs/VLLM.md, "The fence")."""
+    block whose writing step has not completed is not a hit yet where the fence hides it: a state
+    group's always (the hybrid model), and under async scheduling an attention block its step
+    writes whole over bytes another group or request left (docs/VLLM.md, "The fence")."""
     model, caching, async_scheduling = config
     return caching and (model == "hybrid" or async_scheduling)
 
