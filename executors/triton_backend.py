@@ -1,5 +1,9 @@
 """The ``triton`` clear backend: one kernel launch zeroes every listed page in every plane.
 
+One piece: the eager, graph and sanitizer paths share the rings, the tables and the
+context handling; splitting the class would split that state. The kernels, the launch, the list
+ring and the tuning table are modules of their own.
+
 Device-side state, built once per backend (planes never move): the fill kernels'
 plane tables (``triton_kernels.plane_tables``; one set of device tables, the kernel
 shape's blocking per shape), a ring of page lists for eager clears that do not travel
@@ -36,10 +40,7 @@ twice by a stale list.
 The sanitizer (``kvledger.executors.sanitize``): ``poison(ids)`` is the same
 kernel filling 0xFF bytes; ``start_verify`` / ``verify`` run
 ``triton_verify.TritonVerifier``. This module imports torch and triton at import
-time; the backend registry imports it by name only when "triton" is asked for.
-One piece: the eager, graph and sanitizer paths share the rings, the tables and the
-context handling; splitting the class would split that state.
-"""
+time; the backend registry imports it by name only when "triton" is asked for."""
 
 from __future__ import annotations
 

@@ -1,5 +1,12 @@
 """``LedgerBlockPool``: vLLM's ``BlockPool`` with every block transition recorded in a kvledger ``Ledger``.
 
+One piece (past 500 lines): ``LedgerBlockPool`` is one class, vLLM's ``BlockPool``
+with each public method overridden the same way (run vLLM's, then hand the pages to
+``PageHolds``, detach on a ledger error). The overrides share the call's holder
+(``who``, ``reads``), the detach state and the page lookups; the bookkeeping itself is
+already its own object (``holds.py``), and splitting the overrides across modules
+would only make them borrow each other's privates.
+
 vLLM's KV cache manager (``KVCacheManager`` -> ``KVCacheCoordinator`` -> one
 ``SingleTypeKVCacheManager`` per KV cache group) and its tests read the pool's
 own structures directly: the ``KVCacheBlock`` objects (``ref_cnt``, the block

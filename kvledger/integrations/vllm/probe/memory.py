@@ -77,7 +77,7 @@ class TaggedCache:
         self.num_blocks = config.num_blocks
         self.kinds = planned.kinds
         self.attn: dict[int, Any] = {}  # group -> int32 view [B, H, N, W]
-        self.state: dict[int, Any] = {}  # group -> int32 view of each block's state bytes [B, S]
+        self.state_bytes: dict[int, Any] = {}  # group -> int32 view of each block's state bytes [B, S]
         self.window: dict[int, int | None] = {}
         for gid, group in enumerate(config.kv_cache_groups):
             layer = group.layer_names[0]
@@ -89,7 +89,7 @@ class TaggedCache:
                 span = torch.empty(0, dtype=torch.uint8)
                 span.set_(first.untyped_storage(), first.data_ptr() - first.untyped_storage().data_ptr(),
                           (self.num_blocks, nbytes), (pages.stride(0), 1))
-                self.state[gid] = span.view(torch.int32)
+                self.state_bytes[gid] = span.view(torch.int32)
             else:
                 self.attn[gid] = cache.view(torch.int32)
                 self.window[gid] = getattr(group.kv_cache_spec, "sliding_window", None)
@@ -118,12 +118,12 @@ class TaggedCache:
 
     def write_state(self, gid: int, block: int, content: Any, request: str, step: int) -> None:
         rid = self._record(gid, content, request, step)
-        self.state[gid][block, :] = rid
+        self.state_bytes[gid][block, :] = rid
         self.version[block] += 1
         self.last_writer[block] = rid
 
     def copy_state(self, gid: int, src: int, dst: int) -> None:
-        self.state[gid][dst, :] = self.state[gid][src, :]
+        self.state_bytes[gid][dst, :] = self.state_bytes[gid][src, :]
         self.version[dst] += 1
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -219,7 +219,7 @@ class TaggedCache:
         torch = self.torch
         c = self.counts
         c.state_reads += 1
-        ids = torch.unique(self.state[gid][block]).tolist()
+        ids = torch.unique(self.state_bytes[gid][block]).tolist()
         bad = None
         unwritten = False
         for rid in ids:
